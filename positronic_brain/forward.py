@@ -1,0 +1,105 @@
+"""The read-only manual forward: T new tokens over the arena's live K/V.
+
+Used by stage 0 (chunked prefill; stage 0 then writes the returned K/V), stage 1
+(T = 1) and repair (with some live slots masked). It reads weights and the live
+K/V views and never writes to them: the new tokens' K/V are returned as outputs,
+and attention over ``[live keys, new keys]`` is computed as two score blocks
+joined by one softmax, so the past is never concatenated or copied.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .model import Model
+from .types import ForwardOut
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalise in float32, cast back, then scale."""
+    dt = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x32.to(dt)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_cos_sin(model: Model, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin from the model's own rotary embedding: each (T, head_dim)."""
+    dummy = torch.empty(1, dtype=dtype)
+    cos, sin = model.rotary(dummy, positions.view(1, -1))
+    return cos[0], sin[0]
+
+
+@torch.no_grad()
+def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.Tensor,
+            positions: torch.Tensor, past_mask: torch.Tensor | None = None,
+            want_attention: bool = False, all_logits: bool = False) -> ForwardOut:
+    """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
+    (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
+    every live slot, except where ``past_mask`` (T, n) bool is False.
+
+    Returns logits (T or 1, V) float32, the new K/V (L, kv_heads, T, head_dim) with RoPE
+    applied, and optionally the last new query's attention on the live slots (L, H, n).
+    """
+    s = model.spec
+    L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
+    g = H // KVH
+    T, n = ids.shape[0], past_k.shape[2]
+    dtype = model.dtype
+    scale = D ** -0.5
+
+    x = F.embedding(ids, model.embed)  # (T, hidden)
+    cos, sin = rope_cos_sin(model, positions, dtype)  # (T, D)
+    new_k = torch.empty(L, KVH, T, D, dtype=dtype)
+    new_v = torch.empty(L, KVH, T, D, dtype=dtype)
+    attention = torch.empty(L, H, n, dtype=torch.float32) if want_attention else None
+
+    # Additive bias over the score columns [live slots | new tokens]; None when nothing is masked.
+    bias_past = None
+    if past_mask is not None:
+        bias_past = torch.zeros(T, n, dtype=torch.float32).masked_fill_(~past_mask, float("-inf"))
+    bias_new = None
+    if T > 1:
+        bias_new = torch.full((T, T), float("-inf")).triu_(1)  # causal within the new tokens
+
+    for i, w in enumerate(model.layers):
+        h = rms_norm(x, w.ln1, s.rms_eps)
+        qkv = F.linear(h, w.qkv_w, w.qkv_b)  # (T, (H + 2 KVH) D)
+        q, k, v = qkv.split((H * D, KVH * D, KVH * D), dim=-1)
+        q = apply_rope(q.view(T, H, D).transpose(0, 1), cos, sin)  # (H, T, D)
+        k = apply_rope(k.view(T, KVH, D).transpose(0, 1), cos, sin)  # (KVH, T, D)
+        v = v.view(T, KVH, D).transpose(0, 1)  # (KVH, T, D)
+        new_k[i] = k
+        new_v[i] = v
+
+        qg = q.reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
+        s_past = torch.matmul(qg, past_k[i].transpose(1, 2)).float() * scale  # (KVH, gT, n)
+        s_new = torch.matmul(qg, k.transpose(1, 2)).float() * scale  # (KVH, gT, T)
+        if bias_past is not None:
+            s_past = (s_past.view(KVH, g, T, n) + bias_past).view(KVH, g * T, n)
+        if bias_new is not None:
+            s_new = (s_new.view(KVH, g, T, T) + bias_new).view(KVH, g * T, T)
+        p = torch.softmax(torch.cat((s_past, s_new), dim=-1), dim=-1)  # (KVH, gT, n + T)
+        if attention is not None:
+            attention[i] = p.view(KVH, g, T, n + T)[:, :, -1, :n].reshape(H, n)
+        p = p.to(dtype)
+        out = torch.matmul(p[..., :n], past_v[i]) + torch.matmul(p[..., n:], v)  # (KVH, gT, D)
+        out = out.view(H, T, D).transpose(0, 1).reshape(T, H * D)
+        x = x + F.linear(out, w.o_w, w.o_b)
+
+        h = rms_norm(x, w.ln2, s.rms_eps)
+        gate, up = F.linear(h, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
+        x = x + F.linear(w.act(gate) * up, w.down_w, w.down_b)
+
+    h = rms_norm(x if all_logits else x[-1:], model.final_norm, s.rms_eps)
+    logits = F.linear(h, model.lm_head).float()
+    return ForwardOut(logits=logits, k=new_k, v=new_v, attention=attention)

