@@ -1,0 +1,48 @@
+"""Session-scoped fixtures: the real model is loaded (and primed) once per test session;
+tests that need no weights use the tiny random model."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from positronic_brain.model import load_model
+from positronic_brain.special_tokens import TokenPolicy
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# A fixed English text, long enough for the long-context tests, shipped with Python itself.
+LONG_TEXT_TOPIC = "assignment"
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct, float32 (the oracle tests' tolerance is for fp32)."""
+    return load_model("smollm2", "float32")
+
+
+@pytest.fixture(scope="session")
+def real_policy(real_model):
+    return TokenPolicy(real_model.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return load_model("tiny-random", "float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_model):
+    return TokenPolicy(tiny_model.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def long_text() -> str:
+    from pydoc_data.topics import topics
+
+    return topics[LONG_TEXT_TOPIC]

@@ -1,0 +1,36 @@
+"""The oracle: Hugging Face's own forward (code nobody here wrote) on the same cache."""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from positronic_brain.model import Model
+from positronic_brain.state import View
+
+
+def dynamic_cache(view: View) -> DynamicCache:
+    """A DynamicCache holding copies of the live K/V (any slot order), batch 1."""
+    return DynamicCache(ddp_cache_data=[(view.k[i][None].clone(), view.v[i][None].clone())
+                                        for i in range(view.k.shape[0])])
+
+
+@torch.no_grad()
+def hf_step_logits(model: Model, view: View) -> torch.Tensor:
+    """HF logits (V,) for the pending token at its position over the live cache."""
+    out = model.hf(input_ids=torch.tensor([[view.pending_token]]),
+                   position_ids=torch.tensor([[view.next_position]]),
+                   past_key_values=dynamic_cache(view), use_cache=True)
+    return out.logits[0, -1].float()
+
+
+@torch.no_grad()
+def hf_prompt_logits(model: Model, ids: list[int]) -> torch.Tensor:
+    """HF logits (T, V) of a plain forward over ``ids`` from an empty cache."""
+    return model.hf(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor, atol: float, what: str) -> None:
+    diff = (ours.float() - theirs.float()).abs()
+    assert ours.shape == theirs.shape, f"{what}: shape {tuple(ours.shape)} vs {tuple(theirs.shape)}"
+    assert float(diff.max()) <= atol, \
+        f"{what}: max abs diff {float(diff.max()):.3g} > {atol} (mean {float(diff.mean()):.3g})"

@@ -1,0 +1,61 @@
+"""Stage 0: priming builds the arena and mirror with our own chunked prefill."""
+import pytest
+import torch
+
+from positronic_brain.stages.apply import prime
+from positronic_brain.types import Segment, UserError
+from tests.oracle import assert_close, hf_prompt_logits
+
+
+def test_prime_logits_equal_hf_forward_on_the_prompt(real_model, real_policy, long_text):
+    ids = real_policy.encode(long_text)[:300]
+    segs = [Segment(tuple(ids), "user")]
+    # a small chunk makes the later chunks attend to earlier ones through the arena
+    state, out = prime(real_model, segs, capacity=400, chunk=64, all_logits=True)
+    assert out.logits.shape == (299, real_model.spec.vocab)
+    assert_close(out.logits, hf_prompt_logits(real_model, ids[:-1]), 1e-4, "prime logits")
+
+
+def test_prime_state_shapes_and_ledger(tiny_model, tiny_policy):
+    segs = tiny_policy.chat([("system", "Be brief."), ("user", "Hi there")])
+    ids = [i for s in segs for i in s.ids]
+    state, out = prime(tiny_model, segs, capacity=64, pinned=frozenset({"system"}))
+    s = tiny_model.spec
+    assert state.arena.k.shape == (s.n_layers, s.n_kv_heads, 64, s.head_dim)
+    assert state.arena.n == state.mirror.n == len(ids) - 1
+    assert state.pending_token == ids[-1] and state.next_position == len(ids) - 1
+    state.check_valid()
+    view = state.view()
+    assert view.token_id.tolist() == ids[:-1]
+    assert view.position.tolist() == list(range(len(ids) - 1))
+    assert view.uid.tolist() == list(range(len(ids) - 1))
+    n_system = len(segs[0].ids)
+    assert (view.flags[:n_system] == 1).all() and (view.flags[n_system:] == 0).all()
+    assert out.patch.appended_slots == tuple(range(len(ids) - 1))
+    # slots past the live prefix were never written
+    assert not state.arena.k[:, :, state.arena.n:].any()
+
+
+def test_prime_chunking_does_not_change_the_cache(tiny_model, tiny_policy):
+    segs = tiny_policy.raw_prompt("chunked prefill must equal one big chunk " * 3)
+    a, _ = prime(tiny_model, segs, capacity=200, chunk=7)
+    b, _ = prime(tiny_model, segs, capacity=200, chunk=1000)
+    n = a.arena.n
+    assert torch.allclose(a.arena.k[:, :, :n], b.arena.k[:, :, :n], atol=1e-5)
+    assert torch.allclose(a.arena.v[:, :, :n], b.arena.v[:, :, :n], atol=1e-5)
+
+
+def test_single_token_prompt_caches_nothing(tiny_model):
+    state, out = prime(tiny_model, [Segment((5,), "user")], capacity=4)
+    assert state.arena.n == 0 and state.pending_token == 5 and out.logits.shape[0] == 0
+    state.check_valid()
+
+
+@pytest.mark.parametrize("segs, capacity, message", [
+    ([], 8, "empty"),
+    ([Segment(tuple(range(10)), "user")], 9, "capacity"),
+    ([Segment((10 ** 6,), "user")], 9, "vocabulary"),
+])
+def test_prime_rejects_bad_input(tiny_model, segs, capacity, message):
+    with pytest.raises(UserError, match=message):
+        prime(tiny_model, segs, capacity=capacity)

@@ -1,0 +1,84 @@
+"""Stage 1: a read-only forward of the pending token, equal to Hugging Face's forward."""
+import pytest
+import torch
+
+from positronic_brain.loop import Session
+from positronic_brain.sampler import make_generator
+from positronic_brain.stages.apply import apply, prime
+from positronic_brain.stages.generate import generate
+from positronic_brain.types import SamplerParams
+from tests.oracle import assert_close, hf_step_logits
+
+GREEDY = SamplerParams(greedy=True)
+
+
+def _fingerprint(state):
+    """Everything stage 1 must not change: versions, pointers and contents."""
+    a, m = state.arena, state.mirror
+    tensors = [a.k, a.v] + [getattr(m, c) for c in m.COLUMNS]
+    return ([t._version for t in tensors], [t.data_ptr() for t in tensors],
+            [t.clone() for t in tensors], (a.n, m.n, m.next_uid, dict(m.merged),
+                                           state.pending_token, state.next_position, state.step))
+
+
+def _assert_unchanged(before, after):
+    assert before[0] == after[0], "a tensor's _version changed"
+    assert before[1] == after[1], "a tensor's data_ptr changed"
+    for x, y in zip(before[2], after[2]):
+        assert torch.equal(x, y), "tensor contents changed"
+    assert before[3] == after[3], "scalar state changed"
+
+
+def test_stage1_logits_equal_hf_for_64_greedy_steps(real_model, real_policy):
+    """At every step: stage-1 logits == HF model() on a DynamicCache of the same live K/V."""
+    session = Session(real_model, real_policy, GREEDY)
+    session.prime(real_policy.raw_prompt("The history of the printing press begins"), 128)
+    for _ in range(64):
+        view = session.state.view()
+        before = _fingerprint(session.state)
+        gen = generate(real_model, view, GREEDY, session.generator)
+        _assert_unchanged(before, _fingerprint(session.state))
+        assert_close(gen.logits, hf_step_logits(real_model, view), 1e-4,
+                     f"step {session.state.step} logits")
+        apply(real_model, session.state, gen)
+        assert session.state.arena.n == session.state.mirror.n
+        session.state.check_valid()
+
+
+def test_stage1_outputs(tiny_model, tiny_policy):
+    state, _ = prime(tiny_model, tiny_policy.raw_prompt("hello world"), capacity=32)
+    s = tiny_model.spec
+    gen = generate(tiny_model, state.view(), GREEDY, make_generator(0))
+    n = state.arena.n
+    assert gen.logits.shape == (s.vocab,) and gen.logits.dtype == torch.float32
+    assert gen.k.shape == gen.v.shape == (s.n_layers, s.n_kv_heads, 1, s.head_dim)
+    assert gen.attention.shape == (s.n_layers, s.n_heads, n)
+    # the attention row over live slots plus the token itself sums to 1
+    assert (gen.attention.sum(-1) <= 1 + 1e-5).all() and (gen.attention >= 0).all()
+    assert gen.token_id == int(gen.logits.argmax()) == gen.report.top_ids[0]
+    assert gen.input_token == state.pending_token and gen.position == state.next_position
+
+
+def test_stage1_is_deterministic_and_sampling_is_seeded(tiny_model, tiny_policy):
+    state, _ = prime(tiny_model, tiny_policy.raw_prompt("abc"), capacity=16)
+    p = SamplerParams(temperature=1.5, seed=7)
+    a = generate(tiny_model, state.view(), p, make_generator(7))
+    b = generate(tiny_model, state.view(), p, make_generator(7))
+    assert torch.equal(a.logits, b.logits) and a.token_id == b.token_id
+    assert torch.equal(a.k, b.k) and torch.equal(a.attention, b.attention)
+
+
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-qwen2"])
+def test_stage1_equals_hf_on_tiny_models(name):
+    from positronic_brain.model import load_model
+    from positronic_brain.special_tokens import TokenPolicy
+
+    model = load_model(name)
+    policy = TokenPolicy(model.tokenizer)
+    session = Session(model, policy, SamplerParams(temperature=1.0, seed=1))
+    session.prime(policy.raw_prompt("a tiny model still has to be exact"), 64)
+    for _ in range(10):
+        view = session.state.view()
+        gen = generate(model, view, session.sampler, session.generator)
+        assert_close(gen.logits, hf_step_logits(model, view), 1e-4, f"{name} logits")
+        apply(model, session.state, gen)
