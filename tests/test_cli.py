@@ -1,0 +1,91 @@
+"""The `run` command: JSON output, streaming, and one-line errors with exit code 2."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from positronic_brain.cli import main
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_json_has_the_promised_keys(capsys):
+    code, out, err = _run(capsys, "run", "--model", "tiny-random", "--prompt", "hello",
+                          "--max-new-tokens", "5", "--ignore-eos", "--json", "--seed", "3")
+    assert code == 0, err
+    d = json.loads(out)
+    for key in ("model", "dtype", "prompt_ids", "generated_ids", "text", "steps", "ledger"):
+        assert key in d
+    assert d["model"] == "tiny-random" and d["dtype"] == "float32"
+    assert len(d["prompt_ids"]) == 5  # one byte token per character, nothing added
+    assert len(d["generated_ids"]) == len(d["steps"]) == 5
+    assert [s["step"] for s in d["steps"]] == [1, 2, 3, 4, 5]
+    # the cache holds the prompt minus the pending token, plus one token per step
+    assert [s["cache_len"] for s in d["steps"]] == [4 + i for i in range(1, 6)]
+    assert all(s["ms"] > 0 for s in d["steps"])
+    ledger = d["ledger"]
+    assert [r["position"] for r in ledger] == list(range(9))
+    assert [r["token_id"] for r in ledger] == (d["prompt_ids"] + d["generated_ids"])[:9]
+    assert {r["source"] for r in ledger} == {"user", "assistant"}
+
+
+def test_run_is_reproducible_with_a_seed(capsys):
+    argv = ["run", "--model", "tiny-random", "--prompt", "abc", "--max-new-tokens", "8",
+            "--ignore-eos", "--json", "--temperature", "0.9", "--top-k", "50", "--top-p", "0.9",
+            "--min-p", "0.01", "--repetition-penalty", "1.2"]
+    a = json.loads(_run(capsys, *argv, "--seed", "1")[1])["generated_ids"]
+    b = json.loads(_run(capsys, *argv, "--seed", "1")[1])["generated_ids"]
+    assert a == b
+
+
+def test_run_streams_text(capsys):
+    code, out, _ = _run(capsys, "run", "--model", "tiny-random", "--prompt", "hi",
+                        "--max-new-tokens", "6", "--ignore-eos", "--greedy")
+    assert code == 0 and len(out.strip("\n")) > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompt", "x", "--top-p", "0"], "top-p"),
+    (["--prompt", "x", "--top-p", "1.5"], "top-p"),
+    (["--prompt", "x", "--top-k", "-1"], "top-k"),
+    (["--prompt", "x", "--model", "/no/such/model"], "model not found"),
+    (["--prompt", "a long prompt", "--capacity", "3"], "capacity"),
+    (["--prompt", "x", "--dtype", "float16"], "dtype"),
+    (["--prompt", "x", "--max-new-tokens", "-2"], "max-new-tokens"),
+    (["--prompt", "x", "--repetition-penalty", "0"], "repetition penalty"),
+    ([], "--prompt"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    if "--model" not in argv:
+        argv = argv + ["--model", "tiny-random"]
+    code, out, err = _run(capsys, "run", *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("positronic-brain: error: "), err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_unsupported_architecture(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    code, _, err = _run(capsys, "run", "--prompt", "x", "--model", str(tmp_path))
+    assert code == 2 and "unsupported model architecture 'gpt2'" in err
+
+
+def test_folder_without_config(capsys, tmp_path):
+    code, _, err = _run(capsys, "run", "--prompt", "x", "--model", str(tmp_path))
+    assert code == 2 and "no config.json" in err
+
+
+def test_console_script_exit_code():
+    """The installed entry point (a separate process) turns a bad input into exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "positronic_brain", "run", "--prompt", "x",
+                           "--top-p", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "positronic-brain: error: top-p must be in (0, 1], got 2.0"
