@@ -100,20 +100,28 @@ class TokenPolicy:
 
 
 class TextStream:
-    """Incremental detokenization: feed ids, get printable text deltas (no broken UTF-8)."""
+    """Incremental detokenization: feed ids, get printable text deltas (no broken UTF-8).
+
+    Decodes only a short window (the last emitted token(s) plus the new ones), so a
+    long run costs O(1) per token; the window's first token gives merges and leading
+    spaces their context.
+    """
 
     def __init__(self, policy: TokenPolicy):
         self._policy = policy
         self._ids: list[int] = []
-        self._emitted = 0
+        self._prefix = 0  # window start
+        self._read = 0  # ids before this have been emitted
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._policy.decode(self._ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-            return ""
-        delta, self._emitted = text[self._emitted:], len(text)
-        return delta
+        window = self._ids[self._prefix:]
+        before = self._policy.decode(self._ids[self._prefix:self._read])
+        text = self._policy.decode(window)
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""  # nothing printable yet (e.g. an incomplete UTF-8 sequence)
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]
 
     @property
     def text(self) -> str:

@@ -83,3 +83,9 @@ def test_only_the_policy_module_calls_the_tokenizer():
     # model.py loads/saves tokenizers (from_pretrained/save_pretrained/constructors), never calls them
     offenders = [o for o in offenders if not o.startswith("model.py")]
     assert not offenders, offenders
+
+
+def test_text_stream_equals_a_full_decode_on_the_real_tokenizer(real_policy, long_text):
+    ids = real_policy.encode(long_text[:2000] + " naïve café ☃ 日本語 🙂 end")
+    stream = TextStream(real_policy)
+    assert "".join(stream.push(i) for i in ids) == real_policy.decode(ids) == stream.text
