@@ -55,9 +55,13 @@ class ModelSpec:
     @classmethod
     def from_config(cls, c) -> "ModelSpec":
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        # A sliding window (Mistral, some Qwen2) masks keys more than `window` positions back;
+        # the forward has no such mask, so positions stay inside one window, where it masks
+        # nothing: the model is exact up to there and culling/re-indexing keep it there.
+        window = getattr(c, "sliding_window", None) or c.max_position_embeddings
         return cls(c.model_type, c.num_hidden_layers, c.num_attention_heads,
                    c.num_key_value_heads or c.num_attention_heads, head_dim, c.hidden_size,
-                   c.vocab_size, c.max_position_embeddings, float(c.rms_norm_eps))
+                   c.vocab_size, min(c.max_position_embeddings, window), float(c.rms_norm_eps))
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,19 @@ TINY_CONFIGS = {
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                               max_position_embeddings=512, rope_theta=1000000.0,
                               tie_word_embeddings=False),
+    # sliding_window < max positions: the spec caps positions at the window
+    "tiny-random-mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                max_position_embeddings=512, sliding_window=128,
+                                rope_theta=10000.0, tie_word_embeddings=False),
+    # Llama-3.1 rope scaling; a short original context so all three frequency bands occur
+    "tiny-random-llama3": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=512, tie_word_embeddings=True,
+                               rope_parameters=dict(rope_type="llama3", rope_theta=500000.0,
+                                                    factor=8.0, low_freq_factor=1.0,
+                                                    high_freq_factor=4.0,
+                                                    original_max_position_embeddings=64)),
 }
 BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -244,8 +261,20 @@ def _fuse(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     return w, b
 
 
+def _check_rope(rotary: nn.Module) -> None:
+    """Keys are cached after RoPE and re-rotated by position deltas, so the rotation must be
+    a fixed function of position: no frequencies that change with the sequence length, and
+    no cos/sin scaling (a re-rotation would apply the factor a second time)."""
+    kind = getattr(rotary, "rope_type", "default")
+    require(kind not in ("dynamic", "longrope"),
+            f"unsupported rope scaling {kind!r}: its frequencies change with the sequence length")
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    require(scale == 1.0, f"unsupported rope scaling {kind!r}: it scales cos/sin by {scale:.4g}")
+
+
 def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype) -> Model:
     _check_arch(hf.config)
+    _check_rope(hf.model.rotary_emb)
     hf.eval().requires_grad_(False)
     spec = ModelSpec.from_config(hf.config)
     layers = []
