@@ -39,6 +39,22 @@ def rope_cos_sin(model: Model, positions: torch.Tensor, dtype: torch.dtype):
     return cos[0], sin[0]
 
 
+def rerotation(model: Model, old: torch.Tensor, new: torch.Tensor):
+    """cos/sin (T, head_dim) float32 of the rotation moving a RoPE'd key from ``old`` (T,)
+    to ``new`` (T,) positions: R(theta_new) R(theta_old)^-1, built from the model's own
+    angles by the angle-difference formulas (not from the delta new - old), so the result
+    equals the model's RoPE at ``new`` to float rounding even where theta is large.
+
+    Exact only because each rotation is a fixed function of position: it would not hold for
+    RoPE variants whose frequencies change with the sequence length (dynamic NTK, longrope)
+    or that scale cos/sin (attention_scaling != 1 would be applied twice); model loading
+    refuses those.
+    """
+    cos_o, sin_o = rope_cos_sin(model, old, torch.float32)
+    cos_n, sin_n = rope_cos_sin(model, new, torch.float32)
+    return cos_n * cos_o + sin_n * sin_o, sin_n * cos_o - cos_n * sin_o
+
+
 @torch.no_grad()
 def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,

@@ -2,8 +2,10 @@
 
     state = stage0.prime(model, segments)                       # mutation
     repeat:
-        gen   = stage1.generate(model, state.view(), sampler)    # read-only
-        patch = stage4.apply(model, state, gen, actions)          # the only mutation
+        gen     = stage1.generate(model, view, sampler)             # read-only
+        scores  = stage2.score(view, gen.attention, scorer)         # read-only
+        actions = stage3.decide(model, view, scores, cache_params)  # read-only
+        patch   = stage4.apply(model, state, gen, actions)          # the only mutation
 
 The loop iterates and reports; stages don't know about it.
 """
@@ -15,11 +17,14 @@ from dataclasses import dataclass, field
 
 from .model import Model
 from .sampler import make_generator
+from .scorers import make_scorer
 from .special_tokens import TextStream, TokenPolicy
 from .stages.apply import apply, prime
+from .stages.decide import decide
 from .stages.generate import generate
+from .stages.score import score
 from .state import State
-from .types import NO_ACTIONS, SamplerParams, Segment, StepRecord, require
+from .types import CacheParams, SamplerParams, Segment, StepRecord, require
 
 
 @dataclass
@@ -29,6 +34,7 @@ class Session:
     model: Model
     policy: TokenPolicy
     sampler: SamplerParams = field(default_factory=SamplerParams)
+    cache: CacheParams = field(default_factory=CacheParams)
     state: State | None = None
     prompt_ids: list[int] = field(default_factory=list)
     generated_ids: list[int] = field(default_factory=list)
@@ -36,25 +42,48 @@ class Session:
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.sampler.seed)
+        self.scorer = make_scorer(self.cache)
+        limit = self.model.spec.max_positions
+        require(self.cache.reindex_at is None or self.cache.reindex_at <= limit,
+                f"reindex-at {self.cache.reindex_at} is past the model's {limit} positions")
+        require(self.cache.budget is None or self.cache.budget < limit,
+                f"budget {self.cache.budget} must be below the model's {limit} positions")
 
     def prime(self, segments: list[Segment], capacity: int | None = None) -> None:
-        """Stage 0 over the prompt segments (what the special-token policy produced)."""
-        self.state, _ = prime(self.model, segments, capacity)
+        """Stage 0 over the prompt segments (what the special-token policy produced).
+
+        ``capacity`` defaults to the budget (or the prompt, if longer; the first step then
+        culls down to the budget) or, without a budget, to the model's positions."""
+        budget = self.cache.budget
+        if budget is not None:
+            n_prompt = sum(len(s.ids) for s in segments)
+            capacity = capacity or max(budget, n_prompt)
+            require(capacity >= budget, f"capacity {capacity} is smaller than the budget {budget}")
+        self.state, _ = prime(self.model, segments, capacity, pinned=frozenset(self.cache.pinned),
+                              seeds=self.cache.seeds)
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []
         self.stop_reason = None
 
     def step(self) -> StepRecord:
-        """One token through the stages: 1) generate (read-only), 2) apply (mutation)."""
+        """One token through the stages: 1) generate, 2) score, 3) decide (read-only),
+        4) apply (the only mutation)."""
         require(self.state is not None, "prime the session before stepping")
         t0 = time.perf_counter()
-        gen = generate(self.model, self.state.view(), self.sampler, self.generator)  # 1)
-        apply(self.model, self.state, gen, NO_ACTIONS)  # 2)
+        view = self.state.view()
+        gen = generate(self.model, view, self.sampler, self.generator)  # 1)
+        scores = score(view, gen.attention, self.scorer)  # 2)
+        actions = decide(self.model, view, scores, self.cache)  # 3)
+        patch = apply(self.model, self.state, gen, actions)  # 4)
         ms = (time.perf_counter() - t0) * 1e3
         self.generated_ids.append(gen.token_id)
         return StepRecord(step=self.state.step, token_id=gen.token_id,
                           cache_len=self.state.arena.n, ms=round(ms, 3),
-                          top_ids=gen.report.top_ids, top_probs=gen.report.top_probs)
+                          top_ids=gen.report.top_ids, top_probs=gen.report.top_probs,
+                          culled=patch.culled_uids,
+                          repaired=tuple((r.uids, r.token_id, u)
+                                         for r, u in zip(patch.repairs, patch.repaired_uids)),
+                          reindexed=patch.reindex_to is not None)
 
     def stream(self, max_new_tokens: int, ignore_eos: bool = False) -> Iterator[StepRecord]:
         """Step until ``max_new_tokens``, EOS (kept as the last generated token, as with
@@ -62,7 +91,7 @@ class Session:
         require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
         self.stop_reason = "max_new_tokens"
         for _ in range(max_new_tokens):
-            if self.state.arena.n >= self.state.arena.capacity:
+            if self.cache.budget is None and self.state.arena.n >= self.state.arena.capacity:
                 self.stop_reason = "capacity"
                 return
             if self.state.next_position >= self.model.spec.max_positions:
@@ -77,22 +106,28 @@ class Session:
 
 def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: SamplerParams,
         max_new_tokens: int = 64, ignore_eos: bool = False, capacity: int | None = None,
-        on_text=None) -> dict:
+        on_text=None, cache: CacheParams | None = None) -> dict:
     """Prime and generate; returns the run as plain JSON-ready values.
 
-    ``capacity`` defaults to what the run needs (prompt + new tokens), capped by the
-    model's positions. ``on_text(delta)`` receives the streamed text.
+    ``capacity`` defaults to what the run needs: with a budget, the budget (or the prompt
+    if longer); without, prompt + new tokens, capped by the model's positions.
+    ``on_text(delta)`` receives the streamed text.
     """
+    cache = cache or CacheParams()
     n_prompt = sum(len(s.ids) for s in segments)
-    if capacity is None:
+    if capacity is None and cache.budget is None:
         capacity = max(1, min(n_prompt + max_new_tokens, model.spec.max_positions))
-    session = Session(model, policy, sampler)
+    session = Session(model, policy, sampler, cache)
     session.prime(segments, capacity)
     text = TextStream(policy)
     steps = []
     for rec in session.stream(max_new_tokens, ignore_eos):
         steps.append({"step": rec.step, "token_id": rec.token_id, "cache_len": rec.cache_len,
-                      "ms": rec.ms, "top": [[i, p] for i, p in zip(rec.top_ids, rec.top_probs)]})
+                      "ms": rec.ms, "top": [[i, p] for i, p in zip(rec.top_ids, rec.top_probs)],
+                      "culled": list(rec.culled),
+                      "repaired": [{"uids": list(u), "token_id": t, "uid": new}
+                                   for u, t, new in rec.repaired],
+                      "reindexed": rec.reindexed})
         if not ignore_eos and policy.is_eos(rec.token_id):
             continue  # the stop token ends the text (it stays in generated_ids)
         delta = text.push(rec.token_id)

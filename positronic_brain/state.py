@@ -51,21 +51,25 @@ class KVMirror:
     born_step: torch.Tensor  # (capacity,) int64
     changed_step: torch.Tensor  # (capacity,) int64
     flags: torch.Tensor  # (capacity,) int8 (FLAG_PROTECTED, ...)
+    attn_sum: torch.Tensor  # (capacity,) float32, attention received since born (H2O)
     n: int = 0
     next_uid: int = 0
     merged: dict[int, tuple[int, ...]] = field(default_factory=dict)  # repair history
+    # A new token's brightness by source (SOURCES order), written when it enters the cache.
+    seeds: tuple[float, ...] = (MAX_BRIGHTNESS,) * len(SOURCES)
 
     COLUMNS = ("uid", "token_id", "position", "source", "brightness", "born_step",
-               "changed_step", "flags")
+               "changed_step", "flags", "attn_sum")
 
     @classmethod
-    def allocate(cls, capacity: int) -> "KVMirror":
+    def allocate(cls, capacity: int, seeds: tuple[float, ...] | None = None) -> "KVMirror":
         i64 = lambda: torch.zeros(capacity, dtype=torch.int64)  # noqa: E731
+        f32 = lambda: torch.zeros(capacity, dtype=torch.float32)  # noqa: E731
         return cls(uid=i64(), token_id=i64(), position=i64(),
-                   source=torch.zeros(capacity, dtype=torch.int8),
-                   brightness=torch.zeros(capacity, dtype=torch.float32),
+                   source=torch.zeros(capacity, dtype=torch.int8), brightness=f32(),
                    born_step=i64(), changed_step=i64(),
-                   flags=torch.zeros(capacity, dtype=torch.int8))
+                   flags=torch.zeros(capacity, dtype=torch.int8), attn_sum=f32(),
+                   seeds=tuple(seeds or (MAX_BRIGHTNESS,) * len(SOURCES)))
 
     def live(self, column: str) -> torch.Tensor:
         return getattr(self, column)[: self.n]
@@ -98,6 +102,9 @@ class KVMirror:
         assert bool(torch.isfinite(b).all()), "non-finite brightness"
         assert n == 0 or (float(b.min()) >= 0 and float(b.max()) <= MAX_BRIGHTNESS), \
             "brightness outside [0, max]"
+        att = self.live("attn_sum")
+        assert n == 0 or (bool(torch.isfinite(att).all()) and float(att.min()) >= 0), \
+            "attn_sum negative or non-finite"
         born, changed = self.live("born_step"), self.live("changed_step")
         assert bool((born <= changed).all()), "changed_step before born_step"
         if step is not None:
@@ -118,6 +125,8 @@ class View:
     source: torch.Tensor  # (n,)
     brightness: torch.Tensor  # (n,)
     flags: torch.Tensor  # (n,)
+    born_step: torch.Tensor  # (n,)
+    attn_sum: torch.Tensor  # (n,)
     pending_token: int
     next_position: int
     step: int
@@ -144,7 +153,8 @@ class State:
         return View(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n], uid=m.live("uid"),
                     token_id=m.live("token_id"), position=m.live("position"),
                     source=m.live("source"), brightness=m.live("brightness"),
-                    flags=m.live("flags"), pending_token=self.pending_token,
+                    flags=m.live("flags"), born_step=m.live("born_step"),
+                    attn_sum=m.live("attn_sum"), pending_token=self.pending_token,
                     next_position=self.next_position, step=self.step,
                     capacity=self.arena.capacity)
 

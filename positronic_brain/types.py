@@ -97,12 +97,102 @@ class GenerateOut:
     attention: torch.Tensor  # (L, heads, n) float32 over live slots (slot order)
 
 
+POLICIES = ("brightness", "streaming", "h2o", "tova", "random", "none")  # scorers/<name>.py
+AGGREGATIONS = ("all-mean", "all-max", "last-mean", "last-max")  # layers-heads over attention
+
+
+@dataclass(frozen=True)
+class CacheParams:
+    """What to keep in the cache and how (stages 2-4).
+
+    ``budget``: live slots after each step (None = never cull). ``policy``: the scorer.
+    ``repair``: ``merge`` turns up to ``max_repairs`` of each step's removals into merges of
+    a dim adjacent pair. ``positions``: ``compact`` re-indexes to 0..n-1 when the next
+    position would reach ``reindex_at`` (default: the model's max positions); ``keep``
+    never does (the run stops there). Protected from culls and repairs: the first
+    ``sinks`` live tokens, the last ``recent`` ones, and tokens whose source is ``pinned``.
+    Brightness: new tokens start at ``seeds[source]`` (in SOURCES order); each step
+    b <- clamp(b - decay + gain * attention, 0, max_brightness).
+    """
+
+    budget: int | None = None
+    policy: str = "brightness"
+    repair: str = "none"
+    positions: str = "compact"
+    sinks: int = 4
+    recent: int = 16
+    pinned: tuple[str, ...] = ("system",)
+    decay: float = 2.0
+    gain: float = 10.0
+    max_brightness: float = 255.0
+    seeds: tuple[float, ...] = (255.0,) * len(SOURCES)
+    aggregate: str = "all-mean"
+    max_repairs: int = 1
+    reindex_at: int | None = None
+    seed: int = 0  # the random scorer's seed
+
+    def __post_init__(self) -> None:
+        require(self.policy in POLICIES, f"unknown policy {self.policy!r}; expected one of "
+                f"{', '.join(POLICIES)}")
+        require(self.repair in ("none", "merge"), f"repair must be none or merge, got {self.repair!r}")
+        require(self.positions in ("keep", "compact"),
+                f"positions must be keep or compact, got {self.positions!r}")
+        require(self.aggregate in AGGREGATIONS, f"unknown aggregation {self.aggregate!r}; "
+                f"expected one of {', '.join(AGGREGATIONS)}")
+        require(self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}")
+        require(self.recent >= 0, f"recent must be >= 0, got {self.recent}")
+        require(all(s in SOURCES for s in self.pinned), f"pinned sources must be among {SOURCES}")
+        for name in ("decay", "gain"):
+            v = getattr(self, name)
+            require(math.isfinite(v) and v >= 0, f"{name} must be >= 0, got {v}")
+        require(math.isfinite(self.max_brightness) and 0 < self.max_brightness <= 255,
+                f"max brightness must be in (0, 255], got {self.max_brightness}")
+        require(len(self.seeds) == len(SOURCES)
+                and all(0 <= s <= self.max_brightness for s in self.seeds),
+                f"seeds must be {len(SOURCES)} values in [0, max brightness]")
+        require(self.max_repairs >= 0, f"max repairs must be >= 0, got {self.max_repairs}")
+        if self.budget is not None:
+            require(self.policy != "none", "policy none never culls; it takes no budget")
+            need = self.sinks + self.recent + 1
+            require(self.budget >= need, f"budget {self.budget} is smaller than sinks + recent "
+                    f"+ 1 = {need}")
+        if self.reindex_at is not None:
+            require(self.reindex_at > (self.budget or 1),
+                    f"reindex-at must be > the budget (and > 1), got {self.reindex_at}")
+
+
+@dataclass(frozen=True)
+class ScoreOut:
+    """Stage 2 output: a score per live slot (higher = keep) and the scorer's persistent
+    per-token values for stage 4 to write (None = unchanged)."""
+
+    scores: torch.Tensor  # (n,) float32
+    brightness: torch.Tensor | None = None  # (n,) float32 in [0, max]
+    attn_sum: torch.Tensor | None = None  # (n,) float32, attention received since born
+
+
+@dataclass(frozen=True)
+class Repair:
+    """Merge the adjacent live pair (slots[0], slots[1]) (text order) into one token at
+    ``position`` (the first one's): the model's argmax there given the text to its left."""
+
+    slots: tuple[int, int]
+    uids: tuple[int, int]
+    token_id: int
+    position: int
+    k: torch.Tensor  # (L, kv_heads, 1, head_dim), RoPE at ``position``
+    v: torch.Tensor  # (L, kv_heads, 1, head_dim)
+
+
 @dataclass(frozen=True)
 class Actions:
     """Stage 3 output: the patch stage 4 applies besides the append."""
 
+    brightness: torch.Tensor | None = None  # (n,) new values for the live slots
+    attn_sum: torch.Tensor | None = None  # (n,)
     cull_slots: tuple[int, ...] = ()
-    reindex: bool = False
+    repairs: tuple[Repair, ...] = ()
+    reindex: bool = False  # positions become 0..n-1 in text order (keys re-rotated)
 
 
 NO_ACTIONS = Actions()
@@ -110,14 +200,26 @@ NO_ACTIONS = Actions()
 
 @dataclass(frozen=True)
 class Patch:
-    """What stage 0/4 changed in one application (the capture's event-log entry)."""
+    """What stage 0/4 changed in one application (the capture's event-log entry): with the
+    previous state, enough to replay it. Stage 4's order: brightness/attn_sum, repairs
+    (slot ``slots[0]`` rewritten; ``slots[1]`` removed with the culls), removals (``moves``
+    fill the holes), re-index, append."""
 
     step: int
+    brightness: torch.Tensor | None = None  # (n,) written before anything else
+    attn_sum: torch.Tensor | None = None  # (n,)
+    repairs: tuple[Repair, ...] = ()
+    repaired_uids: tuple[int, ...] = ()  # the new uid of each repair
     culled_slots: tuple[int, ...] = ()
     culled_uids: tuple[int, ...] = ()
-    moves: tuple[tuple[int, int], ...] = ()  # (from_slot, to_slot) that filled cull holes
+    moves: tuple[tuple[int, int], ...] = ()  # (from_slot, to_slot) that filled removal holes
+    reindex_from: torch.Tensor | None = None  # (n',) old positions of the live slots (slot order)
+    reindex_to: torch.Tensor | None = None  # (n',) their new positions
     appended_slots: tuple[int, ...] = ()
     appended_uids: tuple[int, ...] = ()
+    appended_positions: tuple[int, ...] = ()
+    appended_k: torch.Tensor | None = None  # (L, kv_heads, 1, head_dim) as written (stage 4)
+    appended_v: torch.Tensor | None = None
     rebuilt: bool = False  # a failure part-way rebuilt the arena from the mirror
 
 
@@ -139,4 +241,6 @@ class StepRecord:
     ms: float
     top_ids: tuple[int, ...] = ()
     top_probs: tuple[float, ...] = ()
-    culled: tuple[int, ...] = field(default=())
+    culled: tuple[int, ...] = field(default=())  # uids
+    repaired: tuple[tuple[tuple[int, int], int, int], ...] = ()  # ((old uids), token_id, new uid)
+    reindexed: bool = False

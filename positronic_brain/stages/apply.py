@@ -1,20 +1,23 @@
 """Stage 0/4: build and patch the cache — the only code that writes to an arena or a mirror.
 
 - ``prime``: allocate the arena and mirror and prefill a prompt (stage 0).
-- ``apply``: apply one step's patch atomically, in a fixed order: culls (each hole is
-  filled by moving the last live slot into it, so live slots stay a dense prefix),
-  then the append of the pending token's K/V (stage 4).
+- ``extend``: prefill new prompt segments onto an existing state (stage 0; chat turns,
+  imported sessions).
+- ``apply``: apply one step's actions atomically, in a fixed order: brightness/attn_sum,
+  repairs, removals (each hole is filled by moving the last live slot into it, so live
+  slots stay a dense prefix), position re-index (keys re-rotated exactly), then the append
+  of the pending token's K/V (stage 4).
 - ``rebuild_from_mirror``: re-prefill the arena from the ledger after a failure part-way.
 """
 from __future__ import annotations
 
 import torch
 
-from ..forward import forward
+from ..forward import apply_rope, forward, rerotation
 from ..model import Model
 from ..state import FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, KVMirror, State
-from ..types import (NO_ACTIONS, SOURCES, Actions, GenerateOut, Patch, PrimeOut, Segment,
-                     require)
+from ..types import (NO_ACTIONS, SOURCES, Actions, GenerateOut, Patch, PrimeOut, Repair,
+                     Segment, require)
 
 PREFILL_CHUNK = 256
 
@@ -28,7 +31,8 @@ def _write_rows(m: KVMirror, slots: slice, token_ids: torch.Tensor, positions: t
     m.token_id[slots] = token_ids
     m.position[slots] = positions
     m.source[slots] = sources
-    m.brightness[slots] = MAX_BRIGHTNESS
+    m.brightness[slots] = torch.tensor(m.seeds, dtype=torch.float32)[sources.long()]
+    m.attn_sum[slots] = 0.0
     m.born_step[slots] = step
     m.changed_step[slots] = step
     m.flags[slots] = flags
@@ -61,10 +65,12 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
 @torch.no_grad()
 def prime(model: Model, segments: list[Segment], capacity: int | None = None,
           pinned: frozenset[str] = frozenset(), chunk: int = PREFILL_CHUNK,
-          all_logits: bool = False) -> tuple[State, PrimeOut]:
+          all_logits: bool = False,
+          seeds: tuple[float, ...] | None = None) -> tuple[State, PrimeOut]:
     """Stage 0: allocate an arena of ``capacity`` slots and prefill all prompt tokens but
     the last, which becomes the pending token (stage 1 runs it and samples the first
-    generated token). Tokens whose source is in ``pinned`` are protected from culls.
+    generated token). Tokens whose source is in ``pinned`` are protected from culls;
+    ``seeds`` gives new tokens' brightness by source (SOURCES order; default: the max).
 
     ``capacity`` defaults to the model's maximum positions.
     """
@@ -83,7 +89,8 @@ def prime(model: Model, segments: list[Segment], capacity: int | None = None,
 
     src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
     flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
-    state = State(Arena.allocate(model.spec, capacity, model.dtype), KVMirror.allocate(capacity))
+    state = State(Arena.allocate(model.spec, capacity, model.dtype),
+                  KVMirror.allocate(capacity, seeds))
     T = len(ids_list) - 1
     logits, slots, uids = _prefill(
         model, state, torch.tensor(ids_list[:T], dtype=torch.int64), torch.arange(T),
@@ -97,16 +104,88 @@ def prime(model: Model, segments: list[Segment], capacity: int | None = None,
     return state, PrimeOut(logits=rows, patch=patch)
 
 
-def _cull(state: State, slots: tuple[int, ...]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Remove live slots; each hole takes the current last live slot (O(1) per token)."""
+@torch.no_grad()
+def extend(model: Model, state: State, segments: list[Segment],
+           pinned: frozenset[str] = frozenset(), chunk: int = PREFILL_CHUNK) -> Patch:
+    """Stage 0 on a live state: prefill the pending token, then every new id but the last,
+    which becomes the pending token (a chat turn, or an imported session's next prompt).
+
+    Positions continue from ``state.next_position``; tokens whose source is in ``pinned``
+    are protected. Raises UserError (changing nothing) if they would not fit.
+    """
+    new = [i for s in segments for i in s.ids]
+    require(len(new) > 0, "nothing to extend: the segments are empty")
+    a, spec = state.arena, model.spec
+    require(a.n + len(new) <= a.capacity, f"{len(new)} more tokens do not fit the arena "
+            f"({a.n} of {a.capacity} slots live)")
+    require(state.next_position + len(new) < spec.max_positions,
+            f"{len(new)} more tokens would pass the model's {spec.max_positions} positions")
+    bad = [i for i in new if not 0 <= i < spec.vocab]
+    require(not bad, f"token id {bad[:1]} outside the model's vocabulary of {spec.vocab}")
+    ids = [state.pending_token] + new[:-1]
+    src = [state.pending_source] + [s.source for s in segments for _ in s.ids][:-1]
+    _, slots, uids = _prefill(
+        model, state, torch.tensor(ids, dtype=torch.int64),
+        torch.arange(state.next_position, state.next_position + len(ids)),
+        torch.tensor([SOURCES.index(x) for x in src], dtype=torch.int8),
+        torch.tensor([FLAG_PROTECTED if x in pinned else 0 for x in src], dtype=torch.int8),
+        chunk, all_logits=False)
+    state.pending_token = new[-1]
+    state.pending_source = segments[-1].source
+    state.next_position += len(ids)
+    return Patch(step=state.step, appended_slots=tuple(slots), appended_uids=tuple(uids))
+
+
+def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
+    """Refuse bad actions before anything changes (stale slots, protected slots, shapes)."""
     a, m = state.arena, state.mirror
-    require(len(set(slots)) == len(slots), f"duplicate cull slots {slots}")
-    require(all(0 <= s < m.n for s in slots), f"cull slot outside the live range [0, {m.n})")
+    n = m.n
+    assert gen.position == state.next_position and gen.input_token == state.pending_token, \
+        "the generate output is not for this state's pending token"
+    assert gen.k.shape == (a.k.shape[0], a.k.shape[1], 1, a.k.shape[3]), \
+        f"new K has shape {tuple(gen.k.shape)}"
+    for name in ("brightness", "attn_sum"):
+        t = getattr(actions, name)
+        assert t is None or (t.shape == (n,) and bool(torch.isfinite(t).all())
+                             and bool((t >= 0).all())), f"bad {name} for {n} slots"
+    assert actions.brightness is None or bool((actions.brightness <= MAX_BRIGHTNESS).all()), \
+        "brightness above the max"
+    slots = list(actions.cull_slots) + [s for r in actions.repairs for s in r.slots]
+    require(len(set(slots)) == len(slots), f"a slot is culled or repaired twice: {slots}")
+    require(all(0 <= s < n for s in slots), f"a cull or repair slot is outside [0, {n})")
     protected = [s for s in slots if int(m.flags[s]) & FLAG_PROTECTED]
     require(not protected, f"slots {protected} are protected and cannot be culled")
-    uids = [int(m.uid[s]) for s in slots]
+    for r in actions.repairs:
+        assert r.k.shape == gen.k.shape and r.v.shape == gen.v.shape, "repair K/V shape"
+        assert (int(m.uid[r.slots[0]]), int(m.uid[r.slots[1]])) == r.uids, "stale repair"
+        assert int(m.position[r.slots[0]]) == r.position, "repair position"
+    removed = len(actions.cull_slots) + len(actions.repairs)
+    require(n - removed < a.capacity,
+            f"the arena is full ({a.capacity} slots); set a budget to cull")
+
+
+def _repair(state: State, r: Repair, step: int) -> int:
+    """Rewrite slot ``r.slots[0]`` as the merged token (a fresh uid; source kept; brightness
+    the pair's max); its partner is removed with the culls. Returns the new uid."""
+    a, m = state.arena, state.mirror
+    s, t = r.slots
+    uid = m.next_uid
+    m.next_uid += 1
+    m.merged[uid] = r.uids
+    m.brightness[s] = torch.maximum(m.brightness[s], m.brightness[t])
+    m.uid[s], m.token_id[s], m.position[s] = uid, r.token_id, r.position
+    m.born_step[s] = m.changed_step[s] = step
+    m.flags[s], m.attn_sum[s] = 0, 0.0
+    a.k[:, :, s:s + 1] = r.k
+    a.v[:, :, s:s + 1] = r.v
+    return uid
+
+
+def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
+    """Remove live slots; each hole takes the current last live slot (O(1) per token)."""
+    a, m = state.arena, state.mirror
     n, moves = m.n, []
-    for s in sorted(slots, reverse=True):  # every culled slot above s is gone already
+    for s in sorted(slots, reverse=True):  # every removed slot above s is gone already
         last = n - 1
         if s != last:
             moves.append((last, s))
@@ -122,53 +201,87 @@ def _cull(state: State, slots: tuple[int, ...]) -> tuple[list[int], list[tuple[i
         a.k[:, :, dst] = a.k[:, :, src]
         a.v[:, :, dst] = a.v[:, :, src]
     a.n = n
-    return uids, moves
+    return moves
 
 
-def _append(state: State, gen: GenerateOut) -> tuple[int, int]:
+def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions become 0..n-1 in text order; each moved key is re-rotated by the exact
+    rotation old -> new. Returns (old, new) positions (n,) in slot order."""
+    a, m = state.arena, state.mirror
+    n = m.n
+    old = m.live("position").clone()  # (n,)
+    new = torch.empty_like(old)
+    new[torch.argsort(old)] = torch.arange(n)
+    moved = (old != new).nonzero()[:, 0]  # (t,) slots whose position changes
+    m.position[:n] = new  # ledger first
+    if moved.numel():
+        cos, sin = rerotation(model, old[moved], new[moved])  # (t, D) float32
+        for i in range(a.k.shape[0]):  # per layer: a small float32 temporary
+            k = a.k[i].index_select(1, moved).float()  # (KVH, t, D)
+            a.k[i].index_copy_(1, moved, apply_rope(k, cos, sin).to(a.k.dtype))
+    return old, new
+
+
+def _append(state: State, gen: GenerateOut, position: int, model: Model,
+            step: int) -> tuple[int, int, torch.Tensor]:
+    """Write the pending token at ``position`` (its key re-rotated if a re-index moved it)."""
     a, m = state.arena, state.mirror
     n = a.n
-    require(n < a.capacity, f"the arena is full ({a.capacity} slots); set a budget to cull")
-    assert gen.k.shape == (a.k.shape[0], a.k.shape[1], 1, a.k.shape[3]), \
-        f"new K has shape {tuple(gen.k.shape)}"
-    assert gen.position == state.next_position and gen.input_token == state.pending_token, \
-        "the generate output is not for this state's pending token"
+    k = gen.k
+    if position != gen.position:
+        cos, sin = rerotation(model, torch.tensor([gen.position]), torch.tensor([position]))
+        k = apply_rope(gen.k.float(), cos, sin).to(gen.k.dtype)  # (L, KVH, 1, D)
     (uid,) = _write_rows(m, slice(n, n + 1), torch.tensor([gen.input_token]),
-                         torch.tensor([gen.position]),
+                         torch.tensor([position]),
                          torch.tensor([SOURCES.index(state.pending_source)], dtype=torch.int8),
-                         state.step + 1, torch.zeros(1, dtype=torch.int8))
+                         step, torch.zeros(1, dtype=torch.int8))
     m.n = n + 1
-    a.k[:, :, n:n + 1] = gen.k
+    a.k[:, :, n:n + 1] = k
     a.v[:, :, n:n + 1] = gen.v
     a.n = n + 1
-    return n, uid
+    return n, uid, k
 
 
 @torch.no_grad()
 def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_ACTIONS) -> Patch:
-    """Stage 4: culls, then append the pending token; the sampled token becomes pending.
+    """Stage 4: in this order, write brightness/attn_sum, apply repairs, remove culled and
+    repair-partner slots, re-index positions, append the pending token; the sampled token
+    becomes pending.
 
     Updates ``state`` in place (same arena tensors; O(changed tokens)). Bad actions
     raise before anything changes; a failure part-way rebuilds the arena from the mirror.
     """
-    require(state.arena.n - len(actions.cull_slots) < state.arena.capacity,
-            f"the arena is full ({state.arena.capacity} slots); set a budget to cull")
-    culled_uids, moves, rebuilt = [], [], False
+    _check(state, gen, actions)
+    m, step = state.mirror, state.step + 1
+    n = m.n
+    culled_uids = m.uid[list(actions.cull_slots)].tolist()
+    reindex_from = reindex_to = None
     try:
-        if actions.cull_slots:
-            culled_uids, moves = _cull(state, actions.cull_slots)
-        slot, uid = _append(state, gen)
+        if actions.brightness is not None:  # 1) the scorer's persistent columns
+            m.brightness[:n] = actions.brightness
+        if actions.attn_sum is not None:
+            m.attn_sum[:n] = actions.attn_sum
+        new_uids = [_repair(state, r, step) for r in actions.repairs]  # 2) repairs
+        moves = _remove(state, list(actions.cull_slots)  # 3) removals
+                        + [r.slots[1] for r in actions.repairs])
+        position = gen.position
+        if actions.reindex:  # 4) positions 0..n-1; the appended token comes next
+            reindex_from, reindex_to = _reindex(model, state)
+            position = m.n
+        slot, uid, k = _append(state, gen, position, model, step)  # 5) append
     except Exception:
-        if state.arena.n != state.mirror.n:  # arena half-written: make it agree with the ledger
-            rebuild_from_mirror(model, state)
+        rebuild_from_mirror(model, state)  # arena and mirror must agree whatever happened
         raise
-    state.step += 1
+    state.step = step
     state.pending_token = gen.token_id
     state.pending_source = "assistant"
-    state.next_position = gen.position + 1
-    return Patch(step=state.step, culled_slots=tuple(actions.cull_slots),
-                 culled_uids=tuple(culled_uids), moves=tuple(moves),
-                 appended_slots=(slot,), appended_uids=(uid,), rebuilt=rebuilt)
+    state.next_position = position + 1
+    return Patch(step=step, brightness=actions.brightness, attn_sum=actions.attn_sum,
+                 repairs=actions.repairs, repaired_uids=tuple(new_uids),
+                 culled_slots=tuple(actions.cull_slots), culled_uids=tuple(culled_uids),
+                 moves=tuple(moves), reindex_from=reindex_from, reindex_to=reindex_to,
+                 appended_slots=(slot,), appended_uids=(uid,), appended_positions=(position,),
+                 appended_k=k, appended_v=gen.v)
 
 
 @torch.no_grad()
@@ -192,3 +305,42 @@ def rebuild_from_mirror(model: Model, state: State, chunk: int = PREFILL_CHUNK) 
     for c, col in cols.items():
         getattr(m, c)[:n] = col
     m.n = a.n = n
+
+
+@torch.no_grad()
+def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, torch.Tensor],
+            capacity: int, mirror_fields: dict, state_fields: dict) -> State:
+    """Stage 0 from a saved session: allocate ``capacity`` slots and write back the live
+    prefix ``k``/``v`` (L, kv_heads, n, head_dim) and the mirror ``columns`` (name -> (n,),
+    every one of ``KVMirror.COLUMNS``); ``mirror_fields`` (next_uid, merged, ...) and
+    ``state_fields`` (pending token, its source and position, step) are set as given.
+    A shape, dtype or column mismatch raises UserError; an inconsistent ledger fails
+    ``check_valid`` (AssertionError)."""
+    s = model.spec
+    n = k.shape[2] if k.dim() == 4 else -1
+    shape = (s.n_layers, s.n_kv_heads, n, s.head_dim)
+    require(tuple(k.shape) == tuple(v.shape) == shape and k.dtype == v.dtype == model.dtype,
+            f"saved K/V {tuple(k.shape)} {k.dtype} do not fit this model's {shape} {model.dtype}")
+    require(0 <= n <= capacity <= s.max_positions,
+            f"{n} live slots in a capacity of {capacity} (the model has {s.max_positions} positions)")
+    require(sorted(columns) == sorted(KVMirror.COLUMNS),
+            f"mirror columns {sorted(columns)} differ from {sorted(KVMirror.COLUMNS)}")
+    state = State(Arena.allocate(s, capacity, model.dtype), KVMirror.allocate(capacity),
+                  **state_fields)
+    a, m = state.arena, state.mirror
+    for c in KVMirror.COLUMNS:
+        col = getattr(m, c)
+        require(columns[c].shape == (n,) and columns[c].dtype == col.dtype,
+                f"mirror column {c}: {tuple(columns[c].shape)} {columns[c].dtype}, "
+                f"expected ({n},) {col.dtype}")
+        col[:n] = columns[c]
+    ids = torch.cat((m.live("token_id"), torch.tensor([state.pending_token])))
+    require(bool(((ids >= 0) & (ids < s.vocab)).all()), "a saved token id is outside the vocabulary")
+    for name, value in mirror_fields.items():
+        require(hasattr(m, name), f"unknown mirror field {name!r}")
+        setattr(m, name, value)
+    a.k[:, :, :n] = k
+    a.v[:, :, :n] = v
+    a.n = m.n = n
+    state.check_valid()
+    return state

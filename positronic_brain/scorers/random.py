@@ -1,0 +1,18 @@
+"""Random scores: the floor any policy must beat. Seeded by (seed, step), so reproducible."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..state import View
+from ..types import ScoreOut
+
+
+@dataclass(frozen=True)
+class RandomScore:
+    seed: int = 0
+
+    def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + view.step)
+        return ScoreOut(scores=torch.rand(view.n, generator=g))

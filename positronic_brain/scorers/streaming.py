@@ -1,0 +1,19 @@
+"""StreamingLLM (Xiao et al., 2023): keep the first ``sinks`` tokens and the most recent."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..state import View
+from ..types import ScoreOut
+
+
+@dataclass(frozen=True)
+class Streaming:
+    sinks: int = 4
+
+    def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
+        s = view.position.float()  # (n,) later = higher
+        first = torch.argsort(view.position)[: self.sinks]
+        return ScoreOut(scores=s.index_fill(0, first, float("inf")))

@@ -1,0 +1,18 @@
+"""TOVA (Oren et al., 2024): keep the tokens the current query attends to most."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import aggregate
+from ..state import View
+from ..types import ScoreOut
+
+
+@dataclass(frozen=True)
+class TOVA:
+    aggregate: str = "all-mean"
+
+    def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
+        return ScoreOut(scores=aggregate(attention, self.aggregate))

@@ -1,0 +1,101 @@
+"""Stage 3: decide culls, repairs and re-index (read-only).
+
+Budget rule: below the budget nothing is culled; at or above it, enough slots are removed
+that the live count after the append equals the budget. Removed are the lowest-scored
+unprotected slots (ties: the earlier position first); protected are the first ``sinks``
+live tokens, the last ``recent`` ones, and pinned tokens (FLAG_PROTECTED). With repair
+``merge``, up to ``max_repairs`` removals are instead merges of a dim adjacent pair (text
+order, lowest summed score, pairs never overlap) into the single token the model ranks best
+at the pair's first position given the text to its left: two read-only forwards with the
+right-hand slots masked out, the second of which yields the new token's K/V.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..forward import forward
+from ..model import Model
+from ..state import FLAG_PROTECTED, View
+from ..types import Actions, CacheParams, Repair, ScoreOut, require
+
+
+def protected(view: View, params: CacheParams) -> torch.Tensor:
+    """(n,) bool: slots that may be neither culled nor repaired."""
+    order = torch.argsort(view.position)  # slots in text order
+    keep = (view.flags & FLAG_PROTECTED) != 0
+    keep[order[: params.sinks]] = True
+    keep[order[max(0, view.n - params.recent):]] = True
+    return keep
+
+
+def removals_needed(n: int, budget: int | None) -> int:
+    """How many of ``n`` live slots must go so that ``n + 1`` (after the append) fits."""
+    return 0 if budget is None else max(0, n + 1 - budget)
+
+
+def ranked(scores: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Slots by ascending score, ties by ascending position: (n,) int64."""
+    by_pos = torch.argsort(position)
+    return by_pos[torch.argsort(scores[by_pos], stable=True)]
+
+
+def pick_pairs(scores: torch.Tensor, position: torch.Tensor, keep: torch.Tensor,
+               count: int) -> list[tuple[int, int, int]]:
+    """Up to ``count`` non-overlapping adjacent (text order) unprotected pairs with the lowest
+    summed score, each with a live token to its left: [(left, first, second)] slots."""
+    order = torch.argsort(position)  # (n,)
+    if count == 0 or order.numel() < 3:
+        return []
+    a, b = order[1:-1], order[2:]  # candidate pairs (order[i], order[i+1]) for i >= 1
+    ok = (~keep[a] & ~keep[b]).nonzero()[:, 0]  # (m,) indices into the candidates
+    cost = scores[a[ok]] + scores[b[ok]]
+    picked, used = [], set()
+    for i in ok[torch.argsort(cost, stable=True)].tolist():
+        if len(picked) == count:
+            break
+        first, second = int(a[i]), int(b[i])
+        if first in used or second in used:
+            continue
+        used.update((first, second))
+        picked.append((int(order[i]), first, second))
+    return picked
+
+
+@torch.no_grad()
+def repair_pair(model: Model, view: View, left: int, first: int, second: int) -> Repair:
+    """The model's argmax at ``first``'s position given the text to its left, and its K/V
+    (L, kv_heads, 1, head_dim): forwards over the live slots with the right-hand ones masked."""
+    pos = view.position  # (n,)
+    p_left, p_first = int(pos[left]), int(pos[first])
+    out = forward(model, view.k, view.v, view.token_id[left:left + 1], pos[left:left + 1],
+                  past_mask=(pos < p_left)[None])
+    token = int(out.logits[0].argmax())
+    out = forward(model, view.k, view.v, torch.tensor([token]), pos[first:first + 1],
+                  past_mask=(pos < p_first)[None])
+    return Repair(slots=(first, second), uids=(int(view.uid[first]), int(view.uid[second])),
+                  token_id=token, position=p_first, k=out.k, v=out.v)
+
+
+def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> Actions:
+    """Scores (n,) -> the actions stage 4 applies (culls, repairs, re-index, new columns)."""
+    n = view.n
+    keep = protected(view, params)
+    need = removals_needed(n, params.budget)
+    free = n - int(keep.sum())
+    require(need <= free, f"budget {params.budget} too small: {n - free} of {n} live tokens are "
+            f"protected and {need} must go")
+    pairs = []
+    if params.repair == "merge":
+        pairs = pick_pairs(scores.scores, view.position, keep,
+                           min(params.max_repairs, need, free - need))
+    repairs = tuple(repair_pair(model, view, *p) for p in pairs)
+    taken = keep.clone()
+    for _, first, second in pairs:
+        taken[first] = taken[second] = True
+    candidates = ranked(scores.scores, view.position)
+    candidates = candidates[~taken[candidates]]
+    culls = tuple(sorted(candidates[: need - len(pairs)].tolist()))
+    limit = min(params.reindex_at or model.spec.max_positions, model.spec.max_positions)
+    reindex = params.positions == "compact" and view.next_position + 1 >= limit
+    return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum, cull_slots=culls,
+                   repairs=repairs, reindex=reindex)
