@@ -12,6 +12,7 @@ collected here in ``LayerWeights`` and call only small submodules (rotary embedd
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -19,6 +20,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a hub
@@ -97,9 +99,23 @@ class Model:
 
     @property
     def fingerprint(self) -> dict:
+        """The model's identity: architecture facts, rope settings, dtype, and a digest of
+        the weights (two checkpoints of one architecture differ there)."""
         return {"name": self.name, "model_type": self.spec.model_type,
                 "dtype": str(self.dtype).removeprefix("torch."),
-                "spec": self.spec.__dict__.copy()}
+                "spec": self.spec.__dict__.copy(),
+                "rope": dict(getattr(self.hf.config, "rope_parameters", None) or {}),
+                "weights": self.weights_digest}
+
+    @cached_property
+    def weights_digest(self) -> str:
+        """sha256 over a fixed strided sample (~1024 values) of every weight tensor."""
+        h = hashlib.sha256()
+        for name, t in self.hf.state_dict().items():
+            flat = t.detach().reshape(-1)
+            h.update(name.encode())
+            h.update(flat[:: max(1, flat.numel() // 1024)].float().numpy().tobytes())
+        return h.hexdigest()[:16]
 
 
 def cache_dir() -> Path:
