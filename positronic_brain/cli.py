@@ -62,9 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)")
     bench.add_argument("kind", choices=("speed",))
-    bench.add_argument("--quick", action="store_true")
-    bench.add_argument("--json", action="store_true")
-    bench.add_argument("--model", default="smollm2")
+    bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (make bench)")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    bench.add_argument("--out", default=None,
+                       help="folder for report.md, results.json and the PNG plots")
+    bench.add_argument("--report", default=None,
+                       help="write the markdown report here instead of OUT/report.md")
+    bench.add_argument("--model", default="smollm2",
+                       help="smollm2 (default), tiny-random, tiny-random-qwen2, or a local HF folder")
     return parser
 
 

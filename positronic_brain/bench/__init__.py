@@ -1,0 +1,7 @@
+"""Benchmarks behind ``positronic-brain bench``.
+
+- ``speed``: stage 1 vs Hugging Face decode, prefill, bytes allocated per step, loop
+  overhead, cull/repair/re-index costs, memory bandwidth and peak RSS.
+- ``common``: what every benchmark shares (timing, allocation counting, machine facts,
+  tables, plots, report files).
+"""

@@ -1,0 +1,233 @@
+"""What the benchmarks share: timing, allocation counting, machine facts, and the report
+(a rich table on stdout, one JSON object, report.md with PNG plots).
+
+Timing rules: warm up first, take the median of several repetitions, and alternate
+between the contenders inside one repetition so every contender sees the same load.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..types import UserError, require
+
+
+# --- timing -------------------------------------------------------------------------------
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def interleaved_ms(contenders: dict[str, Callable[[], object]], reps: int, warmup: int = 1,
+                   after: dict[str, Callable[[], object]] | None = None,
+                   tick: Callable[[], None] | None = None) -> dict[str, float]:
+    """Median wall time in ms of each contender over ``reps`` rounds (after ``warmup``
+    untimed rounds). One round runs every contender once, in turn, so machine load hits
+    them alike; ``after[name]`` runs untimed after each call (e.g. crop a cache back)."""
+    require(reps >= 1, f"repetitions must be >= 1, got {reps}")
+    after = after or {}
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    gc.collect()
+    for r in range(warmup + reps):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            dt = (time.perf_counter() - t0) * 1e3
+            if name in after:
+                after[name]()
+            if r >= warmup:
+                samples[name].append(dt)
+        if tick is not None and r >= warmup:
+            tick()
+    return {name: median(s) for name, s in samples.items()}
+
+
+# --- allocations ----------------------------------------------------------------------------
+
+class _CountAllocations(TorchDispatchMode):
+    """Adds up the storage bytes of every tensor an aten op returns that does not alias one
+    of its inputs: views and in-place writes cost nothing, a ``torch.cat`` of the past
+    costs the whole past. Deterministic and allocator-independent (works on CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    self.bytes += storage.nbytes()
+        return out
+
+
+def bytes_allocated(fn: Callable[[], object]) -> int:
+    """Bytes of new tensor storage that one call of ``fn`` creates."""
+    with _CountAllocations() as counter:
+        fn()
+    return counter.bytes
+
+
+# --- the machine ------------------------------------------------------------------------------
+
+def copy_bandwidth_gbs(mbytes: int = 256, reps: int = 9) -> float:
+    """Memory bandwidth in GB/s from a large tensor copy (bytes read + bytes written, as
+    STREAM counts a copy), median of ``reps``; ``mbytes`` must dwarf the CPU caches."""
+    src = torch.ones(mbytes * 2 ** 20 // 4)  # float32
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults are not bandwidth
+    ms = interleaved_ms({"copy": lambda: dst.copy_(src)}, reps)["copy"]
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far (MiB)."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kb / 1024
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    import transformers
+
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+# --- progress and tables ----------------------------------------------------------------------
+
+@contextmanager
+def progress() -> Iterator[Callable[[str, int], Callable[[], None]]]:
+    """A rich progress bar on stderr. Yields ``task(description, total) -> tick``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        def task(description: str, total: int) -> Callable[[], None]:
+            tid = bar.add_task(description, total=total)
+            return lambda: bar.advance(tid)
+
+        yield task
+
+
+@dataclass(frozen=True)
+class Table:
+    """One result table: printed with rich on stdout and written as markdown."""
+
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        assert all(len(r) == len(self.headers) for r in self.rows), f"ragged table {self.title!r}"
+
+    def markdown(self) -> str:
+        lines = [f"| {' | '.join(self.headers)} |", "|" + " --- |" * len(self.headers)]
+        lines += [f"| {' | '.join(r)} |" for r in self.rows]
+        return "\n".join(lines) + (f"\n\n{self.note}" if self.note else "")
+
+
+def print_tables(tables: Sequence[Table]) -> None:
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    console = Console()
+    for t in tables:
+        rt = RichTable(title=t.title, title_justify="left", caption=t.note or None,
+                       caption_justify="left")
+        for i, h in enumerate(t.headers):
+            rt.add_column(h, justify="left" if i == 0 else "right")
+        for r in t.rows:
+            rt.add_row(*r)
+        console.print(rt)
+
+
+# --- files -----------------------------------------------------------------------------------
+
+def line_plot(path: Path, title: str, xlabel: str, ylabel: str,
+              series: dict[str, tuple[Sequence[float], Sequence[float], str]],
+              logy: bool = False) -> None:
+    """One PNG with a line per series ``label -> (xs, ys, linestyle)`` (x on a log-2 axis)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("plots need matplotlib: pip install 'positronic-brain[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for label, (xs, ys, style) in series.items():
+        ax.plot(xs, ys, marker="o" if style != ":" else None, label=label, linestyle=style)
+    ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def prepare_out_dir(out: str) -> Path:
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--out {out!r} exists and is not a folder")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write atomically: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

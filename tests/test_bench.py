@@ -1,0 +1,50 @@
+"""`bench speed --quick` on the tiny model: well-formed JSON, a report and real PNG plots."""
+import json
+
+from positronic_brain.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path):
+    out = tmp_path / "bench"
+    code = main(["bench", "speed", "--quick", "--model", "tiny-random", "--json", "--out", str(out)])
+    stdout, err = capsys.readouterr()
+    assert code == 0, err
+    res = json.loads(stdout)  # exactly one JSON object on stdout
+    assert res == json.loads((out / "results.json").read_text())
+    assert res["model"] == "tiny-random" and res["quick"] is True
+    assert res["bandwidth_gb_s"] > 0 and res["peak_rss_mb"] > 0
+
+    contexts = res["config"]["contexts"]
+    assert contexts == [128, 256]  # the quick contexts that fit the tiny model's 512 positions
+    for key in ("decode", "alloc"):
+        assert [(r["dtype"], r["context"]) for r in res[key]] == \
+            [(d, c) for d in ("float32", "bfloat16") for c in contexts]
+    for r in res["decode"]:
+        assert r["ours_ms"] > 0 and r["hf_ms"] > 0 and 0 < r["floor_ms"]
+        assert abs(r["ratio"] - r["ours_ms"] / r["hf_ms"]) < 1e-9
+    assert [r["tokens"] for r in res["prefill"]] == [256, 256]
+    assert all(r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 for r in res["prefill"])
+
+    # HF's DynamicCache concatenates the past every step; stage 1 only reads it.
+    kv = {m["dtype"]: m["kv_bytes_per_token"] for m in res["memory"]}
+    for f in res["alloc_fit"]:
+        if f["who"] == "hf":
+            assert f["bytes_per_token"] >= kv[f["dtype"]]
+        else:
+            assert f["bytes_per_token"] < kv[f["dtype"]]
+    for r in res["alloc"]:
+        assert r["hf_bytes"] > r["ours_bytes"] > 0
+
+    for name in ("decode_ms.png", "alloc_bytes.png"):
+        assert (out / name).read_bytes().startswith(PNG)
+    report = (out / "report.md").read_text()
+    assert "bench speed --quick --model tiny-random --out" in report
+    assert "![decode_ms.png](./decode_ms.png)" in report
+
+
+def test_bench_report_needs_out(capsys):
+    code = main(["bench", "speed", "--model", "tiny-random", "--report", "x.md"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "--report needs --out" in err
