@@ -155,8 +155,8 @@ class CaptureWriter:
             self._write_manifest()
         return path
 
-    def close(self, stop_reason: str | None) -> None:
-        self.manifest["complete"] = True
+    def close(self, stop_reason: str | None, complete: bool = True) -> None:
+        self.manifest["complete"] = complete
         self.manifest["stop_reason"] = stop_reason
         self._write_manifest()
 
@@ -208,3 +208,42 @@ def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
     if model is not None and obj["model"] != model:
         raise UserError(f"{path.name}: captured from model {obj['model']!r}, not {model!r}")
     return obj
+
+
+# --- what the loop captures of the state (read-only) ---------------------------------------
+
+VIEW_COLUMNS = ("uid", "token_id", "position", "source", "brightness", "flags", "born_step",
+                "attn_sum")
+
+
+def view_columns(view) -> dict:
+    """The view's ledger columns and scalars (no K/V): what a scorer or inspect needs."""
+    return {**{c: getattr(view, c) for c in VIEW_COLUMNS},
+            "pending_token": view.pending_token, "next_position": view.next_position,
+            "step": view.step, "n": view.n, "capacity": view.capacity}
+
+
+def generate_outputs(gen) -> dict:
+    """Stage 1's output as flat capture keys (``logits``, ``token_id``, ``top_tokens``, ...)."""
+    return {**{f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)},
+            "top_tokens": [[i, p] for i, p in zip(gen.report.top_ids, gen.report.top_probs)]}
+
+
+def state_snapshot(state) -> dict:
+    """The whole live state (``full`` capture level): K/V and ledger of the live slots."""
+    view = state.view()
+    return {"arena_k": view.k, "arena_v": view.v,  # (L, kv_heads, n, head_dim), slot order
+            "mirror": {c: getattr(view, c) for c in VIEW_COLUMNS},
+            "pending_token": state.pending_token, "next_position": state.next_position,
+            "step": state.step}
+
+
+def arena_version(state) -> int:
+    """A number that changes whenever the arena's or the mirror's contents change: the
+    tensors' in-place version counters plus the live counts (reads never bump them)."""
+    a, m = state.arena, state.mirror
+    tensors = (a.k, a.v) + tuple(getattr(m, c) for c in m.COLUMNS)
+    return hash((tuple(t._version for t in tensors), a.n, m.n, m.next_uid)) & (2 ** 62 - 1)
+
+
+from .types import SOURCES as SOURCES_NAMES  # noqa: E402  (inspect maps source indices to names)

@@ -7,7 +7,8 @@
         actions = stage3.decide(model, view, scores, cache_params)  # read-only
         patch   = stage4.apply(model, state, gen, actions)          # the only mutation
 
-The loop iterates and reports; stages don't know about it.
+The loop iterates, reports and captures (``capture.CaptureWriter``: each stage call's
+inputs and outputs saved between the stages); stages don't know about it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .capture import (CaptureWriter, arena_version, generate_outputs, state_snapshot,
+                      view_columns)
 from .model import Model
 from .sampler import make_generator
 from .scorers import make_scorer
@@ -39,6 +42,7 @@ class Session:
     prompt_ids: list[int] = field(default_factory=list)
     generated_ids: list[int] = field(default_factory=list)
     stop_reason: str | None = None
+    capture: CaptureWriter | None = None
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.sampler.seed)
@@ -59,8 +63,14 @@ class Session:
             n_prompt = sum(len(s.ids) for s in segments)
             capacity = capacity or max(budget, n_prompt)
             require(capacity >= budget, f"capacity {capacity} is smaller than the budget {budget}")
-        self.state, _ = prime(self.model, segments, capacity, pinned=frozenset(self.cache.pinned),
-                              seeds=self.cache.seeds)
+        pinned = frozenset(self.cache.pinned)
+        self.state, out = prime(self.model, segments, capacity, pinned=pinned,
+                                seeds=self.cache.seeds)
+        if self.capture:
+            view = self.state.view()
+            self._save(0, "s0_prime", {"segments": segments, "capacity": view.capacity,
+                                       "pinned": pinned, "seeds": self.cache.seeds},
+                       {"logits": out.logits, "patch": out.patch, "k": view.k, "v": view.v})
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []
         self.stop_reason = None
@@ -70,11 +80,29 @@ class Session:
         4) apply (the only mutation)."""
         require(self.state is not None, "prime the session before stepping")
         t0 = time.perf_counter()
-        view = self.state.view()
+        view, cap, step = self.state.view(), self.capture, self.state.step + 1
+        if cap:
+            rng = self.generator.get_state()  # the sampler's randomness is a captured input
+            if cap.level == "full":
+                cap.save_state(step, state_snapshot(self.state))
         gen = generate(self.model, view, self.sampler, self.generator)  # 1)
+        if cap:
+            self._save(step, "s1_generate", {"view": view_columns(view), "sampler": self.sampler,
+                                             "generator_state": rng},
+                       generate_outputs(gen))
         scores = score(view, gen.attention, self.scorer)  # 2)
+        if cap:
+            self._save(step, "s2_score", {"view": view_columns(view), "cache": self.cache,
+                                          "attention": "s1_generate.outputs.attention"},
+                       {"out": scores})
         actions = decide(self.model, view, scores, self.cache)  # 3)
+        if cap:
+            self._save(step, "s3_decide", {"cache": self.cache, "scores": "s2_score.outputs.out"},
+                       {"out": actions})
         patch = apply(self.model, self.state, gen, actions)  # 4)
+        if cap:
+            self._save(step, "s4_apply", {"gen": "s1_generate.outputs",
+                                          "actions": "s3_decide.outputs.out"}, {"out": patch})
         ms = (time.perf_counter() - t0) * 1e3
         self.generated_ids.append(gen.token_id)
         return StepRecord(step=self.state.step, token_id=gen.token_id,
@@ -84,6 +112,10 @@ class Session:
                           repaired=tuple((r.uids, r.token_id, u)
                                          for r, u in zip(patch.repairs, patch.repaired_uids)),
                           reindexed=patch.reindex_to is not None)
+
+    def _save(self, step: int, stage: str, inputs: dict, outputs: dict) -> None:
+        self.capture.save(step, stage, inputs, outputs, cache_len=self.state.mirror.n,
+                          arena_version=arena_version(self.state))
 
     def stream(self, max_new_tokens: int, ignore_eos: bool = False) -> Iterator[StepRecord]:
         """Step until ``max_new_tokens``, EOS (kept as the last generated token, as with
@@ -106,21 +138,48 @@ class Session:
 
 def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: SamplerParams,
         max_new_tokens: int = 64, ignore_eos: bool = False, capacity: int | None = None,
-        on_text=None, cache: CacheParams | None = None) -> dict:
+        on_text=None, cache: CacheParams | None = None,
+        capture: CaptureWriter | None = None) -> dict:
     """Prime and generate; returns the run as plain JSON-ready values.
 
     ``capacity`` defaults to what the run needs: with a budget, the budget (or the prompt
     if longer); without, prompt + new tokens, capped by the model's positions.
-    ``on_text(delta)`` receives the streamed text.
+    ``on_text(delta)`` receives the streamed text. With ``capture``, every stage call is
+    saved to its run folder (closed when the run ends, marked incomplete if it fails).
     """
     cache = cache or CacheParams()
     n_prompt = sum(len(s.ids) for s in segments)
     if capacity is None and cache.budget is None:
         capacity = max(1, min(n_prompt + max_new_tokens, model.spec.max_positions))
-    session = Session(model, policy, sampler, cache)
-    session.prime(segments, capacity)
+    session = Session(model, policy, sampler, cache, capture=capture)
     text = TextStream(policy)
     steps = []
+    try:
+        session.prime(segments, capacity)
+        _generate(session, policy, text, steps, max_new_tokens, ignore_eos, on_text)
+    except BaseException as e:
+        if capture:
+            capture.close(f"{type(e).__name__}", complete=False)
+        raise
+    if capture:
+        capture.close(session.stop_reason)
+    session.state.check_valid()
+    return {
+        "model": model.name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "prompt_ids": session.prompt_ids,
+        "generated_ids": session.generated_ids,
+        "text": text.text,
+        "stop_reason": session.stop_reason,
+        "steps": steps,
+        "ledger": session.state.mirror.ledger(),
+        "pending_token": session.state.pending_token,
+        **({"capture": str(capture.dir)} if capture else {}),
+    }
+
+
+def _generate(session: Session, policy: TokenPolicy, text: TextStream, steps: list,
+              max_new_tokens: int, ignore_eos: bool, on_text) -> None:
     for rec in session.stream(max_new_tokens, ignore_eos):
         steps.append({"step": rec.step, "token_id": rec.token_id, "cache_len": rec.cache_len,
                       "ms": rec.ms, "top": [[i, p] for i, p in zip(rec.top_ids, rec.top_probs)],
@@ -133,15 +192,3 @@ def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: Sam
         delta = text.push(rec.token_id)
         if on_text and delta:
             on_text(delta)
-    session.state.check_valid()
-    return {
-        "model": model.name,
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "prompt_ids": session.prompt_ids,
-        "generated_ids": session.generated_ids,
-        "text": text.text,
-        "stop_reason": session.stop_reason,
-        "steps": steps,
-        "ledger": session.state.mirror.ledger(),
-        "pending_token": session.state.pending_token,
-    }

@@ -1,0 +1,137 @@
+"""``positronic-brain inspect PATH``: a captured run (or one capture file) for a person.
+
+For a run folder: the manifest; per step the chosen token and its top alternatives with
+the step's culls, repairs and re-index; the context at a step as text coloured by
+brightness, culled tokens struck through and repaired pairs marked; cache length over
+steps. For one file: its keys with shapes, dtypes and small values.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from .capture import SOURCES_NAMES, load_file, read_manifest
+from .render import context_text, sparkline, steps_table
+from .replay import resolve_run
+from .types import require
+
+
+def _tree(label: str, x, tree: Tree | None = None) -> Tree:
+    tree = tree or Tree(label)
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if k == "__type__":
+                continue
+            if isinstance(v, (dict, list, tuple)) and v and not _scalars(v):
+                _tree(str(k), v, tree.add(f"[bold]{k}[/]" + (f" ({v['__type__']})"
+                                                            if isinstance(v, dict) and "__type__" in v
+                                                            else "")))
+            else:
+                tree.add(f"[bold]{k}[/]: {_short(v)}")
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x[:20]):
+            _tree(str(i), v, tree.add(f"[{i}]")) if isinstance(v, (dict, list, tuple)) \
+                else tree.add(f"[{i}] {_short(v)}")
+        if len(x) > 20:
+            tree.add(f"... {len(x) - 20} more")
+    return tree
+
+
+def _scalars(v) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(e, (int, float, str)) for e in v)
+
+
+def _short(v) -> str:
+    if isinstance(v, torch.Tensor):
+        s = f"tensor {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+        if v.numel() and v.numel() <= 8:
+            s += f" {v.tolist()}"
+        elif v.numel() and v.is_floating_point():
+            s += f" min {float(v.min()):.4g} max {float(v.max()):.4g}"
+        return s
+    r = repr(v)
+    return r if len(r) <= 100 else r[:97] + "..."
+
+
+def inspect_file(path: Path, console: Console) -> None:
+    data = load_file(path)
+    head = {k: data[k] for k in ("stage", "step", "cache_len", "arena_version") if k in data}
+    console.print(_tree(f"{path.name}  " + "  ".join(f"{k}={v}" for k, v in head.items()),
+                        {k: data[k] for k in ("inputs", "outputs") if k in data}
+                        if "inputs" in data else data))
+
+
+def inspect_run(run_dir: Path, console: Console, step: int | None = None, last: int = 30) -> None:
+    from .model import load_model
+    from .special_tokens import TokenPolicy
+
+    manifest = read_manifest(run_dir)
+    files = manifest["files"]
+    fp = manifest.get("fingerprint")
+
+    def load(name: str) -> dict:
+        return load_file(run_dir / name, files[name], model=fp)
+
+    info = Table.grid(padding=(0, 2))
+    for k in ("run_id", "model", "dtype", "level", "complete", "stop_reason", "last_step"):
+        info.add_row(k, str(manifest.get(k)))
+    for k, v in (manifest.get("params") or {}).items():
+        info.add_row(k, _short(v))
+    info.add_row("versions", ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items()))
+    console.print(Panel(info, title=f"capture {run_dir}"))
+
+    policy = TokenPolicy(load_model(manifest["model"], manifest["dtype"]).tokenizer)
+    steps = sorted({int(n[:6]) for n in files if n[:6].isdigit() and n.endswith("_s4_apply.pt")})
+    rows = []
+    for t in steps[-last:]:
+        s1, patch = load(f"{t:06d}_s1_generate.pt"), load(f"{t:06d}_s4_apply.pt")
+        p = patch["outputs"]["out"]
+        rows.append({"step": t, "token_id": s1["outputs"]["token_id"],
+                     "top": s1["outputs"]["top_tokens"], "cache_len": patch["cache_len"],
+                     "culled": p["culled_uids"], "repaired": p["repairs"],
+                     "reindexed": p["reindex_to"] is not None})
+    console.print(steps_table(rows, policy.token_text, title=f"steps ({len(steps)} in all)"))
+
+    lengths = [load(f"{t:06d}_s4_apply.pt")["cache_len"] for t in steps] if len(steps) <= 2000 \
+        else [r["cache_len"] for r in rows]
+    if lengths:
+        console.print(f"cache length over steps  {min(lengths)}..{max(lengths)}  "
+                      f"{sparkline(lengths)}")
+
+    t = step if step is not None else (steps[-1] if steps else None)
+    require(t is None or t in steps, f"step {t} is not in this capture")
+    if t is None:
+        return
+    s2, s4 = load(f"{t:06d}_s2_score.pt"), load(f"{t:06d}_s4_apply.pt")
+    view, out, patch = s2["inputs"]["view"], s2["outputs"]["out"], s4["outputs"]["out"]
+    bright = out["brightness"] if out.get("brightness") is not None else view["brightness"]
+    ledger = [{"uid": int(u), "token_id": int(tok), "position": int(pos),
+               "source": SOURCES_NAMES[int(src)], "brightness": float(b)}
+              for u, tok, pos, src, b in zip(view["uid"], view["token_id"], view["position"],
+                                              view["source"], bright)]
+    merged = [u for r in patch["repairs"] for u in r["uids"]]
+    max_b = float(s2["inputs"]["cache"]["max_brightness"])
+    legend = Text.assemble(("bright", "rgb(255,225,60)"), " … ", ("dim", "rgb(70,70,90)"), "   ",
+                           ("culled", "strike red"), "   ", ("merged pair", "bold underline cyan"))
+    console.print(Panel(Group(context_text(ledger, policy.token_text, culled=patch["culled_uids"],
+                                           repaired=merged, max_brightness=max_b), Text(""),
+                              legend),
+                        title=f"context at step {t} ({len(ledger)} live slots, "
+                              f"{len(patch['culled_uids'])} culled, {len(patch['repairs'])} merged)"))
+
+
+def main(path: str, step: int | None = None, last: int = 30, out=None) -> int:
+    console = Console(file=out, highlight=False)
+    p = Path(path)
+    require(p.exists(), f"{p}: no such file or folder")
+    if p.is_file():
+        inspect_file(p, console)
+    else:
+        inspect_run(resolve_run(p), console, step, last)
+    return 0

@@ -1,0 +1,80 @@
+"""Terminal rendering (rich) of the loop's plain data: the context coloured by brightness,
+culls struck through, repairs marked; per-step tables; cache length over steps.
+
+Used by ``inspect`` and the live views of ``run``/``chat``. It takes token texts from a
+callable (the special-token policy's ``token_text``) and never touches a tokenizer.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from rich.table import Table
+from rich.text import Text
+
+SPARK = "▁▂▃▄▅▆▇█"
+SOURCE_MARK = {"system": "bold", "user": "", "assistant": "italic", "tool": "underline"}
+
+
+def brightness_style(b: float, max_b: float) -> str:
+    """Dim grey (0) to bright yellow (max), as an rgb colour."""
+    f = 0.0 if max_b <= 0 else min(max(b / max_b, 0.0), 1.0)
+    lo, hi = (70, 70, 90), (255, 225, 60)
+    r, g, bl = (int(a + (c - a) * f) for a, c in zip(lo, hi))
+    return f"rgb({r},{g},{bl})"
+
+
+def context_text(rows: Iterable[dict], token_text: Callable[[int], str],
+                 culled: Iterable[int] = (), repaired: Iterable[int] = (),
+                 max_brightness: float = 255.0) -> Text:
+    """``rows``: ledger rows ``{uid, token_id, position, source, brightness}``, any order
+    (shown in position order). Culled uids are struck through in red; repaired (merged-in)
+    tokens are underlined in cyan."""
+    culled, repaired = set(culled), set(repaired)
+    text = Text()
+    for row in sorted(rows, key=lambda r: r["position"]):
+        piece = token_text(row["token_id"])
+        if row["uid"] in culled:
+            style = "strike red"
+        elif row["uid"] in repaired:
+            style = "bold underline cyan"
+        else:
+            style = f"{brightness_style(row['brightness'], max_brightness)} " \
+                    f"{SOURCE_MARK.get(row.get('source', 'user'), '')}".strip()
+        text.append(piece, style=style)
+    return text
+
+
+def sparkline(values: Sequence[float], width: int = 60) -> str:
+    """Values as one line of block characters (down-sampled to ``width``)."""
+    if not values:
+        return ""
+    if len(values) > width:
+        step = len(values) / width
+        values = [values[int(i * step)] for i in range(width)]
+    lo, hi = min(values), max(values)
+    span = hi - lo or 1
+    return "".join(SPARK[int((v - lo) / span * (len(SPARK) - 1))] for v in values)
+
+
+def steps_table(steps: Sequence[dict], token_text: Callable[[int], str], title: str = "steps",
+                limit: int = 40) -> Table:
+    """One row per step: chosen token, top alternatives with probabilities, cache length,
+    culls/repairs. ``steps``: dicts with step, token_id, cache_len and optional top,
+    culled, repaired, reindexed, ms. Shows the last ``limit`` steps."""
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for col, kw in (("step", {"justify": "right"}), ("token", {}), ("top alternatives", {}),
+                    ("cache", {"justify": "right"}), ("patch", {}), ("ms", {"justify": "right"})):
+        table.add_column(col, **kw)
+    for s in steps[-limit:]:
+        top = "  ".join(f"{token_text(i)!r} {p:.2f}" for i, p in s.get("top", [])[:4])
+        patch = []
+        if s.get("culled"):
+            patch.append(f"-{len(s['culled'])}")
+        if s.get("repaired"):
+            patch.append(f"merge {len(s['repaired'])}")
+        if s.get("reindexed"):
+            patch.append("reindex")
+        ms = s.get("ms")
+        table.add_row(str(s["step"]), repr(token_text(s["token_id"])), top, str(s["cache_len"]),
+                      " ".join(patch), "" if ms is None else f"{ms:.1f}")
+    return table
