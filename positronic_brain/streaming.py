@@ -21,10 +21,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .loop import Session
 from .special_tokens import TextStream
 from .types import StepRecord, require
+
+if TYPE_CHECKING:  # loop.py imports this module (Session.astream)
+    from .loop import Session
 
 
 @dataclass(frozen=True)

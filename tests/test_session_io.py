@@ -101,13 +101,15 @@ def test_answers_about_a_context_whose_text_it_never_received(saved, real_model,
 
 
 def test_roundtrip_restores_every_column_and_param(tmp_path, tiny_model, tiny_policy):
-    """Into a second, separately loaded instance, after culls (a budget): every mirror
-    column (whatever KVMirror.COLUMNS lists), the arena's live prefix and all scalars."""
-    cache = CacheParams(budget=24, sinks=2, recent=4)
+    """Into a second, separately loaded instance, after culls, repairs and re-indexes:
+    every mirror column (whatever KVMirror.COLUMNS lists), the arena's live prefix, the
+    repair history and all scalars."""
+    cache = CacheParams(budget=24, sinks=2, recent=4, repair="merge", reindex_at=40)
     a = Session(tiny_model, tiny_policy, SAMPLED, cache)
-    a.prime(tiny_policy.chat([("system", "Be brief."), ("user", "culled, then saved")]))
+    a.prime(tiny_policy.raw_prompt("culled, repaired, re-indexed, then saved"))
     records = [a.step() for _ in range(20)]
-    assert any(r.culled for r in records)
+    assert all(any(getattr(r, f) for r in records) for f in ("culled", "repaired", "reindexed"))
+    assert a.state.mirror.merged
     save_session(a, tmp_path / "s.pbs")
     b = load_session(load_model("tiny-random"), tmp_path / "s.pbs")
     sa, sb = a.state, b.state
