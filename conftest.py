@@ -46,3 +46,13 @@ def long_text() -> str:
     from pydoc_data.topics import topics
 
     return topics[LONG_TEXT_TOPIC]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny-model loops: one thread (their ops are too small to split; on a busy machine
+    extra threads only wait for each other)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

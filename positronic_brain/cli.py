@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampler_args(run)
     run.add_argument("--ignore-eos", action="store_true")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_cache_args(run)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)")
     bench.add_argument("kind", choices=("speed",))
@@ -71,6 +72,36 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default="smollm2",
                        help="smollm2 (default), tiny-random, tiny-random-qwen2, or a local HF folder")
     return parser
+
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    from .types import AGGREGATIONS, POLICIES, CacheParams
+
+    d = CacheParams()
+    g = p.add_argument_group("cache (see README: budgets, policies, repair, positions)")
+    g.add_argument("--budget", type=int, default=None,
+                   help="live cache slots after each step (default: no culling)")
+    g.add_argument("--policy", default=d.policy, help=f"scorer: {'|'.join(POLICIES)}")
+    g.add_argument("--repair", default=d.repair, help="none|merge: merge dim adjacent pairs")
+    g.add_argument("--positions", default=d.positions,
+                   help="compact (re-index before the model's max positions) | keep (stop there)")
+    g.add_argument("--reindex-at", type=int, default=None,
+                   help="compact when the next position reaches this (default: max positions)")
+    g.add_argument("--sinks", type=int, default=d.sinks, help="first tokens never culled")
+    g.add_argument("--recent", type=int, default=d.recent, help="last tokens never culled")
+    g.add_argument("--decay", type=float, default=d.decay, help="brightness lost per step")
+    g.add_argument("--gain", type=float, default=d.gain, help="brightness per unit attention")
+    g.add_argument("--aggregate", default=d.aggregate,
+                   help=f"attention over layers-heads: {'|'.join(AGGREGATIONS)}")
+
+
+def _cache(args):
+    from .types import CacheParams
+
+    return CacheParams(budget=args.budget, policy=args.policy, repair=args.repair,
+                       positions=args.positions, reindex_at=args.reindex_at, sinks=args.sinks,
+                       recent=args.recent, decay=args.decay, gain=args.gain,
+                       aggregate=args.aggregate, seed=args.seed)
 
 
 def _sampler(args):
@@ -87,6 +118,7 @@ def cmd_run(args) -> int:
     from .special_tokens import TokenPolicy
 
     sampler = _sampler(args)  # validate before the (slower) model load
+    cache = _cache(args)
     if args.prompt == "":
         raise UserError("the prompt is empty")
     if args.max_new_tokens < 0:
@@ -108,7 +140,7 @@ def cmd_run(args) -> int:
 
     result = run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
                  ignore_eos=args.ignore_eos, capacity=args.capacity,
-                 on_text=None if args.json else echo)
+                 on_text=None if args.json else echo, cache=cache)
     if args.json:
         json.dump(result, sys.stdout)
     sys.stdout.write("\n")
@@ -116,8 +148,12 @@ def cmd_run(args) -> int:
         steps = result["steps"]
         if steps:
             ms = sorted(s["ms"] for s in steps)[len(steps) // 2]
+            culled = sum(len(s["culled"]) for s in steps)
+            repaired = sum(len(s["repaired"]) for s in steps)
+            reindexed = sum(s["reindexed"] for s in steps)
             print(f"[{len(steps)} tokens, median {ms:.1f} ms/token, cache {steps[-1]['cache_len']}"
-                  f" slots, stop: {result['stop_reason']}]", file=sys.stderr)
+                  f" slots, culled {culled}, repaired {repaired}, re-indexed {reindexed}, "
+                  f"stop: {result['stop_reason']}]", file=sys.stderr)
     return 0
 
 

@@ -125,7 +125,7 @@ class CacheParams:
     decay: float = 2.0
     gain: float = 10.0
     max_brightness: float = 255.0
-    seeds: tuple[float, ...] = (255.0,) * len(SOURCES)
+    seeds: tuple[float, ...] | None = None  # None: every source at max_brightness
     aggregate: str = "all-mean"
     max_repairs: int = 1
     reindex_at: int | None = None
@@ -147,6 +147,8 @@ class CacheParams:
             require(math.isfinite(v) and v >= 0, f"{name} must be >= 0, got {v}")
         require(math.isfinite(self.max_brightness) and 0 < self.max_brightness <= 255,
                 f"max brightness must be in (0, 255], got {self.max_brightness}")
+        if self.seeds is None:
+            object.__setattr__(self, "seeds", (float(self.max_brightness),) * len(SOURCES))
         require(len(self.seeds) == len(SOURCES)
                 and all(0 <= s <= self.max_brightness for s in self.seeds),
                 f"seeds must be {len(SOURCES)} values in [0, max brightness]")
