@@ -31,7 +31,9 @@ from .state import KVMirror, State
 from .types import UserError, require
 
 FORMAT = "positronic-brain-session/1"
-RUNTIME = ("model", "policy", "state")  # Session fields rebuilt on load, not saved as JSON
+# Session fields not saved as JSON: rebuilt on load, or (a capture run folder) owned by the
+# saving process; a loaded session starts without a capture.
+RUNTIME = ("model", "policy", "state", "capture")
 
 
 # --- plain JSON with exact types: tuples, int-keyed dicts and our frozen dataclasses ------

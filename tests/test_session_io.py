@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import positronic_brain.session_io as session_io
+from positronic_brain.capture import CaptureWriter
 from positronic_brain.loop import Session
 from positronic_brain.model import load_model
 from positronic_brain.session_io import load_session, save_session
@@ -127,6 +128,16 @@ def test_roundtrip_restores_every_column_and_param(tmp_path, tiny_model, tiny_po
     assert torch.equal(b.generator.get_state(), a.generator.get_state())
     assert _tokens(b, 12) == _tokens(a, 12)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.pbs"]  # no temp file left
+
+
+def test_a_capturing_session_is_saved_without_its_capture(tmp_path, tiny_model, tiny_policy):
+    a = Session(tiny_model, tiny_policy, GREEDY,
+                capture=CaptureWriter(tmp_path, {"model": "tiny-random"}, run_id="run"))
+    a.prime(tiny_policy.raw_prompt("captured"), 16)
+    a.step()
+    b = load_session(tiny_model, save_session(a, tmp_path / "s.pbs"))
+    assert b.capture is None and b.generated_ids == a.generated_ids
+    assert _tokens(b, 4) == _tokens(a, 4)
 
 
 @pytest.fixture(scope="module")
