@@ -150,8 +150,8 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
                 f"{model.name!r}: {diff}")
         state = restore(model, tensors["arena.k"], tensors["arena.v"],
-                        {c: tensors.get(f"mirror.{c}") for c in KVMirror.COLUMNS
-                         if f"mirror.{c}" in tensors},
+                        {k.removeprefix("mirror."): t for k, t in tensors.items()
+                         if k.startswith("mirror.")},  # restore names a missing/extra column
                         body["capacity"], _unplain_fields(body["mirror"]),
                         _unplain_fields(body["state"]))
         session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),

@@ -214,3 +214,18 @@ def test_the_file_is_plain_safetensors_and_nothing_is_unpickled(tiny_file):
     tree = ast.parse(Path(session_io.__file__).read_text())
     names = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))}
     assert not names & {"pickle", "torch.load", "load_file"}, names & {"pickle", "torch.load"}
+
+
+def test_a_file_with_other_mirror_columns_is_refused(tmp_path, tiny_model, tiny_file):
+    """A file from a version whose ledger had other columns (checksum intact) is named."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    with safe_open(str(tiny_file), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    dropped = f"mirror.{KVMirror.COLUMNS[-1]}"
+    del tensors[dropped]
+    meta["sha256"] = session_io._digest(meta, tensors)
+    (tmp_path / "old.pbs").write_bytes(save(tensors, metadata=meta))
+    with pytest.raises(UserError, match="mirror columns .* differ"):
+        load_session(tiny_model, tmp_path / "old.pbs")
