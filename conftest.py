@@ -48,6 +48,31 @@ def long_text() -> str:
     return topics[LONG_TEXT_TOPIC]
 
 
+# A captured real-model run shared by the capture, replay and per-stage tests: a chat prompt
+# under a small budget with merge repairs and an early re-index, so every kind of patch occurs;
+# sampled (not greedy), so replay must restore the generator state.
+CAPTURE_STEPS = 24
+
+
+@pytest.fixture(scope="session")
+def captured_run(real_model, real_policy, tmp_path_factory):
+    from positronic_brain.capture import CaptureWriter
+    from positronic_brain.loop import run
+    from positronic_brain.types import CacheParams, SamplerParams
+
+    cache = CacheParams(budget=24, sinks=2, recent=6, repair="merge", max_repairs=1,
+                        reindex_at=40)
+    sampler = SamplerParams(temperature=0.8, top_k=40, seed=11)
+    capture = CaptureWriter(tmp_path_factory.mktemp("captures"),
+                            {"model": real_model.name, "dtype": "float32",
+                             "fingerprint": real_model.fingerprint}, level="full", run_id="run")
+    segments = real_policy.chat([("system", "You are terse."),
+                                 ("user", "Tell me about the moon and the tides.")])
+    result = run(real_model, real_policy, segments, sampler, max_new_tokens=CAPTURE_STEPS,
+                 ignore_eos=True, cache=cache, capture=capture)
+    return capture.dir, result, cache
+
+
 @pytest.fixture
 def one_thread():
     """Tiny-model loops: one thread (their ops are too small to split; on a busy machine

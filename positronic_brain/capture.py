@@ -114,14 +114,19 @@ class CaptureWriter:
                  run_id: str | None = None):
         if level not in ("light", "full"):
             raise UserError(f"capture level must be light or full, got {level!r}")
-        run_id = run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
-        self.dir = Path(root) / run_id
-        try:
-            self.dir.mkdir(parents=True, exist_ok=False)
-        except FileExistsError:
-            raise UserError(f"capture folder {self.dir} exists already") from None
-        except OSError as e:
-            raise UserError(f"cannot create capture folder {self.dir}: {e.strerror}") from None
+        given = run_id is not None
+        base = run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+        for i in range(1, 1000):  # a generated id takes the next free suffix; a given one must be free
+            run_id = base if i == 1 else f"{base}-{i}"
+            self.dir = Path(root) / run_id
+            try:
+                self.dir.mkdir(parents=True, exist_ok=False)
+                break
+            except FileExistsError:
+                if given:
+                    raise UserError(f"capture folder {self.dir} exists already") from None
+            except OSError as e:
+                raise UserError(f"cannot create capture folder {self.dir}: {e.strerror}") from None
         self.model = manifest.get("fingerprint", manifest.get("model"))
         self.manifest = {"format": FORMAT, "run_id": run_id, "level": level,
                          "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "versions": versions(),

@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore-eos", action="store_true")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_cache_args(run)
+    _add_capture_args(run)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)")
     bench.add_argument("kind", choices=("speed",))
@@ -71,7 +72,56 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the markdown report here instead of OUT/report.md")
     bench.add_argument("--model", default="smollm2",
                        help="smollm2 (default), tiny-random, tiny-random-qwen2, or a local HF folder")
+    _add_inspect_args(sub)
     return parser
+
+
+def _add_capture_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("capture (see README: capture, replay, inspect)")
+    g.add_argument("--capture", metavar="DIR", default=None,
+                   help="save every stage call's inputs and outputs to DIR/<run-id>/")
+    g.add_argument("--capture-level", default="light", choices=("light", "full"),
+                   help="full also saves the whole live state before each step")
+
+
+def _add_inspect_args(sub) -> None:
+    rp = sub.add_parser("replay", help="re-run a captured run's stages and compare bit for bit")
+    rp.add_argument("run_dir", metavar="DIR", help="a capture run folder (or a root with one run)")
+    rp.add_argument("--stage", default=None, help="compare only this stage (s0_prime ... s4_apply)")
+    rp.add_argument("--step", type=int, default=None, help="compare only this step")
+    ip = sub.add_parser("inspect", help="show a captured run (or one capture file)")
+    ip.add_argument("path", metavar="PATH")
+    ip.add_argument("--step", type=int, default=None, help="the step whose context to show "
+                    "(default: the last)")
+    ip.add_argument("--last", type=int, default=30, help="how many steps the table shows")
+
+
+def open_capture(args, model, sampler, cache, prompt_ids: list[int]):
+    """A CaptureWriter for ``--capture`` (None without it); the manifest holds every parameter."""
+    if args.capture is None:
+        return None
+    from dataclasses import asdict
+
+    from .capture import CaptureWriter
+
+    params = {k: v for k, v in vars(args).items() if k not in ("command",)}
+    return CaptureWriter(args.capture, {
+        "model": model.name, "dtype": str(model.dtype).removeprefix("torch."),
+        "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
+        "params": {"args": params, "sampler": asdict(sampler), "cache": asdict(cache)},
+        "prompt_ids": prompt_ids}, level=args.capture_level)
+
+
+def cmd_replay(args) -> int:
+    from .replay import main as replay_main
+
+    return replay_main(args.run_dir, args.stage, args.step)
+
+
+def cmd_inspect(args) -> int:
+    from .inspector import main as inspect_main
+
+    return inspect_main(args.path, args.step, args.last)
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
@@ -138,9 +188,10 @@ def cmd_run(args) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
 
+    capture = open_capture(args, model, sampler, cache, [i for s in segments for i in s.ids])
     result = run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
                  ignore_eos=args.ignore_eos, capacity=args.capacity,
-                 on_text=None if args.json else echo, cache=cache)
+                 on_text=None if args.json else echo, cache=cache, capture=capture)
     if args.json:
         json.dump(result, sys.stdout)
     sys.stdout.write("\n")
@@ -166,7 +217,8 @@ def cmd_bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return {"run": cmd_run, "bench": cmd_bench}[args.command](args)
+        return {"run": cmd_run, "bench": cmd_bench, "replay": cmd_replay,
+                "inspect": cmd_inspect}[args.command](args)
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
