@@ -31,10 +31,16 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
+def median_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median of per-round ratios: pairs taken in the same round share the machine's load,
+    so this is steadier than a ratio of medians when the load drifts."""
+    return median([a / b for a, b in zip(num, den, strict=True)])
+
+
 def interleaved_ms(contenders: dict[str, Callable[[], object]], reps: int, warmup: int = 1,
                    after: dict[str, Callable[[], object]] | None = None,
-                   tick: Callable[[], None] | None = None) -> dict[str, float]:
-    """Median wall time in ms of each contender over ``reps`` rounds (after ``warmup``
+                   tick: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Wall time in ms of each contender in each of ``reps`` rounds (after ``warmup``
     untimed rounds). One round runs every contender once, in turn, so machine load hits
     them alike; ``after[name]`` runs untimed after each call (e.g. crop a cache back)."""
     require(reps >= 1, f"repetitions must be >= 1, got {reps}")
@@ -52,7 +58,7 @@ def interleaved_ms(contenders: dict[str, Callable[[], object]], reps: int, warmu
                 samples[name].append(dt)
         if tick is not None and r >= warmup:
             tick()
-    return {name: median(s) for name, s in samples.items()}
+    return samples
 
 
 # --- allocations ----------------------------------------------------------------------------
@@ -94,7 +100,7 @@ def copy_bandwidth_gbs(mbytes: int = 256, reps: int = 9) -> float:
     src = torch.ones(mbytes * 2 ** 20 // 4)  # float32
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch: page faults are not bandwidth
-    ms = interleaved_ms({"copy": lambda: dst.copy_(src)}, reps)["copy"]
+    ms = median(interleaved_ms({"copy": lambda: dst.copy_(src)}, reps)["copy"])
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
 
@@ -185,11 +191,15 @@ def line_plot(path: Path, title: str, xlabel: str, ylabel: str,
         raise UserError("plots need matplotlib: pip install 'positronic-brain[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, (xs, ys, style) in series.items():
         ax.plot(xs, ys, marker="o" if style != ":" else None, label=label, linestyle=style)
     ax.set_xscale("log", base=2)
+    ticks = sorted({x for xs, _, _ in series.values() for x in xs})
+    ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     if logy:
         ax.set_yscale("log")
     ax.set_title(title)

@@ -67,7 +67,9 @@ class SpeedConfig:
                 f"contexts must be >= 1, got {self.contexts}")
         require(len(self.prefill) > 0 and all(c >= 1 for c in self.prefill),
                 f"prefill lengths must be >= 1, got {self.prefill}")
-        require(tuple(sorted(set(self.contexts))) == self.contexts, "contexts must be increasing")
+        for name in ("contexts", "prefill"):
+            xs = getattr(self, name)
+            require(tuple(sorted(set(xs))) == xs, f"{name} must be increasing, got {xs}")
         require(min(self.reps, self.prefill_reps, self.edit_reps) >= 1, "repetitions must be >= 1")
         require(self.budget >= 32, f"budget must be >= 32, got {self.budget}")
 
@@ -161,7 +163,7 @@ def linear_fit(xs, ys) -> tuple[float, float]:
 # --- measurements -------------------------------------------------------------------------
 
 def measure_prefill(model: Model, cfg: SpeedConfig, task) -> tuple[list[dict], dict]:
-    """Stage 0 vs HF prefill at each length; returns rows and {length: primed state}."""
+    """Stage 0 vs HF prefill at each length; returns rows and {longest length: its state}."""
     rows, states = [], {}
     dt = str(model.dtype).removeprefix("torch.")
     tick = task(f"{dt} prefill", len(cfg.prefill) * cfg.prefill_reps)
@@ -176,12 +178,14 @@ def measure_prefill(model: Model, cfg: SpeedConfig, task) -> tuple[list[dict], d
             kept["state"] = prime(model, [Segment(tuple(ids), "user")],
                                   capacity=length + headroom(cfg))[0]
 
-        ms = common.interleaved_ms({"ours": ours, "hf": lambda: hf_prefill(model, ids[:length])},
-                                   cfg.prefill_reps, warmup=0, tick=tick)
-        states[length] = kept.pop("state")
+        t = common.interleaved_ms({"ours": ours, "hf": lambda: hf_prefill(model, ids[:length])},
+                                  cfg.prefill_reps, warmup=0, tick=tick)
+        ms = {k: common.median(v) for k, v in t.items()}
+        states = {length: kept.pop("state")}  # the longest is kept for decode
         rows.append({"dtype": dt, "tokens": length, "ours_ms": ms["ours"], "hf_ms": ms["hf"],
                      "ours_tok_s": length / ms["ours"] * 1e3,
-                     "hf_tok_s": length / ms["hf"] * 1e3, "ratio": ms["hf"] / ms["ours"]})
+                     "hf_tok_s": length / ms["hf"] * 1e3,
+                     "ratio": common.median_ratio(t["hf"], t["ours"])})
     return rows, states
 
 
@@ -194,12 +198,13 @@ def measure_decode(model: Model, full: View, ids: list[int], cfg: SpeedConfig, t
         view = prefix_view(full, n, ids[n])
         cache = hf_cache(view)
         gen = make_generator(0)
-        ms = common.interleaved_ms(
+        t = common.interleaved_ms(
             {"ours": lambda: generate(model, view, GREEDY, gen),
              "hf": lambda: hf_decode(model, cache, ids[n], n)},
             cfg.reps, warmup=2, after={"hf": lambda: cache.crop(-1)}, tick=tick)
-        rows.append({"dtype": dt, "context": n, "ours_ms": ms["ours"], "hf_ms": ms["hf"],
-                     "ratio": ms["ours"] / ms["hf"]})
+        rows.append({"dtype": dt, "context": n, "ours_ms": common.median(t["ours"]),
+                     "hf_ms": common.median(t["hf"]),
+                     "ratio": common.median_ratio(t["ours"], t["hf"])})
         del cache
     return rows
 
@@ -237,7 +242,7 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
             kept["view"] = session.state.view()
             kept["gen"] = generate(model, kept["view"], GREEDY, gen)
 
-        ms = common.interleaved_ms(
+        t = common.interleaved_ms(
             {"stage 1": stage1,
              "stage 2": lambda: kept.update(scores=score(kept["view"], kept["gen"].attention,
                                                          scorer)),
@@ -245,10 +250,11 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
              "loop step": session.step},
             cfg.reps, warmup=2, tick=tick)
         assert session.state.arena.n == cfg.budget, "the loop is not at its budget"
+        ms = {k: common.median(v) for k, v in t.items()}
         rows.append({"dtype": dt, "repair": repair, "context": cfg.budget,
                      "stage1_ms": ms["stage 1"], "score_ms": ms["stage 2"],
                      "decide_ms": ms["stage 3"], "step_ms": ms["loop step"],
-                     "overhead": ms["loop step"] / ms["stage 1"]})
+                     "overhead": common.median_ratio(t["loop step"], t["stage 1"])})
     return rows
 
 
@@ -314,11 +320,11 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     model = load_model(cfg.model, dtype)
     cfg = cfg.fitted(model.spec.max_positions)
     prefill, states = measure_prefill(model, cfg, task)
-    longest = max(cfg.contexts[-1], max(states))
+    longest = max(cfg.contexts[-1], cfg.prefill[-1])
     ids = random_prompt(model, longest + 1)
-    primed = states[longest] if longest in states else prime(
+    primed = states.pop(longest, None) or prime(
         model, [Segment(tuple(ids), "user")], capacity=longest + headroom(cfg))[0]
-    states.clear()
+    del states
     view = primed.view()
     decode = measure_decode(model, view, ids, cfg, task)
     alloc = measure_alloc(model, view, ids, cfg, task)
