@@ -182,14 +182,14 @@ def _repair(state: State, r: Repair, step: int) -> int:
 
 
 def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
-    """Remove live slots; each hole takes the current last live slot (O(1) per token)."""
+    """Remove live slots; the survivors among the last ``len(slots)`` slots fill the holes
+    below them (O(1) per token). Each move reads an original slot, never one that another
+    move has just filled, so all of them can be done at once."""
     a, m = state.arena, state.mirror
-    n, moves = m.n, []
-    for s in sorted(slots, reverse=True):  # every removed slot above s is gone already
-        last = n - 1
-        if s != last:
-            moves.append((last, s))
-        n -= 1
+    gone = set(slots)
+    n = m.n - len(gone)
+    fillers = [s for s in range(n, m.n) if s not in gone]
+    moves = list(zip(fillers, sorted(s for s in gone if s < n)))  # (from_slot, to_slot)
     if moves:
         src = torch.tensor([f for f, _ in moves])
         dst = torch.tensor([t for _, t in moves])
@@ -248,12 +248,14 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
     repair-partner slots, re-index positions, append the pending token; the sampled token
     becomes pending.
 
-    Updates ``state`` in place (same arena tensors; O(changed tokens)). Bad actions
-    raise before anything changes; a failure part-way rebuilds the arena from the mirror.
+    Updates ``state`` in place (same arena tensors; O(changed tokens)). Atomic: bad actions
+    raise before anything changes; a failure part-way restores the ledger and rebuilds the
+    arena from it, then re-raises.
     """
     _check(state, gen, actions)
     m, step = state.mirror, state.step + 1
     n = m.n
+    undo = ({c: m.live(c).clone() for c in KVMirror.COLUMNS}, m.next_uid)  # (n,) each: the ledger
     culled_uids = m.uid[list(actions.cull_slots)].tolist()
     reindex_from = reindex_to = None
     try:
@@ -269,8 +271,14 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
             reindex_from, reindex_to = _reindex(model, state)
             position = m.n
         slot, uid, k = _append(state, gen, position, model, step)  # 5) append
-    except Exception:
-        rebuild_from_mirror(model, state)  # arena and mirror must agree whatever happened
+    except BaseException:
+        cols, next_uid = undo
+        for c, col in cols.items():
+            getattr(m, c)[:n] = col
+        for uid in range(next_uid, m.next_uid):
+            m.merged.pop(uid, None)
+        m.n, m.next_uid = n, next_uid
+        rebuild_from_mirror(model, state)  # the arena may be half-patched: make it agree
         raise
     state.step = step
     state.pending_token = gen.token_id

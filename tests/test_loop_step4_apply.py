@@ -1,0 +1,225 @@
+"""Stage 4: apply culls, repairs and re-index (the only mutation), checked against HF.
+
+`pytest tests/test_loop_step4_apply.py -s` walks real-model sessions through budgeted steps
+and prints each patch as it is applied.
+"""
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import positronic_brain.stages.apply as stage4
+from positronic_brain.forward import apply_rope, rerotation
+from positronic_brain.loop import Session, run
+from positronic_brain.stages.apply import apply, extend, prime
+from positronic_brain.stages.decide import decide
+from positronic_brain.stages.generate import generate
+from positronic_brain.stages.score import score
+from positronic_brain.types import Actions, CacheParams, SamplerParams, UserError
+from tests.oracle import assert_close, hf_step_logits
+from tests.test_loop_step1_generate import _assert_unchanged, _fingerprint
+
+GREEDY = SamplerParams(greedy=True)
+PROMPT = ("In the harbour town the fishermen mended their nets while the gulls circled "
+          "over the boats, and the old keeper watched the tide come in")
+
+
+def fresh_layer0_keys(model, token_id, position):
+    """Layer-0 keys (KVH, T, D) of tokens at positions, computed by HF's own modules: layer 0
+    sees no context, so a cached key must equal this whatever happened since."""
+    hf = model.hf.model
+    layer = hf.layers[0]
+    h = layer.input_layernorm(hf.embed_tokens(token_id[None]))  # (1, T, hidden)
+    k = layer.self_attn.k_proj(h).view(1, -1, model.spec.n_kv_heads, model.spec.head_dim)
+    k = k.transpose(1, 2)  # (1, KVH, T, D)
+    cos, sin = hf.rotary_emb(h, position[None])
+    return apply_rotary_pos_emb(k, k, cos, sin)[1][0]
+
+
+@pytest.mark.parametrize("repair", ["none", "merge"])
+def test_oracle_after_culls_repairs_and_reindexes(real_model, real_policy, repair):
+    """After every patch, stage-1 logits equal HF model() on a DynamicCache of the live K/V
+    (slot order as it is) with the pending token's position (fp32, <= 1e-4); after each
+    re-index, layer-0 keys equal a fresh computation at the new positions."""
+    cache = CacheParams(budget=24, sinks=2, recent=4, repair=repair, reindex_at=40)
+    session = Session(real_model, real_policy, GREEDY, cache)
+    session.prime(real_policy.raw_prompt(PROMPT))  # longer than the budget
+    seen = set()
+    for _ in range(30):
+        rec = session.step()
+        state = session.state
+        state.check_valid()
+        assert state.arena.n <= 24 and state.next_position < 40
+        kinds = {k for k, on in (("cull", rec.culled), ("repair", rec.repaired),
+                                 ("reindex", rec.reindexed)) if on}
+        seen |= kinds
+        view = state.view()
+        if kinds:
+            print(f"\nstep {rec.step}: culled {list(rec.culled)}, repaired "
+                  f"{[(u, real_policy.token_text(t)) for u, t, _ in rec.repaired]}, "
+                  f"reindexed {rec.reindexed}; next position {view.next_position}")
+            gen = generate(real_model, view, GREEDY, session.generator)
+            assert_close(gen.logits, hf_step_logits(real_model, view), 1e-4,
+                         f"step {rec.step} ({', '.join(sorted(kinds))}) logits")
+        if rec.reindexed:
+            assert sorted(view.position.tolist()) == list(range(view.n))
+            assert_close(view.k[0], fresh_layer0_keys(real_model, view.token_id, view.position),
+                         1e-5, f"step {rec.step} layer-0 keys after re-index")
+    want = {"cull", "reindex"} | ({"repair"} if repair == "merge" else set())
+    assert seen == want
+
+
+def test_rerotation_equals_hf_rope_at_the_new_position(real_model):
+    """k rotated p -> p' equals HF's apply_rotary_pos_emb of the unrotated key at p'; and
+    p -> p' -> p is the identity (fp32, <= 1e-5), across the model's whole position range."""
+    g = torch.Generator().manual_seed(0)
+    T, D = 64, real_model.spec.head_dim
+    top = real_model.spec.max_positions
+    p = torch.randint(0, top, (T,), generator=g)
+    p2 = torch.randint(0, top, (T,), generator=g)
+    p[:2], p2[:2] = torch.tensor([top - 1, 0]), torch.tensor([0, top - 1])
+    raw = torch.randn(1, 3, T, D, generator=g) * 4  # (1, KVH, T, D) keys before RoPE
+
+    def hf_rope(x, pos):
+        cos, sin = real_model.hf.model.rotary_emb(x, pos[None])
+        return apply_rotary_pos_emb(x, x, cos, sin)[1]
+
+    at_p = hf_rope(raw, p)
+    cos, sin = rerotation(real_model, p, p2)
+    moved = apply_rope(at_p, cos, sin)
+    assert_close(moved, hf_rope(raw, p2), 1e-5, "p -> p' vs HF RoPE at p'")
+    cos, sin = rerotation(real_model, p2, p)
+    assert_close(apply_rope(moved, cos, sin), at_p, 1e-5, "p -> p' -> p")
+
+
+def test_big_enough_budget_reproduces_the_no_cull_run(real_model, real_policy):
+    segs = real_policy.chat([("user", "List three uses of copper.")])
+    n = sum(len(s.ids) for s in segs)
+    plain = run(real_model, real_policy, segs, GREEDY, max_new_tokens=40, ignore_eos=True)
+    cache = CacheParams(budget=n + 40, policy="h2o", repair="merge")
+    budgeted = run(real_model, real_policy, segs, GREEDY, max_new_tokens=40, ignore_eos=True,
+                   cache=cache)
+    assert budgeted["generated_ids"] == plain["generated_ids"]
+    assert not any(s["culled"] or s["repaired"] or s["reindexed"] for s in budgeted["steps"])
+
+
+def _at_budget(tiny_model, tiny_policy, **kw):
+    cache = CacheParams(budget=16, sinks=2, recent=3, **kw)
+    session = Session(tiny_model, tiny_policy, SamplerParams(temperature=1.0, seed=2), cache)
+    session.prime(tiny_policy.raw_prompt("a byte-level prompt longer than the budget"))
+    for _ in range(5):
+        session.step()
+    return session
+
+
+def hf_cache_of_ledger(model, state):
+    """HF's K/V (L, KVH, n, D) of the live tokens in text order at their positions."""
+    view = state.view()
+    order = torch.argsort(view.position)
+    cache = DynamicCache()
+    model.hf(input_ids=view.token_id[order][None], position_ids=view.position[order][None],
+             past_key_values=cache, use_cache=True)
+    k = torch.stack([cache.layers[i].keys[0] for i in range(view.k.shape[0])])
+    v = torch.stack([cache.layers[i].values[0] for i in range(view.k.shape[0])])
+    return order, k, v
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("fail_in", ["_reindex", "_append"])
+def test_a_failure_part_way_rebuilds_from_the_mirror(tiny_model, tiny_policy, monkeypatch,
+                                                       fail_in):
+    session = _at_budget(tiny_model, tiny_policy, repair="merge",
+                         reindex_at=session_next_reindex())
+    state = session.state
+    step, pending = state.step, state.pending_token
+    ledger, merged = state.mirror.ledger(), dict(state.mirror.merged)
+
+    def boom(*args, **kw):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(stage4, fail_in, boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        session.step()
+    monkeypatch.undo()
+    state.check_valid()
+    # atomic: the ledger is as before the step (whose repair and removals had been applied)
+    assert state.step == step and state.pending_token == pending
+    assert state.mirror.ledger() == ledger and state.mirror.merged == merged
+    order, k, v = hf_cache_of_ledger(tiny_model, state)
+    view = state.view()
+    assert_close(view.k[:, :, order], k, 1e-5, "rebuilt K")
+    assert_close(view.v[:, :, order], v, 1e-5, "rebuilt V")
+    session.step()  # and the loop goes on
+    state.check_valid()
+
+
+def session_next_reindex():
+    """A re-index threshold the sixth step of ``_at_budget`` reaches (prompt 42 + 5 steps)."""
+    return 47
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_bad_actions_change_nothing(tiny_model, tiny_policy):
+    segs = tiny_policy.chat([("system", "Pinned."), ("user", "Hello")])
+    state, _ = prime(tiny_model, segs, capacity=64, pinned=frozenset({"system"}))
+    view = state.view()
+    gen = generate(tiny_model, view, GREEDY, torch.Generator())
+    before = _fingerprint(state)
+    for actions, message in ((Actions(cull_slots=(0,)), "protected"),
+                             (Actions(cull_slots=(30, 30)), "twice"),
+                             (Actions(cull_slots=(view.n,)), "outside")):
+        with pytest.raises(UserError, match=message):
+            apply(tiny_model, state, gen, actions)
+        _assert_unchanged(before, _fingerprint(state))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_apply_order_and_patch(tiny_model, tiny_policy):
+    """One step with a repair, culls and a re-index: the patch names what changed."""
+    session = _at_budget(tiny_model, tiny_policy, repair="merge", max_repairs=1)
+    state = session.state
+    view = state.view()
+    gen = generate(tiny_model, view, session.sampler, session.generator)
+    scores = score(view, gen.attention, session.scorer)
+    actions = decide(tiny_model, view, scores, CacheParams(budget=10, sinks=2, recent=3,
+                                                           repair="merge", reindex_at=100))
+    actions = Actions(**{**actions.__dict__, "reindex": True})
+    old = {int(u): int(p) for u, p in zip(view.uid, view.position)}
+    patch = apply(tiny_model, state, gen, actions)
+    state.check_valid()
+    live = set(state.view().uid.tolist())
+    assert len(patch.repairs) == 1 and len(patch.culled_uids) == 6 and state.arena.n == 10
+    assert not live & (set(patch.culled_uids) | set(patch.repairs[0].uids))
+    assert patch.repaired_uids[0] in live and patch.appended_uids[0] in live
+    assert state.mirror.merged[patch.repaired_uids[0]] == patch.repairs[0].uids
+    assert sorted(patch.reindex_to.tolist()) == list(range(9))
+    assert patch.appended_positions == (9,) and state.next_position == 10
+    # re-index keeps text order
+    kept = [u for u in sorted(old, key=old.get) if u in live]
+    by_pos = state.view().uid[torch.argsort(state.view().position)].tolist()
+    assert [u for u in by_pos if u in kept] == kept
+    gen = generate(tiny_model, state.view(), session.sampler, session.generator)
+    assert_close(gen.logits, hf_step_logits(tiny_model, state.view()), 1e-4, "after the patch")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_extend_equals_priming_everything(tiny_model, tiny_policy):
+    first = tiny_policy.chat([("system", "Be kind."), ("user", "Hi")])
+    session = Session(tiny_model, tiny_policy, GREEDY)
+    session.prime(first, capacity=200)
+    for _ in range(4):
+        session.step()
+    turn = tiny_policy.chat([("user", "And again?")])
+    patch = extend(tiny_model, session.state, turn, pinned=frozenset({"system"}))
+    ids = session.prompt_ids + session.generated_ids + [i for s in turn for i in s.ids]
+    whole, _ = prime(tiny_model, [type(first[0])(tuple(ids), "user")], capacity=200)
+    a, b = session.state.view(), whole.view()
+    assert a.n == b.n and session.state.pending_token == whole.pending_token == ids[-1]
+    assert session.state.next_position == whole.next_position == len(ids) - 1
+    assert torch.equal(a.token_id, b.token_id) and torch.equal(a.position, b.position)
+    assert_close(a.k, b.k, 1e-5, "extended K")
+    assert_close(a.v, b.v, 1e-5, "extended V")
+    assert patch.appended_uids == tuple(range(a.n - len(patch.appended_uids), a.n))
+    session.state.check_valid()
+    with pytest.raises(UserError, match="do not fit"):
+        extend(tiny_model, session.state, [type(first[0])(tuple(range(200)), "user")])

@@ -1,0 +1,152 @@
+"""Property tests (hypothesis) over stages 2-4 on the tiny model: random budgets, policies,
+sinks, windows, repairs and lengths; and a state machine checked against a plain list."""
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from positronic_brain.forward import apply_rope, rerotation, rope_cos_sin
+from positronic_brain.loop import Session
+from positronic_brain.stages.apply import apply, extend
+from positronic_brain.stages.decide import decide, protected
+from positronic_brain.stages.generate import generate
+from positronic_brain.stages.score import score
+from positronic_brain.types import POLICIES, CacheParams, SamplerParams
+from tests.test_loop_step1_generate import _assert_unchanged, _fingerprint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SETTINGS = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+CULLING = [p for p in POLICIES if p != "none"]
+
+
+@st.composite
+def cache_params(draw):
+    sinks = draw(st.integers(0, 4))
+    recent = draw(st.integers(0, 6))
+    budget = draw(st.integers(sinks + recent + 1, 40))
+    return CacheParams(budget=budget, policy=draw(st.sampled_from(CULLING)),
+                       repair=draw(st.sampled_from(["none", "merge"])),
+                       max_repairs=draw(st.integers(0, 2)), sinks=sinks, recent=recent,
+                       decay=draw(st.floats(0, 20)), gain=draw(st.floats(0, 500)),
+                       aggregate=draw(st.sampled_from(["all-mean", "last-max"])),
+                       reindex_at=draw(st.sampled_from([None, budget + 1, budget + 9])),
+                       seed=draw(st.integers(0, 9)))
+
+
+@SETTINGS
+@given(cache=cache_params(), prompt=st.integers(2, 60), steps=st.integers(1, 30),
+       pin=st.booleans())
+def test_culls_keep_the_best_and_protect(tiny_model, tiny_policy, cache, prompt, steps, pin):
+    session = Session(tiny_model, tiny_policy, SamplerParams(temperature=1.0, seed=prompt), cache)
+    segs = tiny_policy.chat([("system", "ab"), ("user", "c" * prompt)]) if pin \
+        else tiny_policy.raw_prompt("c" * prompt)
+    n_pinned = len(segs[0].ids) if pin else 0
+    assume(n_pinned + cache.sinks + cache.recent < cache.budget)
+    session.prime(segs)
+    state, seen_uids = session.state, set(session.state.view().uid.tolist())
+    for _ in range(steps):
+        view = state.view()
+        before = _fingerprint(state)
+        gen = generate(tiny_model, view, session.sampler, session.generator)
+        scores = score(view, gen.attention, session.scorer)
+        actions = decide(tiny_model, view, scores, cache)
+        _assert_unchanged(before, _fingerprint(state))  # stages 1-3 are read-only
+        keep = protected(view, cache)
+        touched = list(actions.cull_slots) + [s for r in actions.repairs for s in r.slots]
+        assert not keep[touched].any(), "a protected slot was culled or repaired"
+        assert len(touched) == len(set(touched))
+        removed = len(actions.cull_slots) + len(actions.repairs)
+        assert removed == max(0, view.n + 1 - cache.budget)
+        if not actions.repairs:  # culled = exactly the lowest-scored unprotected slots
+            free = [i for i in range(view.n) if not keep[i]]
+            free.sort(key=lambda i: (float(scores.scores[i]), int(view.position[i])))
+            assert sorted(actions.cull_slots) == sorted(free[:removed])
+        old_max = max(seen_uids)
+        patch = apply(tiny_model, state, gen, actions)
+        state.check_valid()
+        assert state.arena.n <= cache.budget
+        assert state.next_position < tiny_model.spec.max_positions
+        new = set(patch.repaired_uids) | set(patch.appended_uids)
+        assert min(new) > old_max and not new & seen_uids, "a uid was reused"
+        seen_uids |= new
+        assert set(state.view().uid.tolist()) <= seen_uids
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=st.lists(st.integers(0, 511), min_size=1, max_size=16), data=st.data())
+def test_rerotation_round_trip(tiny_model, p, data):
+    """p -> p' -> p is the identity, and p -> p' equals RoPE at p' (fp32, <= 1e-5)."""
+    p2 = data.draw(st.lists(st.integers(0, 511), min_size=len(p), max_size=len(p)))
+    p, p2 = torch.tensor(p), torch.tensor(p2)
+    raw = torch.randn(2, len(p), tiny_model.spec.head_dim, generator=torch.Generator().manual_seed(0))
+    at = lambda pos: apply_rope(raw, *rope_cos_sin(tiny_model, pos, torch.float32))  # noqa: E731
+    moved = apply_rope(at(p), *rerotation(tiny_model, p, p2))
+    assert (moved - at(p2)).abs().max() <= 1e-5
+    assert (apply_rope(moved, *rerotation(tiny_model, p2, p)) - at(p)).abs().max() <= 1e-5
+
+
+class LoopMachine(RuleBasedStateMachine):
+    """The whole loop against a plain list of (uid, token) in text order, updated only from
+    what each step reports (culled uids, repairs, the appended token)."""
+
+    model = policy = None  # set by the test
+
+    @initialize(cache=cache_params(), prompt=st.text("abcdef ", min_size=2, max_size=30))
+    def start(self, cache, prompt):
+        self.cache = cache
+        self.session = Session(self.model, self.policy, SamplerParams(temperature=1.0, seed=1),
+                               cache)
+        segs = self.policy.raw_prompt(prompt)
+        self.session.prime(segs, capacity=max(cache.budget, len(prompt)) + 40)
+        ids = list(segs[0].ids)
+        self.live = list(enumerate(ids[:-1]))  # (uid, token) in text order
+        self.pending, self.next_uid = ids[-1], len(ids) - 1
+
+    @rule()
+    def step(self):
+        rec = self.session.step()
+        uids = [u for u, _ in self.live]
+        for (a, b), token, new in rec.repaired:
+            i = uids.index(a)
+            assert uids[i + 1] == b, "a repair merged a pair that is not adjacent"
+            self.live[i] = (new, token)
+            del self.live[i + 1], uids[i + 1]
+            uids[i] = new
+            assert new == self.next_uid
+            self.next_uid += 1
+        self.live = [(u, t) for u, t in self.live if u not in set(rec.culled)]
+        self.live.append((self.next_uid, self.pending))
+        self.next_uid += 1
+        self.pending = rec.token_id
+        assert rec.cache_len <= self.cache.budget
+
+    @rule(text=st.text("xyz", min_size=1, max_size=8))
+    def user_turn(self, text):
+        ids = self.policy.encode(text)
+        state = self.session.state
+        if state.arena.n + len(ids) > state.arena.capacity \
+                or state.next_position + len(ids) >= self.model.spec.max_positions:
+            return
+        extend(self.model, state, self.policy.raw_prompt(text))
+        for t in [self.pending] + ids[:-1]:
+            self.live.append((self.next_uid, t))
+            self.next_uid += 1
+        self.pending = ids[-1]
+
+    @invariant()
+    def ledger_matches_the_list(self):
+        state = self.session.state
+        state.check_valid()
+        ledger = state.mirror.ledger()
+        assert [(r["uid"], r["token_id"]) for r in ledger] == self.live
+        assert state.pending_token == self.pending and state.mirror.next_uid == self.next_uid
+
+
+def test_loop_state_machine(tiny_model, tiny_policy):
+    LoopMachine.model, LoopMachine.policy = tiny_model, tiny_policy
+    machine = LoopMachine.TestCase
+    machine.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+    machine().runTest()
