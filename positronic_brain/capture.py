@@ -28,6 +28,7 @@ from .types import UserError
 
 FORMAT = 1
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
+EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step
 FILE_KEYS = ("format", "stage", "step", "model", "inputs", "outputs", "cache_len", "arena_version")
 MANIFEST_EVERY = 50  # past this many files the manifest is rewritten every N saves (and at close)
 
@@ -138,7 +139,7 @@ class CaptureWriter:
 
     def save(self, step: int, stage: str, inputs: dict, outputs: dict, cache_len: int,
              arena_version: int) -> Path:
-        assert stage in STAGES, stage
+        assert stage in STAGES or stage == EXTEND, stage
         name = f"{step:06d}_{stage}.pt"
         data = _to_bytes({"format": FORMAT, "stage": stage, "step": step, "model": self.model,
                           "inputs": to_plain(inputs), "outputs": to_plain(outputs),
@@ -208,7 +209,7 @@ def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
             raise UserError(f"{path.name}: not a captured state")
         return obj
     if not isinstance(obj, dict) or any(k not in obj for k in FILE_KEYS) \
-            or obj["format"] != FORMAT or obj["stage"] not in STAGES:
+            or obj["format"] != FORMAT or obj["stage"] not in (*STAGES, EXTEND):
         raise UserError(f"{path.name}: not a capture file of format {FORMAT}")
     if model is not None and obj["model"] != model:
         raise UserError(f"{path.name}: captured from model {obj['model']!r}, not {model!r}")

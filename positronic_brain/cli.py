@@ -1,4 +1,4 @@
-"""The command line: ``positronic-brain run|bench``.
+"""The command line: ``positronic-brain run|chat|bench|replay|inspect``.
 
 Bad input gets one line on stderr and exit code 2, never a traceback.
 """
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_capture_args(run)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)")
-    bench.add_argument("kind", choices=("speed",))
+    bench.add_argument("kind", choices=("speed", "quality"))
     bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (make bench)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     bench.add_argument("--out", default=None,
@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the markdown report here instead of OUT/report.md")
     bench.add_argument("--model", default="smollm2",
                        help="smollm2 (default), tiny-random, tiny-random-qwen2, or a local HF folder")
+    _add_quality_args(bench)
     _add_inspect_args(sub)
+    _add_chat_args(sub)
     return parser
 
 
@@ -208,17 +210,262 @@ def cmd_run(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from .bench import speed
+QUALITY_ONLY = ("dtype", "text", "slice", "budgets", "policies", "tokens", "long")
 
-    return speed.main(args)
+
+def _add_quality_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("bench quality (streaming perplexity; see docs/BENCHMARKS.md)")
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="default float32")
+    g.add_argument("--text", default=None, help="a UTF-8 file (default: Python's help topics)")
+    g.add_argument("--slice", default=None, choices=("eval", "tune"),
+                   help="eval (default): from the text's start; tune: from its middle")
+    g.add_argument("--budgets", default=None, help="comma-separated, e.g. 128,256,512")
+    g.add_argument("--policies", default=None,
+                   help="comma-separated scorers (default: brightness,streaming,h2o,tova,random)")
+    g.add_argument("--tokens", type=int, default=None, help="scored tokens per configuration")
+    g.add_argument("--long", type=int, default=None,
+                   help="scored tokens of the run past the model's positions (0 = none)")
+
+
+def cmd_bench(args) -> int:
+    from .bench import quality, speed
+
+    only = [f"--{f}" for f in QUALITY_ONLY if getattr(args, f) is not None]
+    if args.kind != "quality" and only:
+        raise UserError(f"{', '.join(only)}: for bench quality only")
+    return {"speed": speed.main, "quality": quality.main}[args.kind](args)
+
+
+def _add_chat_args(sub) -> None:
+    ch = sub.add_parser("chat", help="an interactive chat whose cache stays at a fixed budget")
+    ch.add_argument("--system", default=None,
+                    help="the system prompt, pinned in the cache (none unless given)")
+    ch.add_argument("--script", metavar="FILE", default=None,
+                    help="read user turns (and /commands) from FILE, one per line ('-': stdin), "
+                    "and print the replies")
+    ch.add_argument("--json", action="store_true", help="with --script: one JSON line per turn")
+    ch.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply")
+    ch.add_argument("--prune", default="tokens", choices=("tokens", "turns"),
+                    help="over the budget, cull single tokens by score (tokens) or drop the "
+                    "oldest whole turns (turns)")
+    ch.add_argument("--bos", default="auto", choices=("auto", "yes", "no"),
+                    help="add the BOS token explicitly (auto: if the model family expects it)")
+    _add_model_args(ch)
+    _add_sampler_args(ch)
+    _add_cache_args(ch)
+    _add_capture_args(ch)
+
+
+CHAT_HELP = "/context  /stats  /save PATH  /load PATH  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory now (MiB), from /proc (Linux); None elsewhere."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20, 1)
+
+
+def _chat_reply(chat, text: str, console, args, live: bool) -> None:
+    """Stream one reply: a live view, or plain text on stdout (script mode; none with
+    --json, which prints one JSON line per turn). Ctrl-C stops the reply, not the program:
+    the step in flight finishes, the state stays valid."""
+    import signal
+    from contextlib import nullcontext
+
+    from rich.console import Group
+    from rich.live import Live
+    from rich.text import Text
+
+    stop: list[bool] = []
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    events, shown = chat.stream(text), Text()
+    budget = chat.session.cache.budget
+    try:
+        with Live(shown, console=console, refresh_per_second=12, vertical_overflow="visible",
+                  transient=False) if live else nullcontext() as view:
+            for ev in events:
+                if live:
+                    shown.append(ev.text)
+                    view.update(Group(shown, Text(f"cache {ev.record.cache_len}/{budget}  "
+                                                  f"{ev.record.ms:.0f} ms/token", style="dim")))
+                elif not args.json:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                if stop:
+                    break
+            if live:
+                view.update(shown)
+    finally:
+        events.close()
+        signal.signal(signal.SIGINT, previous)
+    r, st = chat.last, chat.stats()
+    if args.json:
+        print(json.dumps({"turn": st["turns"], "user": text, "reply": r.text,
+                          "reply_ids": list(r.ids), "stop_reason": r.stop_reason,
+                          "tokens": len(r.steps), "ms_per_token": round(r.ms_per_token, 3),
+                          "culled": sum(len(s.culled) for s in r.steps),
+                          "repaired": sum(len(s.repaired) for s in r.steps),
+                          "reindexed": sum(s.reindexed for s in r.steps), "rss_mb": _rss_mb(),
+                          **{k: st[k] for k in ("cache_len", "budget", "max_position")}}))
+        return
+    if not live:
+        sys.stdout.write("\n")
+    if live:
+        console.print(f"[dim][{len(r.steps)} tokens, {r.ms_per_token:.1f} ms/token, cache "
+                      f"{st['cache_len']}/{budget}, culled {st['culled']}, merged "
+                      f"{st['repaired']}, re-indexed {st['reindexed']} so far; stop: "
+                      f"{r.stop_reason}][/]")
+
+
+def _chat_stats_view(chat):
+    from rich.table import Table
+
+    from .render import sparkline
+
+    table = Table.grid(padding=(0, 2))
+    for k, v in chat.stats().items():
+        table.add_row(k.replace("_", " "), str(v))
+    lens = list(chat.cache_lens)
+    table.add_row("cache length", f"{sparkline(lens)}  (last {len(lens)} steps)" if lens else "")
+    return table
+
+
+def _chat_context_view(chat):
+    from rich.panel import Panel
+
+    from .render import context_text
+
+    rows, culled, merged = chat.context()
+    cache = chat.session.cache
+    return Panel(context_text(rows, chat.policy.token_text, culled=culled, repaired=merged,
+                              max_brightness=cache.max_brightness),
+                 title=f"context: {len(rows) - len(culled)} live / budget {cache.budget}",
+                 subtitle=f"bright … dim by brightness, [strike red]culled this turn[/] "
+                 f"({len(culled)}), [bold underline cyan]merged[/] ({len(merged)})")
+
+
+def _chat_command(chat, line: str, console, args):
+    """One /command; returns the chat to go on with (None: quit)."""
+    from .chat import Chat
+    from .session_io import load_session, save_session
+
+    name, _, path = line.strip().partition(" ")
+    path = path.strip()
+    if name == "/quit":
+        return None
+    if name in ("/save", "/load") and not path:
+        raise UserError(f"{name} needs a PATH")
+    if name == "/save":
+        out = {"saved": str(save_session(chat.session, path))}
+    elif name == "/load":
+        session = load_session(chat.session.model, path)
+        if chat.session.capture:  # a loaded session starts without one: the event log ends here
+            chat.session.capture.close("loaded a session")
+        chat, out = Chat.resume(session, chat.max_new_tokens), {"loaded": path}
+    elif name == "/stats":
+        out = {"stats": chat.stats()}
+        if not args.json:
+            console.print(_chat_stats_view(chat))
+            return chat
+    elif name == "/context":
+        view = _chat_context_view(chat)
+        if not args.json:
+            console.print(view)
+            return chat
+        out = {"context": view.renderable.plain}
+    elif name == "/help":
+        out = {"help": CHAT_HELP}
+    else:
+        raise UserError(f"unknown command {name!r}; commands: {CHAT_HELP}")
+    if args.json:
+        print(json.dumps(out))
+    else:
+        console.print(" ".join(f"{k}: {v}" for k, v in out.items()))
+    return chat
+
+
+def _chat_line(chat, line: str, console, args, live: bool):
+    if line.lstrip().startswith("/"):
+        return _chat_command(chat, line, console, args)
+    _chat_reply(chat, line, console, args, live)
+    return chat
+
+
+def _typed_lines(console):
+    """What the user types; Ctrl-C at the prompt only clears the line, Ctrl-D ends."""
+    while True:
+        try:
+            yield console.input("[bold green]you>[/] ")
+        except EOFError:
+            return
+        except KeyboardInterrupt:
+            console.print()
+
+
+def cmd_chat(args) -> int:
+    import time
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from .chat import Chat
+    from .model import load_model
+    from .special_tokens import TokenPolicy
+
+    sampler, cache = _sampler(args), replace(_cache(args), prune=args.prune)
+    if args.json and args.script is None:
+        raise UserError("--json needs --script")
+    lines = None
+    if args.script is not None:
+        try:
+            lines = (sys.stdin.read() if args.script == "-" else open(args.script).read())
+        except OSError as e:
+            raise UserError(f"cannot read the script {args.script}: {e.strerror}") from None
+        lines = lines.splitlines()
+    model = load_model(args.model, args.dtype)
+    policy = TokenPolicy(model.tokenizer, bos=args.bos)
+    chat = Chat(model, policy, args.system, sampler, cache, args.max_new_tokens,
+                open_capture(args, model, sampler, cache, []))
+    console = Console(highlight=False)
+    errors, t0, rss0 = 0, time.perf_counter(), _rss_mb()
+    if lines is None:
+        console.print(f"[dim]{model.name} {args.dtype}, budget {cache.budget}, prune "
+                      f"{cache.prune}. {CHAT_HELP}[/]")
+    try:
+        for i, line in enumerate(_typed_lines(console) if lines is None else lines, 1):
+            if lines is not None and not line.strip():
+                continue  # blank lines in a script are not turns
+            try:
+                after = _chat_line(chat, line, console, args, live=lines is None)
+            except UserError as e:
+                print(f"{PROG}: error: {f'line {i}: ' if lines else ''}{e}", file=sys.stderr)
+                errors += 1
+                continue
+            if after is None:
+                break
+            chat = after
+    finally:
+        if chat.session.capture:
+            chat.session.capture.close(chat.session.stop_reason)
+    if lines is not None:
+        st = chat.stats()
+        print(f"[{st['turns']} turns, {st['steps']} tokens in {time.perf_counter() - t0:.1f} s, "
+              f"{st['ms_per_token']:.1f} ms/token, cache {st['cache_len']}/{st['budget']}, "
+              f"max position {st['max_position']}, culled {st['culled']}, merged "
+              f"{st['repaired']}, re-indexed {st['reindexed']}, RSS {rss0} -> {_rss_mb()} MiB, "
+              f"errors {errors}]", file=sys.stderr)
+    return 2 if errors else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return {"run": cmd_run, "bench": cmd_bench, "replay": cmd_replay,
-                "inspect": cmd_inspect}[args.command](args)
+                "inspect": cmd_inspect, "chat": cmd_chat}[args.command](args)
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

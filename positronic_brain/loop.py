@@ -22,12 +22,12 @@ from .model import Model
 from .sampler import make_generator
 from .scorers import make_scorer
 from .special_tokens import TextStream, TokenPolicy
-from .stages.apply import apply, prime
+from .stages.apply import apply, extend, prime
 from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import score
 from .state import State
-from .types import CacheParams, SamplerParams, Segment, StepRecord, require
+from .types import CacheParams, Patch, SamplerParams, Segment, StepRecord, require
 
 
 @dataclass
@@ -74,6 +74,21 @@ class Session:
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []
         self.stop_reason = None
+
+    def extend(self, segments: list[Segment], pending: int | None = None) -> Patch:
+        """Stage 0 on the live state (a chat turn): prefill the pending token and the new
+        segments but their last id, which becomes pending (``pending`` replaces the old
+        pending token first). Pinned sources are protected. Captured as ``s0_extend`` at the
+        current step; replay re-runs it there."""
+        require(self.state is not None, "prime the session before extending it")
+        pinned, n = frozenset(self.cache.pinned), self.state.arena.n
+        patch = extend(self.model, self.state, segments, pinned=pinned, pending=pending)
+        if self.capture:
+            view = self.state.view()
+            self._save(self.state.step, "s0_extend",
+                       {"segments": segments, "pinned": pinned, "pending": pending},
+                       {"patch": patch, "k": view.k[:, :, n:], "v": view.v[:, :, n:]})
+        return patch
 
     def step(self) -> StepRecord:
         """One token through the stages: 1) generate, 2) score, 3) decide (read-only),

@@ -1,5 +1,5 @@
-"""Replay a captured run: rebuild the arena from the prime capture and the stage-4
-patches (the event log), re-run every captured stage from its captured inputs, and compare
+"""Replay a captured run: rebuild the arena from the prime capture, the stage-4
+patches and the stage-0 extends between steps (chat turns) (the event log), re-run every captured stage from its captured inputs, and compare
 its outputs with the captured ones, bit for bit.
 
 Stage 1 gets the captured generator state, so sampling replays exactly. Stages 2-4 get
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .capture import (STAGES, VIEW_COLUMNS, from_plain, generate_outputs, load_file,
+from .capture import (EXTEND, STAGES, VIEW_COLUMNS, from_plain, generate_outputs, load_file,
                       read_manifest, to_plain)
 from .model import Model, load_model
 from .scorers import make_scorer
-from .stages.apply import apply, prime
+from .stages.apply import apply, extend, prime
 from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import score
@@ -114,8 +114,8 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
            ) -> ReplayReport:
     """Replay a run folder; ``stage``/``step`` restrict which files are compared (the state
     is still rebuilt from every patch before them). Bad files raise ``UserError``."""
-    require(stage is None or stage in STAGES, f"unknown stage {stage!r}; expected one of "
-            f"{', '.join(STAGES)}")
+    require(stage is None or stage in (*STAGES, EXTEND), f"unknown stage {stage!r}; expected "
+            f"one of {', '.join((*STAGES, EXTEND))}")
     run_path = resolve_run(run_dir)
     manifest = read_manifest(run_path)
     run = _Run(run_path, manifest)
@@ -153,6 +153,21 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
         view = state.view()
         check("000000_s0_prime.pt", {"logits": out.logits, "patch": out.patch, "k": view.k,
                                      "v": view.v}, f0["outputs"])
+
+    def extend_at(t: int) -> None:  # the chat turn prefilled after step t, if any
+        name = f"{t:06d}_{EXTEND}.pt"
+        if not run.has(name):
+            return
+        f, n = run.load(name), state.arena.n
+        inp = from_plain(f["inputs"])
+        patch = extend(model, state, list(inp["segments"]), pinned=frozenset(inp["pinned"]),
+                       pending=inp["pending"])
+        if wanted(EXTEND, t):
+            view = state.view()
+            check(name, {"patch": patch, "k": view.k[:, :, n:], "v": view.v[:, :, n:]},
+                  f["outputs"])
+
+    extend_at(0)
 
     for i, t in enumerate(steps):
         if step is not None and t > step:
@@ -195,6 +210,7 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
         patch = apply(model, state, gen, actions)
         if wanted("s4_apply", t):
             check(names[3], {"out": patch}, f4["outputs"])
+        extend_at(t)
         state.check_valid()
         report.steps += 1
         if progress:

@@ -64,11 +64,12 @@ class TokenPolicy:
         ids = ([self.bos_id] if self.add_bos else []) + self.encode(text)
         return [Segment(tuple(ids), source)]
 
-    def chat(self, turns: list[tuple[str, str]], add_generation_prompt: bool = True,
-             bos: bool | None = None) -> list[Segment]:
+    def chat(self, turns: list[tuple[str, str | tuple[int, ...]]],
+             add_generation_prompt: bool = True, bos: bool | None = None) -> list[Segment]:
         """Chat turns [(role, content)] -> segments, one per turn, each tagged with its role.
 
-        A system prompt appears only if it is one of ``turns``. With
+        ``content`` is text, or token ids taken as they are (a model's own reply is never
+        re-tokenized). A system prompt appears only if it is one of ``turns``. With
         ``add_generation_prompt`` the assistant turn is opened for the model to continue.
         """
         fmt = self.chat_format
@@ -79,8 +80,8 @@ class TokenPolicy:
             segs.append(Segment((self.bos_id,), turns[0][0] if turns else "system"))
         for role, content in turns:
             require(role in ROLES, f"unknown chat role {role!r}; expected one of {ROLES}")
-            ids = self.encode(fmt.turn_open.format(role=role)) + self.encode(content) \
-                + self.encode(fmt.turn_close)
+            body = self.encode(content) if isinstance(content, str) else list(content)
+            ids = self.encode(fmt.turn_open.format(role=role)) + body + self.encode(fmt.turn_close)
             segs.append(Segment(tuple(ids), role))
         if add_generation_prompt:
             segs.append(Segment(tuple(self.encode(fmt.turn_open.format(role="assistant"))),

@@ -111,6 +111,9 @@ class CacheParams:
     position would reach ``reindex_at`` (default: the model's max positions); ``keep``
     never does (the run stops there). Protected from culls and repairs: the first
     ``sinks`` live tokens, the last ``recent`` ones, and tokens whose source is ``pinned``.
+    ``prune``: ``tokens`` culls single tokens by score; ``turns`` drops whole oldest chat
+    turns instead (a user turn with everything up to the next one; never the last, never
+    pinned tokens; sinks, recent and repairs do not apply).
     Brightness: new tokens start at ``seeds[source]`` (in SOURCES order); each step
     b <- clamp(b - decay + gain * attention, 0, max_brightness).
     """
@@ -130,6 +133,7 @@ class CacheParams:
     max_repairs: int = 1
     reindex_at: int | None = None
     seed: int = 0  # the random scorer's seed
+    prune: str = "tokens"
 
     def __post_init__(self) -> None:
         require(self.policy in POLICIES, f"unknown policy {self.policy!r}; expected one of "
@@ -153,6 +157,10 @@ class CacheParams:
                 and all(0 <= s <= self.max_brightness for s in self.seeds),
                 f"seeds must be {len(SOURCES)} values in [0, max brightness]")
         require(self.max_repairs >= 0, f"max repairs must be >= 0, got {self.max_repairs}")
+        require(self.prune in ("tokens", "turns"),
+                f"prune must be tokens or turns, got {self.prune!r}")
+        require(self.prune == "tokens" or self.repair == "none",
+                "prune turns drops whole turns; it takes no token repairs")
         if self.budget is not None:
             require(self.policy != "none", "policy none never culls; it takes no budget")
             need = self.sinks + self.recent + 1

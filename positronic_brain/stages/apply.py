@@ -106,12 +106,15 @@ def prime(model: Model, segments: list[Segment], capacity: int | None = None,
 
 @torch.no_grad()
 def extend(model: Model, state: State, segments: list[Segment],
-           pinned: frozenset[str] = frozenset(), chunk: int = PREFILL_CHUNK) -> Patch:
+           pinned: frozenset[str] = frozenset(), chunk: int = PREFILL_CHUNK,
+           pending: int | None = None) -> Patch:
     """Stage 0 on a live state: prefill the pending token, then every new id but the last,
     which becomes the pending token (a chat turn, or an imported session's next prompt).
 
     Positions continue from ``state.next_position``; tokens whose source is in ``pinned``
-    are protected. Raises UserError (changing nothing) if they would not fit.
+    are protected. ``pending`` first replaces the pending token, which is not cached yet
+    (a chat closes a reply that ended on another stop token with its end-of-turn marker).
+    Raises UserError (changing nothing) if they would not fit.
     """
     new = [i for s in segments for i in s.ids]
     require(len(new) > 0, "nothing to extend: the segments are empty")
@@ -120,9 +123,10 @@ def extend(model: Model, state: State, segments: list[Segment],
             f"({a.n} of {a.capacity} slots live)")
     require(state.next_position + len(new) < spec.max_positions,
             f"{len(new)} more tokens would pass the model's {spec.max_positions} positions")
-    bad = [i for i in new if not 0 <= i < spec.vocab]
+    first = state.pending_token if pending is None else pending
+    bad = [i for i in [first] + new if not 0 <= i < spec.vocab]
     require(not bad, f"token id {bad[:1]} outside the model's vocabulary of {spec.vocab}")
-    ids = [state.pending_token] + new[:-1]
+    ids = [first] + new[:-1]
     src = [state.pending_source] + [s.source for s in segments for _ in s.ids][:-1]
     _, slots, uids = _prefill(
         model, state, torch.tensor(ids, dtype=torch.int64),

@@ -8,6 +8,7 @@ live tokens, the last ``recent`` ones, and pinned tokens (FLAG_PROTECTED). With 
 order, lowest summed score, pairs never overlap) into the single token the model ranks best
 at the pair's first position given the text to its left: two read-only forwards with the
 right-hand slots masked out, the second of which yields the new token's K/V.
+With prune ``turns``, the removals are instead the oldest whole chat turns (``oldest_turns``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from ..forward import forward
 from ..model import Model
 from ..state import FLAG_PROTECTED, View
-from ..types import Actions, CacheParams, Repair, ScoreOut, require
+from ..types import SOURCES, Actions, CacheParams, Repair, ScoreOut, require
 
 
 def protected(view: View, params: CacheParams) -> torch.Tensor:
@@ -76,11 +77,34 @@ def repair_pair(model: Model, view: View, left: int, first: int, second: int) ->
                   token_id=token, position=p_first, k=out.k, v=out.v)
 
 
+def oldest_turns(view: View, need: int) -> tuple[int, ...]:
+    """Slots of the fewest oldest whole turns that free ``need`` slots. A turn is a run of
+    user tokens (text order) and everything after it up to the next such run (the reply);
+    the last turn (the one being answered) and pinned tokens always stay."""
+    order = torch.argsort(view.position)  # (n,) slots in text order
+    user = view.source[order] == SOURCES.index("user")  # (n,)
+    starts = (user & ~torch.cat((user.new_zeros(1), user[:-1]))).nonzero()[:, 0].tolist()
+    free = (view.flags[order] & FLAG_PROTECTED) == 0  # (n,)
+    culls: list[int] = []
+    for a, b in zip(starts, starts[1:]):  # every turn but the last
+        if len(culls) >= need:
+            break
+        culls += order[a:b][free[a:b]].tolist()
+    require(len(culls) >= need, f"budget too small for whole turns: {need} slots must go, "
+            f"the older turns hold {len(culls)}")
+    return tuple(sorted(culls))
+
+
 def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> Actions:
     """Scores (n,) -> the actions stage 4 applies (culls, repairs, re-index, new columns)."""
     n = view.n
-    keep = protected(view, params)
     need = removals_needed(n, params.budget)
+    limit = min(params.reindex_at or model.spec.max_positions, model.spec.max_positions)
+    reindex = params.positions == "compact" and view.next_position + 1 >= limit
+    if params.prune == "turns":
+        return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum,
+                       cull_slots=oldest_turns(view, need), reindex=reindex)
+    keep = protected(view, params)
     free = n - int(keep.sum())
     require(need <= free, f"budget {params.budget} too small: {n - free} of {n} live tokens are "
             f"protected and {need} must go")
@@ -95,7 +119,5 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     candidates = ranked(scores.scores, view.position)
     candidates = candidates[~taken[candidates]]
     culls = tuple(sorted(candidates[: need - len(pairs)].tolist()))
-    limit = min(params.reindex_at or model.spec.max_positions, model.spec.max_positions)
-    reindex = params.positions == "compact" and view.next_position + 1 >= limit
     return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum, cull_slots=culls,
                    repairs=repairs, reindex=reindex)

@@ -1,0 +1,239 @@
+"""The chat engine: multi-turn chat over one session whose cache is held at a fixed budget.
+
+    chat = Chat(model, policy, system="You are terse.", cache=CacheParams(budget=512))
+    print(chat.say("Name a prime number."))
+    for event in chat.stream("And another one?"):
+        print(event.text, end="")
+
+The system prompt (exactly the one given, or none) is primed once and pinned. Each user turn
+is stage 0 on the live state (``Session.extend``): it closes the previous reply, prefills the
+user turn and opens the assistant turn, so the cache holds exactly the ids that priming the
+whole conversation would (the model's own end-of-turn token, sampled and still pending, is
+cached as it is; a reply cut short gets the marker added). Culls, repairs and re-indexes
+happen in the steps (stages 2-4) as in any run; with ``CacheParams(prune="turns")`` the
+oldest whole turns go instead. A turn that cannot fit is refused before anything changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .capture import CaptureWriter
+from .loop import Session
+from .model import Model
+from .special_tokens import TextStream, TokenPolicy
+from .state import FLAG_PROTECTED
+from .streaming import StreamEvent
+from .types import SOURCES, CacheParams, SamplerParams, Segment, StepRecord, require
+
+DEFAULT_BUDGET = 1024  # or a quarter of the model's positions, if less
+USER = SOURCES.index("user")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One assistant turn: its text and ids (the stop token left out) and its steps."""
+
+    text: str
+    ids: tuple[int, ...]
+    stop_reason: str | None  # eos, max_new_tokens, cancelled, capacity, max_positions
+    steps: tuple[StepRecord, ...]
+
+    @property
+    def ms_per_token(self) -> float:
+        return statistics.median(r.ms for r in self.steps) if self.steps else 0.0
+
+
+class Chat:
+    """A conversation: ``say(text) -> reply text`` or ``stream(text)`` (StreamEvents).
+
+    A chat always has a budget (``cache.budget`` None: DEFAULT_BUDGET). With compact
+    positions it re-indexes early enough (``reindex_at`` at most max positions - budget) that
+    a turn always finds positions; the arena holds 2 x budget slots, room for the cache at the
+    budget plus a new turn until the next step culls back down to it.
+    """
+
+    def __init__(self, model: Model, policy: TokenPolicy, system: str | None = None,
+                 sampler: SamplerParams | None = None, cache: CacheParams | None = None,
+                 max_new_tokens: int = 256, capture: CaptureWriter | None = None,
+                 session: Session | None = None):
+        require(policy.chat_format is not None,
+                "no chat format known for this tokenizer (ChatML or Llama-3 markers)")
+        require(max_new_tokens >= 1, f"max-new-tokens must be >= 1, got {max_new_tokens}")
+        self.policy, self.max_new_tokens = policy, max_new_tokens
+        self.close_ids = policy.encode(policy.chat_format.turn_close)  # e.g. <|im_end|> \n
+        if session is None:
+            session = Session(model, policy, sampler or SamplerParams(),
+                              self._chat_cache(model, cache or CacheParams()), capture=capture)
+        self.session = session
+        state = session.state
+        self.capacity = state.arena.capacity if state else 2 * session.cache.budget
+        self.transcript: list[tuple[str, str | tuple[int, ...]]] = []  # this process's turns
+        self.last: Reply | None = None
+        self.totals = {"turns": 0, "steps": 0, "ms": 0.0, "culled": 0, "repaired": 0,
+                       "reindexed": 0}
+        self.cache_lens: deque[int] = deque(maxlen=240)  # the last steps' cache lengths
+        self._turn_rows: list[dict] = []  # the ledger when the current turn opened
+        if system is not None:
+            require(session.state is None, "a resumed session has its system prompt already")
+            self._prime_system(system)
+        self.max_position = session.state.next_position if session.state else -1
+
+    @classmethod
+    def resume(cls, session: Session, max_new_tokens: int = 256) -> "Chat":
+        """Continue a conversation from a session (e.g. ``session_io.load_session``)."""
+        return cls(session.model, session.policy, max_new_tokens=max_new_tokens, session=session)
+
+    @staticmethod
+    def _chat_cache(model: Model, cache: CacheParams) -> CacheParams:
+        limit = model.spec.max_positions
+        budget = cache.budget or min(DEFAULT_BUDGET, limit // 4)
+        require(2 * budget < limit, f"a chat budget must be below half the model's {limit} "
+                f"positions (room for a turn past the budget), got {budget}")
+        if cache.positions == "keep":
+            return dataclasses.replace(cache, budget=budget)
+        return dataclasses.replace(cache, budget=budget,
+                                   reindex_at=min(cache.reindex_at or limit, limit - budget))
+
+    def _prime_system(self, system: str) -> None:
+        segments = self.policy.chat([("system", system)], add_generation_prompt=False)
+        n, cache = sum(len(s.ids) for s in segments), self.session.cache
+        need = max(n, cache.sinks) + (cache.recent if cache.prune == "tokens" else 0) + 1
+        require(need < cache.budget, f"the system prompt has {n} tokens: it leaves no room "
+                f"for a turn in the budget of {cache.budget}")
+        self.session.prime(segments, self.capacity)
+        self.transcript.append(("system", system))
+
+    # --- a turn -------------------------------------------------------------------------------
+
+    def next_segments(self, text: str) -> tuple[list[Segment], int | None]:
+        """What the turn ``text`` prefills: the close of the previous reply (if open), the user
+        turn and the opened assistant turn; and the id replacing the pending token (a stop
+        token other than the end-of-turn marker), or None. Raises UserError if it cannot fit."""
+        require(text.strip() != "", "the turn is empty")
+        p, s = self.policy, self.session
+        state = s.state
+        if state is None:  # nothing cached yet: the first turn is primed (BOS as the family wants)
+            turn, close, pending = p.chat([("user", text)]), [], None
+        else:
+            turn, close, pending = p.chat([("user", text)], bos=False), self._close(), None
+            if close and p.is_eos(state.pending_token):  # the reply's stop token is the marker
+                close, pending = close[1:], None if state.pending_token == close[0] else close[0]
+        segments = ([Segment(tuple(close), state.pending_source)] if close else []) + turn
+        self._check_fits(sum(len(x.ids) for x in segments))
+        return segments, pending
+
+    def _close(self) -> list[int]:
+        """The end-of-turn ids still missing after the cached text and the pending token."""
+        state, close = self.session.state, self.close_ids
+        view, k = state.view(), len(close) - 1
+        if view.n >= k:
+            tail = view.token_id[torch.argsort(view.position)[view.n - k:]].tolist()  # last k
+            if tail + [state.pending_token] == close:
+                return []
+        return close
+
+    def _check_fits(self, turn_len: int) -> None:
+        """The turn, the tokens no cull may remove and (pruning whole turns, where only older
+        turns can make room) the longest reply must fit the budget together."""
+        cache, state = self.session.cache, self.session.state
+        kept = 0
+        if state is not None:
+            view = state.view()
+            pinned = (view.flags & FLAG_PROTECTED) != 0  # (n,)
+            kept = int(pinned.sum())
+            if cache.prune == "turns":  # and whatever precedes the first turn
+                users = view.position[view.source == USER]
+                first = int(users.min()) if users.numel() else state.next_position + 1
+                kept += int((~pinned & (view.position < first)).sum())
+        reply = self.max_new_tokens if cache.prune == "turns" else 0
+        room = cache.budget - kept - reply - 1
+        require(turn_len <= room, f"the turn adds {turn_len} tokens; the budget of "
+                f"{cache.budget} leaves room for {max(room, 0)} ({kept} kept"
+                + (f", {reply} for the reply)" if reply else ")"))
+
+    def stream(self, text: str) -> Iterator[StreamEvent]:
+        """Say ``text``; yields one StreamEvent per generated token (a stop token's text is
+        ""). Closing the iteration early ends the reply there (stop reason ``cancelled``); the
+        next turn closes it. The turn is checked (and refused) before anything changes."""
+        segments, pending = self.next_segments(text)
+        s = self.session
+        if s.state is None:
+            s.prime(segments, self.capacity)
+        else:
+            s.extend(segments, pending)
+        self.transcript.append(("user", text))
+        self.totals["turns"] += 1
+        self.max_position = max(self.max_position, s.state.next_position)
+        self._turn_rows = s.state.mirror.ledger()
+        out, ids, steps, done = TextStream(self.policy), [], [], False
+        records = s.stream(self.max_new_tokens)
+        try:
+            for rec in records:
+                self._tally(rec)
+                steps.append(rec)
+                stop = self.policy.is_eos(rec.token_id)
+                if not stop:
+                    ids.append(rec.token_id)
+                yield StreamEvent("" if stop else out.push(rec.token_id), rec)
+            done = True
+        finally:
+            records.close()
+            if not done:
+                s.stop_reason = "cancelled"
+            self.transcript.append(("assistant", tuple(ids)))
+            self.last = Reply(self.policy.decode(ids), tuple(ids), s.stop_reason, tuple(steps))
+
+    def say(self, text: str) -> str:
+        """Say ``text``; returns the whole reply's text (details in ``self.last``)."""
+        for _ in self.stream(text):
+            pass
+        return self.last.text
+
+    def _tally(self, rec: StepRecord) -> None:
+        t = self.totals
+        t["steps"] += 1
+        t["ms"] += rec.ms
+        t["culled"] += len(rec.culled)
+        t["repaired"] += len(rec.repaired)
+        t["reindexed"] += rec.reindexed
+        self.cache_lens.append(rec.cache_len)
+        self.max_position = max(self.max_position, self.session.state.next_position)
+
+    # --- what the terminal shows --------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Plain values: turns, cache length/budget/capacity, positions, ms/token (mean over
+        all steps; the last reply's median), culls/repairs/re-indexes so far."""
+        s, t = self.session, self.totals
+        state = s.state
+        return {"turns": t["turns"], "cache_len": state.arena.n if state else 0,
+                "budget": s.cache.budget, "capacity": self.capacity, "prune": s.cache.prune,
+                "policy": s.cache.policy, "next_position": state.next_position if state else 0,
+                "max_position": self.max_position, "steps": t["steps"],
+                "ms_per_token": round(t["ms"] / t["steps"], 3) if t["steps"] else 0.0,
+                "last_ms_per_token": round(self.last.ms_per_token, 3) if self.last else 0.0,
+                "culled": t["culled"], "repaired": t["repaired"], "reindexed": t["reindexed"]}
+
+    def context(self) -> tuple[list[dict], set[int], set[int]]:
+        """Ledger rows to show (the live ones, and those culled since the current turn
+        opened, at their old positions), the culled uids, and the live merged-in uids."""
+        state = self.session.state
+        if state is None:
+            return [], set(), set()
+        live = state.mirror.ledger()
+        uids = {r["uid"] for r in live}
+        gone = [r for r in self._turn_rows if r["uid"] not in uids]
+        return live + gone, {r["uid"] for r in gone}, set(state.mirror.merged) & uids
+
+    def context_ids(self) -> list[int]:
+        """The cached ids in text order, then the pending token."""
+        state = self.session.state
+        if state is None:
+            return []
+        return [r["token_id"] for r in state.mirror.ledger()] + [state.pending_token]
