@@ -458,7 +458,7 @@ def cmd_chat(args) -> int:
               f"max position {st['max_position']}, culled {st['culled']}, merged "
               f"{st['repaired']}, re-indexed {st['reindexed']}, RSS {rss0} -> {_rss_mb()} MiB, "
               f"errors {errors}]", file=sys.stderr)
-    return 2 if errors else 0
+    return 2 if errors and lines is not None else 0  # a script with refused lines failed
 
 
 def main(argv: list[str] | None = None) -> int:
