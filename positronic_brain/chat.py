@@ -142,6 +142,8 @@ class Chat:
         """The turn, the tokens no cull may remove and (pruning whole turns, where only older
         turns can make room) the longest reply must fit the budget together."""
         cache, state = self.session.cache, self.session.state
+        if cache.budget is None:  # a resumed session without one: only the arena limits
+            return
         kept = 0
         if state is not None:
             view = state.view()

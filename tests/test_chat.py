@@ -173,6 +173,21 @@ def test_a_stop_token_other_than_the_end_of_turn_is_replaced(tiny_model):
     assert chat.context_ids() == expected + [first.record.token_id]
 
 
+def test_a_plain_session_resumes_as_a_chat(tiny_model, tiny_policy):
+    """A session from ``run`` (no budget, reply cut short) continues as a chat: the next turn
+    adds the whole end-of-turn marker."""
+    from positronic_brain.loop import Session
+
+    session = Session(tiny_model, tiny_policy, SAMPLED)
+    session.prime(tiny_policy.chat([("user", "hi")]), capacity=128)
+    reply = tuple(r.token_id for r in session.stream(3))
+    chat = Chat.resume(session, max_new_tokens=2)
+    chat.say("again")
+    assert chat.context_ids()[:-2] == _ids(tiny_policy, [("user", "hi"), ("assistant", reply)]) \
+        + _ids(tiny_policy, [("user", "again")]) + tiny_policy.encode("<|im_start|>assistant\n")
+    assert chat.stats()["budget"] is None
+
+
 def test_bad_turns_are_refused_and_the_session_stays_intact(tiny_model, tiny_policy):
     chat = Chat(tiny_model, tiny_policy, system=SYSTEM, sampler=SAMPLED,
                 cache=CacheParams(budget=64, sinks=2, recent=4), max_new_tokens=4)
