@@ -257,6 +257,32 @@ def test_cli_script_mode_end_to_end(capsys, tmp_path, one_thread):
     assert out.startswith(replies[0][:1])
 
 
+def test_ctrl_c_stops_the_reply_not_the_program(capsys, tmp_path, monkeypatch, one_thread):
+    """SIGINT in the middle of a step: that step finishes, the reply stops there (cancelled),
+    the state is valid and the next turn goes on."""
+    import os
+    import signal
+
+    from positronic_brain.loop import Session
+
+    step = Session.step
+
+    def interrupted(self, *a, **k):
+        if self.state.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C while the third step runs
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(Session, "step", interrupted)
+    (tmp_path / "turns.txt").write_text("first\nsecond\n")
+    code, out, err = _cli(capsys, "--script", str(tmp_path / "turns.txt"), "--json",
+                          "--budget", "48", "--sinks", "2", "--recent", "4",
+                          "--max-new-tokens", "6")
+    assert code == 0, err
+    first, second = (json.loads(x) for x in out.splitlines())
+    assert (first["stop_reason"], first["tokens"]) == ("cancelled", 3)
+    assert second["stop_reason"] == "max_new_tokens" and second["tokens"] == 6
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--script", "SCRIPT", "--budget", "48", "--sinks", "2", "--recent", "4"],
      "line 2: unknown command '/nope'"),
