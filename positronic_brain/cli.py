@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None,
                        help="folder for report.md, results.json and the PNG plots")
     bench.add_argument("--report", default=None,
-                       help="write the markdown report here instead of OUT/report.md")
+                       help="also write the report into this shared document (e.g. "
+                       "docs/BENCHMARKS.md), as its own section between markers")
     bench.add_argument("--model", default="smollm2",
                        help="smollm2 (default), tiny-random, tiny-random-qwen2, or a local HF folder")
     _add_quality_args(bench)

@@ -49,8 +49,23 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path):
     for name in ("decode_ms.png", "alloc_bytes.png", "edits_ms.png"):
         assert (out / name).read_bytes().startswith(PNG)
     report = (out / "report.md").read_text()
+    assert report.startswith("# Speed benchmark")
     assert "bench speed --quick --model tiny-random --out" in report
     assert "![decode_ms.png](./decode_ms.png)" in report
+
+
+def test_report_sections_share_one_document(tmp_path):
+    from positronic_brain.bench.common import write_section
+
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("# Benchmarks\n\nhand-written intro\n")
+    write_section(doc, "speed", "## Speed\nv1")
+    write_section(doc, "quality", "## Quality\nq1")
+    write_section(doc, "speed", "## Speed\nv2")  # replaced in place; the rest is kept
+    assert doc.read_text() == ("# Benchmarks\n\nhand-written intro\n\n"
+                               "<!-- bench speed: begin -->\n## Speed\nv2\n<!-- bench speed: end -->\n"
+                               "<!-- bench quality: begin -->\n## Quality\nq1\n"
+                               "<!-- bench quality: end -->\n")
 
 
 def test_bench_report_needs_out(capsys):

@@ -12,6 +12,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -229,6 +230,50 @@ def write_text(path: Path, text: str) -> None:
 
 def write_json(path: Path, obj: dict) -> None:
     write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+def out_dir(args) -> Path | None:
+    """The ``--out`` folder, created; checked with ``--report`` before any measuring."""
+    if args.report and not args.out:
+        raise UserError("--report needs --out (the plots and results.json go there)")
+    return prepare_out_dir(args.out) if args.out else None
+
+
+def emit(res: dict, args, out: Path | None, name: str,
+         plots: Callable[[dict, Path], list[str]], report_md: Callable[..., str],
+         tables: Callable[[dict], list[Table]]) -> None:
+    """A benchmark's outputs: into ``out``, results.json, the PNG ``plots`` and report.md;
+    with ``--report``, the report also as section ``name`` of that shared document; on
+    stdout, one JSON object (``--json``) or the tables.
+
+    ``report_md(res, images, image_dir, level)`` -> markdown whose title has that level."""
+    if out is not None:
+        images = plots(res, out)
+        write_json(out / "results.json", res)
+        write_text(out / "report.md", report_md(res, images, ".", 1))
+        if args.report:
+            doc = Path(args.report)
+            write_section(doc, name, report_md(res, images, os.path.relpath(out, doc.parent), 2))
+    if args.json:
+        json.dump(res, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print_tables(tables(res))
+
+
+def write_section(path: Path, name: str, section: str) -> None:
+    """Put ``section`` between the markers ``<!-- bench NAME: begin/end -->`` of ``path``,
+    keeping the rest of the file, so several benchmarks share one document (markers are
+    appended if missing; the file is created if needed)."""
+    begin, end = f"<!-- bench {name}: begin -->", f"<!-- bench {name}: end -->"
+    old = path.read_text() if path.exists() else ""
+    block = f"{begin}\n{section.rstrip()}\n{end}\n"
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + block + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        new = (old.rstrip() + "\n\n" if old.strip() else "") + block
+    write_text(path, new)
 
 
 def fmt(x: float | None, digits: int = 1) -> str:

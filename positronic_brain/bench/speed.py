@@ -18,9 +18,7 @@ a causal model's cache over the first n tokens is the same whatever follows them
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,7 @@ from ..stages.decide import decide, repair_pair
 from ..stages.generate import generate
 from ..stages.score import score
 from ..state import State, View
-from ..types import Actions, CacheParams, SamplerParams, Segment, UserError, require
+from ..types import Actions, CacheParams, SamplerParams, Segment, require
 from . import common
 from .common import Table, fmt, fmt_bytes
 
@@ -558,10 +556,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def report_md(res: dict, images: list[str], image_dir: str) -> str:
+def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
+    """The markdown report; ``level`` is the heading level of its title."""
+    h = "#" * level
     m = res["machine"]
     lines = [
-        "# Speed benchmark",
+        f"{h} Speed benchmark",
         "",
         f"Regenerate with `{res['command']}` (this run took {_duration(res['elapsed_s'])}; "
         "`make bench` runs the quick version). Every number below comes from that one run; "
@@ -576,14 +576,14 @@ def report_md(res: dict, images: list[str], image_dir: str) -> str:
         "",
     ]
     for t in tables(res):
-        lines += [f"## {t.title}", "", t.markdown(), ""]
+        lines += [f"{h}# {t.title}", "", t.markdown(), ""]
         if t.title.startswith("Targets"):
             notes = missed_notes(res)
             if notes:
-                lines += ["### Missed targets, and why", "", *notes, ""]
-    lines += ["## Plots", ""]
+                lines += [f"{h}## Missed targets, and why", "", *notes, ""]
+    lines += [f"{h}# Plots", ""]
     lines += [f"![{name}]({image_dir}/{name})" for name in images]
-    lines += ["", "## Method", "", METHOD]
+    lines += ["", f"{h}# Method", "", METHOD]
     return "\n".join(lines) + "\n"
 
 
@@ -622,21 +622,8 @@ def command_line(args) -> str:
 
 
 def main(args) -> int:
-    """The CLI entry: measure, then print a table (or one JSON object) and write files."""
-    if args.report and not args.out:
-        raise UserError("--report needs --out (the plots and results.json go there)")
-    out = common.prepare_out_dir(args.out) if args.out else None  # fail before the long run
-    cfg = SpeedConfig.preset(args.model, args.quick)
-    res = run(cfg, command_line(args))
-    if out is not None:
-        report = Path(args.report) if args.report else out / "report.md"
-        images = plots(res, out)
-        common.write_json(out / "results.json", res)
-        image_dir = os.path.relpath(out, report.parent)
-        common.write_text(report, report_md(res, images, image_dir))
-    if args.json:
-        json.dump(res, sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        common.print_tables(tables(res))
+    """The CLI entry: measure, then print tables (or one JSON object) and write files."""
+    out = common.out_dir(args)  # fail before the long run
+    res = run(SpeedConfig.preset(args.model, args.quick), command_line(args))
+    common.emit(res, args, out, "speed", plots, report_md, tables)
     return 0
