@@ -62,11 +62,11 @@ async def test_cancel_mid_step_finishes_that_step_and_leaves_a_valid_state(tiny_
     expected = [r.token_id for r in reference.stream(20, ignore_eos=True)]
     in_step, real_step = threading.Event(), session.step
 
-    def slow_step():  # the 4th step is in the worker when the cancel arrives
+    def slow_step(*args, **kwargs):  # the 4th step is in the worker when the cancel arrives
         if session.state.step == 3:
             in_step.set()
             time.sleep(0.2)
-        return real_step()
+        return real_step(*args, **kwargs)
 
     session.step = slow_step
     seen = []
@@ -76,7 +76,8 @@ async def test_cancel_mid_step_finishes_that_step_and_leaves_a_valid_state(tiny_
             seen.append(e.record.token_id)
 
     task = asyncio.create_task(consume())
-    await asyncio.get_running_loop().run_in_executor(None, in_step.wait)
+    assert await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 60), \
+        "the 4th step never started"
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
