@@ -147,6 +147,7 @@ class State:
     pending_source: str = "user"
     next_position: int = 0  # the pending token's position
     step: int = 0  # number of stage-4 applications so far
+    pinned: tuple[str, ...] = ()  # prime's protected sources (stage 4 flags the pending token)
 
     def view(self) -> View:
         n, m = self.arena.n, self.mirror

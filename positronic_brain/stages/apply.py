@@ -90,7 +90,7 @@ def prime(model: Model, segments: list[Segment], capacity: int | None = None,
     src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
     flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
     state = State(Arena.allocate(model.spec, capacity, model.dtype),
-                  KVMirror.allocate(capacity, seeds))
+                  KVMirror.allocate(capacity, seeds), pinned=tuple(sorted(pinned)))
     T = len(ids_list) - 1
     logits, slots, uids = _prefill(
         model, state, torch.tensor(ids_list[:T], dtype=torch.int64), torch.arange(T),
@@ -238,7 +238,8 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
     (uid,) = _write_rows(m, slice(n, n + 1), torch.tensor([gen.input_token]),
                          torch.tensor([position]),
                          torch.tensor([SOURCES.index(state.pending_source)], dtype=torch.int8),
-                         step, torch.zeros(1, dtype=torch.int8))
+                         step, torch.tensor([FLAG_PROTECTED if state.pending_source in state.pinned
+                                             else 0], dtype=torch.int8))
     m.n = n + 1
     a.k[:, :, n:n + 1] = k
     a.v[:, :, n:n + 1] = gen.v

@@ -1,0 +1,343 @@
+"""Property tests (hypothesis) of the central rule: only stage 0/4 writes the arena or the
+mirror. Random prompts, cache and sampler parameters and random sequences of stage calls
+and actions on the tiny model:
+
+- stages 1-3 (generate, score, decide with its repair forwards, repair_pair) leave every
+  arena and mirror tensor as it was: same ``_version`` counter, same ``data_ptr()``, same
+  content hash; and every scalar field of the state;
+- stage 4 does exactly what its actions say, token by token: the cache length changes by
+  +1 (append) -1 (each cull) -1 (each repair); the survivors keep their K/V (re-rotated
+  exactly if re-indexed), ledger rows and text order; new uids are fresh (never reused);
+  the live slots stay the dense prefix the mirror describes; ``check_valid()`` holds.
+
+Deterministic: ``derandomize=True`` and no example database.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections import Counter
+from dataclasses import fields
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from positronic_brain.forward import apply_rope, rerotation
+from positronic_brain.model import load_model
+from positronic_brain.sampler import make_generator
+from positronic_brain.scorers import make_scorer
+from positronic_brain.stages.apply import apply, prime
+from positronic_brain.stages.decide import decide, repair_pair
+from positronic_brain.stages.generate import generate
+from positronic_brain.stages.score import score
+from positronic_brain.state import FLAG_PROTECTED, KVMirror
+from positronic_brain.types import (AGGREGATIONS, POLICIES, SOURCES, Actions, CacheParams,
+                                    SamplerParams, Segment, UserError)
+from tests.oracle import assert_close
+
+# CI runs the same examples every time; nothing is stored between runs.
+SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=False,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+BYTES = 256  # every byte-level tokenizer's first 256 ids are the bytes
+
+# --- strategies -------------------------------------------------------------------------
+
+token_ids = st.integers(0, BYTES - 1)
+
+
+@st.composite
+def prompts(draw, max_segments: int = 3, max_len: int = 8) -> list[Segment]:
+    """1-3 segments of random byte tokens, each with a random source."""
+    segs = draw(st.lists(st.tuples(st.sampled_from(SOURCES),
+                                   st.lists(token_ids, min_size=1, max_size=max_len)),
+                         min_size=1, max_size=max_segments))
+    return [Segment(tuple(ids), src) for src, ids in segs]
+
+
+@st.composite
+def cache_params(draw) -> CacheParams:
+    """Any valid CacheParams with small budgets (so culls happen within a few steps) and
+    re-index thresholds close enough to be reached."""
+    policy = draw(st.sampled_from(POLICIES))
+    sinks, recent = draw(st.integers(0, 3)), draw(st.integers(0, 4))
+    budget = None if policy == "none" else draw(
+        st.none() | st.integers(sinks + recent + 1, sinks + recent + 12))
+    top = draw(st.sampled_from((255.0, 40.0)))
+    return CacheParams(
+        budget=budget, policy=policy, repair=draw(st.sampled_from(("none", "merge"))),
+        positions=draw(st.sampled_from(("keep", "compact"))), sinks=sinks, recent=recent,
+        pinned=tuple(sorted(draw(st.sets(st.sampled_from(SOURCES), max_size=2)))),
+        decay=draw(st.floats(0, 20)), gain=draw(st.floats(0, 60)), max_brightness=top,
+        seeds=tuple(draw(st.lists(st.floats(0, top), min_size=len(SOURCES),
+                                  max_size=len(SOURCES)))),
+        aggregate=draw(st.sampled_from(AGGREGATIONS)), max_repairs=draw(st.integers(0, 3)),
+        reindex_at=draw(st.none() | st.integers((budget or 1) + 1, (budget or 1) + 30)),
+        seed=draw(st.integers(0, 3)))
+
+
+samplers = st.builds(
+    SamplerParams, greedy=st.booleans(), temperature=st.sampled_from((0.0, 0.7, 1.0, 1.5)),
+    top_k=st.integers(0, 50), top_p=st.sampled_from((1.0, 0.9, 0.5)),
+    min_p=st.sampled_from((0.0, 0.05)), repetition_penalty=st.sampled_from((1.0, 1.3)),
+    seed=st.integers(0, 9))
+
+
+# --- what must not change ----------------------------------------------------------------
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def snapshot(state) -> tuple[dict, dict]:
+    """Every arena/mirror tensor (whole capacity) -> (_version, data_ptr, content hash),
+    and every other field of the state, arena and mirror (whatever their dataclasses list)."""
+    a, m = state.arena, state.mirror
+    tensors = {"arena.k": a.k, "arena.v": a.v, **{f"mirror.{c}": getattr(m, c)
+                                                   for c in KVMirror.COLUMNS}}
+    scalars = {f"{prefix}{f.name}": copy.deepcopy(getattr(obj, f.name))
+               for prefix, obj in (("arena.", a), ("mirror.", m), ("", state))
+               for f in fields(obj) if f.name not in ("k", "v", "arena", "mirror")
+               + KVMirror.COLUMNS}
+    return {name: (t._version, t.data_ptr(), _sha(t)) for name, t in tensors.items()}, scalars
+
+
+def assert_unchanged(before: tuple[dict, dict], state, what: str) -> None:
+    tensors, scalars = snapshot(state)
+    for name, (version, ptr, sha) in before[0].items():
+        assert tensors[name][0] == version, f"{what} bumped {name}._version"
+        assert tensors[name][1] == ptr, f"{what} moved {name} (data_ptr)"
+        assert tensors[name][2] == sha, f"{what} changed the contents of {name}"
+    assert scalars == before[1], f"{what} changed a scalar field: {before[1]} -> {scalars}"
+
+
+# --- what stage 4 must do ----------------------------------------------------------------
+
+def rows(state) -> dict[int, dict]:
+    """Live ledger rows by uid, each with its slot and that slot's K/V (L, kv_heads, head_dim)."""
+    a, m = state.arena, state.mirror
+    cols = {c: m.live(c).tolist() for c in KVMirror.COLUMNS}
+    return {u: {**{c: cols[c][s] for c in KVMirror.COLUMNS}, "slot": s,
+                "k": a.k[:, :, s].clone(), "v": a.v[:, :, s].clone()}
+            for s, u in enumerate(cols["uid"])}
+
+
+def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
+                                      old: dict[int, dict], gen, actions: Actions,
+                                      patch) -> None:
+    """``before``: snapshot() and ``old``: rows() before the apply (stage 4 writes in place:
+    no tensor is reallocated)."""
+    state.check_valid()
+    a, m = state.arena, state.mirror
+    n0, n1 = len(old), a.n
+    assert n1 == m.n == n0 + 1 - len(actions.cull_slots) - len(actions.repairs), \
+        "cache length: +1 append, -1 per cull, -1 per repair"
+    for name, (_, ptr, _) in snapshot(state)[0].items():
+        assert ptr == before[0][name][1], f"stage 4 reallocated {name}"
+    next_uid = before[1]["mirror.next_uid"]
+    pending_source = SOURCES.index(before[1]["pending_source"])
+    new = rows(state)
+    assert len(new) == n1 and sorted(r["slot"] for r in new.values()) == list(range(n1)), \
+        "live slots are not the dense prefix [0, n)"
+
+    by_slot = {r["slot"]: u for u, r in old.items()}
+    culled = {by_slot[s] for s in actions.cull_slots}
+    merged = {u for r in actions.repairs for u in r.uids}
+    assert set(old) - set(new) == culled | merged, "removed uids differ from culls + repairs"
+    fresh = set(new) - set(old)
+    assert fresh == set(patch.repaired_uids) | set(patch.appended_uids)
+    assert min(fresh) >= next_uid and m.next_uid == next_uid + len(fresh), "a uid was reused"
+    assert list(patch.repaired_uids) == list(range(next_uid, next_uid + len(actions.repairs)))
+
+    # What each live uid must hold, before any re-index: (row fields, position, K, V).
+    want = {}
+    for u in set(old) & set(new):
+        r = old[u]
+        b = r["brightness"] if actions.brightness is None else float(actions.brightness[r["slot"]])
+        s = r["attn_sum"] if actions.attn_sum is None else float(actions.attn_sum[r["slot"]])
+        want[u] = ({"token_id": r["token_id"], "source": r["source"], "flags": r["flags"],
+                    "born_step": r["born_step"], "changed_step": r["changed_step"],
+                    "brightness": b, "attn_sum": s}, r["position"], r["k"], r["v"])
+    for rep, u in zip(actions.repairs, patch.repaired_uids):
+        first, second = (old[x] for x in rep.uids)
+        bright = [x["brightness"] if actions.brightness is None
+                  else float(actions.brightness[x["slot"]]) for x in (first, second)]
+        assert m.merged[u] == rep.uids
+        want[u] = ({"token_id": rep.token_id, "source": first["source"], "flags": 0,
+                    "born_step": state.step, "changed_step": state.step,
+                    "brightness": max(bright), "attn_sum": 0.0}, rep.position,
+                   rep.k[:, :, 0], rep.v[:, :, 0])
+    (u_app,) = patch.appended_uids
+    pinned = FLAG_PROTECTED if SOURCES[pending_source] in state.pinned else 0
+    want[u_app] = ({"token_id": gen.input_token, "source": pending_source, "flags": pinned,
+                    "born_step": state.step, "changed_step": state.step,
+                    "brightness": float(torch.tensor(m.seeds, dtype=torch.float32)[pending_source]),
+                    "attn_sum": 0.0},
+                   gen.position, gen.k[:, :, 0], gen.v[:, :, 0])
+
+    # Re-index: positions become text-order ranks (the appended token last); keys re-rotate.
+    order = sorted((u for u in want if u != u_app), key=lambda u: want[u][1]) + [u_app]
+    if actions.reindex:
+        target = {u: i for i, u in enumerate(order)}
+    else:
+        target = {u: want[u][1] for u in want}
+        assert target[u_app] == gen.position
+    assert sorted(new, key=lambda u: new[u]["position"]) == order, "text order changed"
+    assert state.next_position == target[u_app] + 1 and state.pending_token == gen.token_id
+    uids = sorted(want)
+    k_old = torch.stack([want[u][2] for u in uids], 2)  # (L, KVH, n1, D)
+    cos, sin = rerotation(model, torch.tensor([want[u][1] for u in uids]),
+                          torch.tensor([target[u] for u in uids]))
+    k_want = apply_rope(k_old.float(), cos, sin)
+    for i, u in enumerate(uids):
+        fields, _, _, v = want[u]
+        got = new[u]
+        assert {f: got[f] for f in fields} == fields, f"uid {u}: ledger row"
+        assert got["position"] == target[u], f"uid {u}: position"
+        assert torch.equal(got["v"], v), f"uid {u}: V moved with its token unchanged"
+        if target[u] == want[u][1]:
+            assert torch.equal(got["k"], want[u][2]), f"uid {u}: K unchanged"
+        else:
+            assert_close(got["k"], k_want[:, :, i], 1e-6, f"uid {u}: K re-rotated")
+
+
+# --- the properties ----------------------------------------------------------------------
+
+def _read_only_call(model, view, state, data, kind: str, seen: Counter):
+    """One extra stage-1/2/3 call with freshly drawn parameters; nothing may change."""
+    before = snapshot(state)
+    if kind == "generate":
+        params = data.draw(samplers)
+        generate(model, view, params, make_generator(params.seed))
+    else:
+        gen = generate(model, view, SamplerParams(greedy=True), make_generator(0))
+        cache = data.draw(cache_params())
+        if kind == "decide" and cache.policy != "none":
+            # three removals due, merges on: decide runs its repair forwards when it can
+            budget = max(cache.sinks + cache.recent + 1, view.n - 2)
+            cache = CacheParams(budget=budget, policy=cache.policy,
+                                repair="merge", sinks=cache.sinks, recent=cache.recent,
+                                max_repairs=3, aggregate=cache.aggregate)
+        scores = score(view, gen.attention, make_scorer(cache))
+        if kind == "decide":
+            try:
+                seen["decide repairs"] += len(decide(model, view, scores, cache).repairs)
+            except UserError:
+                seen["decide refused"] += 1
+    assert_unchanged(before, state, kind)
+
+
+def _draw_actions(model, view, data, scores) -> Actions:
+    """Hand-picked valid actions: unprotected culls, disjoint adjacent merges built by
+    stage 3's repair_pair, maybe a re-index; the scorer's columns."""
+    n = view.n
+    free = [s for s in range(n) if not int(view.flags[s]) & FLAG_PROTECTED]
+    culls = data.draw(st.lists(st.sampled_from(free), unique=True, max_size=4)) if free else []
+    order = torch.argsort(view.position).tolist()  # slots in text order
+    pairs, used = [], set(culls)
+    if n >= 3:
+        for i in data.draw(st.lists(st.integers(1, n - 2), unique=True, max_size=2)):
+            first, second = order[i], order[i + 1]
+            if {first, second} & used or not {first, second} <= set(free):
+                continue
+            used |= {first, second}
+            pairs.append((order[i - 1], first, second))
+    return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum,
+                   cull_slots=tuple(culls),
+                   repairs=tuple(repair_pair(model, view, *p) for p in pairs),
+                   reindex=data.draw(st.booleans()))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_only_stage_4_writes_and_it_does_what_its_actions_say(tiny_model):
+    seen = Counter()
+
+    @settings(max_examples=40, **SETTINGS)
+    @given(data=st.data(), segments=prompts(), cache=cache_params(), sampler=samplers,
+           steps=st.integers(1, 10))
+    def walk(data, segments, cache, sampler, steps):
+        n_prompt = sum(len(s.ids) for s in segments)
+        state, _ = prime(tiny_model, segments, n_prompt + steps + 1,
+                         pinned=frozenset(cache.pinned), seeds=cache.seeds)
+        state.check_valid()
+        scorer, generator = make_scorer(cache), make_generator(sampler.seed)
+        for _ in range(steps):
+            view = state.view()
+            before = snapshot(state)
+            gen = generate(tiny_model, view, sampler, generator)  # 1)
+            assert_unchanged(before, state, "generate")
+            for kind in data.draw(st.lists(st.sampled_from(("generate", "score", "decide")),
+                                           max_size=3)):
+                _read_only_call(tiny_model, view, state, data, kind, seen)
+            scores = score(view, gen.attention, scorer)  # 2)
+            assert_unchanged(before, state, "score")
+            try:
+                actions = decide(tiny_model, view, scores, cache)  # 3)
+            except UserError:  # too many protected tokens for the budget: refused, unchanged
+                actions = None
+            if actions is None or data.draw(st.booleans()):
+                actions = _draw_actions(tiny_model, view, data, scores)
+            assert_unchanged(before, state, "decide / repair_pair")
+            old = rows(state)
+            patch = apply(tiny_model, state, gen, actions)  # 4)
+            assert_apply_did_what_actions_say(tiny_model, state, before, old, gen, actions,
+                                              patch)
+            seen.update(cull=len(actions.cull_slots), repair=len(actions.repairs),
+                        reindex=actions.reindex, step=1)
+
+    walk()
+    print(dict(seen))
+    # the walk reached every kind of patch and every read-only path
+    for kind in ("cull", "repair", "reindex", "decide repairs", "decide refused"):
+        assert seen[kind] > 0, f"no {kind} in {dict(seen)}"
+
+
+def test_culls_whose_holes_chain_keep_the_right_tokens(tiny_model):
+    """Regression (found by the walk above): culling slots 0 and 1 of 3 once filled slot 1
+    from slot 2 and then slot 0 from the *old* slot 1, so culled uid 1 survived and uid 2
+    was lost; arena and mirror agreed, so only uid tracking could tell."""
+    state, _ = prime(tiny_model, [Segment((5, 6, 7, 8), "user")], capacity=8)
+    gen = generate(tiny_model, state.view(), SamplerParams(greedy=True), make_generator(0))
+    before, old = snapshot(state), rows(state)
+    actions = Actions(cull_slots=(0, 1))
+    patch = apply(tiny_model, state, gen, actions)
+    assert state.mirror.live("uid").tolist() == [2, 3] and patch.moves == ((2, 0),)
+    assert_apply_did_what_actions_say(tiny_model, state, before, old, gen, actions, patch)
+
+
+def test_a_pinned_prompt_stays_pinned_when_its_last_token_enters_the_cache(tiny_model):
+    """Regression (found by the state machine): the last prompt token is appended by stage 4,
+    which wrote it unprotected even when its source was pinned."""
+    state, _ = prime(tiny_model, [Segment((5, 6, 7), "system")], capacity=8,
+                     pinned=frozenset({"system"}))
+    gen = generate(tiny_model, state.view(), SamplerParams(greedy=True), make_generator(0))
+    apply(tiny_model, state, gen)
+    assert state.mirror.live("flags").tolist() == [FLAG_PROTECTED] * 3
+    gen = generate(tiny_model, state.view(), SamplerParams(greedy=True), make_generator(0))
+    apply(tiny_model, state, gen)  # a generated (assistant) token is not pinned
+    assert state.mirror.live("flags").tolist() == [FLAG_PROTECTED] * 3 + [0]
+
+
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-llama3"])
+def test_rerotations_compose(name):
+    """Re-rotating a key p -> p' -> p'' equals p -> p'' (so repeated re-indexes never drift),
+    with and without Llama-3 rope scaling (p -> p' -> p, the identity, is tested on the real
+    model in test_loop_step4_apply.py)."""
+    model = load_model(name)
+    top = model.spec.max_positions - 1
+    pos = st.lists(st.integers(0, top), min_size=1, max_size=16)
+
+    @settings(max_examples=25, **SETTINGS)
+    @given(p=pos, data=st.data())
+    def prop(p, data):
+        t = len(p)
+        p1, p2 = (data.draw(st.lists(st.integers(0, top), min_size=t, max_size=t))
+                  for _ in range(2))
+        p, p1, p2 = (torch.tensor(x) for x in (p, p1, p2))
+        g = torch.Generator().manual_seed(t)
+        k = torch.randn(model.spec.n_kv_heads, t, model.spec.head_dim, generator=g) * 4
+        twice = apply_rope(apply_rope(k, *rerotation(model, p, p1)), *rerotation(model, p1, p2))
+        assert_close(twice, apply_rope(k, *rerotation(model, p, p2)), 1e-5, "p -> p' -> p''")
+
+    prop()

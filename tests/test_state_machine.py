@@ -1,0 +1,269 @@
+"""The whole loop as a hypothesis RuleBasedStateMachine, beside a plain-Python model of it.
+
+The model is the live token list in text order, ``[(uid, token_id, position)]``, plus the
+next uid, the pending token, its source and position, the step and which uids are pinned.
+Rules drive the tiny model's loop: a full step (generate -> score -> decide -> apply with
+the machine's CacheParams), hand-picked culls, repairs built by stage 3's ``repair_pair``,
+re-indexes, chat-style ``extend`` and a save/load round trip of the session into a fresh
+state. After every rule the real state must equal the model, ``check_valid()`` must hold,
+and stage 1's logits must equal Hugging Face's forward over the same cache.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule, run_state_machine_as_test)
+
+from positronic_brain.loop import Session
+from positronic_brain.sampler import make_generator
+from positronic_brain.session_io import load_session, save_session
+from positronic_brain.stages.apply import apply, extend
+from positronic_brain.stages.decide import decide, removals_needed, repair_pair
+from positronic_brain.stages.generate import generate
+from positronic_brain.stages.score import score
+from positronic_brain.state import FLAG_PROTECTED
+from positronic_brain.types import SOURCES, Actions, SamplerParams, Segment
+from tests.oracle import assert_close, hf_step_logits
+from tests.test_properties_readonly import SETTINGS, cache_params, prompts, samplers, token_ids
+
+GREEDY = SamplerParams(greedy=True)
+
+
+@st.composite
+def loop_params(draw):
+    """Any CacheParams, or (half the time) a budget within reach of the prompt, merges on
+    and a re-index a few steps later, so that decide culls, merges and re-indexes."""
+    c = draw(cache_params())
+    if c.policy == "none" or draw(st.booleans()):
+        return c
+    budget = c.sinks + c.recent + draw(st.integers(3, 8))
+    return replace(c, budget=budget, repair="merge", max_repairs=max(1, c.max_repairs),
+                   positions="compact", reindex_at=budget + draw(st.integers(1, 12)))
+
+
+class LoopMachine(RuleBasedStateMachine):
+    model = None  # the tiny model, set by the test
+    policy = None
+    seen = Counter()  # what the runs did, for the test to check its own reach
+
+    # --- the model's bookkeeping -------------------------------------------------------
+
+    def _enter(self, token_id: int, position: int, source: str) -> None:
+        """A token enters the cache at the end of the text with the next uid."""
+        self.live.append((self.next_uid, token_id, position))
+        if source in self.pins:
+            self.pinned.add(self.next_uid)
+        self.next_uid += 1
+
+    def _apply(self, gen, culled=(), repairs=(), reindex=False) -> None:
+        """What stage 4 must do, in its order: repairs, removals, re-index, append."""
+        live = self.live
+        for r in repairs:
+            i = [u for u, _, _ in live].index(r.uids[0])
+            live[i] = (self.next_uid, r.token_id, live[i][2])
+            self.next_uid += 1
+        gone = set(culled) | {r.uids[1] for r in repairs}
+        self.live = [x for x in live if x[0] not in gone]
+        self.removed += len(gone)
+        self.pinned -= gone | {r.uids[0] for r in repairs}
+        if reindex:
+            self.live = [(u, t, p) for p, (u, t, _) in enumerate(self.live)]
+        position = len(self.live) if reindex else self.next_position
+        self._enter(self.pending, position, self.pending_source)
+        self.pending, self.pending_source = gen.token_id, "assistant"
+        self.next_position = position + 1
+        self.step += 1
+
+    def _protected(self) -> set[int]:
+        """Uids decide may not touch: sinks, the recent window, pinned tokens."""
+        uids = [u for u, _, _ in self.live]
+        c = self.cache
+        return set(uids[:c.sinks]) | set(uids[max(0, len(uids) - c.recent):]) | self.pinned
+
+    def _unpinned(self) -> list[int]:
+        return [u for u, _, _ in self.live if u not in self.pinned]
+
+    def _pairs(self) -> list[int]:
+        """Text indices i of unpinned adjacent pairs (i, i + 1) with a left neighbour."""
+        free = set(self._unpinned())
+        return [i for i in range(1, self.n - 1)
+                if self.live[i][0] in free and self.live[i + 1][0] in free]
+
+    def _slot(self, uid: int) -> int:
+        return self.session.state.mirror.live("uid").tolist().index(uid)
+
+    def _generate(self):
+        return generate(self.model, self.session.state.view(), self.session.sampler,
+                        self.session.generator)
+
+    @property
+    def n(self) -> int:
+        return len(self.live)
+
+    def _room(self) -> bool:
+        """An append fits (the arena's capacity and the model's positions)."""
+        state = self.session.state
+        return (self.n < state.arena.capacity
+                and self.next_position < self.model.spec.max_positions - 1)
+
+    def _can_step(self) -> bool:
+        """decide culls down to the budget unless protected tokens alone exceed it."""
+        if self.cache.budget is None:
+            return self._room()
+        need = removals_needed(self.n, self.cache.budget)
+        return (need <= self.n - len(self._protected())
+                and self.next_position < self.model.spec.max_positions - 1)
+
+    # --- rules -------------------------------------------------------------------------
+
+    @initialize(segments=prompts(max_len=10), cache=loop_params(), sampler=samplers,
+                slack=st.integers(1, 24))
+    def prime(self, segments, cache, sampler, slack):
+        ids = [(i, s.source) for s in segments for i in s.ids]
+        self.cache, self.pins, self.pinned = cache, frozenset(cache.pinned), set()
+        self.session = Session(self.model, self.policy, sampler, cache)
+        self.session.prime(segments, max(len(ids), cache.budget or 0) + slack)
+        self.live, self.next_uid, self.step, self.removed = [], 0, 0, 0
+        for position, (token_id, source) in enumerate(ids[:-1]):
+            self._enter(token_id, position, source)
+        (self.pending, self.pending_source), self.next_position = ids[-1], len(ids) - 1
+        self.issued, self.was_live = set(), set()  # uids seen so far, uids live last time
+
+    @precondition(lambda self: self._can_step())
+    @rule(count=st.integers(1, 6))
+    def loop_steps(self, count):
+        """A few loop steps in a row (the loop's main path; the model checked after each)."""
+        for _ in range(count):
+            if not self._can_step():
+                break
+            self.loop_step()
+            self.matches_the_model()
+
+    def loop_step(self):
+        """generate -> score -> decide -> apply with the machine's CacheParams."""
+        state = self.session.state
+        need = removals_needed(self.n, self.cache.budget)
+        view = state.view()
+        gen = self._generate()
+        scores = score(view, gen.attention, self.session.scorer)
+        actions = decide(self.model, view, scores, self.cache)
+        culled = [int(view.uid[s]) for s in actions.cull_slots]
+        touched = set(culled) | {u for r in actions.repairs for u in r.uids}
+        assert not touched & self._protected(), "decide touched a protected token"
+        assert len(touched) - len(actions.repairs) == need, "decide missed the budget"
+        apply(self.model, state, gen, actions)
+        self._apply(gen, culled, actions.repairs, actions.reindex)
+        self.seen.update(step=1, decide_cull=len(culled), decide_repair=len(actions.repairs),
+                         decide_reindex=actions.reindex)
+
+    @precondition(lambda self: self._room() and self._unpinned())
+    @rule(data=st.data())
+    def cull(self, data):
+        """Hand-picked culls of unpinned tokens (sinks and recent ones too: only decide
+        spares those)."""
+        uids = data.draw(st.lists(st.sampled_from(self._unpinned()), min_size=1, max_size=4,
+                                  unique=True))
+        gen = self._generate()
+        apply(self.model, self.session.state, gen,
+              Actions(cull_slots=tuple(self._slot(u) for u in uids)))
+        self._apply(gen, culled=uids)
+        self.seen["cull"] += 1
+
+    @precondition(lambda self: self._room() and self._pairs())
+    @rule(data=st.data())
+    def repair(self, data):
+        """Merge an unpinned adjacent pair with a left neighbour, built by repair_pair."""
+        i = data.draw(st.sampled_from(self._pairs()))
+        left, first, second = (self._slot(self.live[j][0]) for j in (i - 1, i, i + 1))
+        r = repair_pair(self.model, self.session.state.view(), left, first, second)
+        gen = self._generate()
+        apply(self.model, self.session.state, gen, Actions(repairs=(r,)))
+        self._apply(gen, repairs=(r,))
+        self.seen["repair"] += 1
+
+    @precondition(lambda self: self._room())
+    @rule()
+    def reindex(self):
+        gen = self._generate()
+        apply(self.model, self.session.state, gen, Actions(reindex=True))
+        self._apply(gen, reindex=True)
+        self.seen["reindex"] += 1
+
+    @precondition(lambda self: self._room())
+    @rule(data=st.data(), source=st.sampled_from(SOURCES))
+    def extend_turn(self, data, source):
+        """A new turn: the pending token and all new ids but the last enter the cache."""
+        state = self.session.state
+        room = min(state.arena.capacity - self.n,
+                   self.model.spec.max_positions - 1 - self.next_position, 6)
+        ids = data.draw(st.lists(token_ids, min_size=1, max_size=room))
+        extend(self.model, state, [Segment(tuple(ids), source)], pinned=self.pins)
+        for token_id, src in zip([self.pending] + ids[:-1],
+                                 [self.pending_source] + [source] * (len(ids) - 1)):
+            self._enter(token_id, self.next_position, src)
+            self.next_position += 1
+        self.pending, self.pending_source = ids[-1], source
+        self.seen["extend"] += 1
+
+    @rule()
+    def export_import(self):
+        """Save the session and load it into a fresh state: the loop goes on from there."""
+        old = self.session
+        with tempfile.TemporaryDirectory() as tmp:
+            self.session = load_session(self.model, save_session(old, Path(tmp) / "s.pbs"))
+        assert self.session.state.arena.k.data_ptr() != old.state.arena.k.data_ptr()
+        a, b = old.state.view(), self.session.state.view()
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v), "live K/V differ"
+        assert torch.equal(self.session.generator.get_state(), old.generator.get_state())
+        self.seen["export_import"] += 1
+        self.seen["export_import after removals"] += self.removed > 0
+
+    # --- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def matches_the_model(self):
+        state = self.session.state
+        state.check_valid()
+        m = state.mirror
+        assert state.arena.n == m.n == self.n
+        ledger = [(r["uid"], r["token_id"], r["position"]) for r in m.ledger()]
+        assert ledger == self.live, f"ledger {ledger} != model {self.live}"
+        assert (state.pending_token, state.pending_source, state.next_position, state.step,
+                m.next_uid) == (self.pending, self.pending_source, self.next_position,
+                                self.step, self.next_uid)
+        flags = {int(u): int(f) & FLAG_PROTECTED for u, f in zip(m.live("uid"), m.live("flags"))}
+        assert {u for u, f in flags.items() if f} == self.pinned, "protected flags"
+        live = {u for u, _, _ in self.live}
+        assert live & self.issued <= self.was_live, "a uid came back after it left the cache"
+        assert min(live - self.issued, default=1 << 62) > max(self.issued, default=-1), \
+            "a new uid is not above every earlier one"
+        self.issued |= live
+        self.was_live = live
+
+    @invariant()
+    def stage1_equals_hf(self):
+        view = self.session.state.view()
+        gen = generate(self.model, view, GREEDY, make_generator(0))
+        assert_close(gen.logits, hf_step_logits(self.model, view), 1e-4,
+                     f"step {view.step} logits over {view.n} slots")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_loop_against_a_plain_model(tiny_model, tiny_policy):
+    LoopMachine.model, LoopMachine.policy = tiny_model, tiny_policy
+    LoopMachine.seen.clear()
+    run_state_machine_as_test(LoopMachine, settings=settings(
+        max_examples=30, stateful_step_count=25, **SETTINGS))
+    seen = dict(LoopMachine.seen)
+    print(seen)
+    for kind in ("step", "decide_cull", "decide_repair", "decide_reindex", "cull", "repair",
+                 "reindex", "extend", "export_import", "export_import after removals"):
+        assert seen.get(kind), f"no {kind} in {seen}"
