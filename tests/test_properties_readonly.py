@@ -48,12 +48,17 @@ token_ids = st.integers(0, BYTES - 1)
 
 
 @st.composite
-def prompts(draw, max_segments: int = 3, max_len: int = 8) -> list[Segment]:
-    """1-3 segments of random byte tokens, each with a random source."""
-    segs = draw(st.lists(st.tuples(st.sampled_from(SOURCES),
-                                   st.lists(token_ids, min_size=1, max_size=max_len)),
-                         min_size=1, max_size=max_segments))
-    return [Segment(tuple(ids), src) for src, ids in segs]
+def prompts(draw, max_segments: int = 4, max_len: int = 8) -> list[Segment]:
+    """1-4 segments of random byte tokens: each with a random source, or (half the time)
+    chat-like, alternating user and assistant turns after an optional system prompt."""
+    texts = draw(st.lists(st.lists(token_ids, min_size=1, max_size=max_len), min_size=1,
+                          max_size=max_segments))
+    if draw(st.booleans()):
+        sources = [draw(st.sampled_from(SOURCES)) for _ in texts]
+    else:
+        first = draw(st.sampled_from(("system", "user")))
+        sources = [first] + [("user", "assistant")[i % 2] for i in range(len(texts) - 1)]
+    return [Segment(tuple(ids), src) for src, ids in zip(sources, texts)]
 
 
 @st.composite
@@ -65,8 +70,10 @@ def cache_params(draw) -> CacheParams:
     budget = None if policy == "none" else draw(
         st.none() | st.integers(sinks + recent + 1, sinks + recent + 12))
     top = draw(st.sampled_from((255.0, 40.0)))
+    repair = draw(st.sampled_from(("none", "merge")))
     return CacheParams(
-        budget=budget, policy=policy, repair=draw(st.sampled_from(("none", "merge"))),
+        budget=budget, policy=policy, repair=repair,
+        prune=draw(st.sampled_from(("tokens", "turns"))) if repair == "none" else "tokens",
         positions=draw(st.sampled_from(("keep", "compact"))), sinks=sinks, recent=recent,
         pinned=tuple(sorted(draw(st.sets(st.sampled_from(SOURCES), max_size=2)))),
         decay=draw(st.floats(0, 20)), gain=draw(st.floats(0, 60)), max_brightness=top,

@@ -30,7 +30,7 @@ from positronic_brain.stages.decide import decide, removals_needed, repair_pair
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
 from positronic_brain.state import FLAG_PROTECTED
-from positronic_brain.types import SOURCES, Actions, SamplerParams, Segment
+from positronic_brain.types import SOURCES, Actions, SamplerParams, Segment, UserError
 from tests.oracle import assert_close, hf_step_logits
 from tests.test_properties_readonly import SETTINGS, cache_params, prompts, samplers, token_ids
 
@@ -39,13 +39,15 @@ GREEDY = SamplerParams(greedy=True)
 
 @st.composite
 def loop_params(draw):
-    """Any CacheParams, or (half the time) a budget within reach of the prompt, merges on
-    and a re-index a few steps later, so that decide culls, merges and re-indexes."""
+    """Any CacheParams, or (half the time) a budget within reach of the prompt, merges (or
+    whole-turn pruning) and a re-index a few steps later, so that decide does everything."""
     c = draw(cache_params())
     if c.policy == "none" or draw(st.booleans()):
         return c
     budget = c.sinks + c.recent + draw(st.integers(3, 8))
-    return replace(c, budget=budget, repair="merge", max_repairs=max(1, c.max_repairs),
+    prune = draw(st.sampled_from(("tokens", "turns")))
+    return replace(c, budget=budget, prune=prune, repair="merge" if prune == "tokens" else "none",
+                   max_repairs=max(1, c.max_repairs),
                    positions="compact", reindex_at=budget + draw(st.integers(1, 12)))
 
 
@@ -83,9 +85,12 @@ class LoopMachine(RuleBasedStateMachine):
         self.step += 1
 
     def _protected(self) -> set[int]:
-        """Uids decide may not touch: sinks, the recent window, pinned tokens."""
+        """Uids decide may not touch: sinks, the recent window, pinned tokens (only pinned
+        ones when it prunes whole turns)."""
         uids = [u for u, _, _ in self.live]
         c = self.cache
+        if c.prune == "turns":
+            return set(self.pinned)
         return set(uids[:c.sinks]) | set(uids[max(0, len(uids) - c.recent):]) | self.pinned
 
     def _unpinned(self) -> list[int]:
@@ -142,27 +147,37 @@ class LoopMachine(RuleBasedStateMachine):
     def loop_steps(self, count):
         """A few loop steps in a row (the loop's main path; the model checked after each)."""
         for _ in range(count):
-            if not self._can_step():
+            if not (self._can_step() and self.loop_step()):
                 break
-            self.loop_step()
             self.matches_the_model()
 
-    def loop_step(self):
-        """generate -> score -> decide -> apply with the machine's CacheParams."""
+    def loop_step(self) -> bool:
+        """generate -> score -> decide -> apply with the machine's CacheParams; False if
+        decide refused (and nothing changed)."""
         state = self.session.state
         need = removals_needed(self.n, self.cache.budget)
         view = state.view()
         gen = self._generate()
         scores = score(view, gen.attention, self.session.scorer)
-        actions = decide(self.model, view, scores, self.cache)
+        try:
+            actions = decide(self.model, view, scores, self.cache)
+        except UserError:  # the older turns hold too few slots: refused, nothing changed
+            assert self.cache.prune == "turns"
+            self.seen["decide refused"] += 1
+            return False
         culled = [int(view.uid[s]) for s in actions.cull_slots]
         touched = set(culled) | {u for r in actions.repairs for u in r.uids}
         assert not touched & self._protected(), "decide touched a protected token"
-        assert len(touched) - len(actions.repairs) == need, "decide missed the budget"
+        removed = len(touched) - len(actions.repairs)
+        # whole turns may free more than the budget needs
+        assert removed == need or (self.cache.prune == "turns" and removed > need), \
+            f"decide removed {removed}, the budget needs {need}"
         apply(self.model, state, gen, actions)
         self._apply(gen, culled, actions.repairs, actions.reindex)
         self.seen.update(step=1, decide_cull=len(culled), decide_repair=len(actions.repairs),
-                         decide_reindex=actions.reindex)
+                         decide_reindex=actions.reindex,
+                         decide_turns=len(culled) * (self.cache.prune == "turns"))
+        return True
 
     @precondition(lambda self: self._room() and self._unpinned())
     @rule(data=st.data())
