@@ -1,14 +1,13 @@
 """Property tests (hypothesis) over stages 2-4 on the tiny model: random budgets, policies,
-sinks, windows, repairs and lengths; and a state machine checked against a plain list."""
+sinks, windows, repairs and lengths (the whole-loop state machine is tests/test_state_machine.py)."""
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from positronic_brain.forward import apply_rope, rerotation, rope_cos_sin
 from positronic_brain.loop import Session
-from positronic_brain.stages.apply import apply, extend
+from positronic_brain.stages.apply import apply
 from positronic_brain.stages.decide import decide, protected
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
@@ -86,67 +85,3 @@ def test_rerotation_round_trip(tiny_model, p, data):
     moved = apply_rope(at(p), *rerotation(tiny_model, p, p2))
     assert (moved - at(p2)).abs().max() <= 1e-5
     assert (apply_rope(moved, *rerotation(tiny_model, p2, p)) - at(p)).abs().max() <= 1e-5
-
-
-class LoopMachine(RuleBasedStateMachine):
-    """The whole loop against a plain list of (uid, token) in text order, updated only from
-    what each step reports (culled uids, repairs, the appended token)."""
-
-    model = policy = None  # set by the test
-
-    @initialize(cache=cache_params(), prompt=st.text("abcdef ", min_size=2, max_size=30))
-    def start(self, cache, prompt):
-        self.cache = cache
-        self.session = Session(self.model, self.policy, SamplerParams(temperature=1.0, seed=1),
-                               cache)
-        segs = self.policy.raw_prompt(prompt)
-        self.session.prime(segs, capacity=max(cache.budget, len(prompt)) + 40)
-        ids = list(segs[0].ids)
-        self.live = list(enumerate(ids[:-1]))  # (uid, token) in text order
-        self.pending, self.next_uid = ids[-1], len(ids) - 1
-
-    @rule()
-    def step(self):
-        rec = self.session.step()
-        uids = [u for u, _ in self.live]
-        for (a, b), token, new in rec.repaired:
-            i = uids.index(a)
-            assert uids[i + 1] == b, "a repair merged a pair that is not adjacent"
-            self.live[i] = (new, token)
-            del self.live[i + 1], uids[i + 1]
-            uids[i] = new
-            assert new == self.next_uid
-            self.next_uid += 1
-        self.live = [(u, t) for u, t in self.live if u not in set(rec.culled)]
-        self.live.append((self.next_uid, self.pending))
-        self.next_uid += 1
-        self.pending = rec.token_id
-        assert rec.cache_len <= self.cache.budget
-
-    @rule(text=st.text("xyz", min_size=1, max_size=8))
-    def user_turn(self, text):
-        ids = self.policy.encode(text)
-        state = self.session.state
-        if state.arena.n + len(ids) > state.arena.capacity \
-                or state.next_position + len(ids) >= self.model.spec.max_positions:
-            return
-        extend(self.model, state, self.policy.raw_prompt(text))
-        for t in [self.pending] + ids[:-1]:
-            self.live.append((self.next_uid, t))
-            self.next_uid += 1
-        self.pending = ids[-1]
-
-    @invariant()
-    def ledger_matches_the_list(self):
-        state = self.session.state
-        state.check_valid()
-        ledger = state.mirror.ledger()
-        assert [(r["uid"], r["token_id"]) for r in ledger] == self.live
-        assert state.pending_token == self.pending and state.mirror.next_uid == self.next_uid
-
-
-def test_loop_state_machine(tiny_model, tiny_policy):
-    LoopMachine.model, LoopMachine.policy = tiny_model, tiny_policy
-    machine = LoopMachine.TestCase
-    machine.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
-    machine().runTest()
