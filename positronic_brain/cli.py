@@ -211,7 +211,8 @@ def cmd_run(args) -> int:
     return 0
 
 
-QUALITY_ONLY = ("dtype", "text", "slice", "budgets", "policies", "tokens", "long")
+QUALITY_ONLY = ("dtype", "text", "slice", "budgets", "policies", "repairs", "params", "tokens",
+                "long", "jobs")
 
 
 def _add_quality_args(p: argparse.ArgumentParser) -> None:
@@ -224,9 +225,14 @@ def _add_quality_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budgets", default=None, help="comma-separated, e.g. 128,256,512")
     g.add_argument("--policies", default=None,
                    help="comma-separated scorers (default: brightness,streaming,h2o,tova,random)")
+    g.add_argument("--repairs", default=None, help="comma-separated (default: none,merge)")
+    g.add_argument("--params", default=None, metavar="K=V,...",
+                   help="cache parameters of every run, e.g. decay=1,gain=200,sinks=4")
     g.add_argument("--tokens", type=int, default=None, help="scored tokens per configuration")
     g.add_argument("--long", type=int, default=None,
                    help="scored tokens of the run past the model's positions (0 = none)")
+    g.add_argument("--jobs", type=int, default=None,
+                   help="runs in parallel, one single-thread process each (default: CPU cores)")
 
 
 def cmd_bench(args) -> int:

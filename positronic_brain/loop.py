@@ -13,7 +13,7 @@ inputs and outputs saved between the stages); stages don't know about it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .capture import (CaptureWriter, arena_version, generate_outputs, state_snapshot,
@@ -90,9 +90,10 @@ class Session:
                        {"patch": patch, "k": view.k[:, :, n:], "v": view.v[:, :, n:]})
         return patch
 
-    def step(self) -> StepRecord:
+    def step(self, force: int | None = None) -> StepRecord:
         """One token through the stages: 1) generate, 2) score, 3) decide (read-only),
-        4) apply (the only mutation)."""
+        4) apply (the only mutation). ``force`` (teacher forcing) is the next pending
+        token instead of a sampled one; the record's ``logprob`` is the model's for it."""
         require(self.state is not None, "prime the session before stepping")
         t0 = time.perf_counter()
         view, cap, step = self.state.view(), self.capture, self.state.step + 1
@@ -100,10 +101,10 @@ class Session:
             rng = self.generator.get_state()  # the sampler's randomness is a captured input
             if cap.level == "full":
                 cap.save_state(step, state_snapshot(self.state))
-        gen = generate(self.model, view, self.sampler, self.generator)  # 1)
+        gen = generate(self.model, view, self.sampler, self.generator, force)  # 1)
         if cap:
             self._save(step, "s1_generate", {"view": view_columns(view), "sampler": self.sampler,
-                                             "generator_state": rng},
+                                             "generator_state": rng, "force": force},
                        generate_outputs(gen))
         scores = score(view, gen.attention, self.scorer)  # 2)
         if cap:
@@ -123,6 +124,7 @@ class Session:
         return StepRecord(step=self.state.step, token_id=gen.token_id,
                           cache_len=self.state.arena.n, ms=round(ms, 3),
                           top_ids=gen.report.top_ids, top_probs=gen.report.top_probs,
+                          logprob=float(gen.logits.log_softmax(-1)[gen.token_id]),
                           culled=patch.culled_uids,
                           repaired=tuple((r.uids, r.token_id, u)
                                          for r, u in zip(patch.repairs, patch.repaired_uids)),
@@ -132,19 +134,23 @@ class Session:
         self.capture.save(step, stage, inputs, outputs, cache_len=self.state.mirror.n,
                           arena_version=arena_version(self.state))
 
-    def stream(self, max_new_tokens: int, ignore_eos: bool = False) -> Iterator[StepRecord]:
+    def stream(self, max_new_tokens: int, ignore_eos: bool = False,
+               force: Sequence[int] | None = None) -> Iterator[StepRecord]:
         """Step until ``max_new_tokens``, EOS (kept as the last generated token, as with
-        Hugging Face ``generate``) or a full arena."""
+        Hugging Face ``generate``) or a full arena. With ``force`` (teacher forcing), step
+        i's next pending token is ``force[i]`` rather than a sampled one."""
         require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
+        require(force is None or len(force) >= max_new_tokens,
+                f"{max_new_tokens} steps need as many forced tokens, got {len(force or ())}")
         self.stop_reason = "max_new_tokens"
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             if self.cache.budget is None and self.state.arena.n >= self.state.arena.capacity:
                 self.stop_reason = "capacity"
                 return
             if self.state.next_position >= self.model.spec.max_positions:
                 self.stop_reason = "max_positions"
                 return
-            rec = self.step()
+            rec = self.step(None if force is None else force[i])
             yield rec
             if not ignore_eos and self.policy.is_eos(rec.token_id):
                 self.stop_reason = "eos"

@@ -192,8 +192,8 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
         rng = torch.Generator()
         rng.set_state(inp["generator_state"])
         if wanted("s1_generate", t):
-            check(names[0], generate_outputs(generate(model, view, inp["sampler"], rng)),
-                  f1["outputs"])
+            out = generate(model, view, inp["sampler"], rng, inp.get("force"))  # teacher forcing
+            check(names[0], generate_outputs(out), f1["outputs"])
         gen = GenerateOut(**{f.name: from_plain(f1["outputs"][f.name])
                              for f in dataclasses.fields(GenerateOut)})
         # 2) score the captured attention

@@ -42,12 +42,15 @@ def process(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor) -> 
 
 
 def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor,
-           generator: torch.Generator) -> SamplerReport:
+           generator: torch.Generator, force: int | None = None) -> SamplerReport:
     """Pick the next token from raw logits (V,). Greedy takes the argmax; otherwise one
-    multinomial draw from ``generator`` (whose state is the only randomness)."""
+    multinomial draw from ``generator`` (whose state is the only randomness). ``force``
+    (teacher forcing) is taken as is, without a draw; the report still ranks the others."""
     x = process(logits, params, seen)
     probs = x.softmax(-1)
-    if params.is_greedy:
+    if force is not None:
+        token = force
+    elif params.is_greedy:
         token = int(torch.argmax(x))
     else:
         token = int(torch.multinomial(probs, 1, generator=generator))

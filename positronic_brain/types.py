@@ -251,6 +251,7 @@ class StepRecord:
     ms: float
     top_ids: tuple[int, ...] = ()
     top_probs: tuple[float, ...] = ()
+    logprob: float = 0.0  # log p(token_id) under the raw logits (its NLL when teacher-forced)
     culled: tuple[int, ...] = field(default=())  # uids
     repaired: tuple[tuple[tuple[int, int], int, int], ...] = ()  # ((old uids), token_id, new uid)
     reindexed: bool = False

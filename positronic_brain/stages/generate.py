@@ -11,21 +11,24 @@ from ..forward import forward
 from ..model import Model
 from ..sampler import sample
 from ..state import View
-from ..types import GenerateOut, SamplerParams
+from ..types import GenerateOut, SamplerParams, require
 
 
 def generate(model: Model, view: View, params: SamplerParams,
-             generator: torch.Generator) -> GenerateOut:
-    """Run ``view.pending_token`` at ``view.next_position``; sample its successor.
+             generator: torch.Generator, force: int | None = None) -> GenerateOut:
+    """Run ``view.pending_token`` at ``view.next_position``; sample its successor, or take
+    ``force`` as it (teacher forcing: the successor is given, e.g. a text's next token).
 
     The repetition penalty applies to the live tokens plus the pending one.
     """
+    require(force is None or 0 <= force < model.spec.vocab,
+            f"forced token {force} outside the model's vocabulary of {model.spec.vocab}")
     ids = torch.tensor([view.pending_token])
     pos = torch.tensor([view.next_position])
     out = forward(model, view.k, view.v, ids, pos, want_attention=True)
     logits = out.logits[0]  # (V,)
     seen = torch.cat((view.token_id, ids)) if params.repetition_penalty != 1.0 else ids
-    report = sample(logits, params, seen, generator)
+    report = sample(logits, params, seen, generator, force)
     return GenerateOut(input_token=view.pending_token, position=view.next_position,
                        logits=logits, token_id=report.token_id, report=report,
                        k=out.k, v=out.v, attention=out.attention)

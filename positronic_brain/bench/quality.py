@@ -1,0 +1,593 @@
+"""``positronic-brain bench quality``: how much each KV-cache policy forgets.
+
+Streaming perplexity. A long text goes through the real loop one token per step (stages
+1-4, the budget enforced at every step); the pending token is always the text's next
+token (teacher forcing: ``Session.stream(force=...)``, so stage 4 stays the only
+mutation), and each step records the negative log-likelihood stage 1's logits give that
+token. Perplexity = exp(mean NLL) over the scored tokens. Measured:
+
+1. the full-cache reference (no budget, nothing culled);
+2. every scorer (brightness, streaming, h2o, tova, random) at every budget, with and
+   without merge repair;
+3. a long run past the model's positions at one budget with ``--positions compact``
+   (re-index before the limit) and ``keep`` (which has to stop at the limit), as
+   perplexity over windows of tokens.
+
+Default text: Python's own English help topics (``pydoc_data.topics``, sorted by key), so
+the benchmark runs offline. ``--slice eval`` (the default) scores from the text's start;
+``--slice tune`` from its middle, a disjoint part on which scorer parameters are chosen.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..loop import Session
+from ..model import Model, load_model
+from ..special_tokens import TokenPolicy
+from ..types import POLICIES, CacheParams, SamplerParams, Segment, UserError, require
+from . import common
+from .common import Table, fmt
+
+BASELINES = ("streaming", "h2o", "tova", "random")
+SCORERS = ("brightness", *BASELINES)
+REPAIRS = ("none", "merge")
+SLICES = ("eval", "tune")
+# Targets from the project's issues: reported, never asserted.
+FULL_TARGET = 1.05  # brightness at FULL_TARGET_BUDGET / the full cache
+FULL_TARGET_BUDGET = 512
+FLAT_TARGET = 1.10  # long run: perplexity past the positions / at half the positions
+DEFAULT_TEXT = "pydoc_data.topics"
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """What to measure. ``tokens``: scored tokens per configuration; ``long``: scored
+    tokens of the long run (0 = none), at ``long_budget`` with ``long_policy``;
+    ``window``: tokens per perplexity window of the long run."""
+
+    model: str = "smollm2"
+    dtype: str = "float32"
+    quick: bool = False
+    text: str = DEFAULT_TEXT
+    slice: str = "eval"
+    budgets: tuple[int, ...] = (128, 256, 512)
+    policies: tuple[str, ...] = SCORERS
+    repairs: tuple[str, ...] = REPAIRS
+    tokens: int = 2048
+    long: int = 10240
+    long_budget: int = 512
+    long_policy: str = "brightness"
+    long_repair: str = "none"
+    window: int = 512
+    base: CacheParams = CacheParams()  # sinks, recent, scorer parameters of every run
+
+    def __post_init__(self) -> None:
+        require(self.slice in SLICES,
+                f"slice must be one of {', '.join(SLICES)}, got {self.slice!r}")
+        require(len(self.budgets) > 0 and all(b >= 1 for b in self.budgets),
+                f"budgets must be >= 1, got {self.budgets}")
+        require(tuple(sorted(set(self.budgets))) == self.budgets,
+                f"budgets must be increasing, got {self.budgets}")
+        bad = [p for p in self.policies + (self.long_policy,) if p not in POLICIES or p == "none"]
+        require(not bad and len(self.policies) > 0, f"unknown or non-culling policies {bad}; "
+                f"expected some of {', '.join(SCORERS)}")
+        require(all(r in REPAIRS for r in self.repairs + (self.long_repair,)),
+                f"repairs must be among {REPAIRS}")
+        require(self.tokens >= 2, f"tokens must be >= 2, got {self.tokens}")
+        require(self.long >= 0 and self.window >= 1, "long must be >= 0 and window >= 1")
+        for b in self.budgets:  # fail early: too small for the protections
+            self.cache(b, self.policies[0])
+
+    @classmethod
+    def preset(cls, quick: bool, **kw) -> "QualityConfig":
+        if not quick:
+            return cls(**kw)
+        return cls(quick=True, **{"budgets": (128,), "tokens": 512, "long": 0, "window": 128,
+                                  **kw})
+
+    def fitted(self, max_positions: int) -> "QualityConfig":
+        """What the model's positions allow: budgets below half of them, a full-cache
+        reference (and arena) within them, windows that split the long run's halves."""
+        budgets = tuple(b for b in self.budgets if b <= max_positions // 2)
+        require(budgets, f"the model's {max_positions} positions fit none of the budgets "
+                f"{self.budgets} (each must be <= half of them)")
+        return dataclasses.replace(
+            self, budgets=budgets, tokens=min(self.tokens, max_positions),
+            long_budget=min(self.long_budget, budgets[-1]),
+            window=min(self.window, max_positions // 4))
+
+    def cache(self, budget: int | None, policy: str, repair: str = "none",
+              positions: str = "compact") -> CacheParams:
+        if budget is None:
+            return CacheParams(policy="none")
+        return dataclasses.replace(self.base, budget=budget, policy=policy, repair=repair,
+                                   positions=positions)
+
+
+# --- the text -------------------------------------------------------------------------------
+
+def default_text() -> str:
+    """Python's English help topics, concatenated in sorted-key order."""
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[k] for k in sorted(topics))
+
+
+def read_text(source: str) -> str:
+    if source == DEFAULT_TEXT:
+        return default_text()
+    try:
+        return Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--text {source!r}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--text {source!r}: cannot read it as UTF-8 ({e})") from None
+
+
+def text_slice(ids: list[int], which: str, need: int) -> tuple[int, list[int]]:
+    """``need`` token ids from the ``eval`` (the start) or ``tune`` (the middle) slice: the two
+    never overlap. Returns (offset, ids)."""
+    offset = 0 if which == "eval" else len(ids) // 2
+    room = len(ids) // 2 if which == "eval" else len(ids) - offset
+    require(need <= room, f"the text has {len(ids)} tokens; the {which} slice holds {room}, "
+            f"{need} are needed (use a longer --text or fewer --tokens)")
+    return offset, ids[offset:offset + need]
+
+
+# --- measurement ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Streamed:
+    """One streaming run: the NLL of every scored token, in text order."""
+
+    nll: tuple[float, ...]
+    stop_reason: str
+    culled: int
+    repaired: int
+    reindexed: int
+    ms_per_token: float
+
+    @property
+    def ppl(self) -> float:
+        return perplexity(self.nll)
+
+
+def perplexity(nll) -> float:
+    return math.exp(sum(nll) / len(nll))
+
+
+def windows(nll, size: int) -> list[dict]:
+    """Perplexity over consecutive windows of ``size`` scored tokens: [{start, end, ppl}]."""
+    return [{"start": i, "end": min(i + size, len(nll)), "ppl": perplexity(nll[i:i + size])}
+            for i in range(0, len(nll), size)]
+
+
+def streaming_nll(model: Model, policy: TokenPolicy, ids: list[int], cache: CacheParams,
+                  tick=None) -> Streamed:
+    """Prime ``ids[0]``, then one step per following token through ``Session.step``, each
+    forced to the text's next token; the NLL of ``ids[t]`` comes from the step that ran
+    ``ids[t-1]``. Without a budget the arena holds the whole text (within the positions);
+    with ``positions=keep`` the run stops at the model's positions."""
+    require(len(ids) >= 2, "streaming perplexity needs at least 2 tokens")
+    capacity = None if cache.budget is not None else min(len(ids), model.spec.max_positions)
+    session = Session(model, policy, SamplerParams(greedy=True), cache)
+    session.prime([Segment((ids[0],), "user")], capacity)
+    nll, culled, repaired, reindexed = [], 0, 0, 0
+    t0 = time.perf_counter()
+    for rec in session.stream(len(ids) - 1, ignore_eos=True, force=ids[1:]):
+        nll.append(-rec.logprob)
+        culled += len(rec.culled)
+        repaired += len(rec.repaired)
+        reindexed += rec.reindexed
+        if tick:
+            tick()
+    ms = (time.perf_counter() - t0) * 1e3 / max(1, len(nll))
+    session.state.check_valid()
+    return Streamed(tuple(nll), session.stop_reason, culled, repaired, reindexed, ms)
+
+
+def _row(s: Streamed, **what) -> dict:
+    return {**what, "ppl": s.ppl, "scored": len(s.nll), "stop_reason": s.stop_reason,
+            "culled": s.culled, "repaired": s.repaired, "reindexed": s.reindexed,
+            "ms_per_token": s.ms_per_token}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One streaming run: ``cache`` over the slice's first ``tokens`` + 1 ids; ``steps``
+    is how many it can score (``keep`` stops at the model's positions)."""
+
+    kind: str  # reference | grid | long
+    label: str
+    cache: CacheParams
+    tokens: int
+    steps: int
+
+
+def plan(cfg: QualityConfig, limit: int) -> list[Job]:
+    """The reference, the grid, and the long runs; longest first (they pack best). The
+    reference streams the long run's tokens too, up to the positions: a causal model's NLL
+    of the first tokens does not depend on what follows, so its prefix is the grid's."""
+    ref = min(max(cfg.tokens, cfg.long), limit)
+    jobs = [Job("reference", "full cache", cfg.cache(None, "none"), ref, ref)]
+    for positions in ("compact", "keep") if cfg.long else ():
+        jobs.append(Job("long", f"long run, positions {positions}",
+                        cfg.cache(cfg.long_budget, cfg.long_policy, cfg.long_repair, positions),
+                        cfg.long, cfg.long if positions == "compact" else min(cfg.long, limit)))
+    jobs += [Job("grid", f"{p} budget {b}, {r} repair", cfg.cache(b, p, r), cfg.tokens,
+                 cfg.tokens) for b in cfg.budgets for p in cfg.policies for r in cfg.repairs]
+    return jobs
+
+
+_WORKER: dict = {}  # a pool worker's model, policy, ids and tick queue
+
+
+def _init_worker(model: str, dtype: str, ids: list[int], queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one thread per worker: parallel runs, not parallel matmuls
+    m = load_model(model, dtype)
+    _WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), ids=ids, queue=queue)
+
+
+def _run_job(i: int, job: Job) -> Streamed:
+    w, count = _WORKER, [0]
+
+    def tick() -> None:  # every 16 tokens: the queue is shared by every worker
+        count[0] += 1
+        if count[0] % 16 == 0:
+            w["queue"].put((i, 16))
+
+    return streaming_nll(w["model"], w["policy"], w["ids"][:job.tokens + 1], job.cache, tick)
+
+
+def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], workers: int) -> list[Streamed]:
+    """Run ``jobs`` with a progress bar each: here (``workers`` = 1) or in that many
+    single-thread processes (each loads the model once)."""
+    with common.progress() as task:
+        ticks = [task(j.label, j.steps) for j in jobs]
+        if workers == 1:
+            model = load_model(cfg.model, cfg.dtype)
+            policy = TokenPolicy(model.tokenizer)
+            return [streaming_nll(model, policy, ids[:j.tokens + 1], j.cache, t)
+                    for j, t in zip(jobs, ticks)]
+        import multiprocessing as mp
+        import queue as queue_mod
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
+        q = ctx.Queue()
+        with ProcessPoolExecutor(workers, ctx, _init_worker,
+                                 (cfg.model, cfg.dtype, ids, q)) as pool:
+            futures = [pool.submit(_run_job, i, j) for i, j in enumerate(jobs)]
+            while not all(f.done() for f in futures):
+                try:
+                    i, n = q.get(timeout=0.2)
+                except queue_mod.Empty:
+                    continue
+                for _ in range(n):
+                    ticks[i]()
+            return [f.result() for f in futures]
+
+
+def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
+    """Every measurement, as one JSON-ready dict."""
+    t0 = time.perf_counter()
+    info = common.machine()
+    model = load_model(cfg.model, cfg.dtype)
+    limit = model.spec.max_positions
+    cfg = cfg.fitted(limit)
+    text = read_text(cfg.text)
+    ids = TokenPolicy(model.tokenizer).encode(text)
+    del model
+    offset, ids = text_slice(ids, cfg.slice, max(cfg.tokens, cfg.long) + 1)
+    res = {"benchmark": "quality", "command": command, "model": cfg.model, "dtype": cfg.dtype,
+           "quick": cfg.quick, "machine": info, "max_positions": limit, "workers": workers,
+           "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"},
+           "text": {"source": cfg.text, "chars": len(text), "tokens": len(ids),
+                    "sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
+                    "slice": cfg.slice, "offset": offset}}
+    jobs = plan(cfg, limit)
+    # Longest first: they pack best into the workers.
+    cost = [j.steps * (2 if j.cache.repair == "merge" else 1) for j in jobs]
+    order = sorted(range(len(jobs)), key=lambda i: -cost[i])
+    out = execute(cfg, [jobs[i] for i in order], ids, min(workers, len(jobs)))
+    done = [(jobs[i], s) for i, s in sorted(zip(order, out))]
+    ref = next(s for j, s in done if j.kind == "reference")
+    res["reference"] = {**_row(dataclasses.replace(ref, nll=ref.nll[:cfg.tokens]),
+                               policy="none", repair="none", budget=None),
+                        "windows": windows(ref.nll, cfg.window)}
+    res["runs"] = [_row(s, policy=j.cache.policy, repair=j.cache.repair, budget=j.cache.budget)
+                   for j, s in done if j.kind == "grid"]
+    res["long"] = [{**_row(s, policy=j.cache.policy, repair=j.cache.repair, budget=j.cache.budget,
+                           positions=j.cache.positions), "windows": windows(s.nll, cfg.window)}
+                   for j, s in done if j.kind == "long"]
+    res["targets"] = targets(res)
+    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    res["elapsed_s"] = time.perf_counter() - t0
+    return res
+
+
+# --- analysis -------------------------------------------------------------------------------
+
+def best(runs: list[dict], budget: int, policies) -> dict | None:
+    """The lowest-perplexity run at ``budget`` among ``policies`` (any repair setting)."""
+    rows = [r for r in runs if r["budget"] == budget and r["policy"] in policies]
+    return min(rows, key=lambda r: r["ppl"]) if rows else None
+
+
+def _label(r: dict) -> str:
+    return f"{r['policy']} ({r['repair']} repair)"
+
+
+def long_flatness(res: dict) -> dict | None:
+    """Compact long run: perplexity of the window ending at half the positions vs the worst
+    window wholly past the positions."""
+    compact = next((r for r in res["long"] if r["positions"] == "compact"), None)
+    if compact is None:
+        return None
+    half, limit = res["max_positions"] // 2, res["max_positions"]
+    # Window i scores the tokens at steps start+1..end, which run at positions start..end-1.
+    at_half = next((w for w in compact["windows"] if w["start"] < half <= w["end"]), None)
+    past = [w for w in compact["windows"] if w["start"] >= limit]
+    if at_half is None or not past:
+        return None
+    worst = max(past, key=lambda w: w["ppl"])
+    return {"half": half, "limit": limit, "ppl_half": at_half["ppl"], "window_half": at_half,
+            "ppl_past": worst["ppl"], "window_past": worst,
+            "ratio": worst["ppl"] / at_half["ppl"]}
+
+
+def targets(res: dict) -> list[dict]:
+    out = []
+    runs = res["runs"]
+    for b in res["config"]["budgets"]:
+        ours, base = best(runs, b, ("brightness",)), best(runs, b, BASELINES)
+        if ours and base:
+            out.append({"what": f"budget {b}: brightness ({ours['repair']} repair) vs the best "
+                                f"baseline, {_label(base)}",
+                        "value": ours["ppl"] / base["ppl"], "target": "<= 1.00",
+                        "met": ours["ppl"] <= base["ppl"]})
+    ours = best(runs, FULL_TARGET_BUDGET, ("brightness",))
+    if ours:
+        ratio = ours["ppl"] / res["reference"]["ppl"]
+        out.append({"what": f"budget {FULL_TARGET_BUDGET}: brightness ({ours['repair']} repair) "
+                            "vs the full cache", "value": ratio,
+                    "target": f"<= {FULL_TARGET:.2f}", "met": ratio <= FULL_TARGET})
+    flat = long_flatness(res)
+    if flat:
+        out.append({"what": f"compact positions: worst window past {flat['limit']} vs the "
+                            f"window at {flat['half']}", "value": flat["ratio"],
+                    "target": f"<= {FLAT_TARGET:.2f}", "met": flat["ratio"] <= FLAT_TARGET})
+    return out
+
+
+# --- output ---------------------------------------------------------------------------------
+
+def tables(res: dict) -> list[Table]:
+    ref = res["reference"]["ppl"]
+    budgets = res["config"]["budgets"]
+    cells = {(r["policy"], r["repair"], r["budget"]): r for r in res["runs"]}
+    rows = []
+    for p in res["config"]["policies"]:
+        for rep in res["config"]["repairs"]:
+            rs = [cells.get((p, rep, b)) for b in budgets]
+            rows.append((p, rep, *(f"{r['ppl']:.3f} ({r['ppl'] / ref:.3f}x)" if r else "–"
+                                   for r in rs)))
+    ppl = Table(
+        f"Streaming perplexity by budget ({res['config']['tokens']} scored tokens; "
+        "x = / full cache)",
+        ("policy", "repair", *(f"budget {b}" for b in budgets)), tuple(rows),
+        f"Full cache (no budget): {ref:.3f}. Lower is better.")
+    target = Table(
+        "Targets (reported, not asserted)", ("what", "value", "target", "met"),
+        tuple((t["what"], fmt(t["value"], 3), t["target"], "yes" if t["met"] else "NO")
+              for t in res["targets"]))
+    cost = Table(
+        "Per run: ms per token (whole loop step), culls, merge repairs",
+        ("policy", "repair", "budget", "ms/token", "culled", "repaired", "stop"),
+        tuple((r["policy"], r["repair"], str(r["budget"]), fmt(r["ms_per_token"], 1),
+               str(r["culled"]), str(r["repaired"]), r["stop_reason"])
+              for r in [res["reference"], *res["runs"]]))
+    out = [target, ppl]
+    if res["long"]:
+        ws = {r["positions"]: {w["end"]: w["ppl"] for w in r["windows"]} for r in res["long"]}
+        ends = sorted(set().union(*ws.values()))
+        first = res["long"][0]
+        out.append(Table(
+            f"Long run: perplexity per window of {res['config']['window']} tokens "
+            f"({first['policy']}, budget {first['budget']}, {first['repair']} repair)",
+            ("tokens up to", *ws), tuple((str(e), *(fmt(ws[p].get(e), 3) for p in ws))
+                                         for e in ends),
+            " ".join(f"`{r['positions']}`: {r['scored']} tokens scored, stopped by "
+                     f"{r['stop_reason']}, {r['reindexed']} re-index(es)." for r in res["long"])
+            + f" The model has {res['max_positions']} positions: `keep` stops there."))
+    out.append(cost)
+    return out
+
+
+def plots(res: dict, out: Path) -> list[str]:
+    """PNG plots into ``out``; returns their file names."""
+    series = {}
+    budgets = res["config"]["budgets"]
+    for p in res["config"]["policies"]:
+        for rep in res["config"]["repairs"]:
+            rs = [r for r in res["runs"] if r["policy"] == p and r["repair"] == rep]
+            series[f"{p}{' + merge' if rep == 'merge' else ''}"] = (
+                [r["budget"] for r in rs], [r["ppl"] for r in rs], "-" if rep == "none" else "--")
+    ref = res["reference"]["ppl"]
+    series["full cache"] = (budgets, [ref] * len(budgets), ":")
+    common.line_plot(out / "ppl_vs_budget.png",
+                     f"Streaming perplexity vs budget, {res['model']} {res['dtype']}",
+                     "budget (live cache slots)", "perplexity", series)
+    images = ["ppl_vs_budget.png"]
+    if res["long"]:
+        _long_plot(res, out / "ppl_long.png")
+        images.append("ppl_long.png")
+    return images
+
+
+def _long_plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for r in res["long"]:
+        ax.step([w["end"] for w in r["windows"]], [w["ppl"] for w in r["windows"]], where="pre",
+                label=f"{r['policy']} budget {r['budget']}, positions {r['positions']}",
+                linestyle="-" if r["positions"] == "compact" else "--")
+    ref = res["reference"]
+    ax.step([w["end"] for w in ref["windows"]], [w["ppl"] for w in ref["windows"]], where="pre",
+            label="full cache", linestyle=":", color="gray")
+    ax.axvline(res["max_positions"], color="red", alpha=0.5, label="the model's positions")
+    ax.set_title(f"Perplexity per {res['config']['window']}-token window, {res['model']}")
+    ax.set_xlabel("tokens streamed")
+    ax.set_ylabel("perplexity")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def missed_notes(res: dict) -> list[str]:
+    return [f"- **Missed: {t['what']}** ({t['value']:.3f}, target {t['target']})."
+            for t in res["targets"] if not t["met"]]
+
+
+def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
+    """The markdown report; ``level`` is the heading level of its title."""
+    h = "#" * level
+    m, t = res["machine"], res["text"]
+    sp = res["config"]["base"]
+    lines = [
+        f"{h} Quality benchmark: streaming perplexity",
+        "",
+        f"Regenerate with `{res['command']}` (this run took {_duration(res['elapsed_s'])}; "
+        "`make bench` runs the quick version). Every number below comes from that one run.",
+        "",
+        f"Model `{res['model']}` ({res['dtype']}{', quick' if res['quick'] else ''}), "
+        f"{res['max_positions']} positions; text `{t['source']}` ({t['tokens']:,} tokens, sha256 "
+        f"{t['sha256']}…), slice `{t['slice']}` from token {t['offset']:,}; {m['cpu']}, "
+        f"{m['cores']} cores, load average {m['loadavg_start'][0]} at the start, "
+        f"{m['loadavg_end'][0]} at the end. Protected from culls: {sp['sinks']} sinks, "
+        f"{sp['recent']} recent tokens. Brightness: decay {sp['decay']}, gain {sp['gain']}, "
+        f"aggregation {sp['aggregate']}, max {sp['max_brightness']}.",
+        "",
+    ]
+    for tb in tables(res):
+        lines += [f"{h}# {tb.title}", "", tb.markdown(), ""]
+        if tb.title.startswith("Targets"):
+            lines += missed_notes(res) + [""] if missed_notes(res) else []
+    lines += [f"{h}# Plots", ""]
+    lines += [f"![{name}]({image_dir}/{name})" for name in images]
+    lines += ["", f"{h}# Method", "", METHOD]
+    return "\n".join(lines) + "\n"
+
+
+METHOD = """\
+- **Streaming perplexity**: the slice's first token is primed; every step runs the pending
+  token through stages 1-4 (`Session.stream(force=...)`): stage 1's logits give the NLL of
+  the text's next token, which becomes the pending token (teacher forcing; nothing is
+  sampled), stage 2 scores, stage 3 culls to the budget (and merges a dim pair with merge
+  repair), stage 4 applies. Perplexity = exp(mean NLL) over every scored token, so the first
+  `budget` tokens (before any cull) are the same for every policy.
+- **Full cache**: the same loop without a budget; it checks against Hugging Face's own
+  forward over the whole text in `tests/test_bench_quality.py` (NLL equal to 1e-4).
+- **Long run**: one configuration streamed past the model's positions. `compact` re-indexes
+  the live cache to positions 0..n-1 (keys re-rotated exactly) when the next position
+  would leave the trained range; `keep` never does, so it stops at the limit.
+- **Slices**: `eval` scores from the text's start, `tune` from its middle; scorer defaults
+  are chosen on `tune` only (`--slice tune`), this report is `eval`.
+"""
+
+
+def command_line(args) -> str:
+    parts = ["positronic-brain bench quality"]
+    for flag in ("quick",):
+        if getattr(args, flag):
+            parts.append(f"--{flag}")
+    for flag, default in (("model", "smollm2"), ("dtype", None), ("text", None),
+                          ("slice", None), ("budgets", None), ("policies", None),
+                          ("repairs", None), ("params", None), ("tokens", None),
+                          ("long", None), ("out", None), ("report", None)):
+        value = getattr(args, flag, None)
+        if value is not None and value != default:
+            parts += [f"--{flag}", str(value)]
+    return " ".join(parts)
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--{name} takes comma-separated integers, got {text!r}") from None
+
+
+def config_from_args(args) -> QualityConfig:
+    kw = {"model": args.model, "dtype": args.dtype or "float32"}
+    if args.text is not None:
+        kw["text"] = args.text
+    if args.slice is not None:
+        kw["slice"] = args.slice
+    if args.budgets is not None:
+        kw["budgets"] = _ints(args.budgets, "budgets")
+    if args.policies is not None:
+        kw["policies"] = tuple(p.strip() for p in args.policies.split(","))
+    if args.tokens is not None:
+        kw["tokens"] = args.tokens
+    if args.long is not None:
+        kw["long"] = args.long
+    if args.repairs is not None:
+        kw["repairs"] = tuple(r.strip() for r in args.repairs.split(","))
+    if args.params is not None:
+        kw["base"] = base_params(args.params)
+    return QualityConfig.preset(args.quick, **kw)
+
+
+def base_params(text: str) -> CacheParams:
+    """``--params decay=1,gain=200,seeds=128:128:128:128`` -> CacheParams with those fields
+    (tuples take ``:``-separated values); budget, policy, repair and positions are the
+    benchmark's own axes."""
+    fields = {f.name: f for f in dataclasses.fields(CacheParams)}
+    kw = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        require(name in fields and name not in ("budget", "policy", "repair", "positions"),
+                f"--params: unknown or fixed field {name!r}")
+        default = getattr(CacheParams(), name)
+        try:
+            if isinstance(default, tuple):
+                kind = float if name == "seeds" else str
+                kw[name] = tuple(kind(v) for v in value.split(":")) if value else ()
+            elif isinstance(default, str):
+                kw[name] = value
+            else:
+                kw[name] = type(default)(value) if default is not None else int(value)
+        except ValueError:
+            raise UserError(f"--params: bad value for {name}: {value!r}") from None
+    return CacheParams(**kw)
+
+
+def main(args) -> int:
+    """The CLI entry: measure, then print tables (or one JSON object) and write files."""
+    cfg = config_from_args(args)  # validate before the slow part
+    out = common.out_dir(args)
+    jobs = args.jobs if args.jobs is not None else os.cpu_count() or 1
+    require(jobs >= 1, f"--jobs must be >= 1, got {jobs}")
+    res = run(cfg, command_line(args), jobs)
+    common.emit(res, args, out, "quality", plots, report_md, tables)
+    return 0
