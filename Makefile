@@ -32,6 +32,7 @@ test: install
 
 bench: install
 	$(BIN)/positronic-brain bench speed --quick $(ARGS)
+	$(BIN)/positronic-brain bench quality --quick $(ARGS)
 
 clean:
 	rm -rf $(VENV) captures/*/ .pytest_cache .hypothesis

@@ -88,7 +88,7 @@ class QualityConfig:
     def preset(cls, quick: bool, **kw) -> "QualityConfig":
         if not quick:
             return cls(**kw)
-        return cls(quick=True, **{"budgets": (128,), "tokens": 512, "long": 0, "window": 128,
+        return cls(quick=True, **{"budgets": (128,), "tokens": 384, "long": 0, "window": 128,
                                   **kw})
 
     def fitted(self, max_positions: int) -> "QualityConfig":
