@@ -27,6 +27,7 @@ from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import score
 from .state import State
+from .streaming import astream
 from .types import CacheParams, Patch, SamplerParams, Segment, StepRecord, require
 
 
@@ -134,11 +135,17 @@ class Session:
         self.capture.save(step, stage, inputs, outputs, cache_len=self.state.mirror.n,
                           arena_version=arena_version(self.state))
 
+    def astream(self, max_new_tokens: int, ignore_eos: bool = False):
+        """``stream`` as an async iterator of StreamEvents, stepping in a worker thread
+        (see ``positronic_brain.streaming``)."""
+        return astream(self, max_new_tokens, ignore_eos)
+
     def stream(self, max_new_tokens: int, ignore_eos: bool = False,
                force: Sequence[int] | None = None) -> Iterator[StepRecord]:
         """Step until ``max_new_tokens``, EOS (kept as the last generated token, as with
         Hugging Face ``generate``) or a full arena. With ``force`` (teacher forcing), step
         i's next pending token is ``force[i]`` rather than a sampled one."""
+        require(self.state is not None, "prime the session before streaming")
         require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
         require(force is None or len(force) >= max_new_tokens,
                 f"{max_new_tokens} steps need as many forced tokens, got {len(force or ())}")
