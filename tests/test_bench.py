@@ -1,12 +1,25 @@
 """`bench speed --quick` on the tiny model: well-formed JSON, a report and real PNG plots."""
 import json
 
+import pytest
+import torch
+
 from positronic_brain.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path):
+@pytest.fixture
+def one_thread():
+    """The tiny model's ops are too small to split across cores; one thread keeps the
+    test fast on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     out = tmp_path / "bench"
     code = main(["bench", "speed", "--quick", "--model", "tiny-random", "--json", "--out", str(out)])
     stdout, err = capsys.readouterr()
@@ -15,6 +28,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path):
     assert res == json.loads((out / "results.json").read_text())
     assert res["model"] == "tiny-random" and res["quick"] is True
     assert res["bandwidth_gb_s"] > 0 and res["peak_rss_mb"] > 0
+    assert res["machine"]["torch_threads"] == 1
 
     contexts = res["config"]["contexts"]
     assert contexts == [128, 256]  # the quick contexts that fit the tiny model's 512 positions

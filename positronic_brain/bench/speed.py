@@ -76,7 +76,7 @@ class SpeedConfig:
         if not quick:
             return cls(model=model)
         return cls(model=model, quick=True, contexts=(128, 256, 512, 1024), prefill=(1024,),
-                   reps=7, prefill_reps=2, edit_reps=3, bandwidth_mb=256)
+                   reps=7, prefill_reps=2, edit_reps=3, bandwidth_mb=128)
 
     def fitted(self, max_positions: int) -> "SpeedConfig":
         """Drop what the model's positions cannot hold (the pending token needs one more)."""
