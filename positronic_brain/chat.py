@@ -71,8 +71,9 @@ class Chat:
             session = Session(model, policy, sampler or SamplerParams(),
                               self._chat_cache(model, cache or CacheParams()), capture=capture)
         self.session = session
-        state = session.state
-        self.capacity = state.arena.capacity if state else 2 * session.cache.budget
+        state, budget = session.state, session.cache.budget
+        self.capacity = state.arena.capacity if state else \
+            2 * budget if budget else model.spec.max_positions
         self.transcript: list[tuple[str, str | tuple[int, ...]]] = []  # this process's turns
         self.last: Reply | None = None
         self.totals = {"turns": 0, "steps": 0, "ms": 0.0, "culled": 0, "repaired": 0,
@@ -116,8 +117,7 @@ class Chat:
         turn and the opened assistant turn; and the id replacing the pending token (a stop
         token other than the end-of-turn marker), or None. Raises UserError if it cannot fit."""
         require(text.strip() != "", "the turn is empty")
-        p, s = self.policy, self.session
-        state = s.state
+        p, state = self.policy, self.session.state
         if state is None:  # nothing cached yet: the first turn is primed (BOS as the family wants)
             turn, close, pending = p.chat([("user", text)]), [], None
         else:
