@@ -125,8 +125,8 @@ class CacheParams:
     sinks: int = 4
     recent: int = 16
     pinned: tuple[str, ...] = ("system",)
-    decay: float = 2.0
-    gain: float = 10.0
+    decay: float = 0.5
+    gain: float = 300.0
     max_brightness: float = 255.0
     seeds: tuple[float, ...] | None = None  # None: every source at max_brightness
     aggregate: str = "all-mean"

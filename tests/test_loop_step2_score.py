@@ -43,9 +43,10 @@ def test_brightness_on_the_real_model(walked, real_policy):
     print(f"\nstep {view.step}: {view.n} live slots, next position {view.next_position}")
     print("brightest:", ", ".join(f"{show(i)}={float(b[i]):.1f}" for i in order[:8]))
     print("dimmest:  ", ", ".join(f"{show(i)}={float(b[i]):.1f}" for i in order[-8:]))
-    # the update rule, from the stored values and the attention row
-    expected = (view.brightness - 2.0 + 10.0 * gen.attention.mean((0, 1))).clamp(0, 255)
-    assert torch.allclose(b, expected, atol=1e-5)
+    # the update rule, from the stored values, the attention row and the session's parameters
+    c = session.cache
+    expected = (view.brightness - c.decay + c.gain * gen.attention.mean((0, 1))).clamp(0, 255)
+    assert torch.allclose(b, expected, atol=1e-4)
 
 
 def test_brightness_update_rule_by_hand(tiny_model, tiny_policy):

@@ -476,7 +476,8 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
     m, t = res["machine"], res["text"]
     sp = res["config"]["base"]
     lines = [
-        f"{h} Quality benchmark: streaming perplexity",
+        f"{h} Quality benchmark: streaming perplexity"
+        + (" (tune slice)" if t["slice"] == "tune" else ""),
         "",
         f"Regenerate with `{res['command']}` (this run took {_duration(res['elapsed_s'])}; "
         "`make bench` runs the quick version). Every number below comes from that one run.",
@@ -496,7 +497,7 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
             lines += missed_notes(res) + [""] if missed_notes(res) else []
     lines += [f"{h}# Plots", ""]
     lines += [f"![{name}]({image_dir}/{name})" for name in images]
-    lines += ["", f"{h}# Method", "", METHOD]
+    lines += ["", f"{h}# Method", "", METHOD + f"  This report is `{t['slice']}`.\n"]
     return "\n".join(lines) + "\n"
 
 
@@ -513,8 +514,7 @@ METHOD = """\
   the live cache to positions 0..n-1 (keys re-rotated exactly) when the next position
   would leave the trained range; `keep` never does, so it stops at the limit.
 - **Slices**: `eval` scores from the text's start, `tune` from its middle; scorer defaults
-  are chosen on `tune` only (`--slice tune`), this report is `eval`.
-"""
+  are chosen on `tune` only (`--slice tune`), never on `eval`."""
 
 
 def command_line(args) -> str:
@@ -592,5 +592,7 @@ def main(args) -> int:
     jobs = args.jobs if args.jobs is not None else os.cpu_count() or 1
     require(jobs >= 1, f"--jobs must be >= 1, got {jobs}")
     res = run(cfg, command_line(args), jobs)
-    common.emit(res, args, out, "quality", plots, report_md, tables)
+    # the tune slice's report is a section of its own: it never replaces the eval one
+    common.emit(res, args, out, "quality" if cfg.slice == "eval" else "quality-tune", plots,
+                report_md, tables)
     return 0

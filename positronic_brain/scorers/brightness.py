@@ -11,15 +11,15 @@ import torch
 
 from . import aggregate
 from ..state import View
-from ..types import ScoreOut
+from ..types import CacheParams, ScoreOut
 
 
 @dataclass(frozen=True)
 class Brightness:
-    decay: float = 2.0
-    gain: float = 10.0
-    max_brightness: float = 255.0
-    aggregate: str = "all-mean"
+    decay: float = CacheParams.decay
+    gain: float = CacheParams.gain
+    max_brightness: float = CacheParams.max_brightness
+    aggregate: str = CacheParams.aggregate
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         b = view.brightness - self.decay + self.gain * aggregate(attention, self.aggregate)
