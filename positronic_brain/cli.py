@@ -18,6 +18,10 @@ from .types import UserError  # noqa: E402
 PROG = "positronic-brain"
 
 
+MODEL_HELP = ("smollm2 (default), a local HF folder, or a tiny random model for tests: "
+              "tiny-random, tiny-random-qwen2, tiny-random-mistral, tiny-random-llama3")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints the usage too)
         raise UserError(message)
@@ -25,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 (default), tiny-random, tiny-random-qwen2, or a local HF folder")
+                   help=MODEL_HELP)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
 
 
@@ -72,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also write the report into this shared document (e.g. "
                        "docs/BENCHMARKS.md), as its own section between markers")
     bench.add_argument("--model", default="smollm2",
-                       help="smollm2 (default), tiny-random, tiny-random-qwen2, or a local HF folder")
+                       help=MODEL_HELP)
     _add_quality_args(bench)
     _add_inspect_args(sub)
     _add_chat_args(sub)

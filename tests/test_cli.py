@@ -89,3 +89,10 @@ def test_console_script_exit_code():
                            "--top-p", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "positronic-brain: error: top-p must be in (0, 1], got 2.0"
+
+
+def test_model_help_names_every_tiny_model():
+    from positronic_brain.cli import MODEL_HELP
+    from positronic_brain.model import TINY_CONFIGS
+
+    assert all(name in MODEL_HELP for name in TINY_CONFIGS)
