@@ -132,7 +132,7 @@ def cmd_inspect(args) -> int:
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
-    from .types import AGGREGATIONS, POLICIES, CacheParams
+    from .types import AGGREGATIONS, POLICIES, SIGNALS, CacheParams
 
     d = CacheParams()
     g = p.add_argument_group("cache (see README: budgets, policies, repair, positions)")
@@ -147,7 +147,11 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sinks", type=int, default=d.sinks, help="first tokens never culled")
     g.add_argument("--recent", type=int, default=d.recent, help="last tokens never culled")
     g.add_argument("--decay", type=float, default=d.decay, help="brightness lost per step")
-    g.add_argument("--gain", type=float, default=d.gain, help="brightness per unit attention")
+    g.add_argument("--gain", type=float, default=d.gain,
+                   help="brightness per uniform share of attention (n x attention)")
+    g.add_argument("--signal", default=d.signal,
+                   help=f"what brightness gains from: {'|'.join(SIGNALS)} (value: attention x "
+                        "value norm / mean value norm)")
     g.add_argument("--aggregate", default=d.aggregate,
                    help=f"attention over layers-heads: {'|'.join(AGGREGATIONS)}")
 
@@ -158,7 +162,7 @@ def _cache(args):
     return CacheParams(budget=args.budget, policy=args.policy, repair=args.repair,
                        positions=args.positions, reindex_at=args.reindex_at, sinks=args.sinks,
                        recent=args.recent, decay=args.decay, gain=args.gain,
-                       aggregate=args.aggregate, seed=args.seed)
+                       aggregate=args.aggregate, signal=args.signal, seed=args.seed)
 
 
 def _sampler(args):
@@ -215,7 +219,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-QUALITY_ONLY = ("dtype", "text", "slice", "budgets", "policies", "repairs", "params", "tokens",
+QUALITY_ONLY = ("dtype", "text", "slice", "at", "budgets", "policies", "repairs", "params", "tokens",
                 "long", "jobs")
 
 
@@ -226,6 +230,9 @@ def _add_quality_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--text", default=None, help="a UTF-8 file (default: Python's help topics)")
     g.add_argument("--slice", default=None, choices=("eval", "tune"),
                    help="eval (default): from the text's start; tune: from its middle")
+    g.add_argument("--at", type=float, default=None, metavar="F",
+                   help="the tune slice starts F of the way into the text (0.5 <= F < 1; "
+                        "default 0.5)")
     g.add_argument("--budgets", default=None, help="comma-separated, e.g. 128,256,512")
     g.add_argument("--policies", default=None,
                    help="comma-separated scorers (default: brightness,streaming,h2o,tova,random)")

@@ -99,6 +99,7 @@ class GenerateOut:
 
 POLICIES = ("brightness", "streaming", "h2o", "tova", "random", "none")  # scorers/<name>.py
 AGGREGATIONS = ("all-mean", "all-max", "last-mean", "last-max")  # layers-heads over attention
+SIGNALS = ("value", "attention")  # what brightness gains from: value-weighted attention or plain
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,9 @@ class CacheParams:
     turns instead (a user turn with everything up to the next one; never the last, never
     pinned tokens; sinks, recent and repairs do not apply).
     Brightness: new tokens start at ``seeds[source]`` (in SOURCES order); each step
-    b <- clamp(b - decay + gain * attention, 0, max_brightness).
+    b <- clamp(b - decay + gain * share, 0, max_brightness), where share is n times the
+    token's ``signal`` (``value``: attention weighted by its value norm relative to the mean
+    live one; ``attention``: plain), ``aggregate``d over layers-heads: 1 = a uniform share.
     """
 
     budget: int | None = None
@@ -126,10 +129,11 @@ class CacheParams:
     recent: int = 16
     pinned: tuple[str, ...] = ("system",)
     decay: float = 0.5
-    gain: float = 300.0
+    gain: float = 2.34
     max_brightness: float = 255.0
     seeds: tuple[float, ...] | None = None  # None: every source at max_brightness
     aggregate: str = "all-mean"
+    signal: str = "value"
     max_repairs: int = 1
     reindex_at: int | None = None
     seed: int = 0  # the random scorer's seed
@@ -143,6 +147,8 @@ class CacheParams:
                 f"positions must be keep or compact, got {self.positions!r}")
         require(self.aggregate in AGGREGATIONS, f"unknown aggregation {self.aggregate!r}; "
                 f"expected one of {', '.join(AGGREGATIONS)}")
+        require(self.signal in SIGNALS, f"signal must be one of {', '.join(SIGNALS)}, "
+                f"got {self.signal!r}")
         require(self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}")
         require(self.recent >= 0, f"recent must be >= 0, got {self.recent}")
         require(all(s in SOURCES for s in self.pinned), f"pinned sources must be among {SOURCES}")

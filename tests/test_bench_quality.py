@@ -128,6 +128,17 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
     assert "![ppl_vs_budget.png](q/ppl_vs_budget.png)" in text
 
 
+def test_slices_never_overlap():
+    ids = list(range(1000))
+    assert quality.text_slice(ids, "eval", 10) == (0, ids[:10])
+    assert quality.text_slice(ids, "tune", 10) == (500, ids[500:510])
+    assert quality.text_slice(ids, "tune", 10, at=0.875) == (875, ids[875:885])
+    assert quality.text_slice(ids, "tune", 125, at=0.875)[1][-1] == 999
+    for which, need, at in (("eval", 501, 0.5), ("tune", 126, 0.875)):
+        with pytest.raises(UserError, match="slice holds"):
+            quality.text_slice(ids, which, need, at)
+
+
 def test_pool_workers_give_the_inline_result(tiny_model, tiny_policy):
     cfg = quality.QualityConfig(model="tiny-random", budgets=(24,), tokens=40)
     ids = tiny_policy.encode(quality.default_text())[:41]
@@ -143,7 +154,9 @@ def test_bad_input_is_one_line(capsys):
                       (["--params", "gain=x"], "bad value for gain"),
                       (["--params", "budget=3"], "unknown or fixed field"),
                       (["--policies", "none"], "non-culling"),
-                      (["--budgets", "8"], "smaller than sinks + recent")):
+                      (["--budgets", "8"], "smaller than sinks + recent"),
+                      (["--at", "0.7"], "--at places the tune slice"),
+                      (["--slice", "tune", "--at", "0.3"], "--at places the tune slice")):
         assert main(["bench", "quality", "--model", "tiny-random", *argv]) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err

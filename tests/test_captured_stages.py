@@ -62,9 +62,13 @@ def test_s2_scores_follow_the_brightness_rule(capture):
         assert out["scores"].shape == (n,) and torch.isfinite(out["scores"]).all()
         b = out["brightness"]
         assert b.shape == (n,) and (b >= 0).all() and (b <= cache.max_brightness).all()
-        # b <- clamp(b - decay + gain * attention): never more than gain above, decay below
-        delta = b - view["brightness"]
-        assert (delta >= -cache.decay - 1e-4).all() and (delta <= cache.gain - cache.decay + 1e-4).all()
+        # the rule, from the captured inputs alone: the s1 attention and the value norms
+        att, norms = f["s1_generate"]["outputs"]["attention"], f["s2_score"]["inputs"]["value_norms"]
+        assert norms.shape == (att.shape[0], att.shape[1] // 3, n) and (norms >= 0).all()
+        w = (norms / norms.mean(-1, keepdim=True)).repeat_interleave(3, dim=1)
+        share = n * (att * w).mean((0, 1))
+        want = (view["brightness"] - cache.decay + cache.gain * share).clamp(0, cache.max_brightness)
+        assert torch.allclose(b, want, atol=1e-4)
 
 
 def test_s3_decisions_respect_budget_and_protections(capture):

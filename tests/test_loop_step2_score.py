@@ -43,35 +43,62 @@ def test_brightness_on_the_real_model(walked, real_policy):
     print(f"\nstep {view.step}: {view.n} live slots, next position {view.next_position}")
     print("brightest:", ", ".join(f"{show(i)}={float(b[i]):.1f}" for i in order[:8]))
     print("dimmest:  ", ", ".join(f"{show(i)}={float(b[i]):.1f}" for i in order[-8:]))
-    # the update rule, from the stored values, the attention row and the session's parameters
+    # the update rule, from the stored values, the attention row, the live values and the
+    # session's parameters: n x the value-weighted attention, averaged over layers and heads
     c = session.cache
-    expected = (view.brightness - c.decay + c.gain * gen.attention.mean((0, 1))).clamp(0, 255)
+    norm = view.v.float().norm(dim=-1)  # (L, kv_heads, n)
+    norm = (norm / norm.mean(-1, keepdim=True)).repeat_interleave(3, dim=1)  # 9 heads, 3 KV
+    share = view.n * (gen.attention * norm).mean((0, 1))
+    expected = (view.brightness - c.decay + c.gain * share).clamp(0, 255)
     assert torch.allclose(b, expected, atol=1e-4)
 
 
-def test_brightness_update_rule_by_hand(tiny_model, tiny_policy):
+def _value_weights(v, layer, head, heads):
+    """Slot weights of one (layer, head), by hand: each value's norm over the mean norm of its
+    layer and KV head."""
+    kv = head // (heads // v.shape[1])
+    norms = [sum(x * x for x in v[layer, kv, i].tolist()) ** 0.5 for i in range(v.shape[2])]
+    mean = sum(norms) / len(norms)
+    return [x / mean for x in norms]
+
+
+@pytest.mark.parametrize("signal", ["value", "attention"])
+def test_brightness_update_rule_by_hand(tiny_model, tiny_policy, signal):
     state, _ = prime(tiny_model, tiny_policy.raw_prompt("abcdefgh"), capacity=16)
     view = replace(state.view(), brightness=torch.tensor([0.5, 3.0, 100.0, 254.0, 255.0, 1.0, 2.0]))
-    attention = torch.rand(tiny_model.spec.n_layers, tiny_model.spec.n_heads, view.n,
-                           generator=torch.Generator().manual_seed(0))
+    L, H, n = tiny_model.spec.n_layers, tiny_model.spec.n_heads, view.n
+    attention = torch.rand(L, H, n, generator=torch.Generator().manual_seed(0))
+    weight = [[_value_weights(view.v, li, h, H) if signal == "value" else [1.0] * n
+               for h in range(H)] for li in range(L)]
     for how in AGGREGATIONS:
-        scorer = make_scorer(CacheParams(decay=1.5, gain=30.0, max_brightness=200.0,
-                                         aggregate=how))
+        scorer = make_scorer(CacheParams(decay=1.5, gain=0.5, max_brightness=200.0,
+                                         aggregate=how, signal=signal))
         got = scorer.score(view, attention).brightness
-        for i in range(view.n):
-            layers = [attention.shape[0] - 1] if how.startswith("last") else range(attention.shape[0])
-            per_layer = [max(attention[li, :, i].tolist()) if how.endswith("max")
-                         else sum(attention[li, :, i].tolist()) / attention.shape[1]
-                         for li in layers]
-            a = sum(per_layer) / len(per_layer)
-            want = min(200.0, max(0.0, float(view.brightness[i]) - 1.5 + 30.0 * a))
+        for i in range(n):
+            layers = [L - 1] if how.startswith("last") else range(L)
+            heads = [[float(attention[li, h, i]) * weight[li][h][i] for h in range(H)]
+                     for li in layers]
+            per_layer = [max(x) if how.endswith("max") else sum(x) / H for x in heads]
+            share = n * sum(per_layer) / len(per_layer)
+            want = min(200.0, max(0.0, float(view.brightness[i]) - 1.5 + 0.5 * share))
             assert abs(float(got[i]) - want) < 1e-4, (how, i)
 
 
-def test_aggregate_shapes():
-    attention = torch.rand(3, 4, 5)
-    assert torch.allclose(aggregate(attention, "all-mean"), attention.mean((0, 1)))
-    assert torch.allclose(aggregate(attention, "last-max"), attention[-1].amax(0))
+def test_value_weights_favour_large_values(tiny_model, tiny_policy):
+    """Equal attention, one value scaled up: that slot gains more brightness, the others
+    less (the weights keep their mean at 1)."""
+    state, _ = prime(tiny_model, tiny_policy.raw_prompt("abcdef"), capacity=16)
+    view = replace(state.view(), brightness=torch.zeros(state.arena.n))
+    view = replace(view, v=torch.ones_like(view.v))  # equal value norms
+    v = view.v.clone()
+    v[:, :, 2] *= 5
+    attention = torch.full((tiny_model.spec.n_layers, tiny_model.spec.n_heads, view.n), 1 / view.n)
+    scorer = make_scorer(CacheParams(decay=0.0, gain=1.0))
+    plain = scorer.score(view, attention).brightness
+    assert torch.allclose(plain, torch.ones(view.n))  # n x 1/n, the same for every slot
+    b = scorer.score(replace(view, v=v), attention).brightness
+    assert float(b[2]) > 1 and bool((b[torch.arange(view.n) != 2] < 1).all())
+    assert abs(float(b.mean()) - 1) < 1e-5
 
 
 def test_new_tokens_are_seeded_by_source(tiny_model, tiny_policy):

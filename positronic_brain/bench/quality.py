@@ -56,6 +56,7 @@ class QualityConfig:
     quick: bool = False
     text: str = DEFAULT_TEXT
     slice: str = "eval"
+    at: float = 0.5  # where the tune slice starts, as a fraction of the text's tokens
     budgets: tuple[int, ...] = (128, 256, 512)
     policies: tuple[str, ...] = SCORERS
     repairs: tuple[str, ...] = REPAIRS
@@ -70,6 +71,9 @@ class QualityConfig:
     def __post_init__(self) -> None:
         require(self.slice in SLICES,
                 f"slice must be one of {', '.join(SLICES)}, got {self.slice!r}")
+        require(0.5 <= self.at < 1 and (self.slice == "tune" or self.at == 0.5),
+                f"--at places the tune slice in the text's second half (0.5 <= at < 1), "
+                f"got {self.at} with slice {self.slice}")
         require(len(self.budgets) > 0 and all(b >= 1 for b in self.budgets),
                 f"budgets must be >= 1, got {self.budgets}")
         require(tuple(sorted(set(self.budgets))) == self.budgets,
@@ -130,10 +134,11 @@ def read_text(source: str) -> str:
         raise UserError(f"--text {source!r}: cannot read it as UTF-8 ({e})") from None
 
 
-def text_slice(ids: list[int], which: str, need: int) -> tuple[int, list[int]]:
-    """``need`` token ids from the ``eval`` (the start) or ``tune`` (the middle) slice: the two
-    never overlap. Returns (offset, ids)."""
-    offset = 0 if which == "eval" else len(ids) // 2
+def text_slice(ids: list[int], which: str, need: int, at: float = 0.5) -> tuple[int, list[int]]:
+    """``need`` token ids from the ``eval`` slice (the text's first half, from its start) or
+    the ``tune`` one (the second half, from ``at`` of the way): the two never overlap.
+    Returns (offset, ids)."""
+    offset = 0 if which == "eval" else int(len(ids) * at)
     room = len(ids) // 2 if which == "eval" else len(ids) - offset
     require(need <= room, f"the text has {len(ids)} tokens; the {which} slice holds {room}, "
             f"{need} are needed (use a longer --text or fewer --tokens)")
@@ -286,7 +291,7 @@ def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
     text = read_text(cfg.text)
     all_ids = TokenPolicy(model.tokenizer).encode(text)
     del model
-    offset, ids = text_slice(all_ids, cfg.slice, max(cfg.tokens, cfg.long) + 1)
+    offset, ids = text_slice(all_ids, cfg.slice, max(cfg.tokens, cfg.long) + 1, cfg.at)
     res = {"benchmark": "quality", "command": command, "model": cfg.model, "dtype": cfg.dtype,
            "quick": cfg.quick, "machine": info, "max_positions": limit, "workers": workers,
            "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"},
@@ -488,7 +493,8 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
         f"{m['cores']} cores, load average {m['loadavg_start'][0]} at the start, "
         f"{m['loadavg_end'][0]} at the end. Protected from culls: {sp['sinks']} sinks, "
         f"{sp['recent']} recent tokens. Brightness: decay {sp['decay']}, gain {sp['gain']}, "
-        f"aggregation {sp['aggregate']}, max {sp['max_brightness']}.",
+        f"signal {sp['signal']}, aggregation {sp['aggregate']}, "
+        f"max {sp['max_brightness']}.",
         "",
     ]
     for tb in tables(res):
@@ -523,7 +529,7 @@ def command_line(args) -> str:
         if getattr(args, flag):
             parts.append(f"--{flag}")
     for flag, default in (("model", "smollm2"), ("dtype", None), ("text", None),
-                          ("slice", None), ("budgets", None), ("policies", None),
+                          ("slice", None), ("at", None), ("budgets", None), ("policies", None),
                           ("repairs", None), ("params", None), ("tokens", None),
                           ("long", None), ("out", None), ("report", None)):
         value = getattr(args, flag, None)
@@ -545,6 +551,8 @@ def config_from_args(args) -> QualityConfig:
         kw["text"] = args.text
     if args.slice is not None:
         kw["slice"] = args.slice
+    if args.at is not None:
+        kw["at"] = args.at
     if args.budgets is not None:
         kw["budgets"] = _ints(args.budgets, "budgets")
     if args.policies is not None:

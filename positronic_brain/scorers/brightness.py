@@ -1,7 +1,10 @@
 """Brightness (the default): a per-token value that persists across steps in the mirror.
 
-New tokens start at their source's seed; each step b <- clamp(b - decay + gain * a, 0, max)
-where a is the attention the new query paid to the token (aggregated over layers/heads).
+New tokens start at their source's seed; each step b <- clamp(b - decay + gain * share, 0, max)
+where share is what the new query paid to the token relative to a uniform share of the n live
+slots: n times its attention, weighted by the token's value norm (``signal`` value) or not
+(``signal`` attention), aggregated over layers/heads. Relative to a uniform share, one
+(decay, gain) pair means the same at every budget.
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import aggregate
+from . import aggregate, value_norms, value_weighted
 from ..state import View
 from ..types import CacheParams, ScoreOut
 
@@ -20,8 +23,11 @@ class Brightness:
     gain: float = CacheParams.gain
     max_brightness: float = CacheParams.max_brightness
     aggregate: str = CacheParams.aggregate
+    signal: str = CacheParams.signal
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
-        b = view.brightness - self.decay + self.gain * aggregate(attention, self.aggregate)
-        b = b.clamp(0.0, self.max_brightness)  # (n,)
+        if self.signal == "value":
+            attention = value_weighted(attention, value_norms(view.v))
+        share = view.n * aggregate(attention, self.aggregate)  # (n,) 1 = a uniform share
+        b = (view.brightness - self.decay + self.gain * share).clamp(0.0, self.max_brightness)
         return ScoreOut(scores=b, brightness=b)
