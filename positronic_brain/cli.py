@@ -154,6 +154,8 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
                         "value norm / mean value norm)")
     g.add_argument("--aggregate", default=d.aggregate,
                    help=f"attention over layers-heads: {'|'.join(AGGREGATIONS)}")
+    g.add_argument("--skip-layers", type=float, default=d.skip_layers,
+                   help="fraction of the first layers brightness leaves out")
 
 
 def _cache(args):
@@ -162,7 +164,8 @@ def _cache(args):
     return CacheParams(budget=args.budget, policy=args.policy, repair=args.repair,
                        positions=args.positions, reindex_at=args.reindex_at, sinks=args.sinks,
                        recent=args.recent, decay=args.decay, gain=args.gain,
-                       aggregate=args.aggregate, signal=args.signal, seed=args.seed)
+                       aggregate=args.aggregate, signal=args.signal,
+                       skip_layers=args.skip_layers, seed=args.seed)
 
 
 def _sampler(args):

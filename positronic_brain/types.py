@@ -119,6 +119,8 @@ class CacheParams:
     b <- clamp(b - decay + gain * share, 0, max_brightness), where share is n times the
     token's ``signal`` (``value``: attention weighted by its value norm relative to the mean
     live one; ``attention``: plain), ``aggregate``d over layers-heads: 1 = a uniform share.
+    Brightness leaves out the first ``skip_layers`` fraction of the layers (rounded), whose
+    attention is spread broadly and says little about which tokens matter.
     """
 
     budget: int | None = None
@@ -134,6 +136,7 @@ class CacheParams:
     seeds: tuple[float, ...] | None = None  # None: every source at max_brightness
     aggregate: str = "all-mean"
     signal: str = "value"
+    skip_layers: float = 0.2
     max_repairs: int = 1
     reindex_at: int | None = None
     seed: int = 0  # the random scorer's seed
@@ -149,6 +152,8 @@ class CacheParams:
                 f"expected one of {', '.join(AGGREGATIONS)}")
         require(self.signal in SIGNALS, f"signal must be one of {', '.join(SIGNALS)}, "
                 f"got {self.signal!r}")
+        require(0 <= self.skip_layers < 1,
+                f"skip layers must be a fraction in [0, 1), got {self.skip_layers}")
         require(self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}")
         require(self.recent >= 0, f"recent must be >= 0, got {self.recent}")
         require(all(s in SOURCES for s in self.pinned), f"pinned sources must be among {SOURCES}")

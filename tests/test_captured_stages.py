@@ -65,6 +65,8 @@ def test_s2_scores_follow_the_brightness_rule(capture):
         # the rule, from the captured inputs alone: the s1 attention and the value norms
         att, norms = f["s1_generate"]["outputs"]["attention"], f["s2_score"]["inputs"]["value_norms"]
         assert norms.shape == (att.shape[0], att.shape[1] // 3, n) and (norms >= 0).all()
+        first = round(cache.skip_layers * att.shape[0])  # brightness leaves these layers out
+        norms, att = norms[first:], att[first:]
         w = (norms / norms.mean(-1, keepdim=True)).repeat_interleave(3, dim=1)
         share = n * (att * w).mean((0, 1))
         want = (view["brightness"] - cache.decay + cache.gain * share).clamp(0, cache.max_brightness)

@@ -54,6 +54,7 @@ def test_keep_positions_stops_at_the_models_positions(capsys):
     (["--positions", "shift"], "positions must be keep or compact"),
     (["--aggregate", "first-mean"], "unknown aggregation"),
     (["--signal", "keys"], "signal must be one of value, attention"),
+    (["--skip-layers", "1"], "skip layers must be a fraction in [0, 1), got 1.0"),
     (["--sinks", "-1"], "sinks must be >= 0"),
     (["--budget", "64", "--policy", "none"], "policy none never culls"),
     (["--budget", "64", "--reindex-at", "64"], "reindex-at must be > the budget"),

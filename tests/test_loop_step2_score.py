@@ -46,9 +46,10 @@ def test_brightness_on_the_real_model(walked, real_policy):
     # the update rule, from the stored values, the attention row, the live values and the
     # session's parameters: n x the value-weighted attention, averaged over layers and heads
     c = session.cache
-    norm = view.v.float().norm(dim=-1)  # (L, kv_heads, n)
+    first = round(c.skip_layers * 30)  # the layers brightness leaves out (6 of 30)
+    norm = view.v[first:].float().norm(dim=-1)  # (L - first, kv_heads, n)
     norm = (norm / norm.mean(-1, keepdim=True)).repeat_interleave(3, dim=1)  # 9 heads, 3 KV
-    share = view.n * (gen.attention * norm).mean((0, 1))
+    share = view.n * (gen.attention[first:] * norm).mean((0, 1))
     expected = (view.brightness - c.decay + c.gain * share).clamp(0, 255)
     assert torch.allclose(b, expected, atol=1e-4)
 
@@ -70,12 +71,16 @@ def test_brightness_update_rule_by_hand(tiny_model, tiny_policy, signal):
     attention = torch.rand(L, H, n, generator=torch.Generator().manual_seed(0))
     weight = [[_value_weights(view.v, li, h, H) if signal == "value" else [1.0] * n
                for h in range(H)] for li in range(L)]
-    for how in AGGREGATIONS:
+    for how, skip in [(how, 0.0) for how in AGGREGATIONS] + [("all-mean", 0.5), ("all-max", 0.6)]:
         scorer = make_scorer(CacheParams(decay=1.5, gain=0.5, max_brightness=200.0,
-                                         aggregate=how, signal=signal))
+                                         aggregate=how, signal=signal, skip_layers=skip))
         got = scorer.score(view, attention).brightness
+        first = round(skip * L)
+        if signal == "value":
+            weight = [[_value_weights(view.v[first:], li - first, h, H) if li >= first else None
+                       for h in range(H)] for li in range(L)]
         for i in range(n):
-            layers = [L - 1] if how.startswith("last") else range(L)
+            layers = [L - 1] if how.startswith("last") else range(first, L)
             heads = [[float(attention[li, h, i]) * weight[li][h][i] for h in range(H)]
                      for li in layers]
             per_layer = [max(x) if how.endswith("max") else sum(x) / H for x in heads]

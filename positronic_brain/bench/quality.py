@@ -494,7 +494,7 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
         f"{m['loadavg_end'][0]} at the end. Protected from culls: {sp['sinks']} sinks, "
         f"{sp['recent']} recent tokens. Brightness: decay {sp['decay']}, gain {sp['gain']}, "
         f"signal {sp['signal']}, aggregation {sp['aggregate']}, "
-        f"max {sp['max_brightness']}.",
+        f"skip layers {sp.get('skip_layers', 0.0)}, max {sp['max_brightness']}.",
         "",
     ]
     for tb in tables(res):

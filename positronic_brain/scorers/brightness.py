@@ -3,8 +3,9 @@
 New tokens start at their source's seed; each step b <- clamp(b - decay + gain * share, 0, max)
 where share is what the new query paid to the token relative to a uniform share of the n live
 slots: n times its attention, weighted by the token's value norm (``signal`` value) or not
-(``signal`` attention), aggregated over layers/heads. Relative to a uniform share, one
-(decay, gain) pair means the same at every budget.
+(``signal`` attention), aggregated over layers/heads, leaving out the first ``skip_layers``
+fraction of the layers. Relative to a uniform share, one (decay, gain) pair means the same
+at every budget.
 """
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ class Brightness:
     max_brightness: float = CacheParams.max_brightness
     aggregate: str = CacheParams.aggregate
     signal: str = CacheParams.signal
+    skip_layers: float = CacheParams.skip_layers
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
+        first = min(round(self.skip_layers * attention.shape[0]), attention.shape[0] - 1)
+        attention = attention[first:]  # (L - first, H, n)
         if self.signal == "value":
-            attention = value_weighted(attention, value_norms(view.v))
+            attention = value_weighted(attention, value_norms(view.v[first:]))
         share = view.n * aggregate(attention, self.aggregate)  # (n,) 1 = a uniform share
         b = (view.brightness - self.decay + self.gain * share).clamp(0.0, self.max_brightness)
         return ScoreOut(scores=b, brightness=b)
