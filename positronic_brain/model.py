@@ -69,7 +69,8 @@ class ModelSpec:
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's weights. q/k/v (and gate/up) are fused into one matrix;
-    the Hugging Face modules keep views into it, so nothing is stored twice."""
+    the Hugging Face modules keep views into it, so nothing is stored twice. Shapes are
+    (out, in) as in ``nn.Linear``; float32 storage is input-major (``w.t()`` contiguous)."""
 
     ln1: torch.Tensor  # (hidden,)
     qkv_w: torch.Tensor  # ((H + 2*KVH) * D, hidden)
@@ -261,9 +262,13 @@ def _tiny_random(name: str, dtype: torch.dtype):
 
 # --- wrapping -----------------------------------------------------------------------------
 
-def _fuse(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate linears' weights (and biases) into one; re-point the modules at views."""
+def _fuse(modules: list[nn.Linear], input_major: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate linears' weights (and biases) into one; re-point the modules at views.
+    ``input_major``: store the (out, in) weight with ``w.t()`` contiguous (see
+    ``forward.linear``); the values and the shape stay as they were."""
     w = torch.cat([m.weight.detach() for m in modules], 0)
+    if input_major:
+        w = w.t().contiguous().t()
     has_bias = [m.bias is not None for m in modules]
     require(all(has_bias) or not any(has_bias), "mixed biases in a fused projection")
     b = torch.cat([m.bias.detach() for m in modules], 0) if has_bias[0] else None
@@ -293,19 +298,27 @@ def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype) -> Model:
     _check_rope(hf.model.rotary_emb)
     hf.eval().requires_grad_(False)
     spec = ModelSpec.from_config(hf.config)
+    # float32 weights are stored input-major, where a one-token matrix-vector product is
+    # fastest (forward.linear); Hugging Face's modules hold views of the same storage
+    input_major = dtype == torch.float32
     layers = []
     for layer in hf.model.layers:
         att, mlp = layer.self_attn, layer.mlp
         for needed in ("q_proj", "k_proj", "v_proj", "o_proj"):
             require(hasattr(att, needed), f"unsupported attention layout: no {needed}")
         require(not hasattr(att, "q_norm"), "unsupported architecture: per-head q/k norms")
-        qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj])
-        gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj])
+        qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj], input_major)
+        o_w, o_b = _fuse([att.o_proj], input_major)
+        gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj], input_major)
+        down_w, down_b = _fuse([mlp.down_proj], input_major)
         layers.append(LayerWeights(
-            ln1=layer.input_layernorm.weight, qkv_w=qkv_w, qkv_b=qkv_b,
-            o_w=att.o_proj.weight, o_b=att.o_proj.bias, ln2=layer.post_attention_layernorm.weight,
-            gate_up_w=gate_up_w, gate_up_b=gate_up_b, down_w=mlp.down_proj.weight,
-            down_b=mlp.down_proj.bias, act=mlp.act_fn))
+            ln1=layer.input_layernorm.weight, qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, o_b=o_b,
+            ln2=layer.post_attention_layernorm.weight, gate_up_w=gate_up_w,
+            gate_up_b=gate_up_b, down_w=down_w, down_b=down_b, act=mlp.act_fn))
+    tied = hf.lm_head.weight is hf.model.embed_tokens.weight
+    lm_head, _ = _fuse([hf.lm_head], input_major)
+    if tied:
+        hf.model.embed_tokens.weight = hf.lm_head.weight
     return Model(name=name, hf=hf, tokenizer=tok, spec=spec, layers=tuple(layers),
                  embed=hf.model.embed_tokens.weight, final_norm=hf.model.norm.weight,
-                 lm_head=hf.lm_head.weight, rotary=hf.model.rotary_emb, dtype=dtype)
+                 lm_head=lm_head, rotary=hf.model.rotary_emb, dtype=dtype)

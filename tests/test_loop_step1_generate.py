@@ -82,3 +82,28 @@ def test_stage1_equals_hf_on_tiny_models(name):
         gen = generate(model, view, session.sampler, session.generator)
         assert_close(gen.logits, hf_step_logits(model, view), 1e-4, f"{name} logits")
         apply(model, session.state, gen)
+
+
+def test_float32_weights_are_input_major_shared_with_hf_and_linear_equals_f_linear(real_model):
+    """One weight storage per projection, read by our forward and HF's modules alike; the
+    one-row split product equals F.linear to float rounding, also with a bias, and other
+    shapes or layouts take F.linear itself."""
+    from positronic_brain.forward import linear
+
+    w = real_model.layers[0]
+    hf = real_model.hf.model.layers[0]
+    for ours, theirs in ((w.qkv_w, hf.self_attn.k_proj.weight), (w.o_w, hf.self_attn.o_proj.weight),
+                         (w.gate_up_w, hf.mlp.up_proj.weight), (w.down_w, hf.mlp.down_proj.weight),
+                         (real_model.lm_head, real_model.hf.model.embed_tokens.weight)):
+        assert ours.stride() == (1, ours.shape[0]), "float32 weights are stored input-major"
+        assert ours.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr()
+    g = torch.Generator().manual_seed(0)
+    for weight in (w.qkv_w, w.down_w, real_model.lm_head):
+        x = torch.randn(1, weight.shape[1], generator=g)
+        b = torch.randn(weight.shape[0], generator=g)
+        want = torch.nn.functional.linear(x, weight.contiguous(), b)
+        got = linear(x, weight, b)
+        assert got.shape == want.shape
+        assert_close(got, want, 1e-5 * float(want.abs().max()), "split one-row product")
+    x = torch.randn(3, 576, generator=g)  # several rows: F.linear itself
+    assert torch.equal(linear(x, w.o_w), torch.nn.functional.linear(x, w.o_w))

@@ -5,7 +5,8 @@ All in one process, per dtype (float32, bfloat16), medians of several repetition
 1. prefill: stage 0 (``prime``) vs one HF forward that builds a ``DynamicCache``;
 2. decode: stage 1 (``generate``) over a primed arena vs HF ``model()`` decoding one token
    on a ``DynamicCache`` of the same context (cropped back after every call, so the
-   context stays fixed), alternating the two so they see the same machine load;
+   context stays fixed), alternating the two so they see the same machine load; HF runs
+   a copy of the model with its weights row-major, as its own loader leaves them;
 3. bytes allocated per decode step (stage 1 reads the past; HF concatenates it);
 4. a full loop step (stages 1-4: brightness scoring, cull and repair at a budget) vs
    stage 1 alone, and the cost of one cull, one repair and one re-index vs context;
@@ -17,6 +18,7 @@ a causal model's cache over the first n tokens is the same whatever follows them
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
@@ -116,18 +118,33 @@ def hf_cache(view: View):
                                         for i in range(view.k.shape[0])])
 
 
+def stock_hf(model: Model) -> torch.nn.Module:
+    """The comparator: a copy of Hugging Face's model with every weight row-major, as its
+    own loader leaves them (``load_model`` stores float32 weights input-major, and HF's
+    modules hold views of them). A tied embedding stays tied."""
+    hf = copy.deepcopy(model.hf)
+    fresh: dict[int, torch.nn.Parameter] = {}
+    for module in hf.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not p.is_contiguous():
+                if id(p) not in fresh:
+                    fresh[id(p)] = torch.nn.Parameter(p.detach().contiguous(), requires_grad=False)
+                setattr(module, name, fresh[id(p)])
+    return hf
+
+
 @torch.no_grad()
-def hf_decode(model: Model, cache, token: int, position: int) -> int:
+def hf_decode(hf: torch.nn.Module, cache, token: int, position: int) -> int:
     """HF's own decode of one token; grows ``cache`` by one row (crop it back)."""
-    out = model.hf(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
+    out = hf(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
                    past_key_values=cache, use_cache=True)
     return int(out.logits[0, -1].argmax())
 
 
 @torch.no_grad()
-def hf_prefill(model: Model, ids: list[int]) -> None:
+def hf_prefill(hf: torch.nn.Module, ids: list[int]) -> None:
     """HF's own prefill: one forward that builds a DynamicCache (last logits only, as ours)."""
-    model.hf(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+    hf(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
 
 
 def weight_bytes(model: Model) -> int:
@@ -160,14 +177,14 @@ def linear_fit(xs, ys) -> tuple[float, float]:
 
 # --- measurements -------------------------------------------------------------------------
 
-def measure_prefill(model: Model, cfg: SpeedConfig, task) -> tuple[list[dict], dict]:
+def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[dict], dict]:
     """Stage 0 vs HF prefill at each length; returns rows and {longest length: its state}."""
     rows, states = [], {}
     dt = str(model.dtype).removeprefix("torch.")
     tick = task(f"{dt} prefill", len(cfg.prefill) * cfg.prefill_reps)
     warm = random_prompt(model, 65, seed=1)
     prime(model, [Segment(tuple(warm), "user")], capacity=65)
-    hf_prefill(model, warm[:64])
+    hf_prefill(hf, warm[:64])
     for length in cfg.prefill:
         ids = random_prompt(model, length + 1)  # the last prompt token stays pending
         kept = {}
@@ -176,7 +193,7 @@ def measure_prefill(model: Model, cfg: SpeedConfig, task) -> tuple[list[dict], d
             kept["state"] = prime(model, [Segment(tuple(ids), "user")],
                                   capacity=length + headroom(cfg))[0]
 
-        t = common.interleaved_ms({"ours": ours, "hf": lambda: hf_prefill(model, ids[:length])},
+        t = common.interleaved_ms({"ours": ours, "hf": lambda: hf_prefill(hf, ids[:length])},
                                   cfg.prefill_reps, warmup=0, tick=tick)
         ms = {k: common.median(v) for k, v in t.items()}
         states = {length: kept.pop("state")}  # the longest is kept for decode
@@ -187,7 +204,8 @@ def measure_prefill(model: Model, cfg: SpeedConfig, task) -> tuple[list[dict], d
     return rows, states
 
 
-def measure_decode(model: Model, full: View, ids: list[int], cfg: SpeedConfig, task) -> list[dict]:
+def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig,
+                   task) -> list[dict]:
     """Stage 1 vs HF decode, ms per token, at each context (prefixes of ``full``)."""
     dt = str(model.dtype).removeprefix("torch.")
     tick = task(f"{dt} decode", len(cfg.contexts) * cfg.reps)
@@ -198,7 +216,7 @@ def measure_decode(model: Model, full: View, ids: list[int], cfg: SpeedConfig, t
         gen = make_generator(0)
         t = common.interleaved_ms(
             {"ours": lambda: generate(model, view, GREEDY, gen),
-             "hf": lambda: hf_decode(model, cache, ids[n], n)},
+             "hf": lambda: hf_decode(hf, cache, ids[n], n)},
             cfg.reps, warmup=2, after={"hf": lambda: cache.crop(-1)}, tick=tick)
         rows.append({"dtype": dt, "context": n, "ours_ms": common.median(t["ours"]),
                      "hf_ms": common.median(t["hf"]),
@@ -207,7 +225,8 @@ def measure_decode(model: Model, full: View, ids: list[int], cfg: SpeedConfig, t
     return rows
 
 
-def measure_alloc(model: Model, full: View, ids: list[int], cfg: SpeedConfig, task) -> list[dict]:
+def measure_alloc(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig,
+                  task) -> list[dict]:
     """Bytes of new tensor storage one decode step creates, at each context."""
     dt = str(model.dtype).removeprefix("torch.")
     tick = task(f"{dt} allocations", len(cfg.contexts))
@@ -216,8 +235,8 @@ def measure_alloc(model: Model, full: View, ids: list[int], cfg: SpeedConfig, ta
         view = prefix_view(full, n, ids[n])
         cache = hf_cache(view)
         ours = common.bytes_allocated(lambda: generate(model, view, GREEDY, make_generator(0)))
-        hf = common.bytes_allocated(lambda: hf_decode(model, cache, ids[n], n))
-        rows.append({"dtype": dt, "context": n, "ours_bytes": ours, "hf_bytes": hf})
+        theirs = common.bytes_allocated(lambda: hf_decode(hf, cache, ids[n], n))
+        rows.append({"dtype": dt, "context": n, "ours_bytes": ours, "hf_bytes": theirs})
         del cache
         tick()
     return rows
@@ -317,15 +336,17 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
 def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     model = load_model(cfg.model, dtype)
     cfg = cfg.fitted(model.spec.max_positions)
-    prefill, states = measure_prefill(model, cfg, task)
+    hf = stock_hf(model)
+    prefill, states = measure_prefill(model, hf, cfg, task)
     longest = max(cfg.contexts[-1], cfg.prefill[-1])
     ids = random_prompt(model, longest + 1)
     primed = states.pop(longest, None) or prime(
         model, [Segment(tuple(ids), "user")], capacity=longest + headroom(cfg))[0]
     del states
     view = primed.view()
-    decode = measure_decode(model, view, ids, cfg, task)
-    alloc = measure_alloc(model, view, ids, cfg, task)
+    decode = measure_decode(model, hf, view, ids, cfg, task)
+    alloc = measure_alloc(model, hf, view, ids, cfg, task)
+    del hf
     del view
     edits = measure_edits(model, primed, cfg, task)  # changes the primed arena: last
     del primed
@@ -470,7 +491,9 @@ def tables(res: dict) -> list[Table]:
                fmt(r["ratio"], 2), fmt(r["floor_ms"], 2), f"{r['floor_ms'] / r['ours_ms']:.0%}")
               for r in res["decode"]),
         "floor: weights + live K/V read once per token at the measured copy bandwidth "
-        f"({res['bandwidth_gb_s']:.1f} GB/s).")
+        f"({res['bandwidth_gb_s']:.1f} GB/s). HF runs a copy of the model with its weights "
+        "row-major, as its own loader leaves them; stage 1 reads float32 weights stored "
+        "input-major.")
     fit = Table(
         "Decode cost model: ms/token = fixed + per 1k context tokens (least squares)",
         ("dtype", "who", "fixed ms", "ms per 1k tokens"),
