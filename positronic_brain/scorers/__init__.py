@@ -40,7 +40,9 @@ def value_weighted(attention: torch.Tensor, norms: torch.Tensor) -> torch.Tensor
     slot whose value is small moves the attention output little, however much attention it
     gets (the attention sinks are the usual case)."""
     w = norms / norms.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return attention * w.repeat_interleave(attention.shape[1] // norms.shape[1], dim=1)
+    L, H, n = attention.shape
+    kvh = norms.shape[1]  # the heads of one KV group share its values (GQA)
+    return (attention.reshape(L, kvh, H // kvh, n) * w[:, :, None]).reshape(L, H, n)
 
 
 from .brightness import Brightness  # noqa: E402

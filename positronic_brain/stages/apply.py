@@ -202,8 +202,8 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
             col[dst] = col[src]
     m.n = n
     if moves:
-        a.k[:, :, dst] = a.k[:, :, src]
-        a.v[:, :, dst] = a.v[:, :, src]
+        a.k.index_copy_(2, dst, a.k.index_select(2, src))
+        a.v.index_copy_(2, dst, a.v.index_select(2, src))
     a.n = n
     return moves
 
