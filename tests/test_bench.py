@@ -86,3 +86,16 @@ def test_bench_report_needs_out(capsys):
     code = main(["bench", "speed", "--model", "tiny-random", "--report", "x.md"])
     _, err = capsys.readouterr()
     assert code == 2 and "--report needs --out" in err
+
+
+def test_the_hf_contender_is_row_major_and_computes_the_same(tiny_model):
+    """bench speed times HF as its own loader leaves it: a row-major copy, ties kept."""
+    from positronic_brain.bench.speed import stock_hf
+
+    assert not tiny_model.layers[0].qkv_w.is_contiguous()  # ours: float32 input-major
+    hf = stock_hf(tiny_model)
+    assert hf is not tiny_model.hf and all(p.is_contiguous() for p in hf.parameters())
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, tiny_model.hf(ids).logits, atol=1e-5)

@@ -122,6 +122,8 @@ def stock_hf(model: Model) -> torch.nn.Module:
     """The comparator: a copy of Hugging Face's model with every weight row-major, as its
     own loader leaves them (``load_model`` stores float32 weights input-major, and HF's
     modules hold views of them). A tied embedding stays tied."""
+    if all(p.is_contiguous() for p in model.hf.parameters()):
+        return model.hf
     hf = copy.deepcopy(model.hf)
     fresh: dict[int, torch.nn.Parameter] = {}
     for module in hf.modules():
