@@ -266,6 +266,8 @@ def _fuse(modules: list[nn.Linear], input_major: bool) -> tuple[torch.Tensor, to
     """Concatenate linears' weights (and biases) into one; re-point the modules at views.
     ``input_major``: store the (out, in) weight with ``w.t()`` contiguous (see
     ``forward.linear``); the values and the shape stay as they were."""
+    if len(modules) == 1 and not input_major:  # nothing to fuse or lay out
+        return modules[0].weight.detach(), modules[0].bias
     w = torch.cat([m.weight.detach() for m in modules], 0)
     if input_major:
         w = w.t().contiguous().t()
@@ -280,6 +282,24 @@ def _fuse(modules: list[nn.Linear], input_major: bool) -> tuple[torch.Tensor, to
             m.bias = nn.Parameter(b[row:row + rows], requires_grad=False)
         row += rows
     return w, b
+
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _copy_the_rest(hf: nn.Module) -> None:
+    """Copy every parameter ``_fuse`` will not (the norms, an untied embedding) into memory
+    of its own. A checkpoint loads as views of one memory map of the file, which stays
+    mapped, with every page that was read, while any view of it lives; once ``_fuse`` has
+    copied the projections, nothing refers to it any more."""
+    fused = {id(p) for layer in hf.model.layers for path in PROJECTIONS
+             for p in layer.get_submodule(path).parameters()}
+    fused |= {id(p) for p in hf.lm_head.parameters()}
+    for module in hf.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in fused:
+                setattr(module, name, nn.Parameter(p.detach().clone(), requires_grad=False))
 
 
 def _check_rope(rotary: nn.Module) -> None:
@@ -301,12 +321,16 @@ def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype) -> Model:
     # float32 weights are stored input-major, where a one-token matrix-vector product is
     # fastest (forward.linear); Hugging Face's modules hold views of the same storage
     input_major = dtype == torch.float32
-    layers = []
     for layer in hf.model.layers:
-        att, mlp = layer.self_attn, layer.mlp
+        att = layer.self_attn
         for needed in ("q_proj", "k_proj", "v_proj", "o_proj"):
             require(hasattr(att, needed), f"unsupported attention layout: no {needed}")
         require(not hasattr(att, "q_norm"), "unsupported architecture: per-head q/k norms")
+    if input_major:
+        _copy_the_rest(hf)
+    layers = []
+    for layer in hf.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
         qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj], input_major)
         o_w, o_b = _fuse([att.o_proj], input_major)
         gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj], input_major)

@@ -1,4 +1,6 @@
 """Stage 1: a read-only forward of the pending token, equal to Hugging Face's forward."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -97,6 +99,10 @@ def test_float32_weights_are_input_major_shared_with_hf_and_linear_equals_f_line
                          (real_model.lm_head, real_model.hf.model.embed_tokens.weight)):
         assert ours.stride() == (1, ours.shape[0]), "float32 weights are stored input-major"
         assert ours.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr()
+    # nothing keeps the loader's memory map of the checkpoint (every weight a second time)
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert "model.safetensors" not in maps.read_text(), "the checkpoint is still mapped"
     g = torch.Generator().manual_seed(0)
     for weight in (w.qkv_w, w.down_w, real_model.lm_head):
         x = torch.randn(1, weight.shape[1], generator=g)
