@@ -116,6 +116,8 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
         new_v.append(v)
 
         qg = qk[:H].reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
+        # an arena's keys are stored transposed, so past_k[i].transpose(1, 2) is (KVH, D, n)
+        # with each key dimension one contiguous run of slots: the fast layout for q K^T
         s_past = torch.matmul(qg, past_k[i].transpose(1, 2)).float()  # (KVH, gT, n)
         s_new = torch.matmul(qg, k.transpose(1, 2)).float()  # (KVH, gT, T)
         if bias_past is not None:

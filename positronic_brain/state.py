@@ -23,16 +23,27 @@ class Arena:
     Keys are stored after RoPE at their token's position. Slot order is free
     (attention is order-independent once RoPE is applied); text order is the
     mirror's ``position`` column.
+
+    Keys are stored transposed, ``kt`` (L, kv_heads, head_dim, capacity), so a decode
+    step's scores q K^T read each key dimension as one contiguous run of slots; ``k`` is
+    the same storage seen as (L, kv_heads, capacity, head_dim), the shape everything
+    else uses.
     """
 
-    k: torch.Tensor  # (L, kv_heads, capacity, head_dim)
+    kt: torch.Tensor  # (L, kv_heads, head_dim, capacity)
     v: torch.Tensor  # (L, kv_heads, capacity, head_dim)
     n: int = 0
 
     @classmethod
     def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype) -> "Arena":
-        shape = (spec.n_layers, spec.n_kv_heads, capacity, spec.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        kt = torch.zeros(spec.n_layers, spec.n_kv_heads, spec.head_dim, capacity, dtype=dtype)
+        v = torch.zeros(spec.n_layers, spec.n_kv_heads, capacity, spec.head_dim, dtype=dtype)
+        return cls(kt, v)
+
+    @property
+    def k(self) -> torch.Tensor:
+        """Keys (L, kv_heads, capacity, head_dim): a strided view of ``kt``."""
+        return self.kt.transpose(2, 3)
 
     @property
     def capacity(self) -> int:

@@ -22,6 +22,9 @@ def test_prime_state_shapes_and_ledger(tiny_model, tiny_policy):
     state, out = prime(tiny_model, segs, capacity=64, pinned=frozenset({"system"}))
     s = tiny_model.spec
     assert state.arena.k.shape == (s.n_layers, s.n_kv_heads, 64, s.head_dim)
+    # keys stored transposed: q K^T reads each key dimension as a contiguous run of slots
+    assert state.arena.kt.is_contiguous() and state.arena.k.data_ptr() == state.arena.kt.data_ptr()
+    assert state.view().k[0].transpose(1, 2).stride(-1) == 1
     assert state.arena.n == state.mirror.n == len(ids) - 1
     assert state.pending_token == ids[-1] and state.next_position == len(ids) - 1
     state.check_valid()

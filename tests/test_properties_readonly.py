@@ -101,11 +101,11 @@ def snapshot(state) -> tuple[dict, dict]:
     """Every arena/mirror tensor (whole capacity) -> (_version, data_ptr, content hash),
     and every other field of the state, arena and mirror (whatever their dataclasses list)."""
     a, m = state.arena, state.mirror
-    tensors = {"arena.k": a.k, "arena.v": a.v, **{f"mirror.{c}": getattr(m, c)
+    tensors = {"arena.kt": a.kt, "arena.v": a.v, **{f"mirror.{c}": getattr(m, c)
                                                    for c in KVMirror.COLUMNS}}
     scalars = {f"{prefix}{f.name}": copy.deepcopy(getattr(obj, f.name))
                for prefix, obj in (("arena.", a), ("mirror.", m), ("", state))
-               for f in fields(obj) if f.name not in ("k", "v", "arena", "mirror")
+               for f in fields(obj) if f.name not in ("kt", "v", "arena", "mirror")
                + KVMirror.COLUMNS}
     return {name: (t._version, t.data_ptr(), _sha(t)) for name, t in tensors.items()}, scalars
 

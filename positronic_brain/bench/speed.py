@@ -111,10 +111,13 @@ def prefix_view(view: View, n: int, pending_token: int) -> View:
 
 
 def hf_cache(view: View):
-    """A DynamicCache holding a copy of the live K/V (batch 1)."""
+    """A DynamicCache holding a row-major copy of the live K/V (batch 1), laid out as HF's
+    own cache would be."""
     from transformers import DynamicCache
 
-    return DynamicCache(ddp_cache_data=[(view.k[i][None].clone(), view.v[i][None].clone())
+    row = torch.contiguous_format
+    return DynamicCache(ddp_cache_data=[(view.k[i][None].clone(memory_format=row),
+                                         view.v[i][None].clone(memory_format=row))
                                         for i in range(view.k.shape[0])])
 
 

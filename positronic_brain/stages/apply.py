@@ -202,7 +202,7 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
             col[dst] = col[src]
     m.n = n
     if moves:
-        a.k.index_copy_(2, dst, a.k.index_select(2, src))
+        a.kt.index_copy_(3, dst, a.kt.index_select(3, src))
         a.v.index_copy_(2, dst, a.v.index_select(2, src))
     a.n = n
     return moves
@@ -220,9 +220,9 @@ def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
     m.position[:n] = new  # ledger first
     if moved.numel():
         cos, sin = rerotation(model, old[moved], new[moved])  # (t, D) float32
-        for i in range(a.k.shape[0]):  # per layer: a small float32 temporary
-            k = a.k[i].index_select(1, moved).float()  # (KVH, t, D)
-            a.k[i].index_copy_(1, moved, apply_rope(k, cos, sin).to(a.k.dtype))
+        for i in range(a.kt.shape[0]):  # per layer: a small float32 temporary
+            k = a.kt[i].index_select(2, moved).transpose(1, 2).float()  # (KVH, t, D)
+            a.kt[i].index_copy_(2, moved, apply_rope(k, cos, sin).to(a.kt.dtype).transpose(1, 2))
     return old, new
 
 
