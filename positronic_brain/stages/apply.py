@@ -219,10 +219,19 @@ def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
     moved = (old != new).nonzero()[:, 0]  # (t,) slots whose position changes
     m.position[:n] = new  # ledger first
     if moved.numel():
+        # Rotate the whole live block in the keys' stored layout (KVH, D, n), rows of
+        # contiguous slots (a gather along slots would be per element); unmoved slots keep
+        # their exact bits. Same per-element arithmetic as apply_rope.
         cos, sin = rerotation(model, old[moved], new[moved])  # (t, D) float32
-        for i in range(a.kt.shape[0]):  # per layer: a small float32 temporary
-            k = a.kt[i].index_select(2, moved).transpose(1, 2).float()  # (KVH, t, D)
-            a.kt[i].index_copy_(2, moved, apply_rope(k, cos, sin).to(a.kt.dtype).transpose(1, 2))
+        d = cos.shape[1]
+        c, s = torch.ones(n, d), torch.zeros(n, d)
+        c[moved], s[moved] = cos, sin
+        c, s = c.t().contiguous(), s.t().contiguous()  # (D, n)
+        is_moved = old != new  # (n,)
+        for i in range(a.kt.shape[0]):  # per layer: a float32 temporary
+            x = a.kt[i, :, :, :n].float()  # (KVH, D, n)
+            rot = torch.cat((-x[:, d // 2:], x[:, : d // 2]), dim=1)  # rotate_half over D
+            a.kt[i, :, :, :n] = torch.where(is_moved, x * c + rot * s, x)
     return old, new
 
 
