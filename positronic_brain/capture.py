@@ -239,6 +239,7 @@ def state_snapshot(state) -> dict:
     """The whole live state (``full`` capture level): K/V and ledger of the live slots."""
     view = state.view()
     return {"arena_k": view.k, "arena_v": view.v,  # (L, kv_heads, n, head_dim), slot order
+            "arena_log_mass": state.arena.log_mass[:, :, :view.n],  # (L, kv_heads, n)
             "mirror": {c: getattr(view, c) for c in VIEW_COLUMNS},
             "pending_token": state.pending_token, "next_position": state.next_position,
             "step": state.step}

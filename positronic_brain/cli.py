@@ -139,7 +139,7 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget", type=int, default=None,
                    help="live cache slots after each step (default: no culling)")
     g.add_argument("--policy", default=d.policy, help=f"scorer: {'|'.join(POLICIES)}")
-    g.add_argument("--repair", default=d.repair, help="none|merge: merge dim adjacent pairs")
+    g.add_argument("--repair", default=d.repair, help="none|merge|fold: merge dim adjacent pairs; fold culled K/V into the most alike survivor")
     g.add_argument("--positions", default=d.positions,
                    help="compact (re-index before the model's max positions) | keep (stop there)")
     g.add_argument("--reindex-at", type=int, default=None,
@@ -239,7 +239,7 @@ def _add_quality_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budgets", default=None, help="comma-separated, e.g. 128,256,512")
     g.add_argument("--policies", default=None,
                    help="comma-separated scorers (default: brightness,streaming,h2o,tova,random)")
-    g.add_argument("--repairs", default=None, help="comma-separated (default: none,merge)")
+    g.add_argument("--repairs", default=None, help="comma-separated (default: none,merge,fold)")
     g.add_argument("--params", default=None, metavar="K=V,...",
                    help="cache parameters of every run, e.g. decay=1,gain=200,sinks=4")
     g.add_argument("--tokens", type=int, default=None, help="scored tokens per configuration")

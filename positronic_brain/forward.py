@@ -70,10 +70,13 @@ def rerotation(model: Model, old: torch.Tensor, new: torch.Tensor):
 @torch.no_grad()
 def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
-            want_attention: bool = False, all_logits: bool = False) -> ForwardOut:
+            want_attention: bool = False, all_logits: bool = False,
+            past_bias: torch.Tensor | None = None) -> ForwardOut:
     """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
     (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
-    every live slot, except where ``past_mask`` (T, n) bool is False.
+    every live slot, except where ``past_mask`` (T, n) bool is False. ``past_bias``
+    (L, kv_heads, n) float32 is added to every query's scores on the live slots (a folded
+    slot's log-mass).
 
     Returns logits (T or 1, V) float32, the new K/V (L, kv_heads, T, head_dim) with RoPE
     applied, and optionally the last new query's attention on the live slots (L, H, n).
@@ -98,12 +101,12 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     attention = torch.empty(L, H, n + T, dtype=torch.float32) if want_attention else None
 
     # Additive bias over the score columns [live slots | new tokens]; None when nothing is masked.
-    bias_past = None
+    mask_past = None
     if past_mask is not None:
-        bias_past = torch.zeros(T, n, dtype=torch.float32).masked_fill_(~past_mask, float("-inf"))
-    bias_new = None
+        mask_past = torch.zeros(T, n, dtype=torch.float32).masked_fill_(~past_mask, float("-inf"))
+    mask_new = None
     if T > 1:
-        bias_new = torch.full((T, T), float("-inf")).triu_(1)  # causal within the new tokens
+        mask_new = torch.full((T, T), float("-inf")).triu_(1)  # causal within the new tokens
 
     for i, w in enumerate(model.layers):
         h = rms_norm(x, w.ln1, s.rms_eps)
@@ -120,10 +123,12 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
         # with each key dimension one contiguous run of slots: the fast layout for q K^T
         s_past = torch.matmul(qg, past_k[i].transpose(1, 2)).float()  # (KVH, gT, n)
         s_new = torch.matmul(qg, k.transpose(1, 2)).float()  # (KVH, gT, T)
-        if bias_past is not None:
-            s_past = (s_past.view(KVH, g, T, n) + bias_past).view(KVH, g * T, n)
-        if bias_new is not None:
-            s_new = (s_new.view(KVH, g, T, T) + bias_new).view(KVH, g * T, T)
+        if past_bias is not None:
+            s_past = s_past + past_bias[i].unsqueeze(1)  # (KVH, 1, n) over the group's queries
+        if mask_past is not None:
+            s_past = (s_past.view(KVH, g, T, n) + mask_past).view(KVH, g * T, n)
+        if mask_new is not None:
+            s_new = (s_new.view(KVH, g, T, T) + mask_new).view(KVH, g * T, T)
         p = torch.softmax(torch.cat((s_past, s_new), dim=-1), dim=-1)  # (KVH, gT, n + T)
         if attention is not None:
             attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)

@@ -130,7 +130,7 @@ class Session:
                           culled=patch.culled_uids,
                           repaired=tuple((r.uids, r.token_id, u)
                                          for r, u in zip(patch.repairs, patch.repaired_uids)),
-                          reindexed=patch.reindex_to is not None)
+                          folded=len(patch.folds), reindexed=patch.reindex_to is not None)
 
     def _save(self, step: int, stage: str, inputs: dict, outputs: dict) -> None:
         self.capture.save(step, stage, inputs, outputs, cache_len=self.state.mirror.n,

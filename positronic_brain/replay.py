@@ -227,8 +227,12 @@ def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
             "mirror": {c: getattr(view, c)[ours_order] for c in VIEW_COLUMNS},
             "pending_token": state.pending_token, "next_position": state.next_position,
             "step": state.step}
+    if "arena_log_mass" in snap:  # (captures from before folds have none)
+        ours["arena_log_mass"] = state.arena.log_mass[:, :, :view.n][:, :, ours_order]
     theirs = {**snap, "arena_k": snap["arena_k"][:, :, theirs_order],
               "arena_v": snap["arena_v"][:, :, theirs_order],
+              **({"arena_log_mass": snap["arena_log_mass"][:, :, theirs_order]}
+                 if "arena_log_mass" in snap else {}),
               "mirror": {c: snap["mirror"][c][theirs_order] for c in VIEW_COLUMNS}}
     report.mismatches += [Mismatch(name, k, d) for k, d in diff(to_plain(ours), theirs)]
 

@@ -1,6 +1,7 @@
 """Session export/import: one safetensors file; nothing is ever unpickled.
 
-Tensors: the arena's live prefix ``arena.k`` / ``arena.v`` (L, kv_heads, n, head_dim), every
+Tensors: the arena's live prefix ``arena.k`` / ``arena.v`` (L, kv_heads, n, head_dim) and
+``arena.log_mass`` (L, kv_heads, n) (folded slots; optional on reading), every
 mirror column ``mirror.<name>`` (n,) (whatever ``KVMirror.COLUMNS`` lists) and the sampler's
 generator state ``generator`` (uint8). The str->str safetensors header holds JSON: the model's
 fingerprint, the rest of the mirror and state (capacity, next uid, repair history, pending
@@ -105,6 +106,7 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
     require(state is not None, "prime the session before saving it")
     a, m = state.arena, state.mirror
     tensors = {"arena.k": a.k[:, :, :a.n].contiguous(), "arena.v": a.v[:, :, :a.n].contiguous(),
+               "arena.log_mass": a.log_mass[:, :, :a.n].contiguous(),
                **{f"mirror.{c}": m.live(c).contiguous() for c in KVMirror.COLUMNS},
                "generator": session.generator.get_state()}
     body = {
@@ -153,7 +155,7 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
                         {k.removeprefix("mirror."): t for k, t in tensors.items()
                          if k.startswith("mirror.")},  # restore names a missing/extra column
                         body["capacity"], _unplain_fields(body["mirror"]),
-                        _unplain_fields(body["state"]))
+                        _unplain_fields(body["state"]), tensors.get("arena.log_mass"))
         session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
                           state=state, **_unplain_fields(body["session"]))
         session.generator.set_state(tensors["generator"])

@@ -28,17 +28,26 @@ class Arena:
     step's scores q K^T read each key dimension as one contiguous run of slots; ``k`` is
     the same storage seen as (L, kv_heads, capacity, head_dim), the shape everything
     else uses.
+
+    ``log_mass`` is the log of how many tokens' K/V a slot holds, per layer and KV head
+    (0 = one token; a ``fold`` repair raises it), added to the slot's attention scores.
     """
 
     kt: torch.Tensor  # (L, kv_heads, head_dim, capacity)
     v: torch.Tensor  # (L, kv_heads, capacity, head_dim)
+    log_mass: torch.Tensor  # (L, kv_heads, capacity) float32
     n: int = 0
+    folded: bool = False  # has any slot ever held more than one token (else no score bias)
 
     @classmethod
     def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype) -> "Arena":
         kt = torch.zeros(spec.n_layers, spec.n_kv_heads, spec.head_dim, capacity, dtype=dtype)
         v = torch.zeros(spec.n_layers, spec.n_kv_heads, capacity, spec.head_dim, dtype=dtype)
-        return cls(kt, v)
+        return cls(kt, v, torch.zeros(spec.n_layers, spec.n_kv_heads, capacity))
+
+    def bias(self, n: int) -> torch.Tensor | None:
+        """The live slots' attention-score bias (L, kv_heads, n), None while nothing folded."""
+        return self.log_mass[:, :, :n] if self.folded else None
 
     @property
     def k(self) -> torch.Tensor:
@@ -130,6 +139,7 @@ class View:
 
     k: torch.Tensor  # (L, kv_heads, n, head_dim)
     v: torch.Tensor  # (L, kv_heads, n, head_dim)
+    bias: torch.Tensor | None  # (L, kv_heads, n) log-mass added to scores; None: nothing folded
     uid: torch.Tensor  # (n,)
     token_id: torch.Tensor  # (n,)
     position: torch.Tensor  # (n,)
@@ -162,7 +172,8 @@ class State:
 
     def view(self) -> View:
         n, m = self.arena.n, self.mirror
-        return View(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n], uid=m.live("uid"),
+        return View(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n], bias=self.arena.bias(n),
+                    uid=m.live("uid"),
                     token_id=m.live("token_id"), position=m.live("position"),
                     source=m.live("source"), brightness=m.live("brightness"),
                     flags=m.live("flags"), born_step=m.live("born_step"),

@@ -98,6 +98,7 @@ class GenerateOut:
 
 
 POLICIES = ("brightness", "streaming", "h2o", "tova", "random", "none")  # scorers/<name>.py
+REPAIRS = ("none", "merge", "fold")
 AGGREGATIONS = ("all-mean", "all-max", "last-mean", "last-max")  # layers-heads over attention
 SIGNALS = ("value", "attention")  # what brightness gains from: value-weighted attention or plain
 
@@ -108,7 +109,9 @@ class CacheParams:
 
     ``budget``: live slots after each step (None = never cull). ``policy``: the scorer.
     ``repair``: ``merge`` turns up to ``max_repairs`` of each step's removals into merges of
-    a dim adjacent pair. ``positions``: ``compact`` re-indexes to 0..n-1 when the next
+    a dim adjacent pair; ``fold`` folds every culled token's K/V into the surviving slot
+    whose key is most alike (per layer and KV head), weighted by how many tokens each
+    holds, and that slot's attention scores get log(tokens held) added. ``positions``: ``compact`` re-indexes to 0..n-1 when the next
     position would reach ``reindex_at`` (default: the model's max positions); ``keep``
     never does (the run stops there). Protected from culls and repairs: the first
     ``sinks`` live tokens, the last ``recent`` ones, and tokens whose source is ``pinned``.
@@ -145,7 +148,8 @@ class CacheParams:
     def __post_init__(self) -> None:
         require(self.policy in POLICIES, f"unknown policy {self.policy!r}; expected one of "
                 f"{', '.join(POLICIES)}")
-        require(self.repair in ("none", "merge"), f"repair must be none or merge, got {self.repair!r}")
+        require(self.repair in REPAIRS,
+                f"repair must be one of {', '.join(REPAIRS)}, got {self.repair!r}")
         require(self.positions in ("keep", "compact"),
                 f"positions must be keep or compact, got {self.positions!r}")
         require(self.aggregate in AGGREGATIONS, f"unknown aggregation {self.aggregate!r}; "
@@ -206,6 +210,17 @@ class Repair:
 
 
 @dataclass(frozen=True)
+class Fold:
+    """Fold culled slot ``slot`` (uid ``uid``) into surviving slots ``into`` (L, kv_heads)
+    int64, one per layer and KV head: there the slot's K and V become the mass-weighted mean
+    of both and its log-mass their log-sum-exp."""
+
+    slot: int
+    uid: int
+    into: torch.Tensor  # (L, kv_heads) int64 slots
+
+
+@dataclass(frozen=True)
 class Actions:
     """Stage 3 output: the patch stage 4 applies besides the append."""
 
@@ -213,6 +228,7 @@ class Actions:
     attn_sum: torch.Tensor | None = None  # (n,)
     cull_slots: tuple[int, ...] = ()
     repairs: tuple[Repair, ...] = ()
+    folds: tuple[Fold, ...] = ()  # culled slots whose K/V fold into survivors
     reindex: bool = False  # positions become 0..n-1 in text order (keys re-rotated)
 
 
@@ -223,7 +239,7 @@ NO_ACTIONS = Actions()
 class Patch:
     """What stage 0/4 changed in one application (the capture's event-log entry): with the
     previous state, enough to replay it. Stage 4's order: brightness/attn_sum, repairs
-    (slot ``slots[0]`` rewritten; ``slots[1]`` removed with the culls), removals (``moves``
+    (slot ``slots[0]`` rewritten; ``slots[1]`` removed with the culls), folds, removals (``moves``
     fill the holes), re-index, append."""
 
     step: int
@@ -231,6 +247,7 @@ class Patch:
     attn_sum: torch.Tensor | None = None  # (n,)
     repairs: tuple[Repair, ...] = ()
     repaired_uids: tuple[int, ...] = ()  # the new uid of each repair
+    folds: tuple[Fold, ...] = ()  # applied after repairs, before removals
     culled_slots: tuple[int, ...] = ()
     culled_uids: tuple[int, ...] = ()
     moves: tuple[tuple[int, int], ...] = ()  # (from_slot, to_slot) that filled removal holes
@@ -265,4 +282,5 @@ class StepRecord:
     logprob: float = 0.0  # log p(token_id) under the raw logits (its NLL when teacher-forced)
     culled: tuple[int, ...] = field(default=())  # uids
     repaired: tuple[tuple[tuple[int, int], int, int], ...] = ()  # ((old uids), token_id, new uid)
+    folded: int = 0  # culled tokens whose K/V were folded into survivors
     reindexed: bool = False

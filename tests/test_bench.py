@@ -52,7 +52,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
 
     # the loop runs at its budget (half the tiny model's positions); edits at every context
     assert [(r["dtype"], r["repair"], r["context"]) for r in res["loop"]] == \
-        [(d, m, 256) for d in ("float32", "bfloat16") for m in ("none", "merge")]
+        [(d, m, 256) for d in ("float32", "bfloat16") for m in ("none", "merge", "fold")]
     assert all(r["stage1_ms"] > 0 and r["step_ms"] > 0 and r["overhead"] > 0 for r in res["loop"])
     assert [(r["dtype"], r["context"]) for r in res["edits"]] == \
         [(d, c) for d in ("float32", "bfloat16") for c in contexts]

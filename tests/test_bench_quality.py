@@ -101,9 +101,11 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
     assert grid == [(32, p, r) for p in quality.SCORERS for r in quality.REPAIRS]
     for r in res["runs"]:
         assert r["scored"] == 64 and r["ppl"] > 1 and math.isfinite(r["ppl"])
-        removed = r["culled"] + r["repaired"]  # every step past the budget removes one
+        # every step past the budget removes one: a cull or a merge (a fold is a cull too)
+        removed = r["culled"] + (r["repaired"] if r["repair"] == "merge" else 0)
         assert removed == 64 - 32
-        assert (r["repaired"] > 0) == (r["repair"] == "merge")
+        assert (r["repaired"] > 0) == (r["repair"] != "none")
+        assert r["repair"] != "fold" or r["repaired"] == r["culled"]
     ref = res["reference"]
     assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 64
     assert ref["windows"][-1]["end"] == 512  # the reference streams up to the positions

@@ -50,7 +50,7 @@ def test_keep_positions_stops_at_the_models_positions(capsys):
     (["--decay", "-1"], "decay must be >= 0"),
     (["--gain", "-0.5"], "gain must be >= 0"),
     (["--policy", "lru"], "unknown policy 'lru'"),
-    (["--repair", "splice"], "repair must be none or merge"),
+    (["--repair", "splice"], "repair must be one of none, merge, fold"),
     (["--positions", "shift"], "positions must be keep or compact"),
     (["--aggregate", "first-mean"], "unknown aggregation"),
     (["--signal", "keys"], "signal must be one of value, attention"),

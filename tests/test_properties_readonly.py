@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 from collections import Counter
 from dataclasses import fields
 
@@ -29,12 +30,12 @@ from positronic_brain.model import load_model
 from positronic_brain.sampler import make_generator
 from positronic_brain.scorers import make_scorer
 from positronic_brain.stages.apply import apply, prime
-from positronic_brain.stages.decide import decide, repair_pair
+from positronic_brain.stages.decide import decide, fold_targets, repair_pair
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
 from positronic_brain.state import FLAG_PROTECTED, KVMirror
-from positronic_brain.types import (AGGREGATIONS, POLICIES, SOURCES, Actions, CacheParams,
-                                    SamplerParams, Segment, UserError)
+from positronic_brain.types import (AGGREGATIONS, POLICIES, REPAIRS, SOURCES, Actions,
+                                    CacheParams, SamplerParams, Segment, UserError)
 from tests.oracle import assert_close
 
 # CI runs the same examples every time; nothing is stored between runs.
@@ -70,7 +71,7 @@ def cache_params(draw) -> CacheParams:
     budget = None if policy == "none" else draw(
         st.none() | st.integers(sinks + recent + 1, sinks + recent + 12))
     top = draw(st.sampled_from((255.0, 40.0)))
-    repair = draw(st.sampled_from(("none", "merge")))
+    repair = draw(st.sampled_from(REPAIRS))
     return CacheParams(
         budget=budget, policy=policy, repair=repair,
         prune=draw(st.sampled_from(("tokens", "turns"))) if repair == "none" else "tokens",
@@ -101,11 +102,11 @@ def snapshot(state) -> tuple[dict, dict]:
     """Every arena/mirror tensor (whole capacity) -> (_version, data_ptr, content hash),
     and every other field of the state, arena and mirror (whatever their dataclasses list)."""
     a, m = state.arena, state.mirror
-    tensors = {"arena.kt": a.kt, "arena.v": a.v, **{f"mirror.{c}": getattr(m, c)
+    tensors = {"arena.kt": a.kt, "arena.v": a.v, "arena.log_mass": a.log_mass, **{f"mirror.{c}": getattr(m, c)
                                                    for c in KVMirror.COLUMNS}}
     scalars = {f"{prefix}{f.name}": copy.deepcopy(getattr(obj, f.name))
                for prefix, obj in (("arena.", a), ("mirror.", m), ("", state))
-               for f in fields(obj) if f.name not in ("kt", "v", "arena", "mirror")
+               for f in fields(obj) if f.name not in ("kt", "v", "log_mass", "arena", "mirror")
                + KVMirror.COLUMNS}
     return {name: (t._version, t.data_ptr(), _sha(t)) for name, t in tensors.items()}, scalars
 
@@ -126,7 +127,8 @@ def rows(state) -> dict[int, dict]:
     a, m = state.arena, state.mirror
     cols = {c: m.live(c).tolist() for c in KVMirror.COLUMNS}
     return {u: {**{c: cols[c][s] for c in KVMirror.COLUMNS}, "slot": s,
-                "k": a.k[:, :, s].clone(), "v": a.v[:, :, s].clone()}
+                "k": a.k[:, :, s].clone(), "v": a.v[:, :, s].clone(),
+                "log_mass": a.log_mass[:, :, s].clone()}
             for s, u in enumerate(cols["uid"])}
 
 
@@ -175,6 +177,20 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
                     "born_step": state.step, "changed_step": state.step,
                     "brightness": max(bright), "attn_sum": 0.0}, rep.position,
                    rep.k[:, :, 0], rep.v[:, :, 0])
+    # Folds, in order: per layer and KV head, the target's K/V move toward the culled slot's
+    # by its share of their mass, and its log-mass becomes their log-sum-exp.
+    zero = torch.zeros(a.log_mass.shape[:2])  # repaired and appended slots hold one token
+    log_mass = {u: old[u]["log_mass"].clone() if u in old else zero.clone() for u in want}
+    for f in actions.folds:
+        j = old[by_slot[f.slot]]
+        for layer, h in itertools.product(*map(range, f.into.shape)):
+            i = by_slot[int(f.into[layer, h])]
+            w = torch.sigmoid(j["log_mass"][layer, h] - log_mass[i][layer, h])
+            for t in (2, 3):  # K, V
+                x = want[i][t][layer, h].float()
+                y = j["k" if t == 2 else "v"][layer, h].float()
+                want[i][t][layer, h] = (x + w * (y - x)).to(want[i][t].dtype)
+            log_mass[i][layer, h] = torch.logaddexp(log_mass[i][layer, h], j["log_mass"][layer, h])
     (u_app,) = patch.appended_uids
     pinned = FLAG_PROTECTED if SOURCES[pending_source] in state.pinned else 0
     want[u_app] = ({"token_id": gen.input_token, "source": pending_source, "flags": pinned,
@@ -202,7 +218,9 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
         got = new[u]
         assert {f: got[f] for f in fields} == fields, f"uid {u}: ledger row"
         assert got["position"] == target[u], f"uid {u}: position"
-        assert torch.equal(got["v"], v), f"uid {u}: V moved with its token unchanged"
+        assert torch.equal(got["v"], v), f"uid {u}: V moved with its token unchanged (or folded)"
+        if u in log_mass:
+            assert torch.equal(got["log_mass"], log_mass[u]), f"uid {u}: log-mass"
         if target[u] == want[u][1]:
             assert torch.equal(got["k"], want[u][2]), f"uid {u}: K unchanged"
         else:
@@ -250,9 +268,13 @@ def _draw_actions(model, view, data, scores) -> Actions:
                 continue
             used |= {first, second}
             pairs.append((order[i - 1], first, second))
+    # folds (never with repairs: a fold's target must survive the step as itself)
+    folded = data.draw(st.lists(st.sampled_from(culls), unique=True)) if culls and not pairs \
+        else []
     return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum,
                    cull_slots=tuple(culls),
                    repairs=tuple(repair_pair(model, view, *p) for p in pairs),
+                   folds=tuple(f for f in fold_targets(view, tuple(culls)) if f.slot in folded),
                    reindex=data.draw(st.booleans()))
 
 
@@ -291,12 +313,13 @@ def test_only_stage_4_writes_and_it_does_what_its_actions_say(tiny_model):
             assert_apply_did_what_actions_say(tiny_model, state, before, old, gen, actions,
                                               patch)
             seen.update(cull=len(actions.cull_slots), repair=len(actions.repairs),
+                        fold=len(actions.folds),
                         reindex=actions.reindex, step=1)
 
     walk()
     print(dict(seen))
     # the walk reached every kind of patch and every read-only path
-    for kind in ("cull", "repair", "reindex", "decide repairs", "decide refused"):
+    for kind in ("cull", "repair", "fold", "reindex", "decide repairs", "decide refused"):
         assert seen[kind] > 0, f"no {kind} in {dict(seen)}"
 
 

@@ -7,8 +7,8 @@ mutation), and each step records the negative log-likelihood stage 1's logits gi
 token. Perplexity = exp(mean NLL) over the scored tokens. Measured:
 
 1. the full-cache reference (no budget, nothing culled);
-2. every scorer (brightness, streaming, h2o, tova, random) at every budget, with and
-   without merge repair;
+2. every scorer (brightness, streaming, h2o, tova, random) at every budget, with each
+   repair (none, merge, fold);
 3. a long run past the model's positions at one budget with ``--positions compact``
    (re-index before the limit) and ``keep`` (which has to stop at the limit), as
    perplexity over windows of tokens.
@@ -36,7 +36,7 @@ from .common import Table, fmt
 
 BASELINES = ("streaming", "h2o", "tova", "random")
 SCORERS = ("brightness", *BASELINES)
-REPAIRS = ("none", "merge")
+REPAIRS = ("none", "merge", "fold")
 SLICES = ("eval", "tune")
 # Targets from the project's issues: reported, never asserted.
 FULL_TARGET = 1.05  # brightness at FULL_TARGET_BUDGET / the full cache
@@ -188,7 +188,7 @@ def streaming_nll(model: Model, policy: TokenPolicy, ids: list[int], cache: Cach
     for rec in session.stream(len(ids) - 1, ignore_eos=True, force=ids[1:]):
         nll.append(-rec.logprob)
         culled += len(rec.culled)
-        repaired += len(rec.repaired)
+        repaired += len(rec.repaired) + rec.folded
         reindexed += rec.reindexed
         if tick:
             tick()
@@ -398,7 +398,7 @@ def tables(res: dict) -> list[Table]:
         tuple((t["what"], fmt(t["value"], 4), t["target"], "yes" if t["met"] else "NO")
               for t in res["targets"]))
     cost = Table(
-        "Per run: ms per token (whole loop step), culls, merge repairs",
+        "Per run: ms per token (whole loop step), culls, repairs (merges or folds)",
         ("policy", "repair", "budget", "ms/token", "culled", "repaired", "stop"),
         tuple((r["policy"], r["repair"], str(r["budget"]), fmt(r["ms_per_token"], 1),
                str(r["culled"]), str(r["repaired"]), r["stop_reason"])
@@ -427,8 +427,9 @@ def plots(res: dict, out: Path) -> list[str]:
     for p in res["config"]["policies"]:
         for rep in res["config"]["repairs"]:
             rs = [r for r in res["runs"] if r["policy"] == p and r["repair"] == rep]
-            series[f"{p}{' + merge' if rep == 'merge' else ''}"] = (
-                [r["budget"] for r in rs], [r["ppl"] for r in rs], "-" if rep == "none" else "--")
+            series[f"{p}{'' if rep == 'none' else ' + ' + rep}"] = (
+                [r["budget"] for r in rs], [r["ppl"] for r in rs],
+                {"none": "-", "merge": "--"}.get(rep, "-."))
     ref = res["reference"]["ppl"]
     series["full cache"] = (budgets, [ref] * len(budgets), ":")
     common.line_plot(out / "ppl_vs_budget.png",
@@ -512,7 +513,8 @@ METHOD = """\
   token through stages 1-4 (`Session.stream(force=...)`): stage 1's logits give the NLL of
   the text's next token, which becomes the pending token (teacher forcing; nothing is
   sampled), stage 2 scores, stage 3 culls to the budget (and merges a dim pair with merge
-  repair), stage 4 applies. Perplexity = exp(mean NLL) over every scored token, so the first
+  repair, or folds each culled token's K/V into its most alike survivor with fold repair),
+  stage 4 applies. Perplexity = exp(mean NLL) over every scored token, so the first
   `budget` tokens (before any cull) are the same for every policy.
 - **Full cache**: the same loop without a budget; it checks against Hugging Face's own
   forward over the whole text in `tests/test_bench_quality.py` (NLL equal to 1e-4).

@@ -244,10 +244,10 @@ def measure_alloc(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig
 
 def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
     """A full loop step (stages 1-4, brightness scorer, at the budget: one removal per
-    step) vs stage 1 alone on the same view, with and without merge repairs."""
+    step) vs stage 1 alone on the same view, for each repair (none, merge, fold)."""
     dt = str(model.dtype).removeprefix("torch.")
     rows = []
-    for repair in ("none", "merge"):
+    for repair in ("none", "merge", "fold"):
         tick = task(f"{dt} loop ({repair} repair)", cfg.reps)
         params = CacheParams(budget=cfg.budget, policy="brightness", repair=repair)
         session = Session(model, TokenPolicy(model.tokenizer), GREEDY, params)

@@ -4,7 +4,7 @@
 - ``extend``: prefill new prompt segments onto an existing state (stage 0; chat turns,
   imported sessions).
 - ``apply``: apply one step's actions atomically, in a fixed order: brightness/attn_sum,
-  repairs, removals (each hole is filled by moving the last live slot into it, so live
+  repairs, folds (a culled slot's K/V into survivors), removals (each hole is filled by moving the last live slot into it, so live
   slots stay a dense prefix), position re-index (keys re-rotated exactly), then the append
   of the pending token's K/V (stage 4).
 - ``rebuild_from_mirror``: re-prefill the arena from the ledger after a failure part-way.
@@ -16,7 +16,7 @@ import torch
 from ..forward import apply_rope, forward, rerotation
 from ..model import Model
 from ..state import FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, KVMirror, State
-from ..types import (NO_ACTIONS, SOURCES, Actions, GenerateOut, Patch, PrimeOut, Repair,
+from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Patch, PrimeOut, Repair,
                      Segment, require)
 
 PREFILL_CHUNK = 256
@@ -50,10 +50,11 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
         sl = slice(start, start + chunk)
         n = a.n
         out = forward(model, a.k[:, :, :n], a.v[:, :, :n], ids[sl], positions[sl],
-                      all_logits=all_logits)
+                      all_logits=all_logits, past_bias=a.bias(n))
         t = out.k.shape[2]
         a.k[:, :, n:n + t] = out.k  # (L, KVH, t, D)
         a.v[:, :, n:n + t] = out.v
+        a.log_mass[:, :, n:n + t] = 0.0
         uids += _write_rows(m, slice(n, n + t), ids[sl], positions[sl], sources[sl],
                             state.step, flags[sl])
         slots += range(n, n + t)
@@ -163,6 +164,14 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
         assert r.k.shape == gen.k.shape and r.v.shape == gen.v.shape, "repair K/V shape"
         assert (int(m.uid[r.slots[0]]), int(m.uid[r.slots[1]])) == r.uids, "stale repair"
         assert int(m.position[r.slots[0]]) == r.position, "repair position"
+    culled = set(actions.cull_slots)
+    changed = culled | {s for r in actions.repairs for s in r.slots}
+    for f in actions.folds:
+        assert f.slot in culled and int(m.uid[f.slot]) == f.uid, "a fold of a slot not culled"
+        assert f.into.shape == a.log_mass.shape[:2], f"fold targets have shape {tuple(f.into.shape)}"
+        into = set(f.into.unique().tolist())
+        assert all(0 <= s < n for s in into) and not into & changed, \
+            "a fold into a slot that goes or is repaired"
     removed = len(actions.cull_slots) + len(actions.repairs)
     require(n - removed < a.capacity,
             f"the arena is full ({a.capacity} slots); set a budget to cull")
@@ -182,7 +191,24 @@ def _repair(state: State, r: Repair, step: int) -> int:
     m.flags[s], m.attn_sum[s] = 0, 0.0
     a.k[:, :, s:s + 1] = r.k
     a.v[:, :, s:s + 1] = r.v
+    a.log_mass[:, :, s] = 0.0
     return uid
+
+
+def _fold(state: State, f: Fold) -> None:
+    """Fold slot ``f.slot``'s K/V into ``f.into`` (one slot per layer and KV head): there K
+    and V become the mass-weighted mean of both, and the log-mass their log-sum-exp, so a
+    query that scores both keys alike gives the pair the attention it gave them apart."""
+    a = state.arena
+    L, KVH = f.into.shape
+    li, hi = torch.arange(L)[:, None].expand(L, KVH), torch.arange(KVH)[None].expand(L, KVH)
+    lm_i, lm_j = a.log_mass[li, hi, f.into], a.log_mass[:, :, f.slot]  # (L, KVH)
+    w = torch.sigmoid(lm_j - lm_i).unsqueeze(-1)  # m_j / (m_i + m_j), (L, KVH, 1)
+    for t in (a.k, a.v):
+        x = t[li, hi, f.into].float()  # (L, KVH, D)
+        t[li, hi, f.into] = (x + w * (t[:, :, f.slot].float() - x)).to(t.dtype)
+    a.log_mass[li, hi, f.into] = torch.logaddexp(lm_i, lm_j)
+    a.folded = True
 
 
 def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
@@ -204,6 +230,7 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
     if moves:
         a.kt.index_copy_(3, dst, a.kt.index_select(3, src))
         a.v.index_copy_(2, dst, a.v.index_select(2, src))
+        a.log_mass.index_copy_(2, dst, a.log_mass.index_select(2, src))
     a.n = n
     return moves
 
@@ -252,14 +279,15 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
     m.n = n + 1
     a.k[:, :, n:n + 1] = k
     a.v[:, :, n:n + 1] = gen.v
+    a.log_mass[:, :, n] = 0.0
     a.n = n + 1
     return n, uid, k
 
 
 @torch.no_grad()
 def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_ACTIONS) -> Patch:
-    """Stage 4: in this order, write brightness/attn_sum, apply repairs, remove culled and
-    repair-partner slots, re-index positions, append the pending token; the sampled token
+    """Stage 4: in this order, write brightness/attn_sum, apply repairs, fold culled slots'
+    K/V into their survivors, remove culled and repair-partner slots, re-index positions, append the pending token; the sampled token
     becomes pending.
 
     Updates ``state`` in place (same arena tensors; O(changed tokens)). Atomic: bad actions
@@ -278,13 +306,15 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
         if actions.attn_sum is not None:
             m.attn_sum[:n] = actions.attn_sum
         new_uids = [_repair(state, r, step) for r in actions.repairs]  # 2) repairs
-        moves = _remove(state, list(actions.cull_slots)  # 3) removals
+        for f in actions.folds:  # 3) folds
+            _fold(state, f)
+        moves = _remove(state, list(actions.cull_slots)  # 4) removals
                         + [r.slots[1] for r in actions.repairs])
         position = gen.position
-        if actions.reindex:  # 4) positions 0..n-1; the appended token comes next
+        if actions.reindex:  # 5) positions 0..n-1; the appended token comes next
             reindex_from, reindex_to = _reindex(model, state)
             position = m.n
-        slot, uid, k = _append(state, gen, position, model, step)  # 5) append
+        slot, uid, k = _append(state, gen, position, model, step)  # 6) append
     except BaseException:
         cols, next_uid = undo
         for c, col in cols.items():
@@ -299,7 +329,7 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
     state.pending_source = "assistant"
     state.next_position = position + 1
     return Patch(step=step, brightness=actions.brightness, attn_sum=actions.attn_sum,
-                 repairs=actions.repairs, repaired_uids=tuple(new_uids),
+                 repairs=actions.repairs, repaired_uids=tuple(new_uids), folds=actions.folds,
                  culled_slots=tuple(actions.cull_slots), culled_uids=tuple(culled_uids),
                  moves=tuple(moves), reindex_from=reindex_from, reindex_to=reindex_to,
                  appended_slots=(slot,), appended_uids=(uid,), appended_positions=(position,),
@@ -309,12 +339,15 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
 @torch.no_grad()
 def rebuild_from_mirror(model: Model, state: State, chunk: int = PREFILL_CHUNK) -> None:
     """Re-prefill every live token (in position order, at its position) so the arena
-    agrees with the mirror again. Slot order becomes position order."""
+    agrees with the mirror again. Slot order becomes position order; folds are lost (every
+    slot holds its own token's K/V again)."""
     m = state.mirror
     order = torch.argsort(m.live("position"))
     cols = {c: m.live(c)[order].clone() for c in KVMirror.COLUMNS}
     a = state.arena
     a.n = 0
+    a.log_mass.zero_()
+    a.folded = False
     n = cols["uid"].shape[0]
     for start in range(0, n, chunk):
         sl = slice(start, start + chunk)
@@ -331,10 +364,12 @@ def rebuild_from_mirror(model: Model, state: State, chunk: int = PREFILL_CHUNK) 
 
 @torch.no_grad()
 def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, torch.Tensor],
-            capacity: int, mirror_fields: dict, state_fields: dict) -> State:
+            capacity: int, mirror_fields: dict, state_fields: dict,
+            log_mass: torch.Tensor | None = None) -> State:
     """Stage 0 from a saved session: allocate ``capacity`` slots and write back the live
     prefix ``k``/``v`` (L, kv_heads, n, head_dim) and the mirror ``columns`` (name -> (n,),
-    every one of ``KVMirror.COLUMNS``); ``mirror_fields`` (next_uid, merged, ...) and
+    every one of ``KVMirror.COLUMNS``) and the slots' ``log_mass`` (L, kv_heads, n) float32
+    (None: every slot holds one token); ``mirror_fields`` (next_uid, merged, ...) and
     ``state_fields`` (pending token, its source and position, step) are set as given.
     A shape, dtype or column mismatch raises UserError; an inconsistent ledger fails
     ``check_valid`` (AssertionError)."""
@@ -363,6 +398,12 @@ def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, t
         setattr(m, name, value)
     a.k[:, :, :n] = k
     a.v[:, :, :n] = v
+    if log_mass is not None:
+        require(tuple(log_mass.shape) == shape[:3] and log_mass.dtype == torch.float32
+                and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),
+                f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]}")
+        a.log_mass[:, :, :n] = log_mass
+        a.folded = bool((log_mass > 0).any())
     a.n = m.n = n
     state.check_valid()
     return state

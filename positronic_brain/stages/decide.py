@@ -7,7 +7,9 @@ live tokens, the last ``recent`` ones, and pinned tokens (FLAG_PROTECTED). With 
 ``merge``, up to ``max_repairs`` removals are instead merges of a dim adjacent pair (text
 order, lowest summed score, pairs never overlap) into the single token the model ranks best
 at the pair's first position given the text to its left: two read-only forwards with the
-right-hand slots masked out, the second of which yields the new token's K/V.
+right-hand slots masked out, the second of which yields the new token's K/V. With repair
+``fold``, every culled token's K/V fold into the surviving slot whose key is most alike
+(cosine, per layer and KV head; ``fold_targets``); stage 4 does the arithmetic.
 With prune ``turns``, the removals are instead the oldest whole chat turns (``oldest_turns``).
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from ..forward import forward
 from ..model import Model
 from ..state import FLAG_PROTECTED, View
-from ..types import SOURCES, Actions, CacheParams, Repair, ScoreOut, require
+from ..types import SOURCES, Actions, CacheParams, Fold, Repair, ScoreOut, require
 
 
 def protected(view: View, params: CacheParams) -> torch.Tensor:
@@ -69,12 +71,27 @@ def repair_pair(model: Model, view: View, left: int, first: int, second: int) ->
     pos = view.position  # (n,)
     p_left, p_first = int(pos[left]), int(pos[first])
     out = forward(model, view.k, view.v, view.token_id[left:left + 1], pos[left:left + 1],
-                  past_mask=(pos < p_left)[None])
+                  past_mask=(pos < p_left)[None], past_bias=view.bias)
     token = int(out.logits[0].argmax())
     out = forward(model, view.k, view.v, torch.tensor([token]), pos[first:first + 1],
-                  past_mask=(pos < p_first)[None])
+                  past_mask=(pos < p_first)[None], past_bias=view.bias)
     return Repair(slots=(first, second), uids=(int(view.uid[first]), int(view.uid[second])),
                   token_id=token, position=p_first, k=out.k, v=out.v)
+
+
+def fold_targets(view: View, culls: tuple[int, ...]) -> tuple[Fold, ...]:
+    """For each culled slot, per layer and KV head, the surviving slot whose key has the
+    highest cosine similarity to its key (ties: the lowest slot)."""
+    if not culls or len(culls) >= view.n:
+        return ()
+    c = torch.tensor(culls)
+    dots = torch.matmul(view.k[:, :, c], view.k.transpose(2, 3)).float()  # (L, KVH, c, n)
+    norms = torch.linalg.vector_norm(view.k, dim=-1, dtype=torch.float32)  # (L, KVH, n)
+    sim = dots / norms.clamp_min(1e-12).unsqueeze(2)
+    sim[..., c] = float("-inf")  # never into a slot that goes too
+    into = sim.argmax(-1)  # (L, KVH, c)
+    return tuple(Fold(slot=s, uid=int(view.uid[s]), into=into[:, :, j])
+                 for j, s in enumerate(culls))
 
 
 def oldest_turns(view: View, need: int) -> tuple[int, ...]:
@@ -119,5 +136,6 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     candidates = ranked(scores.scores, view.position)
     candidates = candidates[~taken[candidates]]
     culls = tuple(sorted(candidates[: need - len(pairs)].tolist()))
+    folds = fold_targets(view, culls) if params.repair == "fold" else ()
     return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum, cull_slots=culls,
-                   repairs=repairs, reindex=reindex)
+                   repairs=repairs, folds=folds, reindex=reindex)

@@ -1,0 +1,126 @@
+"""Fold repair: each culled token's K/V folded into the survivor whose key is most alike
+(per layer and KV head), mass-weighted, with log(tokens held) added to that slot's scores."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from positronic_brain.forward import forward
+from positronic_brain.loop import Session
+from positronic_brain.model import load_model
+from positronic_brain.session_io import load_session, save_session
+from positronic_brain.stages.apply import apply
+from positronic_brain.stages.decide import decide
+from positronic_brain.stages.generate import generate
+from positronic_brain.stages.score import score
+from positronic_brain.types import CacheParams, SamplerParams
+from tests.oracle import assert_close
+
+GREEDY = SamplerParams(greedy=True)
+FOLD = CacheParams(budget=20, sinks=2, recent=4, repair="fold")
+
+
+def test_a_log_mass_bias_makes_one_slot_attend_as_two(tiny_model):
+    """Two slots with one key and values v1, v2 give the output of one slot holding their
+    mean with log 2 added to its scores: the exact case a fold approximates."""
+    s = tiny_model.spec
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(s.n_layers, s.n_kv_heads, 6, s.head_dim, generator=g)
+    v = torch.randn(s.n_layers, s.n_kv_heads, 6, s.head_dim, generator=g)
+    k[:, :, 5] = k[:, :, 2]
+    ids, pos = torch.tensor([7]), torch.tensor([6])
+    both = forward(tiny_model, k, v, ids, pos, want_attention=True)
+    v1 = v[:, :, :5].clone()
+    v1[:, :, 2] = (v[:, :, 2] + v[:, :, 5]) / 2
+    bias = torch.zeros(s.n_layers, s.n_kv_heads, 5)
+    bias[:, :, 2] = math.log(2)
+    one = forward(tiny_model, k[:, :, :5], v1, ids, pos, want_attention=True, past_bias=bias)
+    assert_close(one.logits, both.logits, 1e-5, "logits")
+    summed = both.attention[..., :5].clone()
+    summed[..., 2] += both.attention[..., 5]
+    assert_close(one.attention, summed, 1e-5, "attention")
+    plain = forward(tiny_model, k[:, :, :5], v1, ids, pos)
+    assert (plain.logits - both.logits).abs().max() > 1e-3  # the bias is what makes it exact
+
+
+def test_every_cull_folds_into_its_most_alike_survivor(tiny_model, tiny_policy):
+    """Stages run one by one past the budget: every culled slot is folded; each target is
+    the surviving slot of highest key cosine; the target's K/V become the mass-weighted
+    mean; and the live slots' masses always add up to every token that entered the cache."""
+    session = Session(tiny_model, tiny_policy, GREEDY, FOLD)
+    session.prime(tiny_policy.raw_prompt("fold every culled token into its most alike survivor"))
+    state, folds = session.state, 0
+    for _ in range(30):
+        view = state.view()
+        before = {"k": view.k.clone(), "v": view.v.clone(), "uid": view.uid.clone(),
+                  "mass": state.arena.log_mass[:, :, :view.n].exp()}
+        gen = generate(tiny_model, view, GREEDY, session.generator)
+        actions = decide(tiny_model, view, score(view, gen.attention, session.scorer), FOLD)
+        assert [f.slot for f in actions.folds] == list(actions.cull_slots)
+        gone = list(actions.cull_slots)
+        apply(tiny_model, state, gen, actions)
+        slot_of = {u: s for s, u in enumerate(state.view().uid.tolist())}
+        for f in actions.folds:
+            folds += 1
+            L, KVH = f.into.shape
+            for layer in range(L):
+                for h in range(KVH):
+                    keys = before["k"][layer, h]  # (n, D)
+                    cos = F.cosine_similarity(keys, keys[f.slot][None], dim=-1)
+                    cos[gone] = float("-inf")
+                    i = int(f.into[layer, h])
+                    assert cos[i] >= cos.max() - 1e-6, "not the most alike survivor"
+                    if len(gone) > 1:
+                        continue  # two folds into one slot compound; checked by the masses
+                    m_i, m_j = before["mass"][layer, h, i], before["mass"][layer, h, f.slot]
+                    after = slot_of[int(before["uid"][i])]
+                    for t in ("k", "v"):
+                        want = (m_i * before[t][layer, h, i] + m_j * before[t][layer, h, f.slot]) \
+                            / (m_i + m_j)
+                        got = getattr(state.view(), t)[layer, h, after]
+                        assert_close(got, want, 1e-5, f"folded {t}")
+        masses = state.arena.log_mass[:, :, :state.arena.n].exp().sum(-1)  # (L, KVH)
+        assert_close(masses, torch.full_like(masses, float(state.next_position)), 1e-3, "mass")
+    assert folds >= 10 and state.view().bias is not None
+
+
+def test_a_folded_session_saves_and_continues_exactly(tmp_path, tiny_model, tiny_policy):
+    a = Session(tiny_model, tiny_policy, GREEDY, FOLD)
+    a.prime(tiny_policy.raw_prompt("saved after a few folds"))
+    assert sum(a.step().folded for _ in range(24)) > 0
+    save_session(a, tmp_path / "s.pbs")
+    b = load_session(load_model("tiny-random"), tmp_path / "s.pbs")
+    n = a.state.arena.n
+    assert torch.equal(b.state.arena.log_mass[:, :, :n], a.state.arena.log_mass[:, :, :n])
+    assert b.state.arena.folded
+    assert [b.step().token_id for _ in range(8)] == [a.step().token_id for _ in range(8)]
+
+
+@pytest.mark.parametrize("policy", ["brightness", "h2o"])
+def test_fold_streams_the_real_model_within_budget(real_model, real_policy, policy):
+    cache = CacheParams(budget=48, policy=policy, repair="fold")
+    session = Session(real_model, real_policy, GREEDY, cache)
+    session.prime(real_policy.raw_prompt("The keeper climbed the stairs of the lighthouse"))
+    records = list(session.stream(60, ignore_eos=True))
+    assert all(r.cache_len <= 48 for r in records)
+    assert sum(r.folded for r in records) == sum(len(r.culled) for r in records) > 0
+    session.state.check_valid()
+
+
+def test_a_folding_capture_replays_bit_exactly(real_model, real_policy, tmp_path):
+    from positronic_brain.capture import CaptureWriter
+    from positronic_brain.loop import run
+    from positronic_brain.replay import replay
+
+    capture = CaptureWriter(tmp_path, {"model": real_model.name, "dtype": "float32",
+                                       "fingerprint": real_model.fingerprint},
+                            level="full", run_id="fold")
+    result = run(real_model, real_policy, real_policy.raw_prompt("Tides follow the moon"),
+                 GREEDY, max_new_tokens=12, ignore_eos=True,
+                 cache=CacheParams(budget=8, sinks=1, recent=2, repair="fold"), capture=capture)
+    assert sum(len(s["culled"]) for s in result["steps"]) >= 8
+    last = torch.load(capture.dir / "state_000012.pt", weights_only=True)
+    assert float(last["arena_log_mass"].max()) > 0  # the states compared hold folded slots
+    report = replay(capture.dir, model=real_model)
+    assert report.ok and report.steps == 12, [str(m) for m in report.mismatches[:5]]
