@@ -86,7 +86,9 @@ def fold_targets(view: View, culls: tuple[int, ...]) -> tuple[Fold, ...]:
         return ()
     c = torch.tensor(culls)
     dots = torch.matmul(view.k[:, :, c], view.k.transpose(2, 3)).float()  # (L, KVH, c, n)
-    norms = torch.linalg.vector_norm(view.k, dim=-1, dtype=torch.float32)  # (L, KVH, n)
+    # squared key norms (L, KVH, n), one layer at a time over the stored (KVH, D, n) rows
+    # (a norm over the strided last dim of view.k is ~10x slower)
+    norms = torch.stack([x.float().square().sum(1) for x in view.k.transpose(2, 3)]).sqrt()
     sim = dots / norms.clamp_min(1e-12).unsqueeze(2)
     sim[..., c] = float("-inf")  # never into a slot that goes too
     into = sim.argmax(-1)  # (L, KVH, c)
