@@ -215,9 +215,11 @@ def cmd_run(args) -> int:
             ms = sorted(s["ms"] for s in steps)[len(steps) // 2]
             culled = sum(len(s["culled"]) for s in steps)
             repaired = sum(len(s["repaired"]) for s in steps)
+            folded = sum(s["folded"] for s in steps)
             reindexed = sum(s["reindexed"] for s in steps)
             print(f"[{len(steps)} tokens, median {ms:.1f} ms/token, cache {steps[-1]['cache_len']}"
-                  f" slots, culled {culled}, repaired {repaired}, re-indexed {reindexed}, "
+                  f" slots, culled {culled} (folded {folded}), repaired {repaired}, "
+                  f"re-indexed {reindexed}, "
                   f"stop: {result['stop_reason']}]", file=sys.stderr)
     return 0
 

@@ -215,7 +215,7 @@ def _generate(session: Session, policy: TokenPolicy, text: TextStream, steps: li
                       "culled": list(rec.culled),
                       "repaired": [{"uids": list(u), "token_id": t, "uid": new}
                                    for u, t, new in rec.repaired],
-                      "reindexed": rec.reindexed})
+                      "folded": rec.folded, "reindexed": rec.reindexed})
         if not ignore_eos and policy.is_eos(rec.token_id):
             continue  # the stop token ends the text (it stays in generated_ids)
         delta = text.push(rec.token_id)

@@ -1,5 +1,6 @@
 """Fold repair: each culled token's K/V folded into the survivor whose key is most alike
 (per layer and KV head), mass-weighted, with log(tokens held) added to that slot's scores."""
+import json
 import math
 
 import pytest
@@ -124,3 +125,16 @@ def test_a_folding_capture_replays_bit_exactly(real_model, real_policy, tmp_path
     assert float(last["arena_log_mass"].max()) > 0  # the states compared hold folded slots
     report = replay(capture.dir, model=real_model)
     assert report.ok and report.steps == 12, [str(m) for m in report.mismatches[:5]]
+
+
+def test_run_reports_folds_per_step(capsys):
+    from positronic_brain.cli import main
+
+    code = main(["run", "--model", "tiny-random", "--prompt", "a prompt longer than the budget",
+                 "--max-new-tokens", "6", "--ignore-eos", "--json", "--budget", "12",
+                 "--sinks", "1", "--recent", "2", "--repair", "fold"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    steps = json.loads(out)["steps"]
+    assert all(s["folded"] == len(s["culled"]) for s in steps)
+    assert sum(s["folded"] for s in steps) > 0 and all(s["cache_len"] <= 12 for s in steps)
