@@ -76,7 +76,7 @@ class Chat:
             2 * budget if budget else model.spec.max_positions
         self.transcript: list[tuple[str, str | tuple[int, ...]]] = []  # this process's turns
         self.last: Reply | None = None
-        self.totals = {"turns": 0, "steps": 0, "ms": 0.0, "culled": 0, "repaired": 0,
+        self.totals = {"turns": 0, "steps": 0, "ms": 0.0, "culled": 0, "folded": 0, "repaired": 0,
                        "reindexed": 0}
         self.cache_lens: deque[int] = deque(maxlen=240)  # the last steps' cache lengths
         self._turn_rows: list[dict] = []  # the ledger when the current turn opened
@@ -202,6 +202,7 @@ class Chat:
         t["steps"] += 1
         t["ms"] += rec.ms
         t["culled"] += len(rec.culled)
+        t["folded"] += rec.folded
         t["repaired"] += len(rec.repaired)
         t["reindexed"] += rec.reindexed
         self.cache_lens.append(rec.cache_len)
@@ -211,7 +212,8 @@ class Chat:
 
     def stats(self) -> dict:
         """Plain values: turns, cache length/budget/capacity, positions, ms/token (mean over
-        all steps; the last reply's median), culls/repairs/re-indexes so far."""
+        all steps; the last reply's median), culls (and how many of them folded), repairs and
+        re-indexes so far."""
         s, t = self.session, self.totals
         state = s.state
         return {"turns": t["turns"], "cache_len": state.arena.n if state else 0,
@@ -220,7 +222,7 @@ class Chat:
                 "max_position": self.max_position, "steps": t["steps"],
                 "ms_per_token": round(t["ms"] / t["steps"], 3) if t["steps"] else 0.0,
                 "last_ms_per_token": round(self.last.ms_per_token, 3) if self.last else 0.0,
-                "culled": t["culled"], "repaired": t["repaired"], "reindexed": t["reindexed"]}
+                "culled": t["culled"], "folded": t["folded"], "repaired": t["repaired"], "reindexed": t["reindexed"]}
 
     def context(self) -> tuple[list[dict], set[int], set[int]]:
         """Ledger rows to show (the live ones, and those culled since the current turn

@@ -139,7 +139,11 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget", type=int, default=None,
                    help="live cache slots after each step (default: no culling)")
     g.add_argument("--policy", default=d.policy, help=f"scorer: {'|'.join(POLICIES)}")
-    g.add_argument("--repair", default=d.repair, help="none|merge|fold: merge dim adjacent pairs; fold culled K/V into the most alike survivor")
+    g.add_argument("--repair", default=d.repair,
+                   help="none|merge|fold: merge dim adjacent pairs; fold culled K/V into the "
+                        "most alike survivor")
+    g.add_argument("--fold-min-cos", type=float, default=d.fold_min_cos,
+                   help="fold only where the key cosine reaches this (elsewhere just drop)")
     g.add_argument("--positions", default=d.positions,
                    help="compact (re-index before the model's max positions) | keep (stop there)")
     g.add_argument("--reindex-at", type=int, default=None,
@@ -165,7 +169,8 @@ def _cache(args):
                        positions=args.positions, reindex_at=args.reindex_at, sinks=args.sinks,
                        recent=args.recent, decay=args.decay, gain=args.gain,
                        aggregate=args.aggregate, signal=args.signal,
-                       skip_layers=args.skip_layers, seed=args.seed)
+                       skip_layers=args.skip_layers, fold_min_cos=args.fold_min_cos,
+                       seed=args.seed)
 
 
 def _sampler(args):

@@ -31,11 +31,15 @@ class Arena:
 
     ``log_mass`` is the log of how many tokens' K/V a slot holds, per layer and KV head
     (0 = one token; a ``fold`` repair raises it), added to the slot's attention scores.
+
+    ``knorm`` is each slot's key norm (float32, per layer and KV head), rewritten wherever
+    stage 4 writes keys, so fold targets read n norms instead of n keys.
     """
 
     kt: torch.Tensor  # (L, kv_heads, head_dim, capacity)
     v: torch.Tensor  # (L, kv_heads, capacity, head_dim)
     log_mass: torch.Tensor  # (L, kv_heads, capacity) float32
+    knorm: torch.Tensor  # (L, kv_heads, capacity) float32
     n: int = 0
     folded: bool = False  # has any slot ever held more than one token (else no score bias)
 
@@ -43,7 +47,14 @@ class Arena:
     def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype) -> "Arena":
         kt = torch.zeros(spec.n_layers, spec.n_kv_heads, spec.head_dim, capacity, dtype=dtype)
         v = torch.zeros(spec.n_layers, spec.n_kv_heads, capacity, spec.head_dim, dtype=dtype)
-        return cls(kt, v, torch.zeros(spec.n_layers, spec.n_kv_heads, capacity))
+        return cls(kt, v, torch.zeros(spec.n_layers, spec.n_kv_heads, capacity),
+                   torch.zeros(spec.n_layers, spec.n_kv_heads, capacity))
+
+    def renorm(self, lo: int, hi: int) -> None:
+        """Recompute ``knorm`` for slots [lo, hi), one layer at a time over the stored
+        (KVH, D, slots) rows (a norm over ``k``'s strided last dim is ~10x slower)."""
+        for i in range(self.kt.shape[0]):
+            self.knorm[i, :, lo:hi] = self.kt[i, :, :, lo:hi].float().square().sum(1).sqrt()
 
     def bias(self, n: int) -> torch.Tensor | None:
         """The live slots' attention-score bias (L, kv_heads, n), None while nothing folded."""
@@ -140,6 +151,7 @@ class View:
     k: torch.Tensor  # (L, kv_heads, n, head_dim)
     v: torch.Tensor  # (L, kv_heads, n, head_dim)
     bias: torch.Tensor | None  # (L, kv_heads, n) log-mass added to scores; None: nothing folded
+    knorm: torch.Tensor  # (L, kv_heads, n) float32 key norms
     uid: torch.Tensor  # (n,)
     token_id: torch.Tensor  # (n,)
     position: torch.Tensor  # (n,)
@@ -173,6 +185,7 @@ class State:
     def view(self) -> View:
         n, m = self.arena.n, self.mirror
         return View(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n], bias=self.arena.bias(n),
+                    knorm=self.arena.knorm[:, :, :n],
                     uid=m.live("uid"),
                     token_id=m.live("token_id"), position=m.live("position"),
                     source=m.live("source"), brightness=m.live("brightness"),
@@ -185,4 +198,8 @@ class State:
         assert self.arena.n == self.mirror.n, \
             f"arena holds {self.arena.n} live slots, mirror {self.mirror.n}"
         assert self.pending_source in SOURCES, f"unknown pending source {self.pending_source!r}"
+        a = self.arena
+        norms = a.k[:, :, :a.n].float().norm(dim=-1)
+        assert torch.allclose(a.knorm[:, :, :a.n], norms, rtol=1e-5, atol=1e-6), \
+            "the key-norm column does not match the keys"
         self.mirror.check_valid(step=self.step, next_position=self.next_position)

@@ -111,7 +111,9 @@ class CacheParams:
     ``repair``: ``merge`` turns up to ``max_repairs`` of each step's removals into merges of
     a dim adjacent pair; ``fold`` folds every culled token's K/V into the surviving slot
     whose key is most alike (per layer and KV head), weighted by how many tokens each
-    holds, and that slot's attention scores get log(tokens held) added. ``positions``: ``compact`` re-indexes to 0..n-1 when the next
+    holds, and that slot's attention scores get log(tokens held) added; where the best
+    cosine is below ``fold_min_cos`` the token is only dropped. ``positions``: ``compact``
+    re-indexes to 0..n-1 when the next
     position would reach ``reindex_at`` (default: the model's max positions); ``keep``
     never does (the run stops there). Protected from culls and repairs: the first
     ``sinks`` live tokens, the last ``recent`` ones, and tokens whose source is ``pinned``.
@@ -141,6 +143,7 @@ class CacheParams:
     signal: str = "value"
     skip_layers: float = 0.2
     max_repairs: int = 1
+    fold_min_cos: float = 0.8
     reindex_at: int | None = None
     seed: int = 0  # the random scorer's seed
     prune: str = "tokens"
@@ -158,6 +161,8 @@ class CacheParams:
                 f"got {self.signal!r}")
         require(0 <= self.skip_layers < 1,
                 f"skip layers must be a fraction in [0, 1), got {self.skip_layers}")
+        require(-1 <= self.fold_min_cos <= 1,
+                f"fold min cos must be a cosine in [-1, 1], got {self.fold_min_cos}")
         require(self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}")
         require(self.recent >= 0, f"recent must be >= 0, got {self.recent}")
         require(all(s in SOURCES for s in self.pinned), f"pinned sources must be among {SOURCES}")
@@ -212,12 +217,12 @@ class Repair:
 @dataclass(frozen=True)
 class Fold:
     """Fold culled slot ``slot`` (uid ``uid``) into surviving slots ``into`` (L, kv_heads)
-    int64, one per layer and KV head: there the slot's K and V become the mass-weighted mean
-    of both and its log-mass their log-sum-exp."""
+    int64, one per layer and KV head (-1: none there): there the slot's K and V become the
+    mass-weighted mean of both and its log-mass their log-sum-exp."""
 
     slot: int
     uid: int
-    into: torch.Tensor  # (L, kv_heads) int64 slots
+    into: torch.Tensor  # (L, kv_heads) int64 slots, -1 = no fold there
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
         removed = r["culled"] + (r["repaired"] if r["repair"] == "merge" else 0)
         assert removed == 64 - 32
         assert (r["repaired"] > 0) == (r["repair"] != "none")
-        assert r["repair"] != "fold" or r["repaired"] == r["culled"]
+        assert r["repair"] != "fold" or r["repaired"] <= r["culled"]
     ref = res["reference"]
     assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 64
     assert ref["windows"][-1]["end"] == 512  # the reference streams up to the positions

@@ -55,6 +55,8 @@ def test_keep_positions_stops_at_the_models_positions(capsys):
     (["--aggregate", "first-mean"], "unknown aggregation"),
     (["--signal", "keys"], "signal must be one of value, attention"),
     (["--skip-layers", "1"], "skip layers must be a fraction in [0, 1), got 1.0"),
+    (["--fold-min-cos", "1.5"], "fold min cos must be a cosine in [-1, 1], got 1.5"),
+    (["--fold-min-cos", "nan"], "fold min cos must be a cosine in [-1, 1], got nan"),
     (["--sinks", "-1"], "sinks must be >= 0"),
     (["--budget", "64", "--policy", "none"], "policy none never culls"),
     (["--budget", "64", "--reindex-at", "64"], "reindex-at must be > the budget"),

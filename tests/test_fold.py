@@ -1,5 +1,6 @@
 """Fold repair: each culled token's K/V folded into the survivor whose key is most alike
 (per layer and KV head), mass-weighted, with log(tokens held) added to that slot's scores."""
+import dataclasses
 import json
 import math
 
@@ -19,7 +20,7 @@ from positronic_brain.types import CacheParams, SamplerParams
 from tests.oracle import assert_close
 
 GREEDY = SamplerParams(greedy=True)
-FOLD = CacheParams(budget=20, sinks=2, recent=4, repair="fold")
+FOLD = CacheParams(budget=20, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0)
 
 
 def test_a_log_mass_bias_makes_one_slot_attend_as_two(tiny_model):
@@ -86,6 +87,45 @@ def test_every_cull_folds_into_its_most_alike_survivor(tiny_model, tiny_policy):
     assert folds >= 10 and state.view().bias is not None
 
 
+@pytest.mark.parametrize("min_cos", [0.2, 0.5])
+def test_below_the_cosine_threshold_a_culled_token_is_only_dropped(tiny_model, tiny_policy,
+                                                                   min_cos):
+    """With ``fold_min_cos``, a culled token folds only in the layers and KV heads where its
+    most alike survivor's cosine reaches it (into that survivor), is dropped elsewhere, and
+    gets no Fold if dropped everywhere; the masses count every token not dropped."""
+    cache = dataclasses.replace(FOLD, fold_min_cos=min_cos)
+    session = Session(tiny_model, tiny_policy, GREEDY, cache)
+    session.prime(tiny_policy.raw_prompt("fold only the culled tokens that have a close match"))
+    state = session.state
+    dropped = torch.zeros(state.arena.log_mass.shape[:2])  # (L, KVH)
+    kinds = set()
+    for _ in range(30):
+        view = state.view()
+        keys, mass = view.k.clone(), state.arena.log_mass[:, :, :view.n].exp()
+        gen = generate(tiny_model, view, GREEDY, session.generator)
+        actions = decide(tiny_model, view, score(view, gen.attention, session.scorer), cache)
+        gone = list(actions.cull_slots)
+        folds = {f.slot: f.into for f in actions.folds}
+        for c in gone:
+            cos = F.cosine_similarity(keys, keys[:, :, c:c + 1], dim=-1)  # (L, KVH, n)
+            cos[..., gone] = float("-inf")
+            best = cos.max(-1).values
+            into = folds.get(c, torch.full(best.shape, -1))
+            near = (best - min_cos).abs() < 1e-5  # too close to call
+            assert bool(((into < 0) == (best < min_cos))[~near].all()), "fold vs threshold"
+            hit = (into >= 0).nonzero(as_tuple=True)
+            assert bool((cos[hit + (into[hit],)] >= best[hit] - 1e-6).all()), "not the best"
+            dropped += torch.where(into < 0, mass[:, :, c], 0.0)  # every token it held
+            kinds |= {"fold"} if bool((into >= 0).any()) else set()
+            kinds |= {"drop"} if bool((into < 0).any()) else set()
+            assert c in folds or not bool((into >= 0).any())
+        apply(tiny_model, state, gen, actions)
+        masses = state.arena.log_mass[:, :, :state.arena.n].exp().sum(-1)  # (L, KVH)
+        assert_close(masses, state.next_position - dropped, 1e-3, "mass")
+    assert kinds == {"fold", "drop"}
+    state.check_valid()
+
+
 def test_a_folded_session_saves_and_continues_exactly(tmp_path, tiny_model, tiny_policy):
     a = Session(tiny_model, tiny_policy, GREEDY, FOLD)
     a.prime(tiny_policy.raw_prompt("saved after a few folds"))
@@ -105,7 +145,7 @@ def test_fold_streams_the_real_model_within_budget(real_model, real_policy, poli
     session.prime(real_policy.raw_prompt("The keeper climbed the stairs of the lighthouse"))
     records = list(session.stream(60, ignore_eos=True))
     assert all(r.cache_len <= 48 for r in records)
-    assert sum(r.folded for r in records) == sum(len(r.culled) for r in records) > 0
+    assert 0 < sum(r.folded for r in records) <= sum(len(r.culled) for r in records)
     session.state.check_valid()
 
 
@@ -132,7 +172,7 @@ def test_run_reports_folds_per_step(capsys):
 
     code = main(["run", "--model", "tiny-random", "--prompt", "a prompt longer than the budget",
                  "--max-new-tokens", "6", "--ignore-eos", "--json", "--budget", "12",
-                 "--sinks", "1", "--recent", "2", "--repair", "fold"])
+                 "--sinks", "1", "--recent", "2", "--repair", "fold", "--fold-min-cos", "-1"])
     out, err = capsys.readouterr()
     assert code == 0, err
     steps = json.loads(out)["steps"]

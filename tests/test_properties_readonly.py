@@ -81,6 +81,7 @@ def cache_params(draw) -> CacheParams:
         seeds=tuple(draw(st.lists(st.floats(0, top), min_size=len(SOURCES),
                                   max_size=len(SOURCES)))),
         aggregate=draw(st.sampled_from(AGGREGATIONS)), max_repairs=draw(st.integers(0, 3)),
+        fold_min_cos=draw(st.sampled_from((-1.0, 0.0, 0.5, 1.0))),
         reindex_at=draw(st.none() | st.integers((budget or 1) + 1, (budget or 1) + 30)),
         seed=draw(st.integers(0, 3)))
 
@@ -102,12 +103,12 @@ def snapshot(state) -> tuple[dict, dict]:
     """Every arena/mirror tensor (whole capacity) -> (_version, data_ptr, content hash),
     and every other field of the state, arena and mirror (whatever their dataclasses list)."""
     a, m = state.arena, state.mirror
-    tensors = {"arena.kt": a.kt, "arena.v": a.v, "arena.log_mass": a.log_mass, **{f"mirror.{c}": getattr(m, c)
-                                                   for c in KVMirror.COLUMNS}}
+    tensors = {"arena.kt": a.kt, "arena.v": a.v, "arena.log_mass": a.log_mass,
+               "arena.knorm": a.knorm, **{f"mirror.{c}": getattr(m, c) for c in KVMirror.COLUMNS}}
     scalars = {f"{prefix}{f.name}": copy.deepcopy(getattr(obj, f.name))
                for prefix, obj in (("arena.", a), ("mirror.", m), ("", state))
-               for f in fields(obj) if f.name not in ("kt", "v", "log_mass", "arena", "mirror")
-               + KVMirror.COLUMNS}
+               for f in fields(obj)
+               if f.name not in ("kt", "v", "log_mass", "knorm", "arena", "mirror") + KVMirror.COLUMNS}
     return {name: (t._version, t.data_ptr(), _sha(t)) for name, t in tensors.items()}, scalars
 
 
@@ -184,6 +185,8 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
     for f in actions.folds:
         j = old[by_slot[f.slot]]
         for layer, h in itertools.product(*map(range, f.into.shape)):
+            if int(f.into[layer, h]) < 0:
+                continue  # below the cosine threshold: only dropped here
             i = by_slot[int(f.into[layer, h])]
             w = torch.sigmoid(j["log_mass"][layer, h] - log_mass[i][layer, h])
             for t in (2, 3):  # K, V
@@ -274,7 +277,9 @@ def _draw_actions(model, view, data, scores) -> Actions:
     return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum,
                    cull_slots=tuple(culls),
                    repairs=tuple(repair_pair(model, view, *p) for p in pairs),
-                   folds=tuple(f for f in fold_targets(view, tuple(culls)) if f.slot in folded),
+                   folds=tuple(f for f in fold_targets(view, tuple(culls),
+                                                        data.draw(st.sampled_from((-1.0, 0.3))))
+                               if f.slot in folded),
                    reindex=data.draw(st.booleans()))
 
 

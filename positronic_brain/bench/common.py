@@ -183,9 +183,10 @@ def print_tables(tables: Sequence[Table]) -> None:
 # --- files -----------------------------------------------------------------------------------
 
 def line_plot(path: Path, title: str, xlabel: str, ylabel: str,
-              series: dict[str, tuple[Sequence[float], Sequence[float], str]],
+              series: dict[str, tuple[Sequence[float], Sequence[float], str | dict]],
               logy: bool = False) -> None:
-    """One PNG with a line per series ``label -> (xs, ys, linestyle)`` (x on a log-2 axis)."""
+    """One PNG with a line per series ``label -> (xs, ys, linestyle or plot keywords)`` (x on
+    a log-2 axis)."""
     try:
         import matplotlib
     except ImportError:
@@ -196,7 +197,8 @@ def line_plot(path: Path, title: str, xlabel: str, ylabel: str,
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, (xs, ys, style) in series.items():
-        ax.plot(xs, ys, marker="o" if style != ":" else None, label=label, linestyle=style)
+        kw = style if isinstance(style, dict) else {"linestyle": style}
+        ax.plot(xs, ys, marker="o" if kw.get("linestyle") != ":" else None, label=label, **kw)
     ax.set_xscale("log", base=2)
     ticks = sorted({x for xs, _, _ in series.values() for x in xs})
     ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
@@ -207,7 +209,7 @@ def line_plot(path: Path, title: str, xlabel: str, ylabel: str,
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small", ncol=2 if len(series) > 8 else 1)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -424,14 +424,14 @@ def plots(res: dict, out: Path) -> list[str]:
     """PNG plots into ``out``; returns their file names."""
     series = {}
     budgets = res["config"]["budgets"]
-    for p in res["config"]["policies"]:
+    for i, p in enumerate(res["config"]["policies"]):  # colour: policy; line: repair
         for rep in res["config"]["repairs"]:
             rs = [r for r in res["runs"] if r["policy"] == p and r["repair"] == rep]
             series[f"{p}{'' if rep == 'none' else ' + ' + rep}"] = (
                 [r["budget"] for r in rs], [r["ppl"] for r in rs],
-                {"none": "-", "merge": "--"}.get(rep, "-."))
+                {"color": f"C{i}", "linestyle": {"none": "-", "merge": "--"}.get(rep, "-.")})
     ref = res["reference"]["ppl"]
-    series["full cache"] = (budgets, [ref] * len(budgets), ":")
+    series["full cache"] = (budgets, [ref] * len(budgets), {"linestyle": ":", "color": "gray"})
     common.line_plot(out / "ppl_vs_budget.png",
                      f"Streaming perplexity vs budget, {res['model']} {res['dtype']}",
                      "budget (live cache slots)", "perplexity", series)

@@ -55,6 +55,7 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
         a.k[:, :, n:n + t] = out.k  # (L, KVH, t, D)
         a.v[:, :, n:n + t] = out.v
         a.log_mass[:, :, n:n + t] = 0.0
+        a.renorm(n, n + t)
         uids += _write_rows(m, slice(n, n + t), ids[sl], positions[sl], sources[sl],
                             state.step, flags[sl])
         slots += range(n, n + t)
@@ -169,7 +170,7 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
     for f in actions.folds:
         assert f.slot in culled and int(m.uid[f.slot]) == f.uid, "a fold of a slot not culled"
         assert f.into.shape == a.log_mass.shape[:2], f"fold targets have shape {tuple(f.into.shape)}"
-        into = set(f.into.unique().tolist())
+        into = set(f.into.unique().tolist()) - {-1}
         assert all(0 <= s < n for s in into) and not into & changed, \
             "a fold into a slot that goes or is repaired"
     removed = len(actions.cull_slots) + len(actions.repairs)
@@ -192,22 +193,27 @@ def _repair(state: State, r: Repair, step: int) -> int:
     a.k[:, :, s:s + 1] = r.k
     a.v[:, :, s:s + 1] = r.v
     a.log_mass[:, :, s] = 0.0
+    a.renorm(s, s + 1)
     return uid
 
 
 def _fold(state: State, f: Fold) -> None:
-    """Fold slot ``f.slot``'s K/V into ``f.into`` (one slot per layer and KV head): there K
-    and V become the mass-weighted mean of both, and the log-mass their log-sum-exp, so a
-    query that scores both keys alike gives the pair the attention it gave them apart."""
+    """Fold slot ``f.slot``'s K/V into ``f.into`` (one slot per layer and KV head, -1 =
+    none there): there K and V become the mass-weighted mean of both, and the log-mass
+    their log-sum-exp, so a query that scores both keys alike gives the pair the attention
+    it gave them apart."""
     a = state.arena
-    L, KVH = f.into.shape
-    li, hi = torch.arange(L)[:, None].expand(L, KVH), torch.arange(KVH)[None].expand(L, KVH)
-    lm_i, lm_j = a.log_mass[li, hi, f.into], a.log_mass[:, :, f.slot]  # (L, KVH)
-    w = torch.sigmoid(lm_j - lm_i).unsqueeze(-1)  # m_j / (m_i + m_j), (L, KVH, 1)
+    li, hi = (f.into >= 0).nonzero(as_tuple=True)  # the (layer, KV head) pairs that fold
+    if len(li) == 0:
+        return
+    into = f.into[li, hi]
+    lm_i, lm_j = a.log_mass[li, hi, into], a.log_mass[li, hi, f.slot]  # (p,)
+    w = torch.sigmoid(lm_j - lm_i).unsqueeze(-1)  # m_j / (m_i + m_j), (p, 1)
     for t in (a.k, a.v):
-        x = t[li, hi, f.into].float()  # (L, KVH, D)
-        t[li, hi, f.into] = (x + w * (t[:, :, f.slot].float() - x)).to(t.dtype)
-    a.log_mass[li, hi, f.into] = torch.logaddexp(lm_i, lm_j)
+        x = t[li, hi, into].float()  # (p, D)
+        t[li, hi, into] = (x + w * (t[li, hi, f.slot].float() - x)).to(t.dtype)
+    a.log_mass[li, hi, into] = torch.logaddexp(lm_i, lm_j)
+    a.knorm[li, hi, into] = a.k[li, hi, into].float().square().sum(-1).sqrt()
     a.folded = True
 
 
@@ -231,6 +237,7 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
         a.kt.index_copy_(3, dst, a.kt.index_select(3, src))
         a.v.index_copy_(2, dst, a.v.index_select(2, src))
         a.log_mass.index_copy_(2, dst, a.log_mass.index_select(2, src))
+        a.knorm.index_copy_(2, dst, a.knorm.index_select(2, src))
     a.n = n
     return moves
 
@@ -259,6 +266,7 @@ def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
             x = a.kt[i, :, :, :n].float()  # (KVH, D, n)
             rot = torch.cat((-x[:, d // 2:], x[:, : d // 2]), dim=1)  # rotate_half over D
             a.kt[i, :, :, :n] = torch.where(is_moved, x * c + rot * s, x)
+        a.renorm(0, n)
     return old, new
 
 
@@ -280,6 +288,7 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
     a.k[:, :, n:n + 1] = k
     a.v[:, :, n:n + 1] = gen.v
     a.log_mass[:, :, n] = 0.0
+    a.renorm(n, n + 1)
     a.n = n + 1
     return n, uid, k
 
@@ -356,6 +365,7 @@ def rebuild_from_mirror(model: Model, state: State, chunk: int = PREFILL_CHUNK) 
         t = out.k.shape[2]
         a.k[:, :, start:start + t] = out.k
         a.v[:, :, start:start + t] = out.v
+        a.renorm(start, start + t)
         a.n = start + t
     for c, col in cols.items():
         getattr(m, c)[:n] = col
@@ -398,6 +408,7 @@ def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, t
         setattr(m, name, value)
     a.k[:, :, :n] = k
     a.v[:, :, :n] = v
+    a.renorm(0, n)
     if log_mass is not None:
         require(tuple(log_mass.shape) == shape[:3] and log_mass.dtype == torch.float32
                 and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),

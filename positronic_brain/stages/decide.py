@@ -79,21 +79,21 @@ def repair_pair(model: Model, view: View, left: int, first: int, second: int) ->
                   token_id=token, position=p_first, k=out.k, v=out.v)
 
 
-def fold_targets(view: View, culls: tuple[int, ...]) -> tuple[Fold, ...]:
+def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0) -> tuple[Fold, ...]:
     """For each culled slot, per layer and KV head, the surviving slot whose key has the
-    highest cosine similarity to its key (ties: the lowest slot)."""
+    highest cosine similarity to its key (ties: the lowest slot); -1 where that cosine is
+    below ``min_cos`` (the token is only dropped there); none for a slot dropped everywhere."""
     if not culls or len(culls) >= view.n:
         return ()
     c = torch.tensor(culls)
     dots = torch.matmul(view.k[:, :, c], view.k.transpose(2, 3)).float()  # (L, KVH, c, n)
-    # squared key norms (L, KVH, n), one layer at a time over the stored (KVH, D, n) rows
-    # (a norm over the strided last dim of view.k is ~10x slower)
-    norms = torch.stack([x.float().square().sum(1) for x in view.k.transpose(2, 3)]).sqrt()
-    sim = dots / norms.clamp_min(1e-12).unsqueeze(2)
+    norms = view.knorm.clamp_min(1e-12)  # (L, KVH, n)
+    sim = dots / norms.unsqueeze(2)
     sim[..., c] = float("-inf")  # never into a slot that goes too
-    into = sim.argmax(-1)  # (L, KVH, c)
+    best, into = sim.max(-1)  # (L, KVH, c)
+    into[best / norms[:, :, c] < min_cos] = -1
     return tuple(Fold(slot=s, uid=int(view.uid[s]), into=into[:, :, j])
-                 for j, s in enumerate(culls))
+                 for j, s in enumerate(culls) if bool((into[:, :, j] >= 0).any()))
 
 
 def oldest_turns(view: View, need: int) -> tuple[int, ...]:
@@ -138,6 +138,6 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     candidates = ranked(scores.scores, view.position)
     candidates = candidates[~taken[candidates]]
     culls = tuple(sorted(candidates[: need - len(pairs)].tolist()))
-    folds = fold_targets(view, culls) if params.repair == "fold" else ()
+    folds = fold_targets(view, culls, params.fold_min_cos) if params.repair == "fold" else ()
     return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum, cull_slots=culls,
                    repairs=repairs, folds=folds, reindex=reindex)
