@@ -76,8 +76,8 @@ class Chat:
             2 * budget if budget else model.spec.max_positions
         self.transcript: list[tuple[str, str | tuple[int, ...]]] = []  # this process's turns
         self.last: Reply | None = None
-        self.totals = {"turns": 0, "steps": 0, "ms": 0.0, "culled": 0, "folded": 0, "repaired": 0,
-                       "reindexed": 0}
+        self.totals = {"turns": 0, "steps": 0, "ms": 0.0, "culled": 0, "folded": 0,
+                       "repaired": 0, "reindexed": 0}
         self.cache_lens: deque[int] = deque(maxlen=240)  # the last steps' cache lengths
         self._turn_rows: list[dict] = []  # the ledger when the current turn opened
         if system is not None:
@@ -222,7 +222,8 @@ class Chat:
                 "max_position": self.max_position, "steps": t["steps"],
                 "ms_per_token": round(t["ms"] / t["steps"], 3) if t["steps"] else 0.0,
                 "last_ms_per_token": round(self.last.ms_per_token, 3) if self.last else 0.0,
-                "culled": t["culled"], "folded": t["folded"], "repaired": t["repaired"], "reindexed": t["reindexed"]}
+                "culled": t["culled"], "folded": t["folded"], "repaired": t["repaired"],
+                "reindexed": t["reindexed"]}
 
     def context(self) -> tuple[list[dict], set[int], set[int]]:
         """Ledger rows to show (the live ones, and those culled since the current turn

@@ -50,11 +50,16 @@ class Arena:
         return cls(kt, v, torch.zeros(spec.n_layers, spec.n_kv_heads, capacity),
                    torch.zeros(spec.n_layers, spec.n_kv_heads, capacity))
 
-    def renorm(self, lo: int, hi: int) -> None:
-        """Recompute ``knorm`` for slots [lo, hi), one layer at a time over the stored
-        (KVH, D, slots) rows (a norm over ``k``'s strided last dim is ~10x slower)."""
+    def renorm(self, lo: int, hi: int, k: torch.Tensor | None = None) -> None:
+        """Recompute ``knorm`` for slots [lo, hi) over contiguous (..., head_dim) rows: from
+        ``k`` (L, kv_heads, hi - lo, D), the keys just written there, at once if given;
+        else from the stored keys one layer at a time. Both ways give the same bits."""
+        if k is not None:
+            self.knorm[:, :, lo:hi] = k.contiguous().float().square().sum(-1).sqrt()
+            return
         for i in range(self.kt.shape[0]):
-            self.knorm[i, :, lo:hi] = self.kt[i, :, :, lo:hi].float().square().sum(1).sqrt()
+            x = self.k[i, :, lo:hi].contiguous()  # (KVH, t, D)
+            self.knorm[i, :, lo:hi] = x.float().square().sum(-1).sqrt()
 
     def bias(self, n: int) -> torch.Tensor | None:
         """The live slots' attention-score bias (L, kv_heads, n), None while nothing folded."""

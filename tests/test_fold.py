@@ -178,3 +178,32 @@ def test_run_reports_folds_per_step(capsys):
     steps = json.loads(out)["steps"]
     assert all(s["folded"] == len(s["culled"]) for s in steps)
     assert sum(s["folded"] for s in steps) > 0 and all(s["cache_len"] <= 12 for s in steps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_slots_key_norm_is_the_same_bits_either_way(tiny_model, dtype):
+    """Stage 4 computes one new slot's key norm from the key it writes, a block's from the
+    stored rows; the two ways agree bit for bit, so the column never depends on the path."""
+    from positronic_brain.state import Arena
+
+    a = Arena.allocate(tiny_model.spec, 64, dtype)
+    g = torch.Generator().manual_seed(1)
+    scale = torch.rand(a.kt.shape[:3] + (1,), generator=g) * 9
+    a.kt.copy_(torch.randn(a.kt.shape, generator=g) * scale)
+    a.renorm(0, 64)
+    block = a.knorm.clone()
+    for s in range(64):
+        a.renorm(s, s + 1, a.k[:, :, s:s + 1].clone())
+    assert torch.equal(a.knorm, block)
+
+
+def test_chat_stats_count_the_folds(tiny_model, tiny_policy):
+    from positronic_brain.chat import Chat
+
+    cache = CacheParams(budget=96, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0)
+    chat = Chat(tiny_model, tiny_policy, system="be brief", sampler=GREEDY, cache=cache,
+                max_new_tokens=16)
+    for t in range(6):
+        chat.say(f"turn {t}")
+    stats = chat.stats()
+    assert stats["folded"] == stats["culled"] > 0 and stats["repaired"] == 0

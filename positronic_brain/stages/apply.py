@@ -193,7 +193,7 @@ def _repair(state: State, r: Repair, step: int) -> int:
     a.k[:, :, s:s + 1] = r.k
     a.v[:, :, s:s + 1] = r.v
     a.log_mass[:, :, s] = 0.0
-    a.renorm(s, s + 1)
+    a.renorm(s, s + 1, r.k)
     return uid
 
 
@@ -288,7 +288,7 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
     a.k[:, :, n:n + 1] = k
     a.v[:, :, n:n + 1] = gen.v
     a.log_mass[:, :, n] = 0.0
-    a.renorm(n, n + 1)
+    a.renorm(n, n + 1, k)
     a.n = n + 1
     return n, uid, k
 
