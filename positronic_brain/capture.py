@@ -249,7 +249,7 @@ def arena_version(state) -> int:
     """A number that changes whenever the arena's or the mirror's contents change: the
     tensors' in-place version counters plus the live counts (reads never bump them)."""
     a, m = state.arena, state.mirror
-    tensors = (a.kt, a.v, a.log_mass, a.knorm) + tuple(getattr(m, c) for c in m.COLUMNS)
+    tensors = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm) + tuple(getattr(m, c) for c in m.COLUMNS)
     return hash((tuple(t._version for t in tensors), a.n, m.n, m.next_uid)) & (2 ** 62 - 1)
 
 

@@ -20,7 +20,7 @@ from .capture import (CaptureWriter, arena_version, generate_outputs, state_snap
                       view_columns)
 from .model import Model
 from .sampler import make_generator
-from .scorers import make_scorer, value_norms
+from .scorers import make_scorer
 from .special_tokens import TextStream, TokenPolicy
 from .stages.apply import apply, extend, prime
 from .stages.decide import decide
@@ -111,7 +111,7 @@ class Session:
         if cap:
             self._save(step, "s2_score", {"view": view_columns(view), "cache": self.cache,
                                           "attention": "s1_generate.outputs.attention",
-                                          "value_norms": value_norms(view.v)},
+                                          "value_norms": view.vnorm},
                        {"out": scores})
         actions = decide(self.model, view, scores, self.cache)  # 3)
         if cap:

@@ -16,6 +16,17 @@ FLAG_PROTECTED = 1  # never culled (e.g. a pinned system prompt)
 MAX_BRIGHTNESS = 255.0
 
 
+def key_norms(k: torch.Tensor) -> torch.Tensor:
+    """Keys (..., head_dim) -> float32 norms (...), over contiguous rows."""
+    return k.contiguous().float().square().sum(-1).sqrt()
+
+
+def value_norms(v: torch.Tensor) -> torch.Tensor:
+    """Values (..., head_dim) -> float32 norms (...); one row's bits do not depend on the
+    others, so norms computed one slot at a time equal norms over the whole block."""
+    return v.float().norm(dim=-1)
+
+
 @dataclass(eq=False)
 class Arena:
     """Preallocated K/V for every layer; live slots are the dense prefix ``[0, n)``.
@@ -32,14 +43,16 @@ class Arena:
     ``log_mass`` is the log of how many tokens' K/V a slot holds, per layer and KV head
     (0 = one token; a ``fold`` repair raises it), added to the slot's attention scores.
 
-    ``knorm`` is each slot's key norm (float32, per layer and KV head), rewritten wherever
-    stage 4 writes keys, so fold targets read n norms instead of n keys.
+    ``knorm`` and ``vnorm`` are each slot's key and value norms (float32, per layer and KV
+    head), rewritten wherever stage 4 writes keys or values, so fold targets read n key
+    norms instead of n keys and the ``value`` signal reads n value norms instead of n values.
     """
 
     kt: torch.Tensor  # (L, kv_heads, head_dim, capacity)
     v: torch.Tensor  # (L, kv_heads, capacity, head_dim)
     log_mass: torch.Tensor  # (L, kv_heads, capacity) float32
     knorm: torch.Tensor  # (L, kv_heads, capacity) float32
+    vnorm: torch.Tensor  # (L, kv_heads, capacity) float32
     n: int = 0
     folded: bool = False  # has any slot ever held more than one token (else no score bias)
 
@@ -47,19 +60,27 @@ class Arena:
     def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype) -> "Arena":
         kt = torch.zeros(spec.n_layers, spec.n_kv_heads, spec.head_dim, capacity, dtype=dtype)
         v = torch.zeros(spec.n_layers, spec.n_kv_heads, capacity, spec.head_dim, dtype=dtype)
-        return cls(kt, v, torch.zeros(spec.n_layers, spec.n_kv_heads, capacity),
-                   torch.zeros(spec.n_layers, spec.n_kv_heads, capacity))
+        zeros = lambda: torch.zeros(spec.n_layers, spec.n_kv_heads, capacity)  # noqa: E731
+        return cls(kt, v, zeros(), zeros(), zeros())
 
-    def renorm(self, lo: int, hi: int, k: torch.Tensor | None = None) -> None:
-        """Recompute ``knorm`` for slots [lo, hi) over contiguous (..., head_dim) rows: from
-        ``k`` (L, kv_heads, hi - lo, D), the keys just written there, at once if given;
-        else from the stored keys one layer at a time. Both ways give the same bits."""
+    def renorm(self, lo: int, hi: int, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None, values: bool = True) -> None:
+        """Recompute ``knorm`` and (if ``values``) ``vnorm`` for slots [lo, hi), row by
+        (..., head_dim) row: from ``k`` / ``v`` (L, kv_heads, hi - lo, D), what was just
+        written there, at once if given; else from the arena one layer at a time. Both ways
+        give the same bits."""
         if k is not None:
-            self.knorm[:, :, lo:hi] = k.contiguous().float().square().sum(-1).sqrt()
+            self.knorm[:, :, lo:hi] = key_norms(k)
+        else:
+            for i in range(self.kt.shape[0]):
+                self.knorm[i, :, lo:hi] = key_norms(self.k[i, :, lo:hi])
+        if not values:
             return
-        for i in range(self.kt.shape[0]):
-            x = self.k[i, :, lo:hi].contiguous()  # (KVH, t, D)
-            self.knorm[i, :, lo:hi] = x.float().square().sum(-1).sqrt()
+        if v is not None:
+            self.vnorm[:, :, lo:hi] = value_norms(v)
+        else:
+            for i in range(self.v.shape[0]):
+                self.vnorm[i, :, lo:hi] = value_norms(self.v[i, :, lo:hi])
 
     def bias(self, n: int) -> torch.Tensor | None:
         """The live slots' attention-score bias (L, kv_heads, n), None while nothing folded."""
@@ -157,6 +178,7 @@ class View:
     v: torch.Tensor  # (L, kv_heads, n, head_dim)
     bias: torch.Tensor | None  # (L, kv_heads, n) log-mass added to scores; None: nothing folded
     knorm: torch.Tensor  # (L, kv_heads, n) float32 key norms
+    vnorm: torch.Tensor  # (L, kv_heads, n) float32 value norms
     uid: torch.Tensor  # (n,)
     token_id: torch.Tensor  # (n,)
     position: torch.Tensor  # (n,)
@@ -190,7 +212,7 @@ class State:
     def view(self) -> View:
         n, m = self.arena.n, self.mirror
         return View(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n], bias=self.arena.bias(n),
-                    knorm=self.arena.knorm[:, :, :n],
+                    knorm=self.arena.knorm[:, :, :n], vnorm=self.arena.vnorm[:, :, :n],
                     uid=m.live("uid"),
                     token_id=m.live("token_id"), position=m.live("position"),
                     source=m.live("source"), brightness=m.live("brightness"),
@@ -207,4 +229,6 @@ class State:
         norms = a.k[:, :, :a.n].float().norm(dim=-1)
         assert torch.allclose(a.knorm[:, :, :a.n], norms, rtol=1e-5, atol=1e-6), \
             "the key-norm column does not match the keys"
+        assert torch.equal(a.vnorm[:, :, :a.n], value_norms(a.v[:, :, :a.n])), \
+            "the value-norm column does not match the values"
         self.mirror.check_valid(step=self.step, next_position=self.next_position)

@@ -181,20 +181,23 @@ def test_run_reports_folds_per_step(capsys):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_slots_key_norm_is_the_same_bits_either_way(tiny_model, dtype):
-    """Stage 4 computes one new slot's key norm from the key it writes, a block's from the
-    stored rows; the two ways agree bit for bit, so the column never depends on the path."""
+def test_a_slots_key_and_value_norms_are_the_same_bits_either_way(tiny_model, dtype):
+    """Stage 4 computes one new slot's key and value norms from the K/V it writes, a
+    block's from the stored rows; the two ways agree bit for bit, so the columns never
+    depend on the path, and the value norms are the bits the scorer computed from V."""
     from positronic_brain.state import Arena
 
     a = Arena.allocate(tiny_model.spec, 64, dtype)
     g = torch.Generator().manual_seed(1)
     scale = torch.rand(a.kt.shape[:3] + (1,), generator=g) * 9
     a.kt.copy_(torch.randn(a.kt.shape, generator=g) * scale)
+    a.v.copy_(torch.randn(a.v.shape, generator=g) * scale.transpose(2, 3))
     a.renorm(0, 64)
-    block = a.knorm.clone()
+    block = (a.knorm.clone(), a.vnorm.clone())
     for s in range(64):
-        a.renorm(s, s + 1, a.k[:, :, s:s + 1].clone())
-    assert torch.equal(a.knorm, block)
+        a.renorm(s, s + 1, a.k[:, :, s:s + 1].clone(), a.v[:, :, s:s + 1].clone())
+    assert torch.equal(a.knorm, block[0]) and torch.equal(a.vnorm, block[1])
+    assert torch.equal(a.vnorm, a.v.float().norm(dim=-1))
 
 
 def test_chat_stats_count_the_folds(tiny_model, tiny_policy):

@@ -94,14 +94,14 @@ def test_value_weights_favour_large_values(tiny_model, tiny_policy):
     less (the weights keep their mean at 1)."""
     state, _ = prime(tiny_model, tiny_policy.raw_prompt("abcdef"), capacity=16)
     view = replace(state.view(), brightness=torch.zeros(state.arena.n))
-    view = replace(view, v=torch.ones_like(view.v))  # equal value norms
-    v = view.v.clone()
-    v[:, :, 2] *= 5
+    view = replace(view, vnorm=torch.ones_like(view.vnorm))  # equal value norms
+    norms = view.vnorm.clone()
+    norms[:, :, 2] *= 5
     attention = torch.full((tiny_model.spec.n_layers, tiny_model.spec.n_heads, view.n), 1 / view.n)
     scorer = make_scorer(CacheParams(decay=0.0, gain=1.0))
     plain = scorer.score(view, attention).brightness
     assert torch.allclose(plain, torch.ones(view.n))  # n x 1/n, the same for every slot
-    b = scorer.score(replace(view, v=v), attention).brightness
+    b = scorer.score(replace(view, vnorm=norms), attention).brightness
     assert float(b[2]) > 1 and bool((b[torch.arange(view.n) != 2] < 1).all())
     assert abs(float(b.mean()) - 1) < 1e-5
 

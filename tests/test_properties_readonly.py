@@ -104,11 +104,11 @@ def snapshot(state) -> tuple[dict, dict]:
     and every other field of the state, arena and mirror (whatever their dataclasses list)."""
     a, m = state.arena, state.mirror
     tensors = {"arena.kt": a.kt, "arena.v": a.v, "arena.log_mass": a.log_mass,
-               "arena.knorm": a.knorm, **{f"mirror.{c}": getattr(m, c) for c in KVMirror.COLUMNS}}
+               "arena.knorm": a.knorm, "arena.vnorm": a.vnorm, **{f"mirror.{c}": getattr(m, c) for c in KVMirror.COLUMNS}}
     scalars = {f"{prefix}{f.name}": copy.deepcopy(getattr(obj, f.name))
                for prefix, obj in (("arena.", a), ("mirror.", m), ("", state))
                for f in fields(obj)
-               if f.name not in ("kt", "v", "log_mass", "knorm", "arena", "mirror") + KVMirror.COLUMNS}
+               if f.name not in ("kt", "v", "log_mass", "knorm", "vnorm", "arena", "mirror") + KVMirror.COLUMNS}
     return {name: (t._version, t.data_ptr(), _sha(t)) for name, t in tensors.items()}, scalars
 
 

@@ -29,13 +29,8 @@ def aggregate(attention: torch.Tensor, how: str) -> torch.Tensor:
     return a.mean(0)
 
 
-def value_norms(v: torch.Tensor) -> torch.Tensor:
-    """Live values (L, kv_heads, n, head_dim) -> (L, kv_heads, n) float32 norms."""
-    return v.float().norm(dim=-1)
-
-
 def value_weighted(attention: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """Attention (L, H, n) times each slot's value norm (``value_norms``) relative to the mean
+    """Attention (L, H, n) times each slot's value norm (``View.vnorm``) relative to the mean
     live norm of its layer and KV head, as in value-aware token pruning (Guo et al., 2024): a
     slot whose value is small moves the attention output little, however much attention it
     gets (the attention sinks are the usual case)."""

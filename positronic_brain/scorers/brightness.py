@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import aggregate, value_norms, value_weighted
+from . import aggregate, value_weighted
 from ..state import View
 from ..types import CacheParams, ScoreOut
 
@@ -31,7 +31,7 @@ class Brightness:
         first = min(round(self.skip_layers * attention.shape[0]), attention.shape[0] - 1)
         attention = attention[first:]  # (L - first, H, n)
         if self.signal == "value":
-            attention = value_weighted(attention, value_norms(view.v[first:]))
+            attention = value_weighted(attention, view.vnorm[first:])
         share = view.n * aggregate(attention, self.aggregate)  # (n,) 1 = a uniform share
         b = (view.brightness - self.decay + self.gain * share).clamp(0.0, self.max_brightness)
         return ScoreOut(scores=b, brightness=b)

@@ -15,7 +15,8 @@ import torch
 
 from ..forward import apply_rope, forward, rerotation
 from ..model import Model
-from ..state import FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, KVMirror, State
+from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, KVMirror, State, key_norms,
+                     value_norms)
 from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Patch, PrimeOut, Repair,
                      Segment, require)
 
@@ -193,7 +194,7 @@ def _repair(state: State, r: Repair, step: int) -> int:
     a.k[:, :, s:s + 1] = r.k
     a.v[:, :, s:s + 1] = r.v
     a.log_mass[:, :, s] = 0.0
-    a.renorm(s, s + 1, r.k)
+    a.renorm(s, s + 1, r.k, r.v)
     return uid
 
 
@@ -213,7 +214,8 @@ def _fold(state: State, f: Fold) -> None:
         x = t[li, hi, into].float()  # (p, D)
         t[li, hi, into] = (x + w * (t[li, hi, f.slot].float() - x)).to(t.dtype)
     a.log_mass[li, hi, into] = torch.logaddexp(lm_i, lm_j)
-    a.knorm[li, hi, into] = a.k[li, hi, into].float().square().sum(-1).sqrt()
+    a.knorm[li, hi, into] = key_norms(a.k[li, hi, into])
+    a.vnorm[li, hi, into] = value_norms(a.v[li, hi, into])
     a.folded = True
 
 
@@ -238,6 +240,7 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
         a.v.index_copy_(2, dst, a.v.index_select(2, src))
         a.log_mass.index_copy_(2, dst, a.log_mass.index_select(2, src))
         a.knorm.index_copy_(2, dst, a.knorm.index_select(2, src))
+        a.vnorm.index_copy_(2, dst, a.vnorm.index_select(2, src))
     a.n = n
     return moves
 
@@ -266,7 +269,7 @@ def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
             x = a.kt[i, :, :, :n].float()  # (KVH, D, n)
             rot = torch.cat((-x[:, d // 2:], x[:, : d // 2]), dim=1)  # rotate_half over D
             a.kt[i, :, :, :n] = torch.where(is_moved, x * c + rot * s, x)
-        a.renorm(0, n)
+        a.renorm(0, n, values=False)
     return old, new
 
 
@@ -288,7 +291,7 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
     a.k[:, :, n:n + 1] = k
     a.v[:, :, n:n + 1] = gen.v
     a.log_mass[:, :, n] = 0.0
-    a.renorm(n, n + 1, k)
+    a.renorm(n, n + 1, k, gen.v)
     a.n = n + 1
     return n, uid, k
 
