@@ -58,7 +58,11 @@ class Arena:
 
     @classmethod
     def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype) -> "Arena":
-        kt = torch.zeros(spec.n_layers, spec.n_kv_heads, spec.head_dim, capacity, dtype=dtype)
+        # Each key row is padded by one cache line: a slot's key is one element per row, and
+        # rows a power of two apart would all fall into the same few cache sets.
+        pad = 64 // dtype.itemsize
+        kt = torch.zeros(spec.n_layers, spec.n_kv_heads, spec.head_dim, capacity + pad,
+                         dtype=dtype)[..., :capacity]
         v = torch.zeros(spec.n_layers, spec.n_kv_heads, capacity, spec.head_dim, dtype=dtype)
         zeros = lambda: torch.zeros(spec.n_layers, spec.n_kv_heads, capacity)  # noqa: E731
         return cls(kt, v, zeros(), zeros(), zeros())

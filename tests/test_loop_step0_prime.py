@@ -23,7 +23,10 @@ def test_prime_state_shapes_and_ledger(tiny_model, tiny_policy):
     s = tiny_model.spec
     assert state.arena.k.shape == (s.n_layers, s.n_kv_heads, 64, s.head_dim)
     # keys stored transposed: q K^T reads each key dimension as a contiguous run of slots
-    assert state.arena.kt.is_contiguous() and state.arena.k.data_ptr() == state.arena.kt.data_ptr()
+    # (each row padded by one cache line, so a slot's elements do not share cache sets)
+    kt = state.arena.kt
+    assert kt.stride(-1) == 1 and kt.stride(-2) == 64 + 16
+    assert state.arena.k.data_ptr() == kt.data_ptr()
     assert state.view().k[0].transpose(1, 2).stride(-1) == 1
     assert state.arena.n == state.mirror.n == len(ids) - 1
     assert state.pending_token == ids[-1] and state.next_position == len(ids) - 1

@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..forward import apply_rope, forward, rerotation
@@ -151,12 +153,13 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
         "the generate output is not for this state's pending token"
     assert gen.k.shape == (a.k.shape[0], a.k.shape[1], 1, a.k.shape[3]), \
         f"new K has shape {tuple(gen.k.shape)}"
-    for name in ("brightness", "attn_sum"):
+    for name, top in (("brightness", MAX_BRIGHTNESS), ("attn_sum", float("inf"))):
         t = getattr(actions, name)
-        assert t is None or (t.shape == (n,) and bool(torch.isfinite(t).all())
-                             and bool((t >= 0).all())), f"bad {name} for {n} slots"
-    assert actions.brightness is None or bool((actions.brightness <= MAX_BRIGHTNESS).all()), \
-        "brightness above the max"
+        assert t is None or t.shape == (n,), f"bad {name} for {n} slots"
+        if t is not None and n:
+            lo, hi = (float(x) for x in t.aminmax())  # a NaN fails the comparisons
+            assert 0 <= lo and hi <= top and math.isfinite(hi), \
+                f"{name} outside [0, {top}]: [{lo}, {hi}]"
     slots = list(actions.cull_slots) + [s for r in actions.repairs for s in r.slots]
     require(len(set(slots)) == len(slots), f"a slot is culled or repaired twice: {slots}")
     require(all(0 <= s < n for s in slots), f"a cull or repair slot is outside [0, {n})")
@@ -171,7 +174,7 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
     for f in actions.folds:
         assert f.slot in culled and int(m.uid[f.slot]) == f.uid, "a fold of a slot not culled"
         assert f.into.shape == a.log_mass.shape[:2], f"fold targets have shape {tuple(f.into.shape)}"
-        into = set(f.into.unique().tolist()) - {-1}
+        into = set(f.into.flatten().tolist()) - {-1}
         assert all(0 <= s < n for s in into) and not into & changed, \
             "a fold into a slot that goes or is repaired"
     removed = len(actions.cull_slots) + len(actions.repairs)
@@ -210,12 +213,12 @@ def _fold(state: State, f: Fold) -> None:
     into = f.into[li, hi]
     lm_i, lm_j = a.log_mass[li, hi, into], a.log_mass[li, hi, f.slot]  # (p,)
     w = torch.sigmoid(lm_j - lm_i).unsqueeze(-1)  # m_j / (m_i + m_j), (p, 1)
-    for t in (a.k, a.v):
+    for t, norm, rows in ((a.k, a.knorm, key_norms), (a.v, a.vnorm, value_norms)):
         x = t[li, hi, into].float()  # (p, D)
-        t[li, hi, into] = (x + w * (t[li, hi, f.slot].float() - x)).to(t.dtype)
+        folded = (x + w * (t[li, hi, f.slot].float() - x)).to(t.dtype)
+        t[li, hi, into] = folded
+        norm[li, hi, into] = rows(folded)
     a.log_mass[li, hi, into] = torch.logaddexp(lm_i, lm_j)
-    a.knorm[li, hi, into] = key_norms(a.k[li, hi, into])
-    a.vnorm[li, hi, into] = value_norms(a.v[li, hi, into])
     a.folded = True
 
 
@@ -236,11 +239,10 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
             col[dst] = col[src]
     m.n = n
     if moves:
-        a.kt.index_copy_(3, dst, a.kt.index_select(3, src))
-        a.v.index_copy_(2, dst, a.v.index_select(2, src))
-        a.log_mass.index_copy_(2, dst, a.log_mass.index_select(2, src))
-        a.knorm.index_copy_(2, dst, a.knorm.index_select(2, src))
-        a.vnorm.index_copy_(2, dst, a.vnorm.index_select(2, src))
+        for f, t in moves:  # slot by slot: slice copies beat index copies for a few slots
+            a.kt[..., t] = a.kt[..., f]
+            for x in (a.v, a.log_mass, a.knorm, a.vnorm):
+                x[:, :, t] = x[:, :, f]
     a.n = n
     return moves
 

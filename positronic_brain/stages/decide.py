@@ -22,9 +22,10 @@ from ..state import FLAG_PROTECTED, View
 from ..types import SOURCES, Actions, CacheParams, Fold, Repair, ScoreOut, require
 
 
-def protected(view: View, params: CacheParams) -> torch.Tensor:
-    """(n,) bool: slots that may be neither culled nor repaired."""
-    order = torch.argsort(view.position)  # slots in text order
+def protected(view: View, params: CacheParams, order: torch.Tensor | None = None) -> torch.Tensor:
+    """(n,) bool: slots that may be neither culled nor repaired (``order``: the slots in
+    text order, if already known)."""
+    order = torch.argsort(view.position) if order is None else order
     keep = (view.flags & FLAG_PROTECTED) != 0
     keep[order[: params.sinks]] = True
     keep[order[max(0, view.n - params.recent):]] = True
@@ -36,9 +37,9 @@ def removals_needed(n: int, budget: int | None) -> int:
     return 0 if budget is None else max(0, n + 1 - budget)
 
 
-def ranked(scores: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """Slots by ascending score, ties by ascending position: (n,) int64."""
-    by_pos = torch.argsort(position)
+def ranked(scores: torch.Tensor, by_pos: torch.Tensor) -> torch.Tensor:
+    """Slots by ascending score, ties by ascending position (``by_pos``: the slots in text
+    order): (n,) int64."""
     return by_pos[torch.argsort(scores[by_pos], stable=True)]
 
 
@@ -123,7 +124,8 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     if params.prune == "turns":
         return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum,
                        cull_slots=oldest_turns(view, need), reindex=reindex)
-    keep = protected(view, params)
+    order = torch.argsort(view.position)  # slots in text order
+    keep = protected(view, params, order)
     free = n - int(keep.sum())
     require(need <= free, f"budget {params.budget} too small: {n - free} of {n} live tokens are "
             f"protected and {need} must go")
@@ -135,7 +137,7 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     taken = keep.clone()
     for _, first, second in pairs:
         taken[first] = taken[second] = True
-    candidates = ranked(scores.scores, view.position)
+    candidates = ranked(scores.scores, order)
     candidates = candidates[~taken[candidates]]
     culls = tuple(sorted(candidates[: need - len(pairs)].tolist()))
     folds = fold_targets(view, culls, params.fold_min_cos) if params.repair == "fold" else ()
