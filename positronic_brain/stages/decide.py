@@ -87,7 +87,10 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0) -> t
     if not culls or len(culls) >= view.n:
         return ()
     c = torch.tensor(culls)
-    dots = torch.matmul(view.k[:, :, c], view.k.transpose(2, 3)).float()  # (L, KVH, c, n)
+    L, KVH, n, D = view.k.shape
+    keys = view.k.transpose(2, 3).reshape(L * KVH, D, n)  # the stored layout: a view, no copy
+    dots = torch.bmm(view.k[:, :, c].reshape(L * KVH, len(culls), D), keys)
+    dots = dots.view(L, KVH, len(culls), n).float()  # (L, KVH, c, n)
     norms = view.knorm.clamp_min(1e-12)  # (L, KVH, n)
     sim = dots / norms.unsqueeze(2)
     sim[..., c] = float("-inf")  # never into a slot that goes too
