@@ -21,12 +21,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except for one float32 row (a decode step) with an input-major weight
+    """``F.linear``, except for a packed bfloat16 weight (``model.pack``: oneDNN's own
+    product) and for one float32 row (a decode step) with an input-major weight
     (``w.t()`` contiguous, as ``load_model`` stores float32 weights): MKL would compute that
     matrix-vector product on one thread, so the weight's input rows are split into one
     part per thread, the partial products run as one ``bmm`` (each thread reads its part in
     storage order) and are summed. About 2x faster than ``F.linear`` on SmolLM2's shapes on
     2 cores; equal to it up to float rounding (the sum is split in a different order)."""
+    if w.is_mkldnn:  # a packed bfloat16 weight (model.pack)
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     parts = torch.get_num_threads()
     if (x.shape[0] != 1 or w.dtype != torch.float32 or parts < 2 or w.shape[1] % parts
             or w.stride() != (1, w.shape[0])):

@@ -3,8 +3,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from positronic_brain.loop import Session
+from positronic_brain.model import load_model, packable
 from positronic_brain.sampler import make_generator
 from positronic_brain.stages.apply import apply, prime
 from positronic_brain.stages.generate import generate
@@ -84,6 +86,29 @@ def test_stage1_equals_hf_on_tiny_models(name):
         gen = generate(model, view, session.sampler, session.generator)
         assert_close(gen.logits, hf_step_logits(model, view), 1e-4, f"{name} logits")
         apply(model, session.state, gen)
+
+
+@pytest.mark.skipif(not packable(), reason="this torch has no oneDNN bfloat16 support")
+def test_bfloat16_weights_are_packed_and_their_product_has_f_linears_bits():
+    """bfloat16 projections and the lm_head are oneDNN-packed copies for our forward (HF
+    keeps the plain weights); their product equals F.linear on the plain weight bit for
+    bit, for a decode row, a prefill chunk and with a bias."""
+    from positronic_brain.forward import linear
+
+    model = load_model("tiny-random", "bfloat16")
+    w, hf = model.layers[0], model.hf.model.layers[0]
+    plain = {"qkv_w": torch.cat([hf.self_attn.q_proj.weight, hf.self_attn.k_proj.weight,
+                                 hf.self_attn.v_proj.weight]),
+             "o_w": hf.self_attn.o_proj.weight, "down_w": hf.mlp.down_proj.weight}
+    g = torch.Generator().manual_seed(0)
+    for name, weight in [(n, getattr(w, n)) for n in plain] + [("lm_head", model.lm_head)]:
+        assert weight.is_mkldnn and weight.dtype == torch.bfloat16, name
+        ref = plain.get(name, model.hf.lm_head.weight)
+        for rows in (1, 7):
+            x = torch.randn(rows, ref.shape[1], generator=g).bfloat16()
+            b = torch.randn(ref.shape[0], generator=g).bfloat16()
+            assert torch.equal(linear(x, weight), F.linear(x, ref)), (name, rows)
+            assert torch.equal(linear(x, weight, b), F.linear(x, ref, b)), (name, rows, "bias")
 
 
 def test_float32_weights_are_input_major_shared_with_hf_and_linear_equals_f_linear(real_model):

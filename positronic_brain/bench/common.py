@@ -76,7 +76,7 @@ class _CountAllocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         seen = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)}
+                if isinstance(t, torch.Tensor) and not t.is_mkldnn}  # packed weights: inputs
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()

@@ -152,9 +152,12 @@ def weight_bytes(model: Model) -> int:
     negligible unless the table is also the tied lm_head)."""
     tensors = [model.final_norm, model.lm_head]
     for w in model.layers:
-        tensors += [t for t in dataclasses.astuple(w) if isinstance(t, torch.Tensor)]
-    unique = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(unique.values())
+        tensors += [t for f in dataclasses.fields(w)
+                    if isinstance(t := getattr(w, f.name), torch.Tensor)]
+    unique = {(id(t), t.numel() * t.element_size()) if t.is_mkldnn  # packed: no storage
+              else (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+              for t in tensors}
+    return sum(dict(unique).values())
 
 
 def headroom(cfg: SpeedConfig) -> int:
@@ -497,7 +500,7 @@ def tables(res: dict) -> list[Table]:
         "floor: weights + live K/V read once per token at the measured copy bandwidth "
         f"({res['bandwidth_gb_s']:.1f} GB/s). HF runs a copy of the model with its weights "
         "row-major, as its own loader leaves them; stage 1 reads float32 weights stored "
-        "input-major.")
+        "input-major and bfloat16 weights packed by oneDNN.")
     fit = Table(
         "Decode cost model: ms/token = fixed + per 1k context tokens (least squares)",
         ("dtype", "who", "fixed ms", "ms per 1k tokens"),
