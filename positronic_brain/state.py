@@ -22,9 +22,10 @@ def key_norms(k: torch.Tensor) -> torch.Tensor:
 
 
 def value_norms(v: torch.Tensor) -> torch.Tensor:
-    """Values (..., head_dim) -> float32 norms (...); one row's bits do not depend on the
-    others, so norms computed one slot at a time equal norms over the whole block."""
-    return v.float().norm(dim=-1)
+    """Values (..., head_dim) -> float32 norms (...), over contiguous rows; one row's bits
+    do not depend on the others, so norms computed one slot at a time equal norms over
+    the whole block."""
+    return v.contiguous().float().norm(dim=-1)
 
 
 @dataclass(eq=False)

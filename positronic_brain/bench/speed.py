@@ -103,9 +103,9 @@ def prefix_view(view: View, n: int, pending_token: int) -> View:
     cut = {}
     for f in dataclasses.fields(view):
         x = getattr(view, f.name)
-        if f.name in ("k", "v"):
-            cut[f.name] = x[:, :, :n]  # (L, kv_heads, n, head_dim)
-        elif isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == view.n:
+        if isinstance(x, torch.Tensor) and x.dim() >= 3 and x.shape[2] == view.n:
+            cut[f.name] = x[:, :, :n]  # K/V, bias and norms: (L, kv_heads, n, ...)
+        elif isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape[0] == view.n:
             cut[f.name] = x[:n]  # (n,) ledger columns
     return dataclasses.replace(view, **cut, pending_token=pending_token, next_position=n)
 

@@ -153,6 +153,7 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
         "the generate output is not for this state's pending token"
     assert gen.k.shape == (a.k.shape[0], a.k.shape[1], 1, a.k.shape[3]), \
         f"new K has shape {tuple(gen.k.shape)}"
+    assert gen.k.dtype == gen.v.dtype == a.v.dtype, f"new K/V are {gen.k.dtype}, not {a.v.dtype}"
     for name, top in (("brightness", MAX_BRIGHTNESS), ("attn_sum", float("inf"))):
         t = getattr(actions, name)
         assert t is None or t.shape == (n,), f"bad {name} for {n} slots"
@@ -167,6 +168,7 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
     require(not protected, f"slots {protected} are protected and cannot be culled")
     for r in actions.repairs:
         assert r.k.shape == gen.k.shape and r.v.shape == gen.v.shape, "repair K/V shape"
+        assert r.k.dtype == r.v.dtype == a.v.dtype, "repair K/V dtype"
         assert (int(m.uid[r.slots[0]]), int(m.uid[r.slots[1]])) == r.uids, "stale repair"
         assert int(m.position[r.slots[0]]) == r.position, "repair position"
     culled = set(actions.cull_slots)
