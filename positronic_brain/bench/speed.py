@@ -483,8 +483,10 @@ def missed_notes(res: dict) -> list[str]:
         notes.append(
             f"- **{r['dtype']}, loop step with {r['repair']} repair: {r['overhead']:.2f}x "
             f"stage 1, target <= {LOOP_TARGET}.** Stage 1 {r['stage1_ms']:.1f} ms, stage 2 "
-            f"{r['score_ms']:.2f} ms, stage 3 {r['decide_ms']:.1f} ms, the rest of the step "
-            f"(stage 4, bookkeeping) {rest:.1f} ms.{why}")
+            f"{r['score_ms']:.2f} ms, stage 3 {r['decide_ms']:.1f} ms, " + (
+                f"the rest of the step (stage 4, bookkeeping) {rest:.1f} ms." if rest >= 0 else
+                "the rest of the step (stage 4, bookkeeping) lost in the noise (the step's "
+                "median is below the sum of the stages' medians).") + why)
     return notes
 
 
