@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.profiler import ProfilerActivity, profile
 
 from ..types import UserError, require
 
@@ -64,33 +63,17 @@ def interleaved_ms(contenders: dict[str, Callable[[], object]], reps: int, warmu
 
 # --- allocations ----------------------------------------------------------------------------
 
-class _CountAllocations(TorchDispatchMode):
-    """Adds up the storage bytes of every tensor an aten op returns that does not alias one
-    of its inputs: views and in-place writes cost nothing, a ``torch.cat`` of the past
-    costs the whole past. Deterministic and allocator-independent (works on CPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        seen = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and not t.is_mkldnn}  # packed weights: inputs
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    self.bytes += storage.nbytes()
-        return out
-
-
 def bytes_allocated(fn: Callable[[], object]) -> int:
-    """Bytes of new tensor storage that one call of ``fn`` creates."""
-    with _CountAllocations() as counter:
+    """Bytes the CPU allocator hands out during one call of ``fn``, from the profiler's
+    memory events: every allocation, also those an operator's kernel makes for itself
+    (oneDNN's bfloat16 product copies a strided operand first, which a count of the
+    tensors that operators return would miss); views and in-place writes cost nothing.
+    Each operator's allocations net of what it frees itself, summed over the operators
+    that allocate."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    return counter.bytes
+    return sum(e.self_cpu_memory_usage for e in prof.key_averages()
+               if e.self_cpu_memory_usage > 0)
 
 
 # --- the machine ------------------------------------------------------------------------------

@@ -627,11 +627,14 @@ METHOD = """\
   plus an argmax on a `DynamicCache` holding a copy of the same K/V, cropped back by one row
   after every call so the context stays fixed. Two warm-up rounds, then the median of the
   repetitions; stage 1 and HF alternate within each repetition, same threads.
-- **Allocations**: a dispatch-level counter adds up the storage of every tensor an aten op
-  returns that does not alias an input (views and in-place writes count zero); one decode
-  step per context. HF's `DynamicCache` concatenates the past with the new row in every
-  layer, so its allocation grows with the K/V; stage 1 only reads the arena, so its growth
-  is the attention weights (a few floats per head per context token).
+- **Allocations**: the CPU allocator's own events (the torch profiler with memory
+  profiling) during one decode step per context: every allocation, also those an
+  operator's kernel makes for itself; views and in-place writes cost nothing. HF's
+  `DynamicCache` concatenates the past with the new row in every layer, so its allocation
+  grows with the K/V. Stage 1 only reads the arena: in float32 its growth is the attention
+  weights (a few floats per head per context token); in bfloat16, oneDNN's batched
+  product first copies a strided operand (the live K and V of each layer are views into
+  the longer arena), so there its growth is about one copy of the past.
 - **Prefill**: stage 0 `prime` (chunked, writes the arena and ledger) vs one HF forward over
   the same tokens building a `DynamicCache`, last-position logits only for both.
 - **Floor**: the copy bandwidth of a tensor far larger than the caches (bytes read +
