@@ -487,6 +487,15 @@ def missed_notes(res: dict) -> list[str]:
                 f"the rest of the step (stage 4, bookkeeping) {rest:.1f} ms." if rest >= 0 else
                 "the rest of the step (stage 4, bookkeeping) lost in the noise (the step's "
                 "median is below the sum of the stages' medians).") + why)
+    for f in res["alloc_fit"]:
+        if f["who"] == "ours" and f["bytes_per_token"] >= f["kv_bytes_per_token"]:
+            notes.append(
+                f"- **{f['dtype']}, stage 1 allocates {f['bytes_per_token']:,.0f} B per context "
+                f"token per step, target < {f['kv_bytes_per_token']} B.** Our code reads the "
+                f"arena's live K/V in place, but they are views into the longer arena, and "
+                f"oneDNN's batched {f['dtype']} product copies a strided operand before it "
+                f"multiplies, in every layer. The count comes from the allocator's own events, "
+                f"so it sees copies made inside a kernel.")
     return notes
 
 
