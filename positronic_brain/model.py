@@ -359,8 +359,15 @@ MATRICES = ("qkv_w", "o_w", "gate_up_w", "down_w")
 
 
 def packable() -> bool:
-    """Whether this torch has oneDNN with bfloat16 support (``pack`` works)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether this torch has oneDNN with bfloat16 support (``pack`` works); the ops are
+    private, so a torch without them plainly answers no."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
