@@ -28,6 +28,20 @@ def value_norms(v: torch.Tensor) -> torch.Tensor:
     return v.contiguous().float().norm(dim=-1)
 
 
+def stored_keys(k: torch.Tensor) -> torch.Tensor:
+    """The stored key block behind a live key view ``k`` (L, kv_heads, n, head_dim) of an
+    arena: (L * kv_heads, head_dim, W), W >= n the stored row length (capacity plus the
+    padding), one dense block, so oneDNN's bfloat16 product reads it in place instead of
+    first copying the strided live columns. Columns n.. are dead slots or padding, never
+    live: a product's columns are independent, so drop them from its result. A ``k`` not laid out as an arena's: its own
+    columns, as a (possibly strided) view."""
+    L, KVH, n, D = k.shape
+    W = k.stride(3)
+    if k.stride() != (KVH * D * W, D * W, 1, W) or W < n:
+        return k.transpose(2, 3).reshape(L * KVH, D, n)
+    return k.as_strided((L * KVH, D, W), (D * W, W, 1))  # bounds checked against storage
+
+
 @dataclass(eq=False)
 class Arena:
     """Preallocated K/V for every layer; live slots are the dense prefix ``[0, n)``.

@@ -210,3 +210,48 @@ def test_chat_stats_count_the_folds(tiny_model, tiny_policy):
         chat.say(f"turn {t}")
     stats = chat.stats()
     assert stats["folded"] == stats["culled"] > 0 and stats["repaired"] == 0
+
+
+def test_bfloat16_fold_targets_read_the_stored_keys_in_place(tiny_model, monkeypatch):
+    """In bfloat16 the fold-target product runs over the arena's whole dense key block
+    (oneDNN would otherwise copy the strided live keys first): its live columns are the
+    view's keys, whatever the dead slots hold, the targets equal those found from a plain
+    copy of the live keys, and it allocates about a copy of the keys less than the strided
+    view would (its output over the wider block costs a little)."""
+    from positronic_brain.bench.common import bytes_allocated
+    from positronic_brain.stages.decide import fold_targets
+    from positronic_brain.state import Arena, stored_keys
+
+    n = 1000
+    a = Arena.allocate(tiny_model.spec, 1024, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    a.kt.copy_(torch.randn(a.kt.shape, generator=g))
+    a.kt[..., n:] = float("nan")  # dead slots: never read as live
+    a.n = n
+    a.renorm(0, n)
+    view = dataclasses.replace(_view(a), k=a.k[:, :, :n])
+    L, KVH, _, D = view.k.shape
+    block = stored_keys(view.k)
+    assert block.is_contiguous() and block.data_ptr() == a.kt.data_ptr()
+    assert torch.equal(block[..., :n], view.k.transpose(2, 3).reshape(L * KVH, D, n))
+    plain = dataclasses.replace(view, k=view.k.contiguous())
+    assert stored_keys(plain.k).shape == (L * KVH, D, n)  # not an arena's layout: its columns
+    culls = (3, 17, 300)
+    got, want = fold_targets(view, culls), fold_targets(plain, culls)
+    assert [f.slot for f in got] == [f.slot for f in want] == list(culls)
+    assert all(torch.equal(x.into, y.into) for x, y in zip(got, want))
+    in_place = bytes_allocated(lambda: fold_targets(view, culls[:1]))
+    monkeypatch.setattr("positronic_brain.stages.decide.stored_keys",
+                        lambda k: k.transpose(2, 3).reshape(L * KVH, D, n))  # the strided view
+    saved = bytes_allocated(lambda: fold_targets(view, culls[:1])) - in_place
+    assert saved >= 0.9 * view.k.numel() * view.k.element_size()
+
+
+def _view(a):
+    from positronic_brain.state import KVMirror, State
+
+    m = KVMirror.allocate(a.capacity)
+    m.n = a.n
+    m.uid[: a.n] = torch.arange(a.n)
+    m.position[: a.n] = torch.arange(a.n)
+    return State(a, m).view()

@@ -18,7 +18,7 @@ import torch
 
 from ..forward import forward
 from ..model import Model
-from ..state import FLAG_PROTECTED, View
+from ..state import FLAG_PROTECTED, View, stored_keys
 from ..types import SOURCES, Actions, CacheParams, Fold, Repair, ScoreOut, require
 
 
@@ -88,9 +88,14 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0) -> t
         return ()
     c = torch.tensor(culls)
     L, KVH, n, D = view.k.shape
-    keys = view.k.transpose(2, 3).reshape(L * KVH, D, n)  # the stored layout: a view, no copy
+    # the stored layout, a view: float32's MKL product reads the live columns in place (and
+    # its bits depend on the row length); bfloat16's oneDNN product would copy them, so it
+    # gets the arena's whole dense key block (same bits) and its dead columns are dropped
+    keys = view.k.transpose(2, 3).reshape(L * KVH, D, n)
+    if keys.dtype != torch.float32:
+        keys = stored_keys(view.k)
     dots = torch.bmm(view.k[:, :, c].reshape(L * KVH, len(culls), D), keys)
-    dots = dots.view(L, KVH, len(culls), n).float()  # (L, KVH, c, n)
+    dots = dots[..., :n].float().reshape(L, KVH, len(culls), n)  # (L, KVH, c, n)
     norms = view.knorm.clamp_min(1e-12)  # (L, KVH, n)
     sim = dots / norms.unsqueeze(2)
     sim[..., c] = float("-inf")  # never into a slot that goes too
