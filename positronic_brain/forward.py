@@ -130,7 +130,7 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
         s_past = torch.matmul(qg, past_k[i].transpose(1, 2)).float()  # (KVH, gT, n)
         s_new = torch.matmul(qg, k.transpose(1, 2)).float()  # (KVH, gT, T)
         if past_bias is not None:
-            s_past = s_past + past_bias[i].unsqueeze(1)  # (KVH, 1, n) over the group's queries
+            s_past += past_bias[i].unsqueeze(1)  # (KVH, 1, n) over the group's queries
         if mask_past is not None:
             s_past = (s_past.view(KVH, g, T, n) + mask_past).view(KVH, g * T, n)
         if mask_new is not None:
