@@ -7,7 +7,8 @@ and attention over ``[live keys, new keys]`` is computed as two score blocks
 joined by one softmax, so the past is never concatenated or copied. (In bfloat16,
 oneDNN's batched product itself copies a strided operand, the live K and V being views
 into the longer arena, inside each layer; the speed benchmark's allocation count shows
-it. Float32's MKL product reads them in place.)
+it. A product over the arena's whole dense block, as ``fold_targets`` does, would not
+copy, but at long contexts it is slower here. Float32's MKL product reads them in place.)
 """
 from __future__ import annotations
 
