@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import Model
-from .types import ForwardOut
+from .types import ForwardOut, require
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,7 +78,7 @@ def rerotation(model: Model, old: torch.Tensor, new: torch.Tensor):
 def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
             want_attention: bool = False, all_logits: bool = False,
-            past_bias: torch.Tensor | None = None) -> ForwardOut:
+            past_bias: torch.Tensor | None = None, kv_only: bool = False) -> ForwardOut:
     """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
     (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
     every live slot, except where ``past_mask`` (T, n) bool is False. ``past_bias``
@@ -87,7 +87,10 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
 
     Returns logits (T or 1, V) float32, the new K/V (L, kv_heads, T, head_dim) with RoPE
     applied, and optionally the last new query's attention on the live slots (L, H, n).
+    ``kv_only``: only the new K/V are wanted, so the last layer stops after its K/V
+    projection and no logits are computed (``logits`` is None); the K/V have the same bits.
     """
+    require(not (kv_only and want_attention), "kv_only skips the last layer's attention")
     s = model.spec
     L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
     g = H // KVH
@@ -124,6 +127,9 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D).transpose(0, 1)  # (KVH, T, D)
         new_k.append(k)
         new_v.append(v)
+        if kv_only and i == L - 1:
+            return ForwardOut(logits=None, k=torch.stack(new_k), v=torch.stack(new_v),
+                              attention=None)
 
         qg = qk[:H].reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
         # an arena's keys are stored transposed, so past_k[i].transpose(1, 2) is (KVH, D, n)

@@ -70,7 +70,7 @@ class Segment:
 class ForwardOut:
     """Output of the read-only manual forward of T new tokens over n live slots."""
 
-    logits: torch.Tensor  # (T', V) float32; T' = T or 1 (last row only)
+    logits: torch.Tensor | None  # (T', V) float32; T' = T or 1 (last row only); None: kv_only
     k: torch.Tensor  # (L, kv_heads, T, head_dim) new keys, RoPE applied at their positions
     v: torch.Tensor  # (L, kv_heads, T, head_dim)
     attention: torch.Tensor | None  # (L, heads, n) float32: last new query's weights on live slots

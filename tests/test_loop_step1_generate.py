@@ -138,3 +138,28 @@ def test_float32_weights_are_input_major_shared_with_hf_and_linear_equals_f_line
         assert_close(got, want, 1e-5 * float(want.abs().max()), "split one-row product")
     x = torch.randn(3, 576, generator=g)  # several rows: F.linear itself
     assert torch.equal(linear(x, w.o_w), torch.nn.functional.linear(x, w.o_w))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_kv_only_forward_gives_the_same_kv_bits_without_logits(tiny_policy, dtype):
+    """Repairs and re-prefills want only the new K/V: ``kv_only`` stops the last layer after
+    its K/V projection and skips the lm_head, and the K/V keep the full forward's bits,
+    with and without a mask and a score bias."""
+    from positronic_brain.forward import forward
+    from positronic_brain.types import UserError
+
+    model = load_model("tiny-random", dtype)
+    session = Session(model, tiny_policy, GREEDY)
+    session.prime(tiny_policy.raw_prompt("only the keys and values of the new tokens"))
+    view = session.state.view()
+    n = view.n
+    ids, pos = torch.tensor([5, 9, 2]), torch.arange(n, n + 3)
+    bias = torch.rand(view.k.shape[:3], generator=torch.Generator().manual_seed(0))
+    mask = torch.rand(3, n, generator=torch.Generator().manual_seed(1)) > 0.3
+    for kw in ({}, {"past_mask": mask, "past_bias": bias}):
+        full = forward(model, view.k, view.v, ids, pos, **kw)
+        kv = forward(model, view.k, view.v, ids, pos, kv_only=True, **kw)
+        assert kv.logits is None and kv.attention is None
+        assert torch.equal(kv.k, full.k) and torch.equal(kv.v, full.v)
+    with pytest.raises(UserError, match="kv_only"):
+        forward(model, view.k, view.v, ids, pos, kv_only=True, want_attention=True)

@@ -368,7 +368,7 @@ def rebuild_from_mirror(model: Model, state: State, chunk: int = PREFILL_CHUNK) 
     for start in range(0, n, chunk):
         sl = slice(start, start + chunk)
         out = forward(model, a.k[:, :, :start], a.v[:, :, :start], cols["token_id"][sl],
-                      cols["position"][sl])
+                      cols["position"][sl], kv_only=True)
         t = out.k.shape[2]
         a.k[:, :, start:start + t] = out.k
         a.v[:, :, start:start + t] = out.v

@@ -75,7 +75,7 @@ def repair_pair(model: Model, view: View, left: int, first: int, second: int) ->
                   past_mask=(pos < p_left)[None], past_bias=view.bias)
     token = int(out.logits[0].argmax())
     out = forward(model, view.k, view.v, torch.tensor([token]), pos[first:first + 1],
-                  past_mask=(pos < p_first)[None], past_bias=view.bias)
+                  past_mask=(pos < p_first)[None], past_bias=view.bias, kv_only=True)
     return Repair(slots=(first, second), uids=(int(view.uid[first]), int(view.uid[second])),
                   token_id=token, position=p_first, k=out.k, v=out.v)
 
