@@ -476,9 +476,11 @@ def missed_notes(res: dict) -> list[str]:
             continue
         rest = r["step_ms"] - r["stage1_ms"] - r["score_ms"] - r["decide_ms"]
         why = (f" Stage 3 decides each merge repair with two read-only one-token forwards (the "
-               f"model's argmax at the pair's place, then the merged token's K/V), about two "
-               f"stage-1 costs, so a step that repairs cannot stay within {LOOP_TARGET}x; "
-               f"repairing on every k-th step only would divide that part by k."
+               f"model's argmax at the pair's place, then the merged token's K/V, which stops "
+               f"at the last layer's K/V and skips the lm_head): "
+               f"{r['decide_ms'] / r['stage1_ms']:.2f} stage-1 costs here, so a step that "
+               f"repairs cannot stay within {LOOP_TARGET}x; repairing on every k-th step only "
+               f"would divide that part by k."
                if r["repair"] == "merge" else "")
         notes.append(
             f"- **{r['dtype']}, loop step with {r['repair']} repair: {r['overhead']:.2f}x "
