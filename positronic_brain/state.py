@@ -29,17 +29,21 @@ def value_norms(v: torch.Tensor) -> torch.Tensor:
 
 
 def stored_keys(k: torch.Tensor) -> torch.Tensor:
-    """The stored key block behind a live key view ``k`` (L, kv_heads, n, head_dim) of an
-    arena: (L * kv_heads, head_dim, W), W >= n the stored row length (capacity plus the
-    padding), one dense block, so oneDNN's bfloat16 product reads it in place instead of
-    first copying the strided live columns. Columns n.. are dead slots or padding, never
-    live: a product's columns are independent, so drop them from its result. A ``k`` not laid out as an arena's: its own
-    columns, as a (possibly strided) view."""
+    """The keys of a live key view ``k`` (L, kv_heads, n, head_dim) as (L * kv_heads,
+    head_dim, W) for a batched product. For an arena's view whose live slots fill at least
+    3/4 of the stored rows, this is the whole stored block, W = capacity plus the padding:
+    dense, so oneDNN's bfloat16 product reads it in place instead of first copying the
+    strided live columns. Columns n.. are then dead slots or padding, never live; a
+    product's columns are independent, so drop them from its result. Otherwise (a sparser
+    arena, where the wider product would cost more than the copy, or a ``k`` not laid out
+    as an arena's): its own n columns, as a (possibly strided) view."""
     L, KVH, n, D = k.shape
     W = k.stride(3)
-    if k.stride() != (KVH * D * W, D * W, 1, W) or W < n:
+    end = k.storage_offset() + L * KVH * D * W  # one past the block's last element
+    if (k.stride() != (KVH * D * W, D * W, 1, W) or 4 * n < 3 * W
+            or end * k.element_size() > k.untyped_storage().nbytes()):
         return k.transpose(2, 3).reshape(L * KVH, D, n)
-    return k.as_strided((L * KVH, D, W), (D * W, W, 1))  # bounds checked against storage
+    return k.as_strided((L * KVH, D, W), (D * W, W, 1))
 
 
 @dataclass(eq=False)

@@ -213,11 +213,13 @@ def test_chat_stats_count_the_folds(tiny_model, tiny_policy):
 
 
 def test_bfloat16_fold_targets_read_the_stored_keys_in_place(tiny_model, monkeypatch):
-    """In bfloat16 the fold-target product runs over the arena's whole dense key block
-    (oneDNN would otherwise copy the strided live keys first): its live columns are the
-    view's keys, whatever the dead slots hold, the targets equal those found from a plain
-    copy of the live keys, and it allocates about a copy of the keys less than the strided
-    view would (its output over the wider block costs a little)."""
+    """In bfloat16 the fold-target product runs over the arena's whole dense key block when
+    the live slots fill most of it (oneDNN would otherwise copy the strided live keys
+    first): its live columns are the view's keys, whatever the dead slots hold, the targets
+    and the cosine threshold's drops equal those found from a plain copy of the live keys,
+    and it allocates about a copy of the keys less than the strided view would (its output
+    over the wider block costs a little). Sparser arenas and views that start past slot 0
+    get their own columns."""
     from positronic_brain.bench.common import bytes_allocated
     from positronic_brain.stages.decide import fold_targets
     from positronic_brain.state import Arena, stored_keys
@@ -236,10 +238,17 @@ def test_bfloat16_fold_targets_read_the_stored_keys_in_place(tiny_model, monkeyp
     assert torch.equal(block[..., :n], view.k.transpose(2, 3).reshape(L * KVH, D, n))
     plain = dataclasses.replace(view, k=view.k.contiguous())
     assert stored_keys(plain.k).shape == (L * KVH, D, n)  # not an arena's layout: its columns
+    for k in (a.k[:, :, :600], a.k[:, :, 2:n], a.k[1:, :, 3:n]):  # sparse; starting later
+        live = k.transpose(2, 3).reshape(-1, D, k.shape[2])
+        assert torch.equal(stored_keys(k)[..., :k.shape[2]], live)
+    assert stored_keys(a.k[:, :, :600]).shape[-1] == 600  # the wider product would cost more
     culls = (3, 17, 300)
-    got, want = fold_targets(view, culls), fold_targets(plain, culls)
-    assert [f.slot for f in got] == [f.slot for f in want] == list(culls)
-    assert all(torch.equal(x.into, y.into) for x, y in zip(got, want))
+    for min_cos in (-1.0, 0.7):
+        got, want = fold_targets(view, culls, min_cos), fold_targets(plain, culls, min_cos)
+        assert [f.slot for f in got] == [f.slot for f in want]
+        assert all(torch.equal(x.into, y.into) for x, y in zip(got, want))
+    assert [f.slot for f in fold_targets(view, culls)] == list(culls)
+    assert any(bool((f.into == -1).any()) for f in fold_targets(view, culls, 0.7))
     in_place = bytes_allocated(lambda: fold_targets(view, culls[:1]))
     monkeypatch.setattr("positronic_brain.stages.decide.stored_keys",
                         lambda k: k.transpose(2, 3).reshape(L * KVH, D, n))  # the strided view
