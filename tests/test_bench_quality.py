@@ -110,14 +110,28 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
     assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 64
     assert ref["windows"][-1]["end"] == 512  # the reference streams up to the positions
 
-    compact, keep = res["long"]
-    assert (compact["positions"], keep["positions"]) == ("compact", "keep")
+    compact, keep, base = res["long"]
+    assert [(r["policy"], r["positions"]) for r in res["long"]] == [
+        ("brightness", "compact"), ("brightness", "keep"), ("streaming", "keep")]
     assert compact["scored"] == 560 and compact["reindexed"] >= 1
-    assert keep["scored"] == 512 and keep["stop_reason"] == "max_positions"
-    assert keep["reindexed"] == 0
+    for r in (keep, base):
+        assert r["scored"] == 512 and r["stop_reason"] == "max_positions"
+        assert r["reindexed"] == 0 and r["budget"] == 32
+    assert ref["scored_all"] == 512 and ref["ppl_all"] > 1
     # The runs are one until the re-index (in stage 4 of the step at position 511).
     assert keep["windows"] == compact["windows"][:len(keep["windows"])]
-    assert {t["what"].split(":")[0] for t in res["targets"]} >= {"budget 32", "compact positions"}
+    # The control streams the last 256 tokens from token 304: the 48 past the positions
+    # are its scored tokens 208-255, the compact run's 512-559.
+    c = res["control"]
+    assert c["start"] == 304 and c["scored"] == 256 and c["tokens"] == [513, 561]
+    assert c["positions_scored"] == [208, 256] and c["reindexed"] == 0
+    assert c["ppl_compact"] == pytest.approx(next(w["ppl"] for w in compact["windows"]
+                                                  if w["start"] == 512))
+    whats = [t["what"] for t in res["targets"]]
+    assert {w.split(":")[0] for w in whats} >= {"budget 32", "compact positions",
+                                                  "budget 32, the first 512 tokens"}
+    control = next(t for t in res["targets"] if "control run" in t["what"])
+    assert control["value"] == pytest.approx(c["ppl_compact"] / c["ppl_past"])
 
     for name in ("ppl_vs_budget.png", "ppl_long.png"):
         assert (out / name).read_bytes().startswith(PNG)
