@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 PROMPT ?= The three most important inventions in human history are
 ARGS   ?=
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench bench-report clean
 
 install: $(STAMP)
 
@@ -33,6 +33,14 @@ test: install
 bench: install
 	$(BIN)/positronic-brain bench speed --quick $(ARGS)
 	$(BIN)/positronic-brain bench quality --quick $(ARGS)
+
+# The full runs that write docs/BENCHMARKS.md and docs/bench/ (about an hour on 2 cores;
+# run on an otherwise idle machine: the speed section times against the clock).
+bench-report: install
+	$(BIN)/positronic-brain bench speed --out docs/bench/speed --report docs/BENCHMARKS.md
+	$(BIN)/positronic-brain bench quality --out docs/bench/quality --report docs/BENCHMARKS.md
+	$(BIN)/positronic-brain bench quality --slice tune --tokens 1024 --repairs none,fold \
+	    --long 0 --out docs/bench/quality-tune --report docs/BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) captures/*/ .pytest_cache .hypothesis

@@ -62,7 +62,13 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
         [(d, c) for d in ("float32", "bfloat16") for c in contexts]
     assert all(v > 0 for r in res["edits"] for k, v in r.items() if k.endswith("_ms"))
     assert {t["what"].split(" at ")[0].split(" (")[0] for t in res["targets"]} >= {
-        "loop step / stage 1", "stage 1 bytes allocated per context token"}
+        "loop step / stage 1", "stage 1 bytes allocated per context token per step: flat",
+        "one cull, stage 4: ms", "one merge repair, stage 4: ms", "one fold, stage 4: ms"}
+    edits = {(t["dtype"], t["what"]): t for t in res["targets"] if "stage 4" in t["what"]}
+    assert len(edits) == 6
+    lo, hi = res["edits"][0], res["edits"][len(contexts) - 1]  # float32's first and last
+    fold = edits[("float32", "one fold, stage 4: ms at context 256 / at 128 (O(1))")]
+    assert fold["value"] == pytest.approx(hi["fold_apply_ms"] / lo["fold_apply_ms"])
 
     for name in ("decode_ms.png", "alloc_bytes.png", "edits_ms.png"):
         assert (out / name).read_bytes().startswith(PNG)
