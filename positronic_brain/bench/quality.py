@@ -515,7 +515,7 @@ def _long_plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 5.2), dpi=110)
     for r in res["long"]:
         ax.step([w["end"] for w in r["windows"]], [w["ppl"] for w in r["windows"]], where="pre",
                 label=f"{r['policy']} budget {r['budget']}, positions {r['positions']}",
@@ -528,7 +528,7 @@ def _long_plot(res: dict, path: Path) -> None:
     ax.set_xlabel("tokens streamed")
     ax.set_ylabel("perplexity")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
