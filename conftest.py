@@ -69,7 +69,7 @@ def captured_run(real_model, real_policy, tmp_path_factory):
     segments = real_policy.chat([("system", "You are terse."),
                                  ("user", "Tell me about the moon and the tides.")])
     result = run(real_model, real_policy, segments, sampler, max_new_tokens=CAPTURE_STEPS,
-                 ignore_eos=True, cache=cache, capture=capture)
+                 ignore_eos=True, cache_params=cache, capture=capture)
     return capture.dir, result, cache
 
 

@@ -3,9 +3,9 @@ behind your back. See README.md and docs/DESIGN.md."""
 from .loop import Session, run
 from .model import Model, load_model
 from .special_tokens import TokenPolicy
-from .state import Arena, KVMirror, State, View
+from .state import Arena, Ledger, State, View
 from .types import SamplerParams, Segment, UserError
 
-__all__ = ["Arena", "KVMirror", "Model", "SamplerParams", "Segment", "Session", "State",
+__all__ = ["Arena", "Ledger", "Model", "SamplerParams", "Segment", "Session", "State",
            "TokenPolicy", "UserError", "View", "load_model", "run"]
 __version__ = "0.1.0"

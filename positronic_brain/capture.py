@@ -240,15 +240,15 @@ def state_snapshot(state) -> dict:
     view = state.view()
     return {"arena_k": view.k, "arena_v": view.v,  # (L, kv_heads, n, head_dim), slot order
             "arena_log_mass": state.arena.log_mass[:, :, :view.n],  # (L, kv_heads, n)
-            "mirror": {c: getattr(view, c) for c in VIEW_COLUMNS},
+            "ledger": {c: getattr(view, c) for c in VIEW_COLUMNS},
             "pending_token": state.pending_token, "next_position": state.next_position,
             "step": state.step}
 
 
 def arena_version(state) -> int:
-    """A number that changes whenever the arena's or the mirror's contents change: the
+    """A number that changes whenever the arena's or the ledger's contents change: the
     tensors' in-place version counters plus the live counts (reads never bump them)."""
-    a, m = state.arena, state.mirror
+    a, m = state.arena, state.ledger
     tensors = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm) + tuple(getattr(m, c) for c in m.COLUMNS)
     return hash((tuple(t._version for t in tensors), a.n, m.n, m.next_uid)) & (2 ** 62 - 1)
 

@@ -1,6 +1,6 @@
 """The chat engine: multi-turn chat over one session whose cache is held at a fixed budget.
 
-    chat = Chat(model, policy, system="You are terse.", cache=CacheParams(budget=512))
+    chat = Chat(model, policy, system="You are terse.", cache_params=CacheParams(budget=512))
     print(chat.say("Name a prime number."))
     for event in chat.stream("And another one?"):
         print(event.text, end="")
@@ -59,7 +59,7 @@ class Chat:
     """
 
     def __init__(self, model: Model, policy: TokenPolicy, system: str | None = None,
-                 sampler: SamplerParams | None = None, cache: CacheParams | None = None,
+                 sampler: SamplerParams | None = None, cache_params: CacheParams | None = None,
                  max_new_tokens: int = 256, capture: CaptureWriter | None = None,
                  session: Session | None = None):
         require(policy.chat_format is not None,
@@ -69,9 +69,9 @@ class Chat:
         self.close_ids = policy.encode(policy.chat_format.turn_close)  # e.g. <|im_end|> \n
         if session is None:
             session = Session(model, policy, sampler or SamplerParams(),
-                              self._chat_cache(model, cache or CacheParams()), capture=capture)
+                              self._chat_cache(model, cache_params or CacheParams()), capture=capture)
         self.session = session
-        state, budget = session.state, session.cache.budget
+        state, budget = session.state, session.cache_params.budget
         self.capacity = state.arena.capacity if state else \
             2 * budget if budget else model.spec.max_positions
         self.transcript: list[tuple[str, str | tuple[int, ...]]] = []  # this process's turns
@@ -103,7 +103,7 @@ class Chat:
 
     def _prime_system(self, system: str) -> None:
         segments = self.policy.chat([("system", system)], add_generation_prompt=False)
-        n, cache = sum(len(s.ids) for s in segments), self.session.cache
+        n, cache = sum(len(s.ids) for s in segments), self.session.cache_params
         need = max(n, cache.sinks) + (cache.recent if cache.prune == "tokens" else 0) + 1
         require(need < cache.budget, f"the system prompt has {n} tokens: it leaves no room "
                 f"for a turn in the budget of {cache.budget}")
@@ -141,7 +141,7 @@ class Chat:
     def _check_fits(self, turn_len: int) -> None:
         """The turn, the tokens no cull may remove and (pruning whole turns, where only older
         turns can make room) the longest reply must fit the budget together."""
-        cache, state = self.session.cache, self.session.state
+        cache, state = self.session.cache_params, self.session.state
         if cache.budget is None:  # a resumed session without one: only the arena limits
             return
         kept = 0
@@ -172,7 +172,7 @@ class Chat:
         self.transcript.append(("user", text))
         self.totals["turns"] += 1
         self.max_position = max(self.max_position, s.state.next_position)
-        self._turn_rows = s.state.mirror.ledger()
+        self._turn_rows = s.state.ledger.rows()
         out, ids, steps, done = TextStream(self.policy), [], [], False
         records = s.stream(self.max_new_tokens)
         try:
@@ -217,8 +217,8 @@ class Chat:
         s, t = self.session, self.totals
         state = s.state
         return {"turns": t["turns"], "cache_len": state.arena.n if state else 0,
-                "budget": s.cache.budget, "capacity": self.capacity, "prune": s.cache.prune,
-                "policy": s.cache.policy, "next_position": state.next_position if state else 0,
+                "budget": s.cache_params.budget, "capacity": self.capacity, "prune": s.cache_params.prune,
+                "policy": s.cache_params.scorer, "next_position": state.next_position if state else 0,
                 "max_position": self.max_position, "steps": t["steps"],
                 "ms_per_token": round(t["ms"] / t["steps"], 3) if t["steps"] else 0.0,
                 "last_ms_per_token": round(self.last.ms_per_token, 3) if self.last else 0.0,
@@ -231,14 +231,14 @@ class Chat:
         state = self.session.state
         if state is None:
             return [], set(), set()
-        live = state.mirror.ledger()
+        live = state.ledger.rows()
         uids = {r["uid"] for r in live}
         gone = [r for r in self._turn_rows if r["uid"] not in uids]
-        return live + gone, {r["uid"] for r in gone}, set(state.mirror.merged) & uids
+        return live + gone, {r["uid"] for r in gone}, set(state.ledger.merged) & uids
 
     def context_ids(self) -> list[int]:
         """The cached ids in text order, then the pending token."""
         state = self.session.state
         if state is None:
             return []
-        return [r["token_id"] for r in state.mirror.ledger()] + [state.pending_token]
+        return [r["token_id"] for r in state.ledger.rows()] + [state.pending_token]

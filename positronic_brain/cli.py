@@ -132,13 +132,15 @@ def cmd_inspect(args) -> int:
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
-    from .types import AGGREGATIONS, POLICIES, SIGNALS, CacheParams
+    from .scorers import SCORERS
+    from .types import AGGREGATIONS, SIGNALS, CacheParams
 
     d = CacheParams()
     g = p.add_argument_group("cache (see README: budgets, policies, repair, positions)")
     g.add_argument("--budget", type=int, default=None,
                    help="live cache slots after each step (default: no culling)")
-    g.add_argument("--policy", default=d.policy, help=f"scorer: {'|'.join(POLICIES)}")
+    g.add_argument("--policy", dest="scorer", default=d.scorer,
+                   help=f"the stage-2 scorer: {'|'.join(SCORERS)}")
     g.add_argument("--repair", default=d.repair,
                    help="none|merge|fold: merge dim adjacent pairs; fold culled K/V into the "
                         "most alike survivor")
@@ -165,12 +167,11 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
 def _cache(args):
     from .types import CacheParams
 
-    return CacheParams(budget=args.budget, policy=args.policy, repair=args.repair,
+    return CacheParams(budget=args.budget, scorer=args.scorer, repair=args.repair,
                        positions=args.positions, reindex_at=args.reindex_at, sinks=args.sinks,
                        recent=args.recent, decay=args.decay, gain=args.gain,
                        aggregate=args.aggregate, signal=args.signal,
-                       skip_layers=args.skip_layers, fold_min_cos=args.fold_min_cos,
-                       seed=args.seed)
+                       skip_layers=args.skip_layers, fold_min_cos=args.fold_min_cos)
 
 
 def _sampler(args):
@@ -210,7 +211,7 @@ def cmd_run(args) -> int:
     capture = open_capture(args, model, sampler, cache, [i for s in segments for i in s.ids])
     result = run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
                  ignore_eos=args.ignore_eos, capacity=args.capacity,
-                 on_text=None if args.json else echo, cache=cache, capture=capture)
+                 on_text=None if args.json else echo, cache_params=cache, capture=capture)
     if args.json:
         json.dump(result, sys.stdout)
     sys.stdout.write("\n")
@@ -311,7 +312,7 @@ def _chat_reply(chat, text: str, console, args, live: bool) -> None:
     stop: list[bool] = []
     previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     events, shown = chat.stream(text), Text()
-    budget = chat.session.cache.budget
+    budget = chat.session.cache_params.budget
     try:
         with Live(shown, console=console, refresh_per_second=12, vertical_overflow="visible",
                   transient=False) if live else nullcontext() as view:
@@ -368,7 +369,7 @@ def _chat_context_view(chat):
     from .render import context_text
 
     rows, culled, merged = chat.context()
-    cache = chat.session.cache
+    cache = chat.session.cache_params
     return Panel(context_text(rows, chat.policy.token_text, culled=culled, repaired=merged,
                               max_brightness=cache.max_brightness),
                  title=f"context: {len(rows) - len(culled)} live / budget {cache.budget}",

@@ -78,10 +78,10 @@ def rerotation(model: Model, old: torch.Tensor, new: torch.Tensor):
 def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
             want_attention: bool = False, all_logits: bool = False,
-            past_bias: torch.Tensor | None = None, kv_only: bool = False) -> ForwardOut:
+            past_log_mass: torch.Tensor | None = None, kv_only: bool = False) -> ForwardOut:
     """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
     (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
-    every live slot, except where ``past_mask`` (T, n) bool is False. ``past_bias``
+    every live slot, except where ``past_mask`` (T, n) bool is False. ``past_log_mass``
     (L, kv_heads, n) float32 is added to every query's scores on the live slots (a folded
     slot's log-mass).
 
@@ -136,8 +136,8 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
         # with each key dimension one contiguous run of slots: the fast layout for q K^T
         s_past = torch.matmul(qg, past_k[i].transpose(1, 2)).float()  # (KVH, gT, n)
         s_new = torch.matmul(qg, k.transpose(1, 2)).float()  # (KVH, gT, T)
-        if past_bias is not None:
-            s_past += past_bias[i].unsqueeze(1)  # (KVH, 1, n) over the group's queries
+        if past_log_mass is not None:
+            s_past += past_log_mass[i].unsqueeze(1)  # (KVH, 1, n) over the group's queries
         if mask_past is not None:
             s_past = (s_past.view(KVH, g, T, n) + mask_past).view(KVH, g * T, n)
         if mask_new is not None:

@@ -38,7 +38,7 @@ class Session:
     model: Model
     policy: TokenPolicy
     sampler: SamplerParams = field(default_factory=SamplerParams)
-    cache: CacheParams = field(default_factory=CacheParams)
+    cache_params: CacheParams = field(default_factory=CacheParams)
     state: State | None = None
     prompt_ids: list[int] = field(default_factory=list)
     generated_ids: list[int] = field(default_factory=list)
@@ -47,30 +47,30 @@ class Session:
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.sampler.seed)
-        self.scorer = make_scorer(self.cache)
+        self.scorer = make_scorer(self.cache_params)
         limit = self.model.spec.max_positions
-        require(self.cache.reindex_at is None or self.cache.reindex_at <= limit,
-                f"reindex-at {self.cache.reindex_at} is past the model's {limit} positions")
-        require(self.cache.budget is None or self.cache.budget < limit,
-                f"budget {self.cache.budget} must be below the model's {limit} positions")
+        require(self.cache_params.reindex_at is None or self.cache_params.reindex_at <= limit,
+                f"reindex-at {self.cache_params.reindex_at} is past the model's {limit} positions")
+        require(self.cache_params.budget is None or self.cache_params.budget < limit,
+                f"budget {self.cache_params.budget} must be below the model's {limit} positions")
 
     def prime(self, segments: list[Segment], capacity: int | None = None) -> None:
         """Stage 0 over the prompt segments (what the special-token policy produced).
 
         ``capacity`` defaults to the budget (or the prompt, if longer; the first step then
         culls down to the budget) or, without a budget, to the model's positions."""
-        budget = self.cache.budget
+        budget = self.cache_params.budget
         if budget is not None:
             n_prompt = sum(len(s.ids) for s in segments)
             capacity = capacity or max(budget, n_prompt)
             require(capacity >= budget, f"capacity {capacity} is smaller than the budget {budget}")
-        pinned = frozenset(self.cache.pinned)
+        pinned = frozenset(self.cache_params.pinned)
         self.state, out = prime(self.model, segments, capacity, pinned=pinned,
-                                seeds=self.cache.seeds)
+                                seeds=self.cache_params.seeds)
         if self.capture:
             view = self.state.view()
             self._save(0, "s0_prime", {"segments": segments, "capacity": view.capacity,
-                                       "pinned": pinned, "seeds": self.cache.seeds},
+                                       "pinned": pinned, "seeds": self.cache_params.seeds},
                        {"logits": out.logits, "patch": out.patch, "k": view.k, "v": view.v})
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []
@@ -82,7 +82,7 @@ class Session:
         pending token first). Pinned sources are protected. Captured as ``s0_extend`` at the
         current step; replay re-runs it there."""
         require(self.state is not None, "prime the session before extending it")
-        pinned, n = frozenset(self.cache.pinned), self.state.arena.n
+        pinned, n = frozenset(self.cache_params.pinned), self.state.arena.n
         patch = extend(self.model, self.state, segments, pinned=pinned, pending=pending)
         if self.capture:
             view = self.state.view()
@@ -109,13 +109,13 @@ class Session:
                        generate_outputs(gen))
         scores = score(view, gen.attention, self.scorer)  # 2)
         if cap:
-            self._save(step, "s2_score", {"view": view_columns(view), "cache": self.cache,
+            self._save(step, "s2_score", {"view": view_columns(view), "cache": self.cache_params,
                                           "attention": "s1_generate.outputs.attention",
                                           "value_norms": view.vnorm},
                        {"out": scores})
-        actions = decide(self.model, view, scores, self.cache)  # 3)
+        actions = decide(self.model, view, scores, self.cache_params)  # 3)
         if cap:
-            self._save(step, "s3_decide", {"cache": self.cache, "scores": "s2_score.outputs.out"},
+            self._save(step, "s3_decide", {"cache": self.cache_params, "scores": "s2_score.outputs.out"},
                        {"out": actions})
         patch = apply(self.model, self.state, gen, actions)  # 4)
         if cap:
@@ -133,7 +133,7 @@ class Session:
                           folded=len(patch.folds), reindexed=patch.reindex_to is not None)
 
     def _save(self, step: int, stage: str, inputs: dict, outputs: dict) -> None:
-        self.capture.save(step, stage, inputs, outputs, cache_len=self.state.mirror.n,
+        self.capture.save(step, stage, inputs, outputs, cache_len=self.state.ledger.n,
                           arena_version=arena_version(self.state))
 
     def astream(self, max_new_tokens: int, ignore_eos: bool = False):
@@ -152,7 +152,7 @@ class Session:
                 f"{max_new_tokens} steps need as many forced tokens, got {len(force or ())}")
         self.stop_reason = "max_new_tokens"
         for i in range(max_new_tokens):
-            if self.cache.budget is None and self.state.arena.n >= self.state.arena.capacity:
+            if self.cache_params.budget is None and self.state.arena.n >= self.state.arena.capacity:
                 self.stop_reason = "capacity"
                 return
             if self.state.next_position >= self.model.spec.max_positions:
@@ -167,7 +167,7 @@ class Session:
 
 def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: SamplerParams,
         max_new_tokens: int = 64, ignore_eos: bool = False, capacity: int | None = None,
-        on_text=None, cache: CacheParams | None = None,
+        on_text=None, cache_params: CacheParams | None = None,
         capture: CaptureWriter | None = None) -> dict:
     """Prime and generate; returns the run as plain JSON-ready values.
 
@@ -176,7 +176,7 @@ def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: Sam
     ``on_text(delta)`` receives the streamed text. With ``capture``, every stage call is
     saved to its run folder (closed when the run ends, marked incomplete if it fails).
     """
-    cache = cache or CacheParams()
+    cache = cache_params or CacheParams()
     n_prompt = sum(len(s.ids) for s in segments)
     if capacity is None and cache.budget is None:
         capacity = max(1, min(n_prompt + max_new_tokens, model.spec.max_positions))
@@ -201,7 +201,7 @@ def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: Sam
         "text": text.text,
         "stop_reason": session.stop_reason,
         "steps": steps,
-        "ledger": session.state.mirror.ledger(),
+        "ledger": session.state.ledger.rows(),
         "pending_token": session.state.pending_token,
         **({"capture": str(capture.dir)} if capture else {}),
     }

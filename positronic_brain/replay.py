@@ -222,9 +222,9 @@ def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
     """Compare a ``full`` state file with the rebuilt state, slot order ignored (by uid)."""
     view = state.view()
     ours_order = torch.argsort(view.uid)
-    theirs_order = torch.argsort(snap["mirror"]["uid"])
+    theirs_order = torch.argsort(snap["ledger"]["uid"])
     ours = {"arena_k": view.k[:, :, ours_order], "arena_v": view.v[:, :, ours_order],
-            "mirror": {c: getattr(view, c)[ours_order] for c in VIEW_COLUMNS},
+            "ledger": {c: getattr(view, c)[ours_order] for c in VIEW_COLUMNS},
             "pending_token": state.pending_token, "next_position": state.next_position,
             "step": state.step}
     if "arena_log_mass" in snap:  # (captures from before folds have none)
@@ -233,7 +233,7 @@ def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
               "arena_v": snap["arena_v"][:, :, theirs_order],
               **({"arena_log_mass": snap["arena_log_mass"][:, :, theirs_order]}
                  if "arena_log_mass" in snap else {}),
-              "mirror": {c: snap["mirror"][c][theirs_order] for c in VIEW_COLUMNS}}
+              "ledger": {c: snap["ledger"][c][theirs_order] for c in VIEW_COLUMNS}}
     report.mismatches += [Mismatch(name, k, d) for k, d in diff(to_plain(ours), theirs)]
 
 

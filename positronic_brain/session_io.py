@@ -2,12 +2,12 @@
 
 Tensors: the arena's live prefix ``arena.k`` / ``arena.v`` (L, kv_heads, n, head_dim) and
 ``arena.log_mass`` (L, kv_heads, n) (folded slots; optional on reading), every
-mirror column ``mirror.<name>`` (n,) (whatever ``KVMirror.COLUMNS`` lists) and the sampler's
+ledger column ``ledger.<name>`` (n,) (whatever ``Ledger.COLUMNS`` lists) and the sampler's
 generator state ``generator`` (uint8). The str->str safetensors header holds JSON: the model's
-fingerprint, the rest of the mirror and state (capacity, next uid, repair history, pending
+fingerprint, the rest of the ledger and state (capacity, next uid, repair history, pending
 token, its source and position, step), the session's plain fields (prompt and generated ids,
 sampler and cache params, ...) and a sha256 over all of it, so a modified or truncated file
-is refused. The write is atomic (temp file + rename). The arena and mirror are written back
+is refused. The write is atomic (temp file + rename). The arena and ledger are written back
 by ``stages.apply.restore``, the only module that writes them.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .loop import Session
 from .model import Model
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
-from .state import KVMirror, State
+from .state import Ledger, State
 from .types import UserError, require
 
 FORMAT = "positronic-brain-session/1"
@@ -104,17 +104,17 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
     """Write ``session`` (primed) to ``path`` atomically; returns the path."""
     state = session.state
     require(state is not None, "prime the session before saving it")
-    a, m = state.arena, state.mirror
+    a, m = state.arena, state.ledger
     tensors = {"arena.k": a.k[:, :, :a.n].contiguous(), "arena.v": a.v[:, :, :a.n].contiguous(),
                "arena.log_mass": a.log_mass[:, :, :a.n].contiguous(),
-               **{f"mirror.{c}": m.live(c).contiguous() for c in KVMirror.COLUMNS},
+               **{f"ledger.{c}": m.live(c).contiguous() for c in Ledger.COLUMNS},
                "generator": session.generator.get_state()}
     body = {
         "capacity": a.capacity,
-        "mirror": {f.name: _plain(getattr(m, f.name)) for f in dataclasses.fields(KVMirror)
-                   if f.name not in KVMirror.COLUMNS and f.name != "n"},
+        "ledger": {f.name: _plain(getattr(m, f.name)) for f in dataclasses.fields(Ledger)
+                   if f.name not in Ledger.COLUMNS and f.name != "n"},
         "state": {f.name: _plain(getattr(state, f.name)) for f in dataclasses.fields(State)
-                  if f.name not in ("arena", "mirror")},
+                  if f.name not in ("arena", "ledger")},
         "session": {f.name: _plain(getattr(session, f.name)) for f in dataclasses.fields(Session)
                     if f.name not in RUNTIME},
         "bos": session.policy.add_bos,
@@ -152,9 +152,9 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
                 f"{model.name!r}: {diff}")
         state = restore(model, tensors["arena.k"], tensors["arena.v"],
-                        {k.removeprefix("mirror."): t for k, t in tensors.items()
-                         if k.startswith("mirror.")},  # restore names a missing/extra column
-                        body["capacity"], _unplain_fields(body["mirror"]),
+                        {k.removeprefix("ledger."): t for k, t in tensors.items()
+                         if k.startswith("ledger.")},  # restore names a missing/extra column
+                        body["capacity"], _unplain_fields(body["ledger"]),
                         _unplain_fields(body["state"]), tensors.get("arena.log_mass"))
         session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
                           state=state, **_unplain_fields(body["session"]))

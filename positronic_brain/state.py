@@ -1,7 +1,7 @@
-"""The loop's state: the KV arena, the KVMirror ledger, and the read-only view.
+"""The loop's state: the KV arena, the token ledger, and the read-only view.
 
 This module defines the data and read-only helpers only. Every write to an arena
-or a mirror lives in ``positronic_brain.stages.apply`` (stage 0/4).
+or a ledger lives in ``positronic_brain.stages.apply`` (stage 0/4).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class Arena:
 
     Keys are stored after RoPE at their token's position. Slot order is free
     (attention is order-independent once RoPE is applied); text order is the
-    mirror's ``position`` column.
+    ledger's ``position`` column.
 
     Keys are stored transposed, ``kt`` (L, kv_heads, head_dim, capacity), so a decode
     step's scores q K^T read each key dimension as one contiguous run of slots; ``k`` is
@@ -105,7 +105,7 @@ class Arena:
             for i in range(self.v.shape[0]):
                 self.vnorm[i, :, lo:hi] = value_norms(self.v[i, :, lo:hi])
 
-    def bias(self, n: int) -> torch.Tensor | None:
+    def live_log_mass(self, n: int) -> torch.Tensor | None:
         """The live slots' attention-score bias (L, kv_heads, n), None while nothing folded."""
         return self.log_mass[:, :, :n] if self.folded else None
 
@@ -120,7 +120,7 @@ class Arena:
 
 
 @dataclass(eq=False)
-class KVMirror:
+class Ledger:
     """The token ledger: one row per live arena slot, columnar, preallocated."""
 
     uid: torch.Tensor  # (capacity,) int64, unique, monotonic, never reused
@@ -142,7 +142,7 @@ class KVMirror:
                "changed_step", "flags", "attn_sum")
 
     @classmethod
-    def allocate(cls, capacity: int, seeds: tuple[float, ...] | None = None) -> "KVMirror":
+    def allocate(cls, capacity: int, seeds: tuple[float, ...] | None = None) -> "Ledger":
         i64 = lambda: torch.zeros(capacity, dtype=torch.int64)  # noqa: E731
         f32 = lambda: torch.zeros(capacity, dtype=torch.float32)  # noqa: E731
         return cls(uid=i64(), token_id=i64(), position=i64(),
@@ -154,7 +154,7 @@ class KVMirror:
     def live(self, column: str) -> torch.Tensor:
         return getattr(self, column)[: self.n]
 
-    def ledger(self) -> list[dict]:
+    def rows(self) -> list[dict]:
         """Live rows in position (text) order, as plain Python values."""
         order = torch.argsort(self.live("position")).tolist()
         cols = {c: self.live(c).tolist() for c in ("uid", "token_id", "position", "source",
@@ -199,7 +199,7 @@ class View:
 
     k: torch.Tensor  # (L, kv_heads, n, head_dim)
     v: torch.Tensor  # (L, kv_heads, n, head_dim)
-    bias: torch.Tensor | None  # (L, kv_heads, n) log-mass added to scores; None: nothing folded
+    log_mass: torch.Tensor | None  # (L, kv_heads, n) added to scores; None: nothing folded
     knorm: torch.Tensor  # (L, kv_heads, n) float32 key norms
     vnorm: torch.Tensor  # (L, kv_heads, n) float32 value norms
     uid: torch.Tensor  # (n,)
@@ -222,10 +222,10 @@ class View:
 
 @dataclass(eq=False)
 class State:
-    """Arena + mirror + the pending token (sampled, not yet in the cache)."""
+    """Arena + ledger + the pending token (sampled, not yet in the cache)."""
 
     arena: Arena
-    mirror: KVMirror
+    ledger: Ledger
     pending_token: int = -1
     pending_source: str = "user"
     next_position: int = 0  # the pending token's position
@@ -233,8 +233,8 @@ class State:
     pinned: tuple[str, ...] = ()  # prime's protected sources (stage 4 flags the pending token)
 
     def view(self) -> View:
-        n, m = self.arena.n, self.mirror
-        return View(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n], bias=self.arena.bias(n),
+        n, m = self.arena.n, self.ledger
+        return View(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n], log_mass=self.arena.live_log_mass(n),
                     knorm=self.arena.knorm[:, :, :n], vnorm=self.arena.vnorm[:, :, :n],
                     uid=m.live("uid"),
                     token_id=m.live("token_id"), position=m.live("position"),
@@ -245,8 +245,8 @@ class State:
                     capacity=self.arena.capacity)
 
     def check_valid(self) -> None:
-        assert self.arena.n == self.mirror.n, \
-            f"arena holds {self.arena.n} live slots, mirror {self.mirror.n}"
+        assert self.arena.n == self.ledger.n, \
+            f"arena holds {self.arena.n} live slots, ledger {self.ledger.n}"
         assert self.pending_source in SOURCES, f"unknown pending source {self.pending_source!r}"
         a = self.arena
         norms = a.k[:, :, :a.n].float().norm(dim=-1)
@@ -254,4 +254,4 @@ class State:
             "the key-norm column does not match the keys"
         assert torch.equal(a.vnorm[:, :, :a.n], value_norms(a.v[:, :, :a.n])), \
             "the value-norm column does not match the values"
-        self.mirror.check_valid(step=self.step, next_position=self.next_position)
+        self.ledger.check_valid(step=self.step, next_position=self.next_position)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Provenance of a cached token (the mirror stores the index into this tuple).
+# Provenance of a cached token (the ledger stores the index into this tuple).
 SOURCES = ("system", "user", "assistant", "tool")
 
 
@@ -97,7 +97,6 @@ class GenerateOut:
     attention: torch.Tensor  # (L, heads, n) float32 over live slots (slot order)
 
 
-POLICIES = ("brightness", "streaming", "h2o", "tova", "random", "none")  # scorers/<name>.py
 REPAIRS = ("none", "merge", "fold")
 AGGREGATIONS = ("all-mean", "all-max", "last-mean", "last-max")  # layers-heads over attention
 SIGNALS = ("value", "attention")  # what brightness gains from: value-weighted attention or plain
@@ -107,7 +106,8 @@ SIGNALS = ("value", "attention")  # what brightness gains from: value-weighted a
 class CacheParams:
     """What to keep in the cache and how (stages 2-4).
 
-    ``budget``: live slots after each step (None = never cull). ``policy``: the scorer.
+    ``budget``: live slots after each step (None = never cull). ``scorer``: the stage-2
+    scorer (``scorers.SCORERS``; the CLI calls it the policy).
     ``repair``: ``merge`` turns up to ``max_repairs`` of each step's removals into merges of
     a dim adjacent pair; ``fold`` folds every culled token's K/V into the surviving slot
     whose key is most alike (per layer and KV head), weighted by how many tokens each
@@ -129,7 +129,7 @@ class CacheParams:
     """
 
     budget: int | None = None
-    policy: str = "brightness"
+    scorer: str = "brightness"  # a name in scorers.SCORERS (the CLI's --policy)
     repair: str = "none"
     positions: str = "compact"
     sinks: int = 4
@@ -145,12 +145,10 @@ class CacheParams:
     max_repairs: int = 1
     fold_min_cos: float = 0.8
     reindex_at: int | None = None
-    seed: int = 0  # the random scorer's seed
+    random_seed: int = 0  # the random scorer's seed
     prune: str = "tokens"
 
     def __post_init__(self) -> None:
-        require(self.policy in POLICIES, f"unknown policy {self.policy!r}; expected one of "
-                f"{', '.join(POLICIES)}")
         require(self.repair in REPAIRS,
                 f"repair must be one of {', '.join(REPAIRS)}, got {self.repair!r}")
         require(self.positions in ("keep", "compact"),
@@ -182,7 +180,7 @@ class CacheParams:
         require(self.prune == "tokens" or self.repair == "none",
                 "prune turns drops whole turns; it takes no token repairs")
         if self.budget is not None:
-            require(self.policy != "none", "policy none never culls; it takes no budget")
+            require(self.scorer != "none", "policy none never culls; it takes no budget")
             need = self.sinks + self.recent + 1
             require(self.budget >= need, f"budget {self.budget} is smaller than sinks + recent "
                     f"+ 1 = {need}")
@@ -263,7 +261,7 @@ class Patch:
     appended_positions: tuple[int, ...] = ()
     appended_k: torch.Tensor | None = None  # (L, kv_heads, 1, head_dim) as written (stage 4)
     appended_v: torch.Tensor | None = None
-    rebuilt: bool = False  # a failure part-way rebuilt the arena from the mirror
+    rebuilt: bool = False  # a failure part-way rebuilt the arena from the ledger
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Architecture rule: only stage 0/4 (``stages/apply.py``) writes to an arena, a mirror, a
+"""Architecture rule: only stage 0/4 (``stages/apply.py``) writes to an arena, a ledger, a
 view of them, or a state's scalars. A static check over the package's source; the
 property tests check the same rule at run time with tensor version counters."""
 import ast
@@ -8,12 +8,12 @@ import positronic_brain
 
 PACKAGE = Path(positronic_brain.__file__).parent
 WRITER = PACKAGE / "stages" / "apply.py"
-OWNERS = ("arena", "mirror", "view", "state")  # receivers whose contents only stage 0/4 may change
+OWNERS = ("arena", "ledger", "view", "state")  # receivers whose contents only stage 0/4 may change
 
 
 def _owned(expr: ast.AST) -> bool:
-    """Does ``expr`` reach into an arena, mirror, view or state? (``state.arena.k[...]``,
-    ``view.k``, ``self.state.mirror.brightness``, ``arena.n``, ...)"""
+    """Does ``expr`` reach into an arena, ledger, view or state? (``state.arena.k[...]``,
+    ``view.k``, ``self.state.ledger.brightness``, ``arena.n``, ...)"""
     text = ast.unparse(expr).lower()
     parts = [p.split("[")[0] for p in text.split(".")]
     return any(p.endswith(OWNERS) for p in parts)
@@ -50,8 +50,8 @@ def test_only_stage_0_4_writes_arena_mirror_or_state():
 
 def test_the_rule_catches_writes():
     """The checker itself: each of these must be flagged, and the reads must not."""
-    bad = ["state.arena.k[:, :, 0] = 0", "view.brightness[3] += 1", "a = state.mirror.uid.zero_()",
-           "self.state.pending_token = 5", "state.mirror.n = 0", "arena.v.copy_(x)"]
+    bad = ["state.arena.k[:, :, 0] = 0", "view.brightness[3] += 1", "a = state.ledger.uid.zero_()",
+           "self.state.pending_token = 5", "state.ledger.n = 0", "arena.v.copy_(x)"]
     for src in bad:
         assert list(_writes(ast.parse(src))), src
     ok = ["x = state.arena.k[:, :, 0]", "new_k[i] = k", "self.state = prime()", "y = view.k.sum()",

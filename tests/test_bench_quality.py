@@ -43,14 +43,14 @@ def test_streaming_nll_equals_hf_full_context(real_model, real_policy, text_ids)
     """Without a budget, and with a budget >= the text, nothing is culled: every token's NLL
     and the perplexity equal HF's forward over the whole text."""
     want = hf_nll(real_model, text_ids)
-    for cache in (CacheParams(policy="none"), CacheParams(budget=N_TOKENS + 8)):
+    for cache in (CacheParams(scorer="none"), CacheParams(budget=N_TOKENS + 8)):
         _assert_equals_hf(quality.streaming_nll(real_model, real_policy, text_ids, cache), want)
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_a_budget_changes_only_what_follows_the_first_cull(real_model, real_policy, text_ids):
     cut = quality.streaming_nll(real_model, real_policy, text_ids,
-                                CacheParams(budget=40, policy="streaming", sinks=2, recent=8))
+                                CacheParams(budget=40, scorer="streaming", sinks=2, recent=8))
     # Step t runs ids[t-1] over t-1 cached tokens and culls (in stage 4, after its NLL) from
     # t = 41 on: the first 41 NLLs are the full context's, each later one sees a culled one.
     want, got = hf_nll(real_model, text_ids), torch.tensor(cut.nll)

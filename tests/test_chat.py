@@ -31,7 +31,7 @@ def _ids(policy, turns) -> list[int]:
 
 
 def _ledger(chat):
-    return chat.session.state.mirror.ledger()
+    return chat.session.state.ledger.rows()
 
 
 def test_cached_ids_are_a_fresh_prime_of_the_conversation(real_model, real_policy):
@@ -70,7 +70,7 @@ def test_the_system_prompt_is_exactly_the_given_one_and_pinned(tiny_model, tiny_
     assert {r["source"] for r in ledger[:len(system)]} == {"system"}
     assert chat.context_ids()[len(system):len(system) + 2] == tiny_policy.encode("<|im_start|>u")
     state = chat.session.state
-    pinned = (state.mirror.live("flags") & FLAG_PROTECTED) != 0
+    pinned = (state.ledger.live("flags") & FLAG_PROTECTED) != 0
     assert int(pinned.sum()) == len(system)
 
 
@@ -91,7 +91,7 @@ def test_a_scripted_chat_holds_the_budget(tiny_model, tiny_policy, one_thread, p
     pruning turns, the text after it is always whole turns, the newest ones."""
     budget = 64
     cache = CacheParams(budget=budget, sinks=2, recent=4, prune=prune)
-    chat = Chat(tiny_model, tiny_policy, system=SYSTEM, sampler=SAMPLED, cache=cache,
+    chat = Chat(tiny_model, tiny_policy, system=SYSTEM, sampler=SAMPLED, cache_params=cache,
                 max_new_tokens=12)
     system = _ids(tiny_policy, [("system", SYSTEM)])
     limit = tiny_model.spec.max_positions
@@ -122,7 +122,7 @@ def test_turn_pruning_gives_hf_logits_on_the_pruned_cache(real_model, real_polic
     """The first step that drops whole turns: stage 1 over the pruned cache equals HF's forward
     over the same live K/V (fp32), and what was dropped is the oldest whole turn."""
     cache = CacheParams(budget=60, prune="turns")
-    chat = Chat(real_model, real_policy, system=SYSTEM, sampler=GREEDY, cache=cache,
+    chat = Chat(real_model, real_policy, system=SYSTEM, sampler=GREEDY, cache_params=cache,
                 max_new_tokens=16)
     questions = ["Name a colour.", "Name a fruit.", "Name an animal.", "Name a city.",
                  "Name a river.", "Name a planet."]
@@ -146,7 +146,7 @@ def test_turn_pruning_gives_hf_logits_on_the_pruned_cache(real_model, real_polic
 
 def test_save_and_load_continue_identically(real_model, real_policy, tmp_path):
     cache = CacheParams(budget=40, sinks=2, recent=8)
-    a = Chat(real_model, real_policy, system=SYSTEM, sampler=GREEDY, cache=cache,
+    a = Chat(real_model, real_policy, system=SYSTEM, sampler=GREEDY, cache_params=cache,
              max_new_tokens=16)
     a.say("What is the capital of France?")
     a.say("And of Spain?")
@@ -190,7 +190,7 @@ def test_a_plain_session_resumes_as_a_chat(tiny_model, tiny_policy):
 
 def test_bad_turns_are_refused_and_the_session_stays_intact(tiny_model, tiny_policy):
     chat = Chat(tiny_model, tiny_policy, system=SYSTEM, sampler=SAMPLED,
-                cache=CacheParams(budget=64, sinks=2, recent=4), max_new_tokens=4)
+                cache_params=CacheParams(budget=64, sinks=2, recent=4), max_new_tokens=4)
     chat.say("hi")
     state = chat.session.state
     before = (chat.context_ids(), state.arena.n, state.next_position, state.step)
@@ -203,9 +203,9 @@ def test_bad_turns_are_refused_and_the_session_stays_intact(tiny_model, tiny_pol
     chat.say("ok")  # and the chat goes on
     state.check_valid()
     with pytest.raises(UserError, match="below half the model's 512 positions"):
-        Chat(tiny_model, tiny_policy, cache=CacheParams(budget=256))
+        Chat(tiny_model, tiny_policy, cache_params=CacheParams(budget=256))
     with pytest.raises(UserError, match="leaves no room"):
-        Chat(tiny_model, tiny_policy, system="s" * 60, cache=CacheParams(budget=64))
+        Chat(tiny_model, tiny_policy, system="s" * 60, cache_params=CacheParams(budget=64))
 
 
 def test_a_captured_chat_replays_bit_exact(tiny_model, tiny_policy, tmp_path, one_thread):
@@ -215,7 +215,7 @@ def test_a_captured_chat_replays_bit_exact(tiny_model, tiny_policy, tmp_path, on
     capture = CaptureWriter(tmp_path, {"model": tiny_model.name, "dtype": "float32",
                                        "fingerprint": tiny_model.fingerprint}, run_id="chat")
     chat = Chat(tiny_model, tiny_policy, system=SYSTEM, sampler=SAMPLED, max_new_tokens=6,
-                cache=CacheParams(budget=48, sinks=2, recent=4), capture=capture)
+                cache_params=CacheParams(budget=48, sinks=2, recent=4), capture=capture)
     for q in ("one", "two", "three"):
         chat.say(q)
     capture.close(chat.session.stop_reason)

@@ -37,7 +37,7 @@ def test_a_log_mass_bias_makes_one_slot_attend_as_two(tiny_model):
     v1[:, :, 2] = (v[:, :, 2] + v[:, :, 5]) / 2
     bias = torch.zeros(s.n_layers, s.n_kv_heads, 5)
     bias[:, :, 2] = math.log(2)
-    one = forward(tiny_model, k[:, :, :5], v1, ids, pos, want_attention=True, past_bias=bias)
+    one = forward(tiny_model, k[:, :, :5], v1, ids, pos, want_attention=True, past_log_mass=bias)
     assert_close(one.logits, both.logits, 1e-5, "logits")
     summed = both.attention[..., :5].clone()
     summed[..., 2] += both.attention[..., 5]
@@ -84,7 +84,7 @@ def test_every_cull_folds_into_its_most_alike_survivor(tiny_model, tiny_policy):
                         assert_close(got, want, 1e-5, f"folded {t}")
         masses = state.arena.log_mass[:, :, :state.arena.n].exp().sum(-1)  # (L, KVH)
         assert_close(masses, torch.full_like(masses, float(state.next_position)), 1e-3, "mass")
-    assert folds >= 10 and state.view().bias is not None
+    assert folds >= 10 and state.view().log_mass is not None
 
 
 @pytest.mark.parametrize("min_cos", [0.2, 0.5])
@@ -140,7 +140,7 @@ def test_a_folded_session_saves_and_continues_exactly(tmp_path, tiny_model, tiny
 
 @pytest.mark.parametrize("policy", ["brightness", "h2o"])
 def test_fold_streams_the_real_model_within_budget(real_model, real_policy, policy):
-    cache = CacheParams(budget=48, policy=policy, repair="fold")
+    cache = CacheParams(budget=48, scorer=policy, repair="fold")
     session = Session(real_model, real_policy, GREEDY, cache)
     session.prime(real_policy.raw_prompt("The keeper climbed the stairs of the lighthouse"))
     records = list(session.stream(60, ignore_eos=True))
@@ -159,7 +159,7 @@ def test_a_folding_capture_replays_bit_exactly(real_model, real_policy, tmp_path
                             level="full", run_id="fold")
     result = run(real_model, real_policy, real_policy.raw_prompt("Tides follow the moon"),
                  GREEDY, max_new_tokens=12, ignore_eos=True,
-                 cache=CacheParams(budget=8, sinks=1, recent=2, repair="fold"), capture=capture)
+                 cache_params=CacheParams(budget=8, sinks=1, recent=2, repair="fold"), capture=capture)
     assert sum(len(s["culled"]) for s in result["steps"]) >= 8
     last = torch.load(capture.dir / "state_000012.pt", weights_only=True)
     assert float(last["arena_log_mass"].max()) > 0  # the states compared hold folded slots
@@ -204,7 +204,7 @@ def test_chat_stats_count_the_folds(tiny_model, tiny_policy):
     from positronic_brain.chat import Chat
 
     cache = CacheParams(budget=96, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0)
-    chat = Chat(tiny_model, tiny_policy, system="be brief", sampler=GREEDY, cache=cache,
+    chat = Chat(tiny_model, tiny_policy, system="be brief", sampler=GREEDY, cache_params=cache,
                 max_new_tokens=16)
     for t in range(6):
         chat.say(f"turn {t}")
@@ -257,9 +257,9 @@ def test_bfloat16_fold_targets_read_the_stored_keys_in_place(tiny_model, monkeyp
 
 
 def _view(a):
-    from positronic_brain.state import KVMirror, State
+    from positronic_brain.state import Ledger, State
 
-    m = KVMirror.allocate(a.capacity)
+    m = Ledger.allocate(a.capacity)
     m.n = a.n
     m.uid[: a.n] = torch.arange(a.n)
     m.position[: a.n] = torch.arange(a.n)

@@ -1,4 +1,4 @@
-"""Stage 0: priming builds the arena and mirror with our own chunked prefill."""
+"""Stage 0: priming builds the arena and ledger with our own chunked prefill."""
 import pytest
 import torch
 
@@ -28,7 +28,7 @@ def test_prime_state_shapes_and_ledger(tiny_model, tiny_policy):
     assert kt.stride(-1) == 1 and kt.stride(-2) == 64 + 16
     assert state.arena.k.data_ptr() == kt.data_ptr()
     assert state.view().k[0].transpose(1, 2).stride(-1) == 1
-    assert state.arena.n == state.mirror.n == len(ids) - 1
+    assert state.arena.n == state.ledger.n == len(ids) - 1
     assert state.pending_token == ids[-1] and state.next_position == len(ids) - 1
     state.check_valid()
     view = state.view()

@@ -18,7 +18,7 @@ GREEDY = SamplerParams(greedy=True)
 
 def _fingerprint(state):
     """Everything stage 1 must not change: versions, pointers and contents."""
-    a, m = state.arena, state.mirror
+    a, m = state.arena, state.ledger
     tensors = [a.k, a.v] + [getattr(m, c) for c in m.COLUMNS]
     return ([t._version for t in tensors], [t.data_ptr() for t in tensors],
             [t.clone() for t in tensors], (a.n, m.n, m.next_uid, dict(m.merged),
@@ -45,7 +45,7 @@ def test_stage1_logits_equal_hf_for_64_greedy_steps(real_model, real_policy):
         assert_close(gen.logits, hf_step_logits(real_model, view), 1e-4,
                      f"step {session.state.step} logits")
         apply(real_model, session.state, gen)
-        assert session.state.arena.n == session.state.mirror.n
+        assert session.state.arena.n == session.state.ledger.n
         session.state.check_valid()
 
 
@@ -156,7 +156,7 @@ def test_a_kv_only_forward_gives_the_same_kv_bits_without_logits(tiny_policy, dt
     ids, pos = torch.tensor([5, 9, 2]), torch.arange(n, n + 3)
     bias = torch.rand(view.k.shape[:3], generator=torch.Generator().manual_seed(0))
     mask = torch.rand(3, n, generator=torch.Generator().manual_seed(1)) > 0.3
-    for kw in ({}, {"past_mask": mask, "past_bias": bias}):
+    for kw in ({}, {"past_mask": mask, "past_log_mass": bias}):
         full = forward(model, view.k, view.v, ids, pos, **kw)
         kv = forward(model, view.k, view.v, ids, pos, kv_only=True, **kw)
         assert kv.logits is None and kv.attention is None

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from positronic_brain.loop import Session
-from positronic_brain.scorers import SCORERS, aggregate, make_scorer
+from positronic_brain.scorers import SCORERS, make_scorer
+from positronic_brain.scorers.attention import aggregate
 from positronic_brain.stages.apply import prime
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
-from positronic_brain.types import AGGREGATIONS, POLICIES, SOURCES, CacheParams, SamplerParams
+from positronic_brain.types import AGGREGATIONS, SOURCES, CacheParams, SamplerParams
 from tests.test_loop_step1_generate import _assert_unchanged, _fingerprint
 
 GREEDY = SamplerParams(greedy=True)
@@ -37,7 +38,7 @@ def test_brightness_on_the_real_model(walked, real_policy):
     out = score(view, gen.attention, session.scorer)
     b = out.brightness
     assert out.scores is b and b.shape == (view.n,) and b.dtype == torch.float32
-    assert float(b.min()) >= 0 and float(b.max()) <= session.cache.max_brightness
+    assert float(b.min()) >= 0 and float(b.max()) <= session.cache_params.max_brightness
     order = torch.argsort(b, descending=True).tolist()
     show = lambda i: f"{real_policy.token_text(int(view.token_id[i]))!r}@{int(view.position[i])}"  # noqa: E731
     print(f"\nstep {view.step}: {view.n} live slots, next position {view.next_position}")
@@ -45,7 +46,7 @@ def test_brightness_on_the_real_model(walked, real_policy):
     print("dimmest:  ", ", ".join(f"{show(i)}={float(b[i]):.1f}" for i in order[-8:]))
     # the update rule, from the stored values, the attention row, the live values and the
     # session's parameters: n x the value-weighted attention, averaged over layers and heads
-    c = session.cache
+    c = session.cache_params
     first = round(c.skip_layers * 30)  # the layers brightness leaves out (6 of 30)
     norm = view.v[first:].float().norm(dim=-1)  # (L - first, kv_heads, n)
     norm = (norm / norm.mean(-1, keepdim=True)).repeat_interleave(3, dim=1)  # 9 heads, 3 KV
@@ -110,7 +111,7 @@ def test_new_tokens_are_seeded_by_source(tiny_model, tiny_policy):
     seeds = (200.0, 100.0, 50.0, 25.0)
     segs = tiny_policy.chat([("system", "S"), ("user", "U")])  # ends with the assistant opener
     state, _ = prime(tiny_model, segs, capacity=64, seeds=seeds)
-    m = state.mirror
+    m = state.ledger
     want = torch.tensor(seeds)[m.live("source").long()]
     assert torch.equal(m.live("brightness"), want)
     assert set(m.live("source").tolist()) == {SOURCES.index(r) for r in ("system", "user", "assistant")}
@@ -130,28 +131,28 @@ def test_baselines(tiny_model, tiny_policy):
     attention = torch.rand(s.n_layers, s.n_heads, n, generator=torch.Generator().manual_seed(1))
     agg = attention.mean((0, 1))
 
-    h2o = make_scorer(CacheParams(policy="h2o")).score(view, attention)
+    h2o = make_scorer(CacheParams(scorer="h2o")).score(view, attention)
     assert torch.allclose(h2o.attn_sum, view.attn_sum + agg)
     queries = torch.tensor([11, 11, 11, 9, 7, 5, 3, 2, 1], dtype=torch.float32)
     assert torch.allclose(h2o.scores, (view.attn_sum + agg) / queries)
     assert h2o.brightness is None
 
-    tova = make_scorer(CacheParams(policy="tova", aggregate="last-max")).score(view, attention)
+    tova = make_scorer(CacheParams(scorer="tova", aggregate="last-max")).score(view, attention)
     assert torch.allclose(tova.scores, attention[-1].amax(0)) and tova.attn_sum is None
 
-    st = make_scorer(CacheParams(policy="streaming", sinks=2)).score(view, attention).scores
+    st = make_scorer(CacheParams(scorer="streaming", sinks=2)).score(view, attention).scores
     assert torch.isinf(st[:2]).all() and torch.equal(st[2:], view.position[2:].float())
 
-    r = make_scorer(CacheParams(policy="random", seed=3))
+    r = make_scorer(CacheParams(scorer="random", random_seed=3))
     a, b = r.score(view, attention).scores, r.score(view, attention).scores
     assert torch.equal(a, b) and not torch.equal(a, r.score(replace(view, step=11), attention).scores)
 
-    assert not make_scorer(CacheParams(policy="none")).score(view, attention).scores.any()
+    assert not make_scorer(CacheParams(scorer="none")).score(view, attention).scores.any()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", SCORERS)
 def test_scoring_is_read_only(tiny_model, tiny_policy, policy):
-    session = Session(tiny_model, tiny_policy, GREEDY, CacheParams(policy=policy, sinks=1, recent=1))
+    session = Session(tiny_model, tiny_policy, GREEDY, CacheParams(scorer=policy, sinks=1, recent=1))
     session.prime(tiny_policy.raw_prompt("read only please"))
     session.step()
     view = session.state.view()

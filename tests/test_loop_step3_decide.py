@@ -38,7 +38,7 @@ def at_budget(real_model, real_policy):
 def test_decide_at_budget_on_the_real_model(at_budget, real_model, real_policy):
     session, view, scores = at_budget
     before = _fingerprint(session.state)
-    actions = decide(real_model, view, scores, session.cache)
+    actions = decide(real_model, view, scores, session.cache_params)
     _assert_unchanged(before, _fingerprint(session.state))  # stage 3 is read-only
     text = lambda s: repr(real_policy.token_text(int(view.token_id[s])))  # noqa: E731
     for r in actions.repairs:
@@ -54,7 +54,7 @@ def test_repair_kv_and_token_equal_hf(at_budget, real_model):
     """The repair's token is HF's argmax after the left context; its K/V equal an HF forward
     of the left context plus that token (per layer, <= 1e-4)."""
     session, view, scores = at_budget
-    keep = protected(view, session.cache)
+    keep = protected(view, session.cache_params)
     (left, first, second), = pick_pairs(scores.scores, view.position, keep, 1)
     r = repair_pair(real_model, view, left, first, second)
     pos = view.position

@@ -96,9 +96,9 @@ def test_big_enough_budget_reproduces_the_no_cull_run(real_model, real_policy):
     segs = real_policy.chat([("user", "List three uses of copper.")])
     n = sum(len(s.ids) for s in segs)
     plain = run(real_model, real_policy, segs, GREEDY, max_new_tokens=40, ignore_eos=True)
-    cache = CacheParams(budget=n + 40, policy="h2o", repair="merge")
+    cache = CacheParams(budget=n + 40, scorer="h2o", repair="merge")
     budgeted = run(real_model, real_policy, segs, GREEDY, max_new_tokens=40, ignore_eos=True,
-                   cache=cache)
+                   cache_params=cache)
     assert budgeted["generated_ids"] == plain["generated_ids"]
     assert not any(s["culled"] or s["repaired"] or s["reindexed"] for s in budgeted["steps"])
 
@@ -132,7 +132,7 @@ def test_a_failure_part_way_rebuilds_from_the_mirror(tiny_model, tiny_policy, mo
                          reindex_at=session_next_reindex())
     state = session.state
     step, pending = state.step, state.pending_token
-    ledger, merged = state.mirror.ledger(), dict(state.mirror.merged)
+    ledger, merged = state.ledger.rows(), dict(state.ledger.merged)
 
     def boom(*args, **kw):
         raise RuntimeError("injected")
@@ -144,7 +144,7 @@ def test_a_failure_part_way_rebuilds_from_the_mirror(tiny_model, tiny_policy, mo
     state.check_valid()
     # atomic: the ledger is as before the step (whose repair and removals had been applied)
     assert state.step == step and state.pending_token == pending
-    assert state.mirror.ledger() == ledger and state.mirror.merged == merged
+    assert state.ledger.rows() == ledger and state.ledger.merged == merged
     order, k, v = hf_cache_of_ledger(tiny_model, state)
     view = state.view()
     assert_close(view.k[:, :, order], k, 1e-5, "rebuilt K")
@@ -191,7 +191,7 @@ def test_apply_order_and_patch(tiny_model, tiny_policy):
     assert len(patch.repairs) == 1 and len(patch.culled_uids) == 6 and state.arena.n == 10
     assert not live & (set(patch.culled_uids) | set(patch.repairs[0].uids))
     assert patch.repaired_uids[0] in live and patch.appended_uids[0] in live
-    assert state.mirror.merged[patch.repaired_uids[0]] == patch.repairs[0].uids
+    assert state.ledger.merged[patch.repaired_uids[0]] == patch.repairs[0].uids
     assert sorted(patch.reindex_to.tolist()) == list(range(9))
     assert patch.appended_positions == (9,) and state.next_position == 10
     # re-index keeps text order

@@ -11,14 +11,14 @@ from positronic_brain.stages.apply import apply
 from positronic_brain.stages.decide import decide, protected
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
-from positronic_brain.types import POLICIES, CacheParams, SamplerParams
+from positronic_brain.scorers import CULLING
+from positronic_brain.types import CacheParams, SamplerParams
 from tests.test_loop_step1_generate import _assert_unchanged, _fingerprint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SETTINGS = settings(max_examples=25, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
-CULLING = [p for p in POLICIES if p != "none"]
 
 
 @st.composite
@@ -26,13 +26,13 @@ def cache_params(draw):
     sinks = draw(st.integers(0, 4))
     recent = draw(st.integers(0, 6))
     budget = draw(st.integers(sinks + recent + 1, 40))
-    return CacheParams(budget=budget, policy=draw(st.sampled_from(CULLING)),
+    return CacheParams(budget=budget, scorer=draw(st.sampled_from(CULLING)),
                        repair=draw(st.sampled_from(["none", "merge"])),
                        max_repairs=draw(st.integers(0, 2)), sinks=sinks, recent=recent,
                        decay=draw(st.floats(0, 20)), gain=draw(st.floats(0, 500)),
                        aggregate=draw(st.sampled_from(["all-mean", "last-max"])),
                        reindex_at=draw(st.sampled_from([None, budget + 1, budget + 9])),
-                       seed=draw(st.integers(0, 9)))
+                       random_seed=draw(st.integers(0, 9)))
 
 
 @SETTINGS

@@ -1,14 +1,14 @@
 """Property tests (hypothesis) of the central rule: only stage 0/4 writes the arena or the
-mirror. Random prompts, cache and sampler parameters and random sequences of stage calls
+ledger. Random prompts, cache and sampler parameters and random sequences of stage calls
 and actions on the tiny model:
 
 - stages 1-3 (generate, score, decide with its repair forwards, repair_pair) leave every
-  arena and mirror tensor as it was: same ``_version`` counter, same ``data_ptr()``, same
+  arena and ledger tensor as it was: same ``_version`` counter, same ``data_ptr()``, same
   content hash; and every scalar field of the state;
 - stage 4 does exactly what its actions say, token by token: the cache length changes by
   +1 (append) -1 (each cull) -1 (each repair); the survivors keep their K/V (re-rotated
   exactly if re-indexed), ledger rows and text order; new uids are fresh (never reused);
-  the live slots stay the dense prefix the mirror describes; ``check_valid()`` holds.
+  the live slots stay the dense prefix the ledger describes; ``check_valid()`` holds.
 
 Deterministic: ``derandomize=True`` and no example database.
 """
@@ -28,13 +28,13 @@ from hypothesis import strategies as st
 from positronic_brain.forward import apply_rope, rerotation
 from positronic_brain.model import load_model
 from positronic_brain.sampler import make_generator
-from positronic_brain.scorers import make_scorer
+from positronic_brain.scorers import SCORERS, make_scorer
 from positronic_brain.stages.apply import apply, prime
 from positronic_brain.stages.decide import decide, fold_targets, repair_pair
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
-from positronic_brain.state import FLAG_PROTECTED, KVMirror
-from positronic_brain.types import (AGGREGATIONS, POLICIES, REPAIRS, SOURCES, Actions,
+from positronic_brain.state import FLAG_PROTECTED, Ledger
+from positronic_brain.types import (AGGREGATIONS, REPAIRS, SOURCES, Actions,
                                     CacheParams, SamplerParams, Segment, UserError)
 from tests.oracle import assert_close
 
@@ -66,14 +66,14 @@ def prompts(draw, max_segments: int = 4, max_len: int = 8) -> list[Segment]:
 def cache_params(draw) -> CacheParams:
     """Any valid CacheParams with small budgets (so culls happen within a few steps) and
     re-index thresholds close enough to be reached."""
-    policy = draw(st.sampled_from(POLICIES))
+    policy = draw(st.sampled_from(tuple(SCORERS)))
     sinks, recent = draw(st.integers(0, 3)), draw(st.integers(0, 4))
     budget = None if policy == "none" else draw(
         st.none() | st.integers(sinks + recent + 1, sinks + recent + 12))
     top = draw(st.sampled_from((255.0, 40.0)))
     repair = draw(st.sampled_from(REPAIRS))
     return CacheParams(
-        budget=budget, policy=policy, repair=repair,
+        budget=budget, scorer=policy, repair=repair,
         prune=draw(st.sampled_from(("tokens", "turns"))) if repair == "none" else "tokens",
         positions=draw(st.sampled_from(("keep", "compact"))), sinks=sinks, recent=recent,
         pinned=tuple(sorted(draw(st.sets(st.sampled_from(SOURCES), max_size=2)))),
@@ -83,7 +83,7 @@ def cache_params(draw) -> CacheParams:
         aggregate=draw(st.sampled_from(AGGREGATIONS)), max_repairs=draw(st.integers(0, 3)),
         fold_min_cos=draw(st.sampled_from((-1.0, 0.0, 0.5, 1.0))),
         reindex_at=draw(st.none() | st.integers((budget or 1) + 1, (budget or 1) + 30)),
-        seed=draw(st.integers(0, 3)))
+        random_seed=draw(st.integers(0, 3)))
 
 
 samplers = st.builds(
@@ -100,15 +100,15 @@ def _sha(t: torch.Tensor) -> str:
 
 
 def snapshot(state) -> tuple[dict, dict]:
-    """Every arena/mirror tensor (whole capacity) -> (_version, data_ptr, content hash),
-    and every other field of the state, arena and mirror (whatever their dataclasses list)."""
-    a, m = state.arena, state.mirror
+    """Every arena/ledger tensor (whole capacity) -> (_version, data_ptr, content hash),
+    and every other field of the state, arena and ledger (whatever their dataclasses list)."""
+    a, m = state.arena, state.ledger
     tensors = {"arena.kt": a.kt, "arena.v": a.v, "arena.log_mass": a.log_mass,
-               "arena.knorm": a.knorm, "arena.vnorm": a.vnorm, **{f"mirror.{c}": getattr(m, c) for c in KVMirror.COLUMNS}}
+               "arena.knorm": a.knorm, "arena.vnorm": a.vnorm, **{f"ledger.{c}": getattr(m, c) for c in Ledger.COLUMNS}}
     scalars = {f"{prefix}{f.name}": copy.deepcopy(getattr(obj, f.name))
-               for prefix, obj in (("arena.", a), ("mirror.", m), ("", state))
+               for prefix, obj in (("arena.", a), ("ledger.", m), ("", state))
                for f in fields(obj)
-               if f.name not in ("kt", "v", "log_mass", "knorm", "vnorm", "arena", "mirror") + KVMirror.COLUMNS}
+               if f.name not in ("kt", "v", "log_mass", "knorm", "vnorm", "arena", "ledger") + Ledger.COLUMNS}
     return {name: (t._version, t.data_ptr(), _sha(t)) for name, t in tensors.items()}, scalars
 
 
@@ -125,9 +125,9 @@ def assert_unchanged(before: tuple[dict, dict], state, what: str) -> None:
 
 def rows(state) -> dict[int, dict]:
     """Live ledger rows by uid, each with its slot and that slot's K/V (L, kv_heads, head_dim)."""
-    a, m = state.arena, state.mirror
-    cols = {c: m.live(c).tolist() for c in KVMirror.COLUMNS}
-    return {u: {**{c: cols[c][s] for c in KVMirror.COLUMNS}, "slot": s,
+    a, m = state.arena, state.ledger
+    cols = {c: m.live(c).tolist() for c in Ledger.COLUMNS}
+    return {u: {**{c: cols[c][s] for c in Ledger.COLUMNS}, "slot": s,
                 "k": a.k[:, :, s].clone(), "v": a.v[:, :, s].clone(),
                 "log_mass": a.log_mass[:, :, s].clone()}
             for s, u in enumerate(cols["uid"])}
@@ -139,13 +139,13 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
     """``before``: snapshot() and ``old``: rows() before the apply (stage 4 writes in place:
     no tensor is reallocated)."""
     state.check_valid()
-    a, m = state.arena, state.mirror
+    a, m = state.arena, state.ledger
     n0, n1 = len(old), a.n
     assert n1 == m.n == n0 + 1 - len(actions.cull_slots) - len(actions.repairs), \
         "cache length: +1 append, -1 per cull, -1 per repair"
     for name, (_, ptr, _) in snapshot(state)[0].items():
         assert ptr == before[0][name][1], f"stage 4 reallocated {name}"
-    next_uid = before[1]["mirror.next_uid"]
+    next_uid = before[1]["ledger.next_uid"]
     pending_source = SOURCES.index(before[1]["pending_source"])
     new = rows(state)
     assert len(new) == n1 and sorted(r["slot"] for r in new.values()) == list(range(n1)), \
@@ -241,10 +241,10 @@ def _read_only_call(model, view, state, data, kind: str, seen: Counter):
     else:
         gen = generate(model, view, SamplerParams(greedy=True), make_generator(0))
         cache = data.draw(cache_params())
-        if kind == "decide" and cache.policy != "none":
+        if kind == "decide" and cache.scorer != "none":
             # three removals due, merges on: decide runs its repair forwards when it can
             budget = max(cache.sinks + cache.recent + 1, view.n - 2)
-            cache = CacheParams(budget=budget, policy=cache.policy,
+            cache = CacheParams(budget=budget, scorer=cache.scorer,
                                 repair="merge", sinks=cache.sinks, recent=cache.recent,
                                 max_repairs=3, aggregate=cache.aggregate)
         scores = score(view, gen.attention, make_scorer(cache))
@@ -331,13 +331,13 @@ def test_only_stage_4_writes_and_it_does_what_its_actions_say(tiny_model):
 def test_culls_whose_holes_chain_keep_the_right_tokens(tiny_model):
     """Regression (found by the walk above): culling slots 0 and 1 of 3 once filled slot 1
     from slot 2 and then slot 0 from the *old* slot 1, so culled uid 1 survived and uid 2
-    was lost; arena and mirror agreed, so only uid tracking could tell."""
+    was lost; arena and ledger agreed, so only uid tracking could tell."""
     state, _ = prime(tiny_model, [Segment((5, 6, 7, 8), "user")], capacity=8)
     gen = generate(tiny_model, state.view(), SamplerParams(greedy=True), make_generator(0))
     before, old = snapshot(state), rows(state)
     actions = Actions(cull_slots=(0, 1))
     patch = apply(tiny_model, state, gen, actions)
-    assert state.mirror.live("uid").tolist() == [2, 3] and patch.moves == ((2, 0),)
+    assert state.ledger.live("uid").tolist() == [2, 3] and patch.moves == ((2, 0),)
     assert_apply_did_what_actions_say(tiny_model, state, before, old, gen, actions, patch)
 
 
@@ -348,10 +348,10 @@ def test_a_pinned_prompt_stays_pinned_when_its_last_token_enters_the_cache(tiny_
                      pinned=frozenset({"system"}))
     gen = generate(tiny_model, state.view(), SamplerParams(greedy=True), make_generator(0))
     apply(tiny_model, state, gen)
-    assert state.mirror.live("flags").tolist() == [FLAG_PROTECTED] * 3
+    assert state.ledger.live("flags").tolist() == [FLAG_PROTECTED] * 3
     gen = generate(tiny_model, state.view(), SamplerParams(greedy=True), make_generator(0))
     apply(tiny_model, state, gen)  # a generated (assistant) token is not pinned
-    assert state.mirror.live("flags").tolist() == [FLAG_PROTECTED] * 3 + [0]
+    assert state.ledger.live("flags").tolist() == [FLAG_PROTECTED] * 3 + [0]
 
 
 @pytest.mark.parametrize("name", ["tiny-random", "tiny-random-llama3"])

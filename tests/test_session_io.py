@@ -17,7 +17,7 @@ from positronic_brain.loop import Session
 from positronic_brain.model import load_model
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import extend
-from positronic_brain.state import KVMirror
+from positronic_brain.state import Ledger
 from positronic_brain.types import CacheParams, SamplerParams, UserError
 
 SAMPLED = SamplerParams(temperature=1.0, top_k=40, seed=11)
@@ -103,14 +103,14 @@ def test_answers_about_a_context_whose_text_it_never_received(saved, real_model,
 
 def test_roundtrip_restores_every_column_and_param(tmp_path, tiny_model, tiny_policy):
     """Into a second, separately loaded instance, after culls, repairs and re-indexes:
-    every mirror column (whatever KVMirror.COLUMNS lists), the arena's live prefix, the
+    every ledger column (whatever Ledger.COLUMNS lists), the arena's live prefix, the
     repair history and all scalars."""
     cache = CacheParams(budget=24, sinks=2, recent=4, repair="merge", reindex_at=40)
     a = Session(tiny_model, tiny_policy, SAMPLED, cache)
     a.prime(tiny_policy.raw_prompt("culled, repaired, re-indexed, then saved"))
     records = [a.step() for _ in range(20)]
     assert all(any(getattr(r, f) for r in records) for f in ("culled", "repaired", "reindexed"))
-    assert a.state.mirror.merged
+    assert a.state.ledger.merged
     save_session(a, tmp_path / "s.pbs")
     b = load_session(load_model("tiny-random"), tmp_path / "s.pbs")
     sa, sb = a.state, b.state
@@ -118,13 +118,13 @@ def test_roundtrip_restores_every_column_and_param(tmp_path, tiny_model, tiny_po
     assert sb.arena.n == n and sb.arena.capacity == sa.arena.capacity
     assert torch.equal(sa.arena.k[:, :, :n], sb.arena.k[:, :, :n])
     assert torch.equal(sa.arena.v[:, :, :n], sb.arena.v[:, :, :n])
-    for c in KVMirror.COLUMNS:
-        assert torch.equal(sa.mirror.live(c), sb.mirror.live(c)), c
-    assert (sb.mirror.next_uid, sb.mirror.merged) == (sa.mirror.next_uid, sa.mirror.merged)
+    for c in Ledger.COLUMNS:
+        assert torch.equal(sa.ledger.live(c), sb.ledger.live(c)), c
+    assert (sb.ledger.next_uid, sb.ledger.merged) == (sa.ledger.next_uid, sa.ledger.merged)
     assert (sb.pending_token, sb.pending_source, sb.next_position, sb.step) == \
         (sa.pending_token, sa.pending_source, sa.next_position, sa.step)
-    assert (b.sampler, b.cache, b.prompt_ids, b.generated_ids) == \
-        (a.sampler, a.cache, a.prompt_ids, a.generated_ids)
+    assert (b.sampler, b.cache_params, b.prompt_ids, b.generated_ids) == \
+        (a.sampler, a.cache_params, a.prompt_ids, a.generated_ids)
     assert torch.equal(b.generator.get_state(), a.generator.get_state())
     assert _tokens(b, 12) == _tokens(a, 12)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.pbs"]  # no temp file left
@@ -210,7 +210,7 @@ def test_the_file_is_plain_safetensors_and_nothing_is_unpickled(tiny_file):
     header = json.loads(tiny_file.read_bytes()[8:8 + header_len])
     meta = header.pop("__metadata__")
     assert set(meta) == {"format", "model", "session", "sha256"}
-    assert {k.split(".")[0] for k in header} == {"arena", "mirror", "generator"}
+    assert {k.split(".")[0] for k in header} == {"arena", "ledger", "generator"}
     tree = ast.parse(Path(session_io.__file__).read_text())
     names = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))}
     assert not names & {"pickle", "torch.load", "load_file"}, names & {"pickle", "torch.load"}
@@ -223,9 +223,9 @@ def test_a_file_with_other_mirror_columns_is_refused(tmp_path, tiny_model, tiny_
 
     with safe_open(str(tiny_file), "pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
-    dropped = f"mirror.{KVMirror.COLUMNS[-1]}"
+    dropped = f"ledger.{Ledger.COLUMNS[-1]}"
     del tensors[dropped]
     meta["sha256"] = session_io._digest(meta, tensors)
     (tmp_path / "old.pbs").write_bytes(save(tensors, metadata=meta))
-    with pytest.raises(UserError, match="mirror columns .* differ"):
+    with pytest.raises(UserError, match="ledger columns .* differ"):
         load_session(tiny_model, tmp_path / "old.pbs")

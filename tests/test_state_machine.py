@@ -42,7 +42,7 @@ def loop_params(draw):
     """Any CacheParams, or (half the time) a budget within reach of the prompt, merges (or
     whole-turn pruning) and a re-index a few steps later, so that decide does everything."""
     c = draw(cache_params())
-    if c.policy == "none" or draw(st.booleans()):
+    if c.scorer == "none" or draw(st.booleans()):
         return c
     budget = c.sinks + c.recent + draw(st.integers(3, 8))
     prune = draw(st.sampled_from(("tokens", "turns")))
@@ -103,7 +103,7 @@ class LoopMachine(RuleBasedStateMachine):
                 if self.live[i][0] in free and self.live[i + 1][0] in free]
 
     def _slot(self, uid: int) -> int:
-        return self.session.state.mirror.live("uid").tolist().index(uid)
+        return self.session.state.ledger.live("uid").tolist().index(uid)
 
     def _generate(self):
         return generate(self.model, self.session.state.view(), self.session.sampler,
@@ -247,9 +247,9 @@ class LoopMachine(RuleBasedStateMachine):
     def matches_the_model(self):
         state = self.session.state
         state.check_valid()
-        m = state.mirror
+        m = state.ledger
         assert state.arena.n == m.n == self.n
-        ledger = [(r["uid"], r["token_id"], r["position"]) for r in m.ledger()]
+        ledger = [(r["uid"], r["token_id"], r["position"]) for r in m.rows()]
         assert ledger == self.live, f"ledger {ledger} != model {self.live}"
         assert (state.pending_token, state.pending_source, state.next_position, state.step,
                 m.next_uid) == (self.pending, self.pending_source, self.next_position,

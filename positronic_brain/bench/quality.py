@@ -34,12 +34,12 @@ from pathlib import Path
 from ..loop import Session
 from ..model import Model, load_model
 from ..special_tokens import TokenPolicy
-from ..types import POLICIES, CacheParams, SamplerParams, Segment, UserError, require
+from ..scorers import BASELINES, CULLING
+from ..types import CacheParams, SamplerParams, Segment, UserError, require
 from . import common
 from .common import Table, fmt
 
-BASELINES = ("streaming", "h2o", "tova", "random")
-SCORERS = ("brightness", *BASELINES)
+SCORERS = CULLING  # the default scorer first, then the baselines
 REPAIRS = ("none", "merge", "fold")
 SLICES = ("eval", "tune")
 # Targets from the project's issues: reported, never asserted.
@@ -85,7 +85,7 @@ class QualityConfig:
         require(tuple(sorted(set(self.budgets))) == self.budgets,
                 f"budgets must be increasing, got {self.budgets}")
         bad = [p for p in self.policies + (self.long_policy, *self.long_baselines)
-               if p not in POLICIES or p == "none"]
+               if p not in CULLING]
         require(not bad and len(self.policies) > 0, f"unknown or non-culling policies {bad}; "
                 f"expected some of {', '.join(SCORERS)}")
         require(all(r in REPAIRS for r in self.repairs + (self.long_repair,)),
@@ -116,8 +116,8 @@ class QualityConfig:
     def cache(self, budget: int | None, policy: str, repair: str = "none",
               positions: str = "compact") -> CacheParams:
         if budget is None:
-            return CacheParams(policy="none")
-        return dataclasses.replace(self.base, budget=budget, policy=policy, repair=repair,
+            return CacheParams(scorer="none")
+        return dataclasses.replace(self.base, budget=budget, scorer=policy, repair=repair,
                                    positions=positions)
 
 
@@ -328,9 +328,9 @@ def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
                                policy="none", repair="none", budget=None),
                         "ppl_all": ref.ppl, "scored_all": len(ref.nll),
                         "windows": windows(ref.nll, cfg.window)}
-    res["runs"] = [_row(s, policy=j.cache.policy, repair=j.cache.repair, budget=j.cache.budget)
+    res["runs"] = [_row(s, policy=j.cache.scorer, repair=j.cache.repair, budget=j.cache.budget)
                    for j, s in done if j.kind == "grid"]
-    res["long"] = [{**_row(s, policy=j.cache.policy, repair=j.cache.repair, budget=j.cache.budget,
+    res["long"] = [{**_row(s, policy=j.cache.scorer, repair=j.cache.repair, budget=j.cache.budget,
                            positions=j.cache.positions), "windows": windows(s.nll, cfg.window)}
                    for j, s in done if j.kind == "long"]
     res["control"] = None
@@ -339,7 +339,7 @@ def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
             compact = next(c for k, c in done if k.kind == "long" and k.cache.positions == "compact")
             # scored token i of a run from ``start`` is the text's token start + 1 + i
             lo, hi = limit - j.start, len(s.nll)
-            res["control"] = {**_row(s, policy=j.cache.policy, repair=j.cache.repair,
+            res["control"] = {**_row(s, policy=j.cache.scorer, repair=j.cache.repair,
                                      budget=j.cache.budget, positions=j.cache.positions),
                               "start": j.start, "tokens": [limit + 1, j.start + hi + 1],
                               "positions_scored": [lo, hi],
@@ -651,7 +651,7 @@ def base_params(text: str) -> CacheParams:
     for item in text.split(","):
         name, _, value = item.partition("=")
         name = name.strip().replace("-", "_")
-        require(name in fields and name not in ("budget", "policy", "repair", "positions"),
+        require(name in fields and name not in ("budget", "scorer", "repair", "positions"),
                 f"--params: unknown or fixed field {name!r}")
         default = getattr(CacheParams(), name)
         try:

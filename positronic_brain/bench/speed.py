@@ -253,7 +253,7 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
     rows = []
     for repair in ("none", "merge", "fold"):
         tick = task(f"{dt} loop ({repair} repair)", cfg.reps)
-        params = CacheParams(budget=cfg.budget, policy="brightness", repair=repair)
+        params = CacheParams(budget=cfg.budget, scorer="brightness", repair=repair)
         session = Session(model, TokenPolicy(model.tokenizer), GREEDY, params)
         session.prime([Segment(tuple(random_prompt(model, cfg.budget + 1, seed=2)), "user")])
         gen, scorer = make_generator(0), session.scorer

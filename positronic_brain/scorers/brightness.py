@@ -1,4 +1,4 @@
-"""Brightness (the default): a per-token value that persists across steps in the mirror.
+"""Brightness (the default): a per-token value that persists across steps in the ledger.
 
 New tokens start at their source's seed; each step b <- clamp(b - decay + gain * share, 0, max)
 where share is what the new query paid to the token relative to a uniform share of the n live
@@ -13,19 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
-from . import aggregate, value_weighted
+from .attention import aggregate, value_weighted
 from ..state import View
-from ..types import CacheParams, ScoreOut
+from ..types import ScoreOut
 
 
 @dataclass(frozen=True)
 class Brightness:
-    decay: float = CacheParams.decay
-    gain: float = CacheParams.gain
-    max_brightness: float = CacheParams.max_brightness
-    aggregate: str = CacheParams.aggregate
-    signal: str = CacheParams.signal
-    skip_layers: float = CacheParams.skip_layers
+    decay: float
+    gain: float
+    max_brightness: float
+    aggregate: str
+    signal: str
+    skip_layers: float
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         first = min(round(self.skip_layers * attention.shape[0]), attention.shape[0] - 1)

@@ -1,6 +1,6 @@
 """H2O (Zhang et al., 2023): heavy hitters by accumulated attention.
 
-The sum of the attention each token received since it was born (a mirror column), divided
+The sum of the attention each token received since it was born (a ledger column), divided
 by the number of queries that could attend to it, so old tokens are not favoured for age.
 """
 from __future__ import annotations
@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import aggregate
+from .attention import aggregate
 from ..state import View
 from ..types import ScoreOut
 
 
 @dataclass(frozen=True)
 class H2O:
-    aggregate: str = "all-mean"
+    aggregate: str
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         total = view.attn_sum + aggregate(attention, self.aggregate)  # (n,)

@@ -1,4 +1,4 @@
-"""Random scores: the floor any policy must beat. Seeded by (seed, step), so reproducible."""
+"""Random scores: the floor any policy must beat. Seeded by (random_seed, step), so reproducible."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +11,8 @@ from ..types import ScoreOut
 
 @dataclass(frozen=True)
 class RandomScore:
-    seed: int = 0
+    random_seed: int
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + view.step)
+        g = torch.Generator().manual_seed(self.random_seed * 1_000_003 + view.step)
         return ScoreOut(scores=torch.rand(view.n, generator=g))

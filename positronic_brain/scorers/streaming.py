@@ -11,7 +11,7 @@ from ..types import ScoreOut
 
 @dataclass(frozen=True)
 class Streaming:
-    sinks: int = 4
+    sinks: int
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         s = view.position.float()  # (n,) later = higher

@@ -5,14 +5,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import aggregate
+from .attention import aggregate
 from ..state import View
 from ..types import ScoreOut
 
 
 @dataclass(frozen=True)
 class TOVA:
-    aggregate: str = "all-mean"
+    aggregate: str
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         return ScoreOut(scores=aggregate(attention, self.aggregate))

@@ -1,13 +1,13 @@
-"""Stage 0/4: build and patch the cache — the only code that writes to an arena or a mirror.
+"""Stage 0/4: build and patch the cache — the only code that writes to an arena or a ledger.
 
-- ``prime``: allocate the arena and mirror and prefill a prompt (stage 0).
+- ``prime``: allocate the arena and ledger and prefill a prompt (stage 0).
 - ``extend``: prefill new prompt segments onto an existing state (stage 0; chat turns,
   imported sessions).
 - ``apply``: apply one step's actions atomically, in a fixed order: brightness/attn_sum,
   repairs, folds (a culled slot's K/V into survivors), removals (each hole is filled by moving the last live slot into it, so live
   slots stay a dense prefix), position re-index (keys re-rotated exactly), then the append
   of the pending token's K/V (stage 4).
-- ``rebuild_from_mirror``: re-prefill the arena from the ledger after a failure part-way.
+- ``rebuild_from_ledger``: re-prefill the arena from the ledger after a failure part-way.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from ..forward import apply_rope, forward, rerotation
 from ..model import Model
-from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, KVMirror, State, key_norms,
+from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Ledger, State, key_norms,
                      value_norms)
 from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Patch, PrimeOut, Repair,
                      Segment, require)
@@ -25,9 +25,9 @@ from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Patch, Pri
 PREFILL_CHUNK = 256
 
 
-def _write_rows(m: KVMirror, slots: slice, token_ids: torch.Tensor, positions: torch.Tensor,
+def _write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: torch.Tensor,
                 sources: torch.Tensor, step: int, flags: torch.Tensor) -> list[int]:
-    """Fill mirror rows ``slots`` for new tokens; returns their fresh uids."""
+    """Fill ledger rows ``slots`` for new tokens; returns their fresh uids."""
     count = token_ids.shape[0]
     uids = torch.arange(m.next_uid, m.next_uid + count)
     m.uid[slots] = uids
@@ -47,13 +47,13 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
              sources: torch.Tensor, flags: torch.Tensor, chunk: int,
              all_logits: bool) -> tuple[list[torch.Tensor], list[int], list[int]]:
     """Append ``ids`` at ``positions`` in causal chunks; each chunk attends to all live slots."""
-    a, m = state.arena, state.mirror
+    a, m = state.arena, state.ledger
     logits, slots, uids = [], [], []
     for start in range(0, ids.shape[0], chunk):
         sl = slice(start, start + chunk)
         n = a.n
         out = forward(model, a.k[:, :, :n], a.v[:, :, :n], ids[sl], positions[sl],
-                      all_logits=all_logits, past_bias=a.bias(n))
+                      all_logits=all_logits, past_log_mass=a.live_log_mass(n))
         t = out.k.shape[2]
         a.k[:, :, n:n + t] = out.k  # (L, KVH, t, D)
         a.v[:, :, n:n + t] = out.v
@@ -95,7 +95,7 @@ def prime(model: Model, segments: list[Segment], capacity: int | None = None,
     src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
     flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
     state = State(Arena.allocate(model.spec, capacity, model.dtype),
-                  KVMirror.allocate(capacity, seeds), pinned=tuple(sorted(pinned)))
+                  Ledger.allocate(capacity, seeds), pinned=tuple(sorted(pinned)))
     T = len(ids_list) - 1
     logits, slots, uids = _prefill(
         model, state, torch.tensor(ids_list[:T], dtype=torch.int64), torch.arange(T),
@@ -147,7 +147,7 @@ def extend(model: Model, state: State, segments: list[Segment],
 
 def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
     """Refuse bad actions before anything changes (stale slots, protected slots, shapes)."""
-    a, m = state.arena, state.mirror
+    a, m = state.arena, state.ledger
     n = m.n
     assert gen.position == state.next_position and gen.input_token == state.pending_token, \
         "the generate output is not for this state's pending token"
@@ -187,7 +187,7 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
 def _repair(state: State, r: Repair, step: int) -> int:
     """Rewrite slot ``r.slots[0]`` as the merged token (a fresh uid; source kept; brightness
     the pair's max); its partner is removed with the culls. Returns the new uid."""
-    a, m = state.arena, state.mirror
+    a, m = state.arena, state.ledger
     s, t = r.slots
     uid = m.next_uid
     m.next_uid += 1
@@ -228,7 +228,7 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
     """Remove live slots; the survivors among the last ``len(slots)`` slots fill the holes
     below them (O(1) per token). Each move reads an original slot, never one that another
     move has just filled, so all of them can be done at once."""
-    a, m = state.arena, state.mirror
+    a, m = state.arena, state.ledger
     gone = set(slots)
     n = m.n - len(gone)
     fillers = [s for s in range(n, m.n) if s not in gone]
@@ -236,7 +236,7 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
     if moves:
         src = torch.tensor([f for f, _ in moves])
         dst = torch.tensor([t for _, t in moves])
-        for c in KVMirror.COLUMNS:  # ledger first: a later failure rebuilds from it
+        for c in Ledger.COLUMNS:  # ledger first: a later failure rebuilds from it
             col = getattr(m, c)
             col[dst] = col[src]
     m.n = n
@@ -252,7 +252,7 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
 def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions become 0..n-1 in text order; each moved key is re-rotated by the exact
     rotation old -> new. Returns (old, new) positions (n,) in slot order."""
-    a, m = state.arena, state.mirror
+    a, m = state.arena, state.ledger
     n = m.n
     old = m.live("position").clone()  # (n,)
     new = torch.empty_like(old)
@@ -280,7 +280,7 @@ def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
 def _append(state: State, gen: GenerateOut, position: int, model: Model,
             step: int) -> tuple[int, int, torch.Tensor]:
     """Write the pending token at ``position`` (its key re-rotated if a re-index moved it)."""
-    a, m = state.arena, state.mirror
+    a, m = state.arena, state.ledger
     n = a.n
     k = gen.k
     if position != gen.position:
@@ -311,9 +311,9 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
     arena from it, then re-raises.
     """
     _check(state, gen, actions)
-    m, step = state.mirror, state.step + 1
+    m, step = state.ledger, state.step + 1
     n = m.n
-    undo = ({c: m.live(c).clone() for c in KVMirror.COLUMNS}, m.next_uid)  # (n,) each: the ledger
+    undo = ({c: m.live(c).clone() for c in Ledger.COLUMNS}, m.next_uid)  # (n,) each: the ledger
     culled_uids = m.uid[list(actions.cull_slots)].tolist()
     reindex_from = reindex_to = None
     try:
@@ -338,7 +338,7 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
         for uid in range(next_uid, m.next_uid):
             m.merged.pop(uid, None)
         m.n, m.next_uid = n, next_uid
-        rebuild_from_mirror(model, state)  # the arena may be half-patched: make it agree
+        rebuild_from_ledger(model, state)  # the arena may be half-patched: make it agree
         raise
     state.step = step
     state.pending_token = gen.token_id
@@ -353,13 +353,13 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
 
 
 @torch.no_grad()
-def rebuild_from_mirror(model: Model, state: State, chunk: int = PREFILL_CHUNK) -> None:
+def rebuild_from_ledger(model: Model, state: State, chunk: int = PREFILL_CHUNK) -> None:
     """Re-prefill every live token (in position order, at its position) so the arena
-    agrees with the mirror again. Slot order becomes position order; folds are lost (every
+    agrees with the ledger again. Slot order becomes position order; folds are lost (every
     slot holds its own token's K/V again)."""
-    m = state.mirror
+    m = state.ledger
     order = torch.argsort(m.live("position"))
-    cols = {c: m.live(c)[order].clone() for c in KVMirror.COLUMNS}
+    cols = {c: m.live(c)[order].clone() for c in Ledger.COLUMNS}
     a = state.arena
     a.n = 0
     a.log_mass.zero_()
@@ -381,12 +381,12 @@ def rebuild_from_mirror(model: Model, state: State, chunk: int = PREFILL_CHUNK) 
 
 @torch.no_grad()
 def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, torch.Tensor],
-            capacity: int, mirror_fields: dict, state_fields: dict,
+            capacity: int, ledger_fields: dict, state_fields: dict,
             log_mass: torch.Tensor | None = None) -> State:
     """Stage 0 from a saved session: allocate ``capacity`` slots and write back the live
-    prefix ``k``/``v`` (L, kv_heads, n, head_dim) and the mirror ``columns`` (name -> (n,),
-    every one of ``KVMirror.COLUMNS``) and the slots' ``log_mass`` (L, kv_heads, n) float32
-    (None: every slot holds one token); ``mirror_fields`` (next_uid, merged, ...) and
+    prefix ``k``/``v`` (L, kv_heads, n, head_dim) and the ledger ``columns`` (name -> (n,),
+    every one of ``Ledger.COLUMNS``) and the slots' ``log_mass`` (L, kv_heads, n) float32
+    (None: every slot holds one token); ``ledger_fields`` (next_uid, merged, ...) and
     ``state_fields`` (pending token, its source and position, step) are set as given.
     A shape, dtype or column mismatch raises UserError; an inconsistent ledger fails
     ``check_valid`` (AssertionError)."""
@@ -397,21 +397,21 @@ def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, t
             f"saved K/V {tuple(k.shape)} {k.dtype} do not fit this model's {shape} {model.dtype}")
     require(0 <= n <= capacity <= s.max_positions,
             f"{n} live slots in a capacity of {capacity} (the model has {s.max_positions} positions)")
-    require(sorted(columns) == sorted(KVMirror.COLUMNS),
-            f"mirror columns {sorted(columns)} differ from {sorted(KVMirror.COLUMNS)}")
-    state = State(Arena.allocate(s, capacity, model.dtype), KVMirror.allocate(capacity),
+    require(sorted(columns) == sorted(Ledger.COLUMNS),
+            f"ledger columns {sorted(columns)} differ from {sorted(Ledger.COLUMNS)}")
+    state = State(Arena.allocate(s, capacity, model.dtype), Ledger.allocate(capacity),
                   **state_fields)
-    a, m = state.arena, state.mirror
-    for c in KVMirror.COLUMNS:
+    a, m = state.arena, state.ledger
+    for c in Ledger.COLUMNS:
         col = getattr(m, c)
         require(columns[c].shape == (n,) and columns[c].dtype == col.dtype,
-                f"mirror column {c}: {tuple(columns[c].shape)} {columns[c].dtype}, "
+                f"ledger column {c}: {tuple(columns[c].shape)} {columns[c].dtype}, "
                 f"expected ({n},) {col.dtype}")
         col[:n] = columns[c]
     ids = torch.cat((m.live("token_id"), torch.tensor([state.pending_token])))
     require(bool(((ids >= 0) & (ids < s.vocab)).all()), "a saved token id is outside the vocabulary")
-    for name, value in mirror_fields.items():
-        require(hasattr(m, name), f"unknown mirror field {name!r}")
+    for name, value in ledger_fields.items():
+        require(hasattr(m, name), f"unknown ledger field {name!r}")
         setattr(m, name, value)
     a.k[:, :, :n] = k
     a.v[:, :, :n] = v

@@ -72,10 +72,10 @@ def repair_pair(model: Model, view: View, left: int, first: int, second: int) ->
     pos = view.position  # (n,)
     p_left, p_first = int(pos[left]), int(pos[first])
     out = forward(model, view.k, view.v, view.token_id[left:left + 1], pos[left:left + 1],
-                  past_mask=(pos < p_left)[None], past_bias=view.bias)
+                  past_mask=(pos < p_left)[None], past_log_mass=view.log_mass)
     token = int(out.logits[0].argmax())
     out = forward(model, view.k, view.v, torch.tensor([token]), pos[first:first + 1],
-                  past_mask=(pos < p_first)[None], past_bias=view.bias, kv_only=True)
+                  past_mask=(pos < p_first)[None], past_log_mass=view.log_mass, kv_only=True)
     return Repair(slots=(first, second), uids=(int(view.uid[first]), int(view.uid[second])),
                   token_id=token, position=p_first, k=out.k, v=out.v)
 

@@ -1,0 +1,24 @@
+"""Attention row helpers shared by the scorers: (L, H, n) -> one value per live slot."""
+from __future__ import annotations
+
+import torch
+
+
+def aggregate(attention: torch.Tensor, how: str) -> torch.Tensor:
+    """Attention (L, H, n) -> (n,): ``{all|last}-{mean|max}`` = over all layers (mean) or the
+    last layer only, then the head mean or max."""
+    layers, heads = how.split("-")
+    a = attention[-1:] if layers == "last" else attention  # (L', H, n)
+    a = a.amax(1) if heads == "max" else a.mean(1)  # (L', n)
+    return a.mean(0)
+
+
+def value_weighted(attention: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """Attention (L, H, n) times each slot's value norm (``View.vnorm``) relative to the mean
+    live norm of its layer and KV head, as in value-aware token pruning (Guo et al., 2024): a
+    slot whose value is small moves the attention output little, however much attention it
+    gets (the attention sinks are the usual case)."""
+    w = norms / norms.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    L, H, n = attention.shape
+    kvh = norms.shape[1]  # the heads of one KV group share its values (GQA)
+    return (attention.reshape(L, kvh, H // kvh, n) * w[:, :, None]).reshape(L, H, n)
