@@ -18,7 +18,8 @@ from .types import UserError  # noqa: E402
 PROG = "positronic-brain"
 
 
-MODEL_HELP = ("smollm2 (default), a local HF folder, or a tiny random model for tests: "
+MODEL_HELP = ("smollm2 (default), a .gguf file (llama, mistral, qwen2), a local HF folder, "
+              "or a tiny random model for tests: "
               "tiny-random, tiny-random-qwen2, tiny-random-mistral, tiny-random-llama3")
 
 

