@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 PROMPT ?= The three most important inventions in human history are
 ARGS   ?=
 
-.PHONY: install run test bench bench-report clean
+.PHONY: install run test lint bench bench-report clean
 
 install: $(STAMP)
 
@@ -27,8 +27,12 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(BIN)/positronic-brain run --prompt "$(PROMPT)" --max-new-tokens 48 --greedy $(ARGS)
 
-test: install
+test: install lint
 	$(BIN)/python -m pytest -q -ra $(ARGS)
+
+# No block of six or more lines repeated inside the package (pylint's duplicate-code alone).
+lint: install
+	$(BIN)/pylint positronic_brain
 
 bench: install
 	$(BIN)/positronic-brain bench speed --quick $(ARGS)

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 import pytest
 import torch
 
-from positronic_brain.model import load_model
+from positronic_brain.model import load_model  # the package sets the offline environment
 from positronic_brain.special_tokens import TokenPolicy
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -56,20 +52,20 @@ CAPTURE_STEPS = 24
 
 @pytest.fixture(scope="session")
 def captured_run(real_model, real_policy, tmp_path_factory):
-    from positronic_brain.capture import CaptureWriter
+    from positronic_brain.capture import CaptureTape
     from positronic_brain.loop import run
     from positronic_brain.types import CacheParams, SamplerParams
 
     cache = CacheParams(budget=24, sinks=2, recent=6, repair="merge", max_repairs=1,
                         reindex_at=40)
     sampler = SamplerParams(temperature=0.8, top_k=40, seed=11)
-    capture = CaptureWriter(tmp_path_factory.mktemp("captures"),
+    capture = CaptureTape(tmp_path_factory.mktemp("captures"),
                             {"model": real_model.name, "dtype": "float32",
                              "fingerprint": real_model.fingerprint}, level="full", run_id="run")
     segments = real_policy.chat([("system", "You are terse."),
                                  ("user", "Tell me about the moon and the tides.")])
     result = run(real_model, real_policy, segments, sampler, max_new_tokens=CAPTURE_STEPS,
-                 ignore_eos=True, cache_params=cache, capture=capture)
+                 ignore_eos=True, cache_params=cache, tape=capture)
     return capture.dir, result, cache
 
 

@@ -1,120 +1,124 @@
-"""Capture: the loop saves every stage call's inputs and outputs as plain data.
+"""Capture: the tape the loop records every stage call on, and the only reader of it.
 
 A run folder ``DIR/<run-id>/`` holds ``manifest.json`` and one file per stage call,
-``<step:06d>_<stage>.pt``: a dict of tensors, ints, floats, strings, lists, tuples and
-dicts only, so ``torch.load(..., weights_only=True)`` reads it and nothing is ever
-unpickled. Stage dataclasses become dicts tagged with ``"__type__"`` (a name from
-``positronic_brain.types``, looked up in a fixed table on the way back). Every write is
-atomic (temp file + rename); the manifest lists each whole file with its sha256, so an
-interrupted run leaves whole files and a manifest that says how far it got.
+``<step:06d>_<stage>.pt`` (``file_name``), plus ``state_<step:06d>.pt`` (the whole live
+state before a step, level ``full``). A file is a dict of plain data only (``plain.py``), so
+``torch.load(..., weights_only=True)`` reads it and nothing is ever unpickled. Every write
+is atomic; the manifest lists each whole file with its sha256, so an interrupted run leaves
+whole files and a manifest that says how far it got.
 
-Stages don't know capture exists: the loop calls ``CaptureWriter.save`` between them.
+The schema lives here alone: ``Tape`` is what the loop calls beside each stage (the no-op
+tape records nothing), ``CaptureTape`` writes it, and ``CaptureRun`` / ``StepFiles`` read
+it back for replay and inspect. An input that is another stage's output is stored once,
+where that stage wrote it. This version reads capture format ``FORMAT`` only.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import io
 import json
 import os
 import platform
+import re
 import time
+from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 import torch
+import transformers
 
-from . import types as _types
-from .types import UserError
+from .plain import atomic_write, from_plain, sha256, to_plain
+from .types import GenerateOut, UserError, require
+from .version import __version__
 
-FORMAT = 1
+FORMAT = 2
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
 EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step
 FILE_KEYS = ("format", "stage", "step", "model", "inputs", "outputs", "cache_len", "arena_version")
 MANIFEST_EVERY = 50  # past this many files the manifest is rewritten every N saves (and at close)
+LEDGER_COLUMNS = ("uid", "token_id", "position", "source", "brightness", "flags", "born_step",
+                  "attn_sum")  # what a file keeps of the view's ledger (what scorers read)
+_NAME = re.compile(r"(\d{6})_(s\d_\w+)\.pt")
 
 
-# --- plain data ---------------------------------------------------------------------------
-
-def _plain_types() -> dict[str, type]:
-    return {n: c for n, c in vars(_types).items()
-            if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == _types.__name__}
+def file_name(step: int, stage: str) -> str:
+    return f"{step:06d}_{stage}.pt"
 
 
-def to_plain(x):
-    """Dataclasses, tensors and containers -> plain data. Tensors are cloned: a view of the
-    arena would otherwise save the whole preallocated storage."""
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {"__type__": type(x).__name__,
-                **{f.name: to_plain(getattr(x, f.name)) for f in dataclasses.fields(x)}}
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, (list, tuple)):
-        return type(x)(to_plain(v) for v in x)
-    if isinstance(x, dict):
-        return {k: to_plain(v) for k, v in x.items()}
-    if isinstance(x, frozenset):
-        return tuple(sorted(x))
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, torch.dtype):
-        return str(x).removeprefix("torch.")
-    raise TypeError(f"cannot capture a {type(x).__name__} as plain data")
+def state_file_name(step: int) -> str:
+    return f"state_{step:06d}.pt"
 
 
-def from_plain(x):
-    """The inverse of ``to_plain``: ``"__type__"`` dicts become the named dataclass."""
-    if isinstance(x, dict):
-        if "__type__" in x:
-            cls = _plain_types().get(x["__type__"])
-            if cls is None:
-                raise UserError(f"unknown captured type {x['__type__']!r}")
-            names = {f.name for f in dataclasses.fields(cls)}
-            return cls(**{k: from_plain(v) for k, v in x.items() if k in names})
-        return {k: from_plain(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [from_plain(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(from_plain(v) for v in x)
-    return x
-
-
-# --- files --------------------------------------------------------------------------------
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _to_bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+def parse_name(name: str) -> tuple[int, str] | None:
+    """``"000012_s2_score.pt"`` -> (12, "s2_score"); None for any other file."""
+    m = _NAME.fullmatch(name)
+    return (int(m[1]), m[2]) if m else None
 
 
 def versions() -> dict:
-    import transformers
-
-    from . import __version__
     return {"positronic_brain": __version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 
-class CaptureWriter:
+def arena_version(state) -> int:
+    """A number that changes whenever the arena's or the ledger's contents change: the
+    tensors' in-place version counters plus the live counts (reads never bump them)."""
+    a, m = state.arena, state.ledger
+    tensors = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm) + tuple(getattr(m, c) for c in m.COLUMNS)
+    return hash((tuple(t._version for t in tensors), a.n, m.n, m.next_uid)) & (2 ** 62 - 1)
+
+
+def _view_columns(view) -> dict:
+    """The view's ledger columns and scalars (no K/V): what a scorer or inspect reads."""
+    return {**{c: getattr(view, c) for c in LEDGER_COLUMNS},
+            "pending_token": view.pending_token, "next_position": view.next_position,
+            "step": view.step, "n": view.n, "capacity": view.capacity}
+
+
+def _gen_outputs(gen: GenerateOut) -> dict:
+    """Stage 1's output as flat keys (``logits``, ``token_id``, ``top_tokens``, ...)."""
+    return {**{f.name: getattr(gen, f.name) for f in fields(gen)},
+            "top_tokens": [[i, p] for i, p in zip(gen.report.top_ids, gen.report.top_probs)]}
+
+
+def _snapshot(state) -> dict:
+    """The whole live state (level ``full``): K/V, log-mass and ledger of the live slots."""
+    view = state.view()
+    return {"arena_k": view.k, "arena_v": view.v,  # (L, kv_heads, n, head_dim), slot order
+            "arena_log_mass": state.arena.log_mass[:, :, :view.n],  # (L, kv_heads, n)
+            "ledger": {c: getattr(view, c) for c in LEDGER_COLUMNS},
+            "pending_token": state.pending_token, "next_position": state.next_position,
+            "step": state.step}
+
+
+# --- the tape the loop records on ---------------------------------------------------------
+
+class Tape:
+    """Records nothing: what a session without a capture runs with. The loop calls each
+    method beside its stage; ``CaptureTape`` writes them."""
+
+    dir: Path | None = None
+
+    def primed(self, state, segments, capacity, out) -> None: ...
+    def extended(self, state, segments, pending, n_before: int, patch) -> None: ...
+    def begin(self, state, rng_state) -> None: ...
+    def generated(self, view, sampler, force, gen) -> None: ...
+    def scored(self, view, cache_params, scores) -> None: ...
+    def decided(self, cache_params, actions) -> None: ...
+    def applied(self, patch) -> None: ...
+    def close(self, stop_reason: str | None, complete: bool = True) -> None: ...
+
+
+NO_TAPE = Tape()
+
+
+class CaptureTape(Tape):
     """Writes one run folder. ``level`` is ``light`` (stage files) or ``full`` (also the
     whole live state before each stage-1 call)."""
 
     def __init__(self, root: str | os.PathLike, manifest: dict, level: str = "light",
                  run_id: str | None = None):
-        if level not in ("light", "full"):
-            raise UserError(f"capture level must be light or full, got {level!r}")
+        require(level in ("light", "full"), f"capture level must be light or full, got {level!r}")
         given = run_id is not None
         base = run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
         for i in range(1, 1000):  # a generated id takes the next free suffix; a given one must be free
@@ -135,24 +139,66 @@ class CaptureWriter:
                          "last_file": None, "files": {}}
         self.level = level
         self._unsaved = 0
+        self._state = None  # the state the current step records
         self._write_manifest()
+
+    # the loop's calls, one per stage
+    def primed(self, state, segments, capacity, out) -> None:
+        self._state, view = state, state.view()
+        self._stage(0, "s0_prime", {"segments": segments, "capacity": capacity,
+                                    "pinned": state.pinned, "seeds": state.ledger.seeds},
+                    {"logits": out.logits, "patch": out.patch, "k": view.k, "v": view.v})
+
+    def extended(self, state, segments, pending, n_before: int, patch) -> None:
+        self._state, view = state, state.view()
+        self._stage(state.step, EXTEND, {"segments": segments, "pending": pending},
+                    {"patch": patch, "k": view.k[:, :, n_before:], "v": view.v[:, :, n_before:]})
+
+    def begin(self, state, rng_state) -> None:
+        self._state, self._rng = state, rng_state
+        if self.level == "full":
+            self._add(state_file_name(state.step + 1), _to_bytes(to_plain(_snapshot(state))),
+                      state.step + 1)
+
+    def generated(self, view, sampler, force, gen) -> None:
+        self._stage(view.step + 1, "s1_generate",
+                    {"view": _view_columns(view), "sampler": sampler,
+                     "generator_state": self._rng, "force": force}, _gen_outputs(gen))
+
+    def scored(self, view, cache_params, scores) -> None:
+        self._stage(view.step + 1, "s2_score",
+                    {"view": _view_columns(view), "cache_params": cache_params,
+                     "value_norms": view.vnorm}, {"out": scores})
+
+    def decided(self, cache_params, actions) -> None:
+        self._stage(self._state.step + 1, "s3_decide", {"cache_params": cache_params},
+                    {"out": actions})
+
+    def applied(self, patch) -> None:
+        self._stage(patch.step, "s4_apply", {}, {"out": patch})
+
+    def close(self, stop_reason: str | None, complete: bool = True) -> None:
+        self.manifest["complete"] = complete
+        self.manifest["stop_reason"] = stop_reason
+        self._write_manifest()
+
+    # files
+    def _stage(self, step: int, stage: str, inputs: dict, outputs: dict) -> Path:
+        s = self._state
+        return self.save(step, stage, inputs, outputs, cache_len=s.ledger.n,
+                         arena_version=arena_version(s))
 
     def save(self, step: int, stage: str, inputs: dict, outputs: dict, cache_len: int,
              arena_version: int) -> Path:
+        """Write one stage file (``file_name(step, stage)``)."""
         assert stage in STAGES or stage == EXTEND, stage
-        name = f"{step:06d}_{stage}.pt"
         data = _to_bytes({"format": FORMAT, "stage": stage, "step": step, "model": self.model,
                           "inputs": to_plain(inputs), "outputs": to_plain(outputs),
                           "cache_len": cache_len, "arena_version": arena_version})
-        return self._add(name, data, step)
-
-    def save_state(self, step: int, state: dict) -> Path:
-        """``state``: plain live state (see ``loop.live_state``), written when level is full."""
-        return self._add(f"state_{step:06d}.pt", _to_bytes(to_plain(state)), step)
+        return self._add(file_name(step, stage), data, step)
 
     def _add(self, name: str, data: bytes, step: int) -> Path:
-        path = self.dir / name
-        _atomic_write(path, data)
+        path = atomic_write(self.dir / name, data)
         files = self.manifest["files"]
         files[name] = sha256(data)
         self.manifest["last_step"], self.manifest["last_file"] = step, name
@@ -161,15 +207,15 @@ class CaptureWriter:
             self._write_manifest()
         return path
 
-    def close(self, stop_reason: str | None, complete: bool = True) -> None:
-        self.manifest["complete"] = complete
-        self.manifest["stop_reason"] = stop_reason
-        self._write_manifest()
-
     def _write_manifest(self) -> None:
-        _atomic_write(self.dir / "manifest.json",
-                      json.dumps(self.manifest, indent=1, sort_keys=False).encode())
+        atomic_write(self.dir / "manifest.json", json.dumps(self.manifest, indent=1).encode())
         self._unsaved = 0
+
+
+def _to_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 # --- reading ------------------------------------------------------------------------------
@@ -182,14 +228,15 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
         raise UserError(f"no manifest.json in {run_dir}: not a capture run folder") from None
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: unreadable manifest ({type(e).__name__})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise UserError(f"{path}: not a capture manifest of format {FORMAT}")
+    require(manifest.get("format") == FORMAT, f"{path}: capture format {manifest.get('format')} "
+            f"is not read by this version, which reads format {FORMAT}; capture the run again")
     return manifest
 
 
 def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
-              model: str | None = None) -> dict:
+              model: dict | str | None = None) -> dict:
     """Read one capture file as plain data; a wrong checksum, a truncated or non-plain file,
     or a file from another model raises ``UserError`` (one line). Nothing is unpickled."""
     path = Path(path)
@@ -205,52 +252,142 @@ def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
         raise UserError(f"{path.name}: not a plain-data capture file ({first})") from None
     if path.name.startswith("state_"):
-        if not isinstance(obj, dict) or "arena_k" not in obj:
-            raise UserError(f"{path.name}: not a captured state")
+        require(isinstance(obj, dict) and "arena_k" in obj, f"{path.name}: not a captured state")
         return obj
     if not isinstance(obj, dict) or any(k not in obj for k in FILE_KEYS) \
-            or obj["format"] != FORMAT or obj["stage"] not in (*STAGES, EXTEND):
+            or obj["stage"] not in (*STAGES, EXTEND):
         raise UserError(f"{path.name}: not a capture file of format {FORMAT}")
+    require(obj["format"] == FORMAT, f"{path.name}: capture format {obj['format']} is not read "
+            f"by this version, which reads format {FORMAT}")
     if model is not None and obj["model"] != model:
         raise UserError(f"{path.name}: captured from model {obj['model']!r}, not {model!r}")
     return obj
 
 
-# --- what the loop captures of the state (read-only) ---------------------------------------
-
-VIEW_COLUMNS = ("uid", "token_id", "position", "source", "brightness", "flags", "born_step",
-                "attn_sum")
-
-
-def view_columns(view) -> dict:
-    """The view's ledger columns and scalars (no K/V): what a scorer or inspect needs."""
-    return {**{c: getattr(view, c) for c in VIEW_COLUMNS},
-            "pending_token": view.pending_token, "next_position": view.next_position,
-            "step": view.step, "n": view.n, "capacity": view.capacity}
-
-
-def generate_outputs(gen) -> dict:
-    """Stage 1's output as flat capture keys (``logits``, ``token_id``, ``top_tokens``, ...)."""
-    return {**{f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)},
-            "top_tokens": [[i, p] for i, p in zip(gen.report.top_ids, gen.report.top_probs)]}
+def resolve_run(path: str | os.PathLike) -> Path:
+    """A run folder, or a capture root holding exactly one run."""
+    path = Path(path)
+    require(path.is_dir(), f"{path}: no such capture folder")
+    if (path / "manifest.json").is_file():
+        return path
+    runs = sorted(p for p in path.iterdir() if (p / "manifest.json").is_file())
+    require(len(runs) == 1, f"{path} holds {len(runs)} capture runs; name one of them" if runs
+            else f"{path}: no manifest.json here: not a capture run folder")
+    return runs[0]
 
 
-def state_snapshot(state) -> dict:
-    """The whole live state (``full`` capture level): K/V and ledger of the live slots."""
-    view = state.view()
-    return {"arena_k": view.k, "arena_v": view.v,  # (L, kv_heads, n, head_dim), slot order
-            "arena_log_mass": state.arena.log_mass[:, :, :view.n],  # (L, kv_heads, n)
-            "ledger": {c: getattr(view, c) for c in VIEW_COLUMNS},
-            "pending_token": state.pending_token, "next_position": state.next_position,
-            "step": state.step}
+class CaptureRun:
+    """A run folder, checked against its manifest; its files by step and stage."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.dir = resolve_run(path)
+        self.manifest = read_manifest(self.dir)
+        self.fingerprint = self.manifest.get("fingerprint")
+        files = self.manifest["files"]
+        missing = [n for n in files if not (self.dir / n).is_file()]
+        require(not missing, f"{missing[:1]} listed in the manifest but missing")
+        named = [p for p in map(parse_name, files) if p]
+        self.steps = sorted({t for t, st in named if st == "s4_apply"})  # generation steps
+        self.extends = sorted({t for t, st in named if st == EXTEND})
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest["files"]
+
+    def load(self, name: str) -> dict:
+        require(self.has(name), f"{name} is not in the manifest")
+        return load_file(self.dir / name, self.manifest["files"][name], model=self.fingerprint)
+
+    def prime(self) -> "StageFile":
+        name = file_name(0, "s0_prime")
+        require(self.has(name), f"{self.dir}: no prime capture ({name})")
+        return StageFile(name, self.load(name))
+
+    def extend(self, step: int) -> "StageFile | None":
+        """The chat turn prefilled after ``step``, if one was."""
+        name = file_name(step, EXTEND)
+        return StageFile(name, self.load(name)) if self.has(name) else None
+
+    def step(self, t: int) -> "StepFiles | None":
+        """Step ``t``'s four stage files; None unless all four were captured."""
+        names = [file_name(t, st) for st in STAGES[1:]]
+        if not all(map(self.has, names)):
+            return None
+        return StepFiles(t, *(StageFile(n, self.load(n)) for n in names),
+                         state=self.load(state_file_name(t))
+                         if self.has(state_file_name(t)) else None)
 
 
-def arena_version(state) -> int:
-    """A number that changes whenever the arena's or the ledger's contents change: the
-    tensors' in-place version counters plus the live counts (reads never bump them)."""
-    a, m = state.arena, state.ledger
-    tensors = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm) + tuple(getattr(m, c) for c in m.COLUMNS)
-    return hash((tuple(t._version for t in tensors), a.n, m.n, m.next_uid)) & (2 ** 62 - 1)
+@dataclass(frozen=True)
+class StageFile:
+    """One stage call: its file name and plain contents (``inputs``, ``outputs``, ...)."""
+
+    name: str
+    data: dict
+
+    @property
+    def stage(self) -> str:
+        return self.data["stage"]
+
+    @property
+    def inputs(self) -> dict:
+        return self.data["inputs"]
+
+    @property
+    def outputs(self) -> dict:
+        return self.data["outputs"]
+
+    @cached_property
+    def args(self) -> dict:
+        """The inputs as the objects the stage took (dataclasses rebuilt)."""
+        return from_plain(self.inputs)
+
+    @property
+    def out(self):
+        """Stages 2-4: the output dataclass (ScoreOut, Actions, Patch)."""
+        return from_plain(self.outputs["out"])
 
 
-from .types import SOURCES as SOURCES_NAMES  # noqa: E402  (inspect maps source indices to names)
+@dataclass(frozen=True)
+class StepFiles:
+    """The files of one generation step, typed: what each stage took and gave."""
+
+    step: int
+    generate: StageFile
+    score: StageFile
+    decide: StageFile
+    apply: StageFile
+    state: dict | None = None  # level full: the live state before the step
+
+    @property
+    def stages(self) -> tuple[StageFile, ...]:
+        return (self.generate, self.score, self.decide, self.apply)
+
+    @property
+    def view(self) -> dict:
+        """The ledger columns and scalars the step started from (plain)."""
+        return self.generate.inputs["view"]
+
+    @cached_property
+    def gen(self) -> GenerateOut:
+        out = self.generate.outputs
+        return GenerateOut(**{f.name: from_plain(out[f.name]) for f in fields(GenerateOut)})
+
+    @property
+    def top_tokens(self) -> list:
+        return self.generate.outputs["top_tokens"]
+
+    @property
+    def cache_params(self):
+        return self.score.args["cache_params"]
+
+    @property
+    def scores(self):
+        return self.score.out
+
+    @property
+    def actions(self):
+        return self.decide.out
+
+    @property
+    def patch(self):
+        return self.apply.out

@@ -23,16 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .capture import CaptureWriter
-from .loop import Session
+from .capture import NO_TAPE, Tape
+from .loop import Session, arena_capacity
 from .model import Model
 from .special_tokens import TextStream, TokenPolicy
-from .state import FLAG_PROTECTED
+from .stages.decide import turn_room
 from .streaming import StreamEvent
-from .types import SOURCES, CacheParams, SamplerParams, Segment, StepRecord, require
+from .types import CacheParams, SamplerParams, Segment, StepRecord, Totals, require
 
 DEFAULT_BUDGET = 1024  # or a quarter of the model's positions, if less
-USER = SOURCES.index("user")
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class Reply:
 class Chat:
     """A conversation: ``say(text) -> reply text`` or ``stream(text)`` (StreamEvents).
 
-    A chat always has a budget (``cache.budget`` None: DEFAULT_BUDGET). With compact
+    A chat always has a budget (``cache_params.budget`` None: DEFAULT_BUDGET). With compact
     positions it re-indexes early enough (``reindex_at`` at most max positions - budget) that
     a turn always finds positions; the arena holds 2 x budget slots, room for the cache at the
     budget plus a new turn until the next step culls back down to it.
@@ -60,7 +59,7 @@ class Chat:
 
     def __init__(self, model: Model, policy: TokenPolicy, system: str | None = None,
                  sampler: SamplerParams | None = None, cache_params: CacheParams | None = None,
-                 max_new_tokens: int = 256, capture: CaptureWriter | None = None,
+                 max_new_tokens: int = 256, tape: Tape = NO_TAPE,
                  session: Session | None = None):
         require(policy.chat_format is not None,
                 "no chat format known for this tokenizer (ChatML or Llama-3 markers)")
@@ -69,15 +68,14 @@ class Chat:
         self.close_ids = policy.encode(policy.chat_format.turn_close)  # e.g. <|im_end|> \n
         if session is None:
             session = Session(model, policy, sampler or SamplerParams(),
-                              self._chat_cache(model, cache_params or CacheParams()), capture=capture)
+                              self._chat_params(model, cache_params or CacheParams()), tape=tape)
         self.session = session
-        state, budget = session.state, session.cache_params.budget
+        state, params = session.state, session.cache_params
         self.capacity = state.arena.capacity if state else \
-            2 * budget if budget else model.spec.max_positions
+            arena_capacity(model, params, 0, room=params.budget or 0)
         self.transcript: list[tuple[str, str | tuple[int, ...]]] = []  # this process's turns
         self.last: Reply | None = None
-        self.totals = {"turns": 0, "steps": 0, "ms": 0.0, "culled": 0, "folded": 0,
-                       "repaired": 0, "reindexed": 0}
+        self.turns, self.totals = 0, Totals()
         self.cache_lens: deque[int] = deque(maxlen=240)  # the last steps' cache lengths
         self._turn_rows: list[dict] = []  # the ledger when the current turn opened
         if system is not None:
@@ -91,22 +89,22 @@ class Chat:
         return cls(session.model, session.policy, max_new_tokens=max_new_tokens, session=session)
 
     @staticmethod
-    def _chat_cache(model: Model, cache: CacheParams) -> CacheParams:
+    def _chat_params(model: Model, params: CacheParams) -> CacheParams:
         limit = model.spec.max_positions
-        budget = cache.budget or min(DEFAULT_BUDGET, limit // 4)
+        budget = params.budget or min(DEFAULT_BUDGET, limit // 4)
         require(2 * budget < limit, f"a chat budget must be below half the model's {limit} "
                 f"positions (room for a turn past the budget), got {budget}")
-        if cache.positions == "keep":
-            return dataclasses.replace(cache, budget=budget)
-        return dataclasses.replace(cache, budget=budget,
-                                   reindex_at=min(cache.reindex_at or limit, limit - budget))
+        if params.positions == "keep":
+            return dataclasses.replace(params, budget=budget)
+        return dataclasses.replace(params, budget=budget,
+                                   reindex_at=params.reindex_position(limit - budget))
 
     def _prime_system(self, system: str) -> None:
         segments = self.policy.chat([("system", system)], add_generation_prompt=False)
-        n, cache = sum(len(s.ids) for s in segments), self.session.cache_params
-        need = max(n, cache.sinks) + (cache.recent if cache.prune == "tokens" else 0) + 1
-        require(need < cache.budget, f"the system prompt has {n} tokens: it leaves no room "
-                f"for a turn in the budget of {cache.budget}")
+        n, params = sum(len(s.ids) for s in segments), self.session.cache_params
+        need = max(n, params.sinks) + (params.recent if params.prune == "tokens" else 0) + 1
+        require(need < params.budget, f"the system prompt has {n} tokens: it leaves no room "
+                f"for a turn in the budget of {params.budget}")
         self.session.prime(segments, self.capacity)
         self.transcript.append(("system", system))
 
@@ -139,24 +137,14 @@ class Chat:
         return close
 
     def _check_fits(self, turn_len: int) -> None:
-        """The turn, the tokens no cull may remove and (pruning whole turns, where only older
-        turns can make room) the longest reply must fit the budget together."""
-        cache, state = self.session.cache_params, self.session.state
-        if cache.budget is None:  # a resumed session without one: only the arena limits
+        """The turn must fit the room stage 3 leaves it (``decide.turn_room``)."""
+        params, state = self.session.cache_params, self.session.state
+        if params.budget is None:  # a resumed session without one: only the arena limits
             return
-        kept = 0
-        if state is not None:
-            view = state.view()
-            pinned = (view.flags & FLAG_PROTECTED) != 0  # (n,)
-            kept = int(pinned.sum())
-            if cache.prune == "turns":  # and whatever precedes the first turn
-                users = view.position[view.source == USER]
-                first = int(users.min()) if users.numel() else state.next_position + 1
-                kept += int((~pinned & (view.position < first)).sum())
-        reply = self.max_new_tokens if cache.prune == "turns" else 0
-        room = cache.budget - kept - reply - 1
+        room, kept = turn_room(state and state.view(), params, self.max_new_tokens)
+        reply = self.max_new_tokens if params.prune == "turns" else 0
         require(turn_len <= room, f"the turn adds {turn_len} tokens; the budget of "
-                f"{cache.budget} leaves room for {max(room, 0)} ({kept} kept"
+                f"{params.budget} leaves room for {max(room, 0)} ({kept} kept"
                 + (f", {reply} for the reply)" if reply else ")"))
 
     def stream(self, text: str) -> Iterator[StreamEvent]:
@@ -170,7 +158,7 @@ class Chat:
         else:
             s.extend(segments, pending)
         self.transcript.append(("user", text))
-        self.totals["turns"] += 1
+        self.turns += 1
         self.max_position = max(self.max_position, s.state.next_position)
         self._turn_rows = s.state.ledger.rows()
         out, ids, steps, done = TextStream(self.policy), [], [], False
@@ -198,13 +186,7 @@ class Chat:
         return self.last.text
 
     def _tally(self, rec: StepRecord) -> None:
-        t = self.totals
-        t["steps"] += 1
-        t["ms"] += rec.ms
-        t["culled"] += len(rec.culled)
-        t["folded"] += rec.folded
-        t["repaired"] += len(rec.repaired)
-        t["reindexed"] += rec.reindexed
+        self.totals.add(rec)
         self.cache_lens.append(rec.cache_len)
         self.max_position = max(self.max_position, self.session.state.next_position)
 
@@ -212,18 +194,17 @@ class Chat:
 
     def stats(self) -> dict:
         """Plain values: turns, cache length/budget/capacity, positions, ms/token (mean over
-        all steps; the last reply's median), culls (and how many of them folded), repairs and
-        re-indexes so far."""
-        s, t = self.session, self.totals
-        state = s.state
-        return {"turns": t["turns"], "cache_len": state.arena.n if state else 0,
-                "budget": s.cache_params.budget, "capacity": self.capacity, "prune": s.cache_params.prune,
-                "policy": s.cache_params.scorer, "next_position": state.next_position if state else 0,
-                "max_position": self.max_position, "steps": t["steps"],
-                "ms_per_token": round(t["ms"] / t["steps"], 3) if t["steps"] else 0.0,
+        all steps; the last reply's median) and the edits so far (``Totals``)."""
+        s, t, state = self.session, self.totals, self.session.state
+        return {"turns": self.turns, "cache_len": state.arena.n if state else 0,
+                "budget": s.cache_params.budget, "capacity": self.capacity,
+                "prune": s.cache_params.prune, "policy": s.cache_params.scorer,
+                "next_position": state.next_position if state else 0,
+                "max_position": self.max_position, "steps": t.steps,
+                "ms_per_token": t.ms_per_token,
                 "last_ms_per_token": round(self.last.ms_per_token, 3) if self.last else 0.0,
-                "culled": t["culled"], "folded": t["folded"], "repaired": t["repaired"],
-                "reindexed": t["reindexed"]}
+                "culled": t.culled, "folded": t.folded, "merged": t.merged,
+                "reindexed": t.reindexed}
 
     def context(self) -> tuple[list[dict], set[int], set[int]]:
         """Ledger rows to show (the live ones, and those culled since the current turn

@@ -4,11 +4,8 @@ Used by stage 0 (chunked prefill; stage 0 then writes the returned K/V), stage 1
 (T = 1) and repair (with some live slots masked). It reads weights and the live
 K/V views and never writes to them: the new tokens' K/V are returned as outputs,
 and attention over ``[live keys, new keys]`` is computed as two score blocks
-joined by one softmax, so the past is never concatenated or copied. (In bfloat16,
-oneDNN's batched product itself copies a strided operand, the live K and V being views
-into the longer arena, inside each layer; the speed benchmark's allocation count shows
-it. A product over the arena's whole dense block, as ``fold_targets`` does, would not
-copy, but at long contexts it is slower here. Float32's MKL product reads them in place.)
+joined by one softmax, so the past is never concatenated (docs/BENCHMARKS.md says what
+the bfloat16 product still copies inside a layer).
 """
 from __future__ import annotations
 

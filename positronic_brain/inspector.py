@@ -16,10 +16,11 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from .capture import SOURCES_NAMES, load_file, read_manifest
+from .capture import CaptureRun, load_file
+from .model import load_model
 from .render import context_text, sparkline, steps_table
-from .replay import resolve_run
-from .types import require
+from .special_tokens import TokenPolicy
+from .types import SOURCES, require
 
 
 def _tree(label: str, x, tree: Tree | None = None) -> Tree:
@@ -67,63 +68,48 @@ def inspect_file(path: Path, console: Console) -> None:
                         if "inputs" in data else data))
 
 
-def inspect_run(run_dir: Path, console: Console, step: int | None = None, last: int = 30) -> None:
-    from .model import load_model
-    from .special_tokens import TokenPolicy
-
-    manifest = read_manifest(run_dir)
-    files = manifest["files"]
-    fp = manifest.get("fingerprint")
-
-    def load(name: str) -> dict:
-        return load_file(run_dir / name, files[name], model=fp)
-
+def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last: int = 30) -> None:
+    manifest = run.manifest
     info = Table.grid(padding=(0, 2))
     for k in ("run_id", "model", "dtype", "level", "complete", "stop_reason", "last_step"):
         info.add_row(k, str(manifest.get(k)))
     for k, v in (manifest.get("params") or {}).items():
         info.add_row(k, _short(v))
     info.add_row("versions", ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items()))
-    console.print(Panel(info, title=f"capture {run_dir}"))
+    console.print(Panel(info, title=f"capture {run.dir}"))
 
     policy = TokenPolicy(load_model(manifest["model"], manifest["dtype"]).tokenizer)
-    steps = sorted({int(n[:6]) for n in files if n[:6].isdigit() and n.endswith("_s4_apply.pt")})
-    rows = []
-    for t in steps[-last:]:
-        s1, patch = load(f"{t:06d}_s1_generate.pt"), load(f"{t:06d}_s4_apply.pt")
-        p = patch["outputs"]["out"]
-        rows.append({"step": t, "token_id": s1["outputs"]["token_id"],
-                     "top": s1["outputs"]["top_tokens"], "cache_len": patch["cache_len"],
-                     "culled": p["culled_uids"], "repaired": p["repairs"],
-                     "reindexed": p["reindex_to"] is not None})
+    steps = [f for f in map(run.step, run.steps) if f is not None]
+    rows = [{"step": f.step, "token_id": f.gen.token_id, "top": f.top_tokens,
+             "cache_len": f.apply.data["cache_len"], "culled": f.patch.culled_uids,
+             "merged": f.patch.repairs, "reindexed": f.patch.reindex_to is not None}
+            for f in steps[-last:]]
     console.print(steps_table(rows, policy.token_text, title=f"steps ({len(steps)} in all)"))
-
-    lengths = [load(f"{t:06d}_s4_apply.pt")["cache_len"] for t in steps] if len(steps) <= 2000 \
-        else [r["cache_len"] for r in rows]
+    lengths = [f.apply.data["cache_len"] for f in steps]
     if lengths:
         console.print(f"cache length over steps  {min(lengths)}..{max(lengths)}  "
                       f"{sparkline(lengths)}")
 
-    t = step if step is not None else (steps[-1] if steps else None)
-    require(t is None or t in steps, f"step {t} is not in this capture")
+    t = step if step is not None else (steps[-1].step if steps else None)
+    require(t is None or t in run.steps, f"step {t} is not in this capture")
     if t is None:
         return
-    s2, s4 = load(f"{t:06d}_s2_score.pt"), load(f"{t:06d}_s4_apply.pt")
-    view, out, patch = s2["inputs"]["view"], s2["outputs"]["out"], s4["outputs"]["out"]
-    bright = out["brightness"] if out.get("brightness") is not None else view["brightness"]
+    f = next(f for f in steps if f.step == t)
+    view, out, patch = f.view, f.scores, f.patch
+    bright = out.brightness if out.brightness is not None else view["brightness"]
     ledger = [{"uid": int(u), "token_id": int(tok), "position": int(pos),
-               "source": SOURCES_NAMES[int(src)], "brightness": float(b)}
+               "source": SOURCES[int(src)], "brightness": float(b)}
               for u, tok, pos, src, b in zip(view["uid"], view["token_id"], view["position"],
                                               view["source"], bright)]
-    merged = [u for r in patch["repairs"] for u in r["uids"]]
-    max_b = float(s2["inputs"]["cache"]["max_brightness"])
+    merged = [u for r in patch.repairs for u in r.uids]
     legend = Text.assemble(("bright", "rgb(255,225,60)"), " … ", ("dim", "rgb(70,70,90)"), "   ",
                            ("culled", "strike red"), "   ", ("merged pair", "bold underline cyan"))
-    console.print(Panel(Group(context_text(ledger, policy.token_text, culled=patch["culled_uids"],
-                                           repaired=merged, max_brightness=max_b), Text(""),
-                              legend),
+    console.print(Panel(Group(context_text(ledger, policy.token_text, culled=patch.culled_uids,
+                                           merged=merged,
+                                           max_brightness=f.cache_params.max_brightness),
+                              Text(""), legend),
                         title=f"context at step {t} ({len(ledger)} live slots, "
-                              f"{len(patch['culled_uids'])} culled, {len(patch['repairs'])} merged)"))
+                              f"{len(patch.culled_uids)} culled, {len(patch.repairs)} merged)"))
 
 
 def main(path: str, step: int | None = None, last: int = 30, out=None) -> int:
@@ -133,5 +119,5 @@ def main(path: str, step: int | None = None, last: int = 30, out=None) -> int:
     if p.is_file():
         inspect_file(p, console)
     else:
-        inspect_run(resolve_run(p), console, step, last)
+        inspect_run(CaptureRun(p), console, step, last)
     return 0

@@ -1,23 +1,22 @@
-"""The loop: prime once, then step through the stages, one token per step.
+"""The loop: prime once, then one token per step through the four stages.
 
-    state = stage0.prime(model, segments)                       # mutation
+    state = stage0.prime(model, segments)                           # mutation
     repeat:
         gen     = stage1.generate(model, view, sampler)             # read-only
         scores  = stage2.score(view, gen.attention, scorer)         # read-only
         actions = stage3.decide(model, view, scores, cache_params)  # read-only
         patch   = stage4.apply(model, state, gen, actions)          # the only mutation
 
-The loop iterates, reports and captures (``capture.CaptureWriter``: each stage call's
-inputs and outputs saved between the stages); stages don't know about it.
+The loop iterates and reports; a ``Tape`` (``capture.py``) records each stage call beside
+it. Stages don't know the tape exists.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from .capture import (CaptureWriter, arena_version, generate_outputs, state_snapshot,
-                      view_columns)
+from .capture import NO_TAPE, Tape
 from .model import Model
 from .sampler import make_generator
 from .scorers import make_scorer
@@ -27,8 +26,18 @@ from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import score
 from .state import State
-from .streaming import astream
-from .types import CacheParams, Patch, SamplerParams, Segment, StepRecord, require
+from .types import CacheParams, Patch, SamplerParams, Segment, StepRecord, Totals, require
+
+
+def arena_capacity(model: Model, cache_params: CacheParams, n_prompt: int,
+                   new_tokens: int | None = None, room: int = 0) -> int:
+    """The arena's slots. With a budget: the budget plus ``room`` (a chat turn's), or the
+    prompt if longer (the first step then culls down to the budget). Without: the prompt
+    plus ``new_tokens``, or the model's positions when that is unknown; never more."""
+    limit = model.spec.max_positions
+    if cache_params.budget is not None:
+        return max(cache_params.budget + room, n_prompt)
+    return max(1, min(n_prompt + new_tokens, limit)) if new_tokens is not None else limit
 
 
 @dataclass
@@ -43,35 +52,25 @@ class Session:
     prompt_ids: list[int] = field(default_factory=list)
     generated_ids: list[int] = field(default_factory=list)
     stop_reason: str | None = None
-    capture: CaptureWriter | None = None
+    tape: Tape = NO_TAPE
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.sampler.seed)
         self.scorer = make_scorer(self.cache_params)
-        limit = self.model.spec.max_positions
-        require(self.cache_params.reindex_at is None or self.cache_params.reindex_at <= limit,
-                f"reindex-at {self.cache_params.reindex_at} is past the model's {limit} positions")
-        require(self.cache_params.budget is None or self.cache_params.budget < limit,
-                f"budget {self.cache_params.budget} must be below the model's {limit} positions")
+        self.cache_params.check_positions(self.model.spec.max_positions)
 
     def prime(self, segments: list[Segment], capacity: int | None = None) -> None:
-        """Stage 0 over the prompt segments (what the special-token policy produced).
-
-        ``capacity`` defaults to the budget (or the prompt, if longer; the first step then
-        culls down to the budget) or, without a budget, to the model's positions."""
+        """Stage 0 over the prompt segments (what the special-token policy produced), into
+        an arena of ``capacity`` slots (default: ``arena_capacity``)."""
+        n_prompt = sum(len(s.ids) for s in segments)
+        capacity = capacity or arena_capacity(self.model, self.cache_params, n_prompt)
         budget = self.cache_params.budget
-        if budget is not None:
-            n_prompt = sum(len(s.ids) for s in segments)
-            capacity = capacity or max(budget, n_prompt)
-            require(capacity >= budget, f"capacity {capacity} is smaller than the budget {budget}")
-        pinned = frozenset(self.cache_params.pinned)
-        self.state, out = prime(self.model, segments, capacity, pinned=pinned,
+        require(budget is None or capacity >= budget,
+                f"capacity {capacity} is smaller than the budget {budget}")
+        self.state, out = prime(self.model, segments, capacity,
+                                pinned=frozenset(self.cache_params.pinned),
                                 seeds=self.cache_params.seeds)
-        if self.capture:
-            view = self.state.view()
-            self._save(0, "s0_prime", {"segments": segments, "capacity": view.capacity,
-                                       "pinned": pinned, "seeds": self.cache_params.seeds},
-                       {"logits": out.logits, "patch": out.patch, "k": view.k, "v": view.v})
+        self.tape.primed(self.state, segments, capacity, out)
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []
         self.stop_reason = None
@@ -79,67 +78,29 @@ class Session:
     def extend(self, segments: list[Segment], pending: int | None = None) -> Patch:
         """Stage 0 on the live state (a chat turn): prefill the pending token and the new
         segments but their last id, which becomes pending (``pending`` replaces the old
-        pending token first). Pinned sources are protected. Captured as ``s0_extend`` at the
-        current step; replay re-runs it there."""
+        pending token first). Recorded at the current step; replay re-runs it there."""
         require(self.state is not None, "prime the session before extending it")
-        pinned, n = frozenset(self.cache_params.pinned), self.state.arena.n
-        patch = extend(self.model, self.state, segments, pinned=pinned, pending=pending)
-        if self.capture:
-            view = self.state.view()
-            self._save(self.state.step, "s0_extend",
-                       {"segments": segments, "pinned": pinned, "pending": pending},
-                       {"patch": patch, "k": view.k[:, :, n:], "v": view.v[:, :, n:]})
+        n = self.state.arena.n
+        patch = extend(self.model, self.state, segments, pending=pending)
+        self.tape.extended(self.state, segments, pending, n, patch)
         return patch
 
     def step(self, force: int | None = None) -> StepRecord:
-        """One token through the stages: 1) generate, 2) score, 3) decide (read-only),
-        4) apply (the only mutation). ``force`` (teacher forcing) is the next pending
+        """One token through the stages. ``force`` (teacher forcing) is the next pending
         token instead of a sampled one; the record's ``logprob`` is the model's for it."""
         require(self.state is not None, "prime the session before stepping")
-        t0 = time.perf_counter()
-        view, cap, step = self.state.view(), self.capture, self.state.step + 1
-        if cap:
-            rng = self.generator.get_state()  # the sampler's randomness is a captured input
-            if cap.level == "full":
-                cap.save_state(step, state_snapshot(self.state))
-        gen = generate(self.model, view, self.sampler, self.generator, force)  # 1)
-        if cap:
-            self._save(step, "s1_generate", {"view": view_columns(view), "sampler": self.sampler,
-                                             "generator_state": rng, "force": force},
-                       generate_outputs(gen))
-        scores = score(view, gen.attention, self.scorer)  # 2)
-        if cap:
-            self._save(step, "s2_score", {"view": view_columns(view), "cache": self.cache_params,
-                                          "attention": "s1_generate.outputs.attention",
-                                          "value_norms": view.vnorm},
-                       {"out": scores})
-        actions = decide(self.model, view, scores, self.cache_params)  # 3)
-        if cap:
-            self._save(step, "s3_decide", {"cache": self.cache_params, "scores": "s2_score.outputs.out"},
-                       {"out": actions})
-        patch = apply(self.model, self.state, gen, actions)  # 4)
-        if cap:
-            self._save(step, "s4_apply", {"gen": "s1_generate.outputs",
-                                          "actions": "s3_decide.outputs.out"}, {"out": patch})
-        ms = (time.perf_counter() - t0) * 1e3
+        t0, view, tape = time.perf_counter(), self.state.view(), self.tape
+        tape.begin(self.state, self.generator.get_state())  # the sampler's randomness is an input
+        gen = generate(self.model, view, self.sampler, self.generator, force)  # 1) read-only
+        tape.generated(view, self.sampler, force, gen)
+        scores = score(view, gen.attention, self.scorer)  # 2) read-only
+        tape.scored(view, self.cache_params, scores)
+        actions = decide(self.model, view, scores, self.cache_params)  # 3) read-only
+        tape.decided(self.cache_params, actions)
+        patch = apply(self.model, self.state, gen, actions)  # 4) the only mutation
+        tape.applied(patch)
         self.generated_ids.append(gen.token_id)
-        return StepRecord(step=self.state.step, token_id=gen.token_id,
-                          cache_len=self.state.arena.n, ms=round(ms, 3),
-                          top_ids=gen.report.top_ids, top_probs=gen.report.top_probs,
-                          logprob=float(gen.logits.log_softmax(-1)[gen.token_id]),
-                          culled=patch.culled_uids,
-                          repaired=tuple((r.uids, r.token_id, u)
-                                         for r, u in zip(patch.repairs, patch.repaired_uids)),
-                          folded=len(patch.folds), reindexed=patch.reindex_to is not None)
-
-    def _save(self, step: int, stage: str, inputs: dict, outputs: dict) -> None:
-        self.capture.save(step, stage, inputs, outputs, cache_len=self.state.ledger.n,
-                          arena_version=arena_version(self.state))
-
-    def astream(self, max_new_tokens: int, ignore_eos: bool = False):
-        """``stream`` as an async iterator of StreamEvents, stepping in a worker thread
-        (see ``positronic_brain.streaming``)."""
-        return astream(self, max_new_tokens, ignore_eos)
+        return StepRecord.of(self.state, gen, patch, (time.perf_counter() - t0) * 1e3)
 
     def stream(self, max_new_tokens: int, ignore_eos: bool = False,
                force: Sequence[int] | None = None) -> Iterator[StepRecord]:
@@ -167,31 +128,32 @@ class Session:
 
 def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: SamplerParams,
         max_new_tokens: int = 64, ignore_eos: bool = False, capacity: int | None = None,
-        on_text=None, cache_params: CacheParams | None = None,
-        capture: CaptureWriter | None = None) -> dict:
-    """Prime and generate; returns the run as plain JSON-ready values.
+        on_text=None, cache_params: CacheParams | None = None, tape: Tape = NO_TAPE) -> dict:
+    """Prime and generate; returns the run as plain JSON-ready values (``totals``: the
+    run's ``Totals``).
 
-    ``capacity`` defaults to what the run needs: with a budget, the budget (or the prompt
-    if longer); without, prompt + new tokens, capped by the model's positions.
-    ``on_text(delta)`` receives the streamed text. With ``capture``, every stage call is
-    saved to its run folder (closed when the run ends, marked incomplete if it fails).
+    ``capacity`` defaults to ``arena_capacity`` for the prompt and ``max_new_tokens``.
+    ``on_text(delta)`` receives the streamed text. The tape is closed when the run ends
+    (marked incomplete if it fails).
     """
-    cache = cache_params or CacheParams()
+    cache_params = cache_params or CacheParams()
     n_prompt = sum(len(s.ids) for s in segments)
-    if capacity is None and cache.budget is None:
-        capacity = max(1, min(n_prompt + max_new_tokens, model.spec.max_positions))
-    session = Session(model, policy, sampler, cache, capture=capture)
-    text = TextStream(policy)
-    steps = []
+    capacity = capacity or arena_capacity(model, cache_params, n_prompt, max_new_tokens)
+    session = Session(model, policy, sampler, cache_params, tape=tape)
+    text, steps, totals = TextStream(policy), [], Totals()
     try:
         session.prime(segments, capacity)
-        _generate(session, policy, text, steps, max_new_tokens, ignore_eos, on_text)
+        for rec in session.stream(max_new_tokens, ignore_eos):
+            steps.append(rec.as_json())
+            totals.add(rec)
+            if ignore_eos or not policy.is_eos(rec.token_id):  # the stop token ends the text
+                delta = text.push(rec.token_id)
+                if on_text and delta:
+                    on_text(delta)
     except BaseException as e:
-        if capture:
-            capture.close(f"{type(e).__name__}", complete=False)
+        tape.close(type(e).__name__, complete=False)
         raise
-    if capture:
-        capture.close(session.stop_reason)
+    tape.close(session.stop_reason)
     session.state.check_valid()
     return {
         "model": model.name,
@@ -201,23 +163,8 @@ def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: Sam
         "text": text.text,
         "stop_reason": session.stop_reason,
         "steps": steps,
+        "totals": asdict(totals),
         "ledger": session.state.ledger.rows(),
         "pending_token": session.state.pending_token,
-        **({"capture": str(capture.dir)} if capture else {}),
+        **({"capture": str(tape.dir)} if tape.dir else {}),
     }
-
-
-def _generate(session: Session, policy: TokenPolicy, text: TextStream, steps: list,
-              max_new_tokens: int, ignore_eos: bool, on_text) -> None:
-    for rec in session.stream(max_new_tokens, ignore_eos):
-        steps.append({"step": rec.step, "token_id": rec.token_id, "cache_len": rec.cache_len,
-                      "ms": rec.ms, "top": [[i, p] for i, p in zip(rec.top_ids, rec.top_probs)],
-                      "culled": list(rec.culled),
-                      "repaired": [{"uids": list(u), "token_id": t, "uid": new}
-                                   for u, t, new in rec.repaired],
-                      "folded": rec.folded, "reindexed": rec.reindexed})
-        if not ignore_eos and policy.is_eos(rec.token_id):
-            continue  # the stop token ends the text (it stays in generated_ids)
-        delta = text.push(rec.token_id)
-        if on_text and delta:
-            on_text(delta)

@@ -27,9 +27,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a hub
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 import torch
 import transformers
 from torch import nn

@@ -24,18 +24,18 @@ def brightness_style(b: float, max_b: float) -> str:
 
 
 def context_text(rows: Iterable[dict], token_text: Callable[[int], str],
-                 culled: Iterable[int] = (), repaired: Iterable[int] = (),
+                 culled: Iterable[int] = (), merged: Iterable[int] = (),
                  max_brightness: float = 255.0) -> Text:
     """``rows``: ledger rows ``{uid, token_id, position, source, brightness}``, any order
-    (shown in position order). Culled uids are struck through in red; repaired (merged-in)
+    (shown in position order). Culled uids are struck through in red; merged-in
     tokens are underlined in cyan."""
-    culled, repaired = set(culled), set(repaired)
+    culled, merged = set(culled), set(merged)
     text = Text()
     for row in sorted(rows, key=lambda r: r["position"]):
         piece = token_text(row["token_id"])
         if row["uid"] in culled:
             style = "strike red"
-        elif row["uid"] in repaired:
+        elif row["uid"] in merged:
             style = "bold underline cyan"
         else:
             style = f"{brightness_style(row['brightness'], max_brightness)} " \
@@ -59,8 +59,8 @@ def sparkline(values: Sequence[float], width: int = 60) -> str:
 def steps_table(steps: Sequence[dict], token_text: Callable[[int], str], title: str = "steps",
                 limit: int = 40) -> Table:
     """One row per step: chosen token, top alternatives with probabilities, cache length,
-    culls/repairs. ``steps``: dicts with step, token_id, cache_len and optional top,
-    culled, repaired, reindexed, ms. Shows the last ``limit`` steps."""
+    culls/merges. ``steps``: dicts with step, token_id, cache_len and optional top,
+    culled, merged, reindexed, ms. Shows the last ``limit`` steps."""
     table = Table(title=title, show_lines=False, header_style="bold")
     for col, kw in (("step", {"justify": "right"}), ("token", {}), ("top alternatives", {}),
                     ("cache", {"justify": "right"}), ("patch", {}), ("ms", {"justify": "right"})):
@@ -70,8 +70,8 @@ def steps_table(steps: Sequence[dict], token_text: Callable[[int], str], title: 
         patch = []
         if s.get("culled"):
             patch.append(f"-{len(s['culled'])}")
-        if s.get("repaired"):
-            patch.append(f"merge {len(s['repaired'])}")
+        if s.get("merged"):
+            patch.append(f"merge {len(s['merged'])}")
         if s.get("reindexed"):
             patch.append("reindex")
         ms = s.get("ms")

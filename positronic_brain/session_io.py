@@ -1,14 +1,14 @@
 """Session export/import: one safetensors file; nothing is ever unpickled.
 
 Tensors: the arena's live prefix ``arena.k`` / ``arena.v`` (L, kv_heads, n, head_dim) and
-``arena.log_mass`` (L, kv_heads, n) (folded slots; optional on reading), every
-ledger column ``ledger.<name>`` (n,) (whatever ``Ledger.COLUMNS`` lists) and the sampler's
-generator state ``generator`` (uint8). The str->str safetensors header holds JSON: the model's
-fingerprint, the rest of the ledger and state (capacity, next uid, repair history, pending
-token, its source and position, step), the session's plain fields (prompt and generated ids,
-sampler and cache params, ...) and a sha256 over all of it, so a modified or truncated file
-is refused. The write is atomic (temp file + rename). The arena and ledger are written back
-by ``stages.apply.restore``, the only module that writes them.
+``arena.log_mass`` (L, kv_heads, n), every ledger column ``ledger.<name>`` (n,) (whatever
+``Ledger.COLUMNS`` lists) and the sampler's generator state ``generator`` (uint8). The
+str->str safetensors header holds JSON (``plain.to_plain(..., json=True)``): the model's
+fingerprint, the rest of the ledger and state (capacity, next uid, merge history, pending
+token, its source and position, step), the session's plain fields (prompt and generated
+ids, sampler and cache parameters, ...) and a sha256 over all of it, so a modified or
+truncated file is refused. The write is atomic. Loading checks every shape, dtype, column
+and token id here; ``stages.apply.restore`` (stage 0, the only writer) then writes them back.
 """
 from __future__ import annotations
 
@@ -22,55 +22,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from . import types as _types
-from .capture import _atomic_write
 from .loop import Session
 from .model import Model
+from .plain import atomic_write, from_plain, to_plain
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
 from .state import Ledger, State
 from .types import UserError, require
 
-FORMAT = "positronic-brain-session/1"
-# Session fields not saved as JSON: rebuilt on load, or (a capture run folder) owned by the
+FORMAT = "positronic-brain-session/2"
+# Session fields not saved as JSON: rebuilt on load, or (a capture's tape) owned by the
 # saving process; a loaded session starts without a capture.
-RUNTIME = ("model", "policy", "state", "capture")
-
-
-# --- plain JSON with exact types: tuples, int-keyed dicts and our frozen dataclasses ------
-
-def _plain(x):
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {"__type__": type(x).__name__,
-                **{f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}}
-    if isinstance(x, tuple):
-        return {"__tuple__": [_plain(v) for v in x]}
-    if isinstance(x, dict):
-        return {"__pairs__": [[_plain(k), _plain(v)] for k, v in x.items()]}
-    if isinstance(x, list):
-        return [_plain(v) for v in x]
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    raise TypeError(f"cannot save a {type(x).__name__} in a session file")
-
-
-def _unplain(x):
-    if isinstance(x, list):
-        return [_unplain(v) for v in x]
-    if not isinstance(x, dict):
-        return x
-    if "__tuple__" in x:
-        return tuple(_unplain(v) for v in x["__tuple__"])
-    if "__pairs__" in x:
-        return {_unplain(k): _unplain(v) for k, v in x["__pairs__"]}
-    cls = getattr(_types, str(x.get("__type__")), None)  # only our own frozen dataclasses
-    require(dataclasses.is_dataclass(cls) and cls.__module__ == _types.__name__,
-            f"unknown saved type {x.get('__type__')!r}")
-    return cls(**{k: _unplain(v) for k, v in x.items() if k != "__type__"})  # validated
-
-
-def _unplain_fields(d: dict) -> dict:
-    return {k: _unplain(v) for k, v in d.items()}
+RUNTIME = ("model", "policy", "state", "tape")
 
 
 def _digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
@@ -111,23 +74,18 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
                "generator": session.generator.get_state()}
     body = {
         "capacity": a.capacity,
-        "ledger": {f.name: _plain(getattr(m, f.name)) for f in dataclasses.fields(Ledger)
-                   if f.name not in Ledger.COLUMNS and f.name != "n"},
-        "state": {f.name: _plain(getattr(state, f.name)) for f in dataclasses.fields(State)
-                  if f.name not in ("arena", "ledger")},
-        "session": {f.name: _plain(getattr(session, f.name)) for f in dataclasses.fields(Session)
-                    if f.name not in RUNTIME},
+        "ledger": {f.name: to_plain(getattr(m, f.name), json=True)
+                   for f in dataclasses.fields(Ledger) if f.name not in Ledger.COLUMNS + ("n",)},
+        "state": {f.name: to_plain(getattr(state, f.name), json=True)
+                  for f in dataclasses.fields(State) if f.name not in ("arena", "ledger")},
+        "session": {f.name: to_plain(getattr(session, f.name), json=True)
+                    for f in dataclasses.fields(Session) if f.name not in RUNTIME},
         "bos": session.policy.add_bos,
     }
     meta = {"format": FORMAT, "model": json.dumps(session.model.fingerprint),
             "session": json.dumps(body)}
     meta["sha256"] = _digest(meta, tensors)
-    path = Path(path)
-    try:
-        _atomic_write(path, st_save(tensors, metadata=meta))
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror}") from None
-    return path
+    return atomic_write(path, st_save(tensors, metadata=meta))
 
 
 def load_session(model: Model, path: str | os.PathLike) -> Session:
@@ -151,13 +109,14 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
         diff = _mismatch(saved, model.fingerprint)
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
                 f"{model.name!r}: {diff}")
-        state = restore(model, tensors["arena.k"], tensors["arena.v"],
-                        {k.removeprefix("ledger."): t for k, t in tensors.items()
-                         if k.startswith("ledger.")},  # restore names a missing/extra column
-                        body["capacity"], _unplain_fields(body["ledger"]),
-                        _unplain_fields(body["state"]), tensors.get("arena.log_mass"))
+        columns = {k.removeprefix("ledger."): t for k, t in tensors.items()
+                   if k.startswith("ledger.")}
+        fields = from_plain(body["state"])
+        _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"])
+        state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
+                        from_plain(body["ledger"]), fields, tensors["arena.log_mass"])
         session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
-                          state=state, **_unplain_fields(body["session"]))
+                          state=state, **from_plain(body["session"]))
         session.generator.set_state(tensors["generator"])
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
@@ -165,3 +124,29 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
         raise UserError(f"{path}: inconsistent session ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return session
+
+
+def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[str, torch.Tensor],
+                 capacity: int, pending_token: int) -> None:
+    """Every saved tensor fits ``model`` and the ledger: shapes, dtypes, columns, token ids."""
+    s = model.spec
+    k, v, log_mass = tensors["arena.k"], tensors["arena.v"], tensors["arena.log_mass"]
+    n = k.shape[2] if k.dim() == 4 else -1
+    shape = (s.n_layers, s.n_kv_heads, n, s.head_dim)
+    require(tuple(k.shape) == tuple(v.shape) == shape and k.dtype == v.dtype == model.dtype,
+            f"saved K/V {tuple(k.shape)} {k.dtype} do not fit this model's {shape} {model.dtype}")
+    require(0 <= n <= capacity <= s.max_positions,
+            f"{n} live slots in a capacity of {capacity} (the model has {s.max_positions} positions)")
+    require(tuple(log_mass.shape) == shape[:3] and log_mass.dtype == torch.float32
+            and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),
+            f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]}")
+    require(sorted(columns) == sorted(Ledger.COLUMNS),
+            f"ledger columns {sorted(columns)} differ from {sorted(Ledger.COLUMNS)}")
+    empty = Ledger.allocate(1)
+    for c in Ledger.COLUMNS:
+        want = getattr(empty, c).dtype
+        require(columns[c].shape == (n,) and columns[c].dtype == want,
+                f"ledger column {c}: {tuple(columns[c].shape)} {columns[c].dtype}, "
+                f"expected ({n},) {want}")
+    ids = torch.cat((columns["token_id"], torch.tensor([pending_token])))
+    require(bool(((ids >= 0) & (ids < s.vocab)).all()), "a saved token id is outside the vocabulary")

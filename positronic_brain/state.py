@@ -31,12 +31,9 @@ def value_norms(v: torch.Tensor) -> torch.Tensor:
 def stored_keys(k: torch.Tensor) -> torch.Tensor:
     """The keys of a live key view ``k`` (L, kv_heads, n, head_dim) as (L * kv_heads,
     head_dim, W) for a batched product. For an arena's view whose live slots fill at least
-    3/4 of the stored rows, this is the whole stored block, W = capacity plus the padding:
-    dense, so oneDNN's bfloat16 product reads it in place instead of first copying the
-    strided live columns. Columns n.. are then dead slots or padding, never live; a
-    product's columns are independent, so drop them from its result. Otherwise (a sparser
-    arena, where the wider product would cost more than the copy, or a ``k`` not laid out
-    as an arena's): its own n columns, as a (possibly strided) view."""
+    3/4 of the stored rows: the whole dense stored block, W = capacity plus the padding,
+    whose columns n.. are dead slots or padding (a product's columns are independent: drop
+    them from its result). Otherwise: its own n columns, as a (possibly strided) view."""
     L, KVH, n, D = k.shape
     W = k.stride(3)
     end = k.storage_offset() + L * KVH * D * W  # one past the block's last element

@@ -21,20 +21,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
+from .loop import Session
 from .special_tokens import TextStream
 from .types import StepRecord, require
-
-if TYPE_CHECKING:  # loop.py imports this module (Session.astream)
-    from .loop import Session
 
 
 @dataclass(frozen=True)
 class StreamEvent:
     """One generated token: its printable text delta and the loop's record of the step
     (``record.token_id``, ``.step``, ``.cache_len``, ``.ms``, ``.top_ids``/``.top_probs``,
-    ``.culled`` uids, ``.repaired``, ``.reindexed``)."""
+    ``.culled`` uids, ``.merged``, ``.folded``, ``.reindexed``)."""
 
     text: str  # "" for a stop token or while a multi-byte character is incomplete
     record: StepRecord

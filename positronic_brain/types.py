@@ -188,6 +188,18 @@ class CacheParams:
             require(self.reindex_at > (self.budget or 1),
                     f"reindex-at must be > the budget (and > 1), got {self.reindex_at}")
 
+    def check_positions(self, max_positions: int) -> None:
+        """Refuse a budget or re-index point a model of ``max_positions`` cannot hold."""
+        require(self.reindex_at is None or self.reindex_at <= max_positions,
+                f"reindex-at {self.reindex_at} is past the model's {max_positions} positions")
+        require(self.budget is None or self.budget < max_positions,
+                f"budget {self.budget} must be below the model's {max_positions} positions")
+
+    def reindex_position(self, max_positions: int) -> int:
+        """The next position at which ``compact`` re-indexes: ``reindex_at``, capped by the
+        model's positions."""
+        return min(self.reindex_at or max_positions, max_positions)
+
 
 @dataclass(frozen=True)
 class ScoreOut:
@@ -274,7 +286,9 @@ class PrimeOut:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What the loop reports per generated token (plain values only)."""
+    """What the loop reports per generated token (plain values only). One word for each
+    kind of edit: ``culled`` uids (folded ones too), ``merged`` pairs, how many culled
+    tokens were ``folded``, whether positions were ``reindexed``."""
 
     step: int
     token_id: int
@@ -284,6 +298,62 @@ class StepRecord:
     top_probs: tuple[float, ...] = ()
     logprob: float = 0.0  # log p(token_id) under the raw logits (its NLL when teacher-forced)
     culled: tuple[int, ...] = field(default=())  # uids
-    repaired: tuple[tuple[tuple[int, int], int, int], ...] = ()  # ((old uids), token_id, new uid)
+    merged: tuple[tuple[tuple[int, int], int, int], ...] = ()  # ((old uids), token_id, new uid)
     folded: int = 0  # culled tokens whose K/V were folded into survivors
     reindexed: bool = False
+
+    @classmethod
+    def of(cls, state, gen: GenerateOut, patch: Patch, ms: float) -> "StepRecord":
+        """The record of the step that ran ``gen`` and applied ``patch`` to ``state``."""
+        return cls(step=state.step, token_id=gen.token_id, cache_len=state.arena.n,
+                   ms=round(ms, 3), top_ids=gen.report.top_ids, top_probs=gen.report.top_probs,
+                   logprob=float(gen.logits.log_softmax(-1)[gen.token_id]),
+                   culled=patch.culled_uids,
+                   merged=tuple((r.uids, r.token_id, u)
+                                for r, u in zip(patch.repairs, patch.repaired_uids)),
+                   folded=len(patch.folds), reindexed=patch.reindex_to is not None)
+
+    def as_json(self) -> dict:
+        """The ``--json`` step object."""
+        return {"step": self.step, "token_id": self.token_id, "cache_len": self.cache_len,
+                "ms": self.ms, "top": [[i, p] for i, p in zip(self.top_ids, self.top_probs)],
+                "culled": list(self.culled),
+                "merged": [{"uids": list(u), "token_id": t, "uid": new}
+                           for u, t, new in self.merged],
+                "folded": self.folded, "reindexed": self.reindexed}
+
+
+@dataclass
+class Totals:
+    """Running counts over step records: the one tally every report (run, chat, bench) uses."""
+
+    steps: int = 0
+    ms: float = 0.0
+    culled: int = 0
+    merged: int = 0
+    folded: int = 0
+    reindexed: int = 0
+
+    def add(self, rec: StepRecord) -> None:
+        self.steps += 1
+        self.ms += rec.ms
+        self.culled += len(rec.culled)
+        self.merged += len(rec.merged)
+        self.folded += rec.folded
+        self.reindexed += rec.reindexed
+
+    @classmethod
+    def of(cls, records) -> "Totals":
+        t = cls()
+        for rec in records:
+            t.add(rec)
+        return t
+
+    @property
+    def ms_per_token(self) -> float:
+        return round(self.ms / self.steps, 3) if self.steps else 0.0
+
+    def edits(self) -> str:
+        """``culled 12 (folded 3), merged 1, re-indexed 0``: the edits, as every UI words them."""
+        return (f"culled {self.culled} (folded {self.folded}), merged {self.merged}, "
+                f"re-indexed {self.reindexed}")

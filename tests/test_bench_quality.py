@@ -32,7 +32,7 @@ def hf_nll(model, ids: list[int]) -> torch.Tensor:
 
 def _assert_equals_hf(s, want):
     got = torch.tensor(s.nll)
-    assert s.culled == 0 and s.stop_reason == "max_new_tokens" and got.shape == want.shape
+    assert s.totals.culled == 0 and s.stop_reason == "max_new_tokens" and got.shape == want.shape
     diff = (got - want).abs()
     assert float(diff.max()) <= 1e-4, f"NLL max abs diff {float(diff.max()):.3g}"
     assert abs(s.ppl - math.exp(float(want.mean()))) <= 1e-4 * s.ppl
@@ -54,7 +54,7 @@ def test_a_budget_changes_only_what_follows_the_first_cull(real_model, real_poli
     # Step t runs ids[t-1] over t-1 cached tokens and culls (in stage 4, after its NLL) from
     # t = 41 on: the first 41 NLLs are the full context's, each later one sees a culled one.
     want, got = hf_nll(real_model, text_ids), torch.tensor(cut.nll)
-    assert cut.culled == N_TOKENS - 1 - 40
+    assert cut.totals.culled == N_TOKENS - 1 - 40
     assert float((got[:41] - want[:41]).abs().max()) <= 1e-4
     assert bool(((got[41:] - want[41:]).abs() > 1e-4).all())
 
@@ -102,10 +102,10 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
     for r in res["runs"]:
         assert r["scored"] == 64 and r["ppl"] > 1 and math.isfinite(r["ppl"])
         # every step past the budget removes one: a cull or a merge (a fold is a cull too)
-        removed = r["culled"] + (r["repaired"] if r["repair"] == "merge" else 0)
+        removed = r["culled"] + r["merged"]
         assert removed == 64 - 32
-        assert (r["repaired"] > 0) == (r["repair"] != "none")
-        assert r["repair"] != "fold" or r["repaired"] <= r["culled"]
+        assert (r["merged"] + r["folded"] > 0) == (r["repair"] != "none")
+        assert r["repair"] != "fold" or 0 < r["folded"] <= r["culled"]
     ref = res["reference"]
     assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 64
     assert ref["windows"][-1]["end"] == 512  # the reference streams up to the positions
@@ -162,7 +162,7 @@ def test_pool_workers_give_the_inline_result(tiny_model, tiny_policy):
     inline = quality.execute(cfg, jobs, ids, workers=1)
     pooled = quality.execute(cfg, jobs, ids, workers=2)
     for a, b in zip(inline, pooled):
-        assert a.culled == b.culled and max(abs(x - y) for x, y in zip(a.nll, b.nll)) < 1e-4
+        assert a.totals.culled == b.totals.culled and max(abs(x - y) for x, y in zip(a.nll, b.nll)) < 1e-4
 
 
 def test_bad_input_is_one_line(capsys):
@@ -182,13 +182,13 @@ def test_bad_input_is_one_line(capsys):
 
 def test_a_forced_run_replays_bit_for_bit(tiny_model, tiny_policy, tmp_path):
     """The forced token is a captured stage-1 input, so replay re-runs stage 1 with it."""
-    from positronic_brain.capture import CaptureWriter
+    from positronic_brain.capture import CaptureTape
     from positronic_brain.replay import replay
 
-    cap = CaptureWriter(tmp_path, {"model": tiny_model.name, "dtype": "float32",
+    cap = CaptureTape(tmp_path, {"model": tiny_model.name, "dtype": "float32",
                                    "fingerprint": tiny_model.fingerprint}, run_id="forced")
     session = Session(tiny_model, tiny_policy, SamplerParams(temperature=1.0, seed=1),
-                      CacheParams(budget=24, sinks=2, recent=4, repair="merge"), capture=cap)
+                      CacheParams(budget=24, sinks=2, recent=4, repair="merge"), tape=cap)
     session.prime([Segment((5, 6, 7), "user")])
     list(session.stream(30, force=list(range(40, 70))))
     cap.close(session.stop_reason)

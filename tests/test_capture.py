@@ -6,12 +6,13 @@ import pickle
 import pytest
 import torch
 
-from positronic_brain.capture import CaptureWriter, from_plain, load_file, read_manifest, to_plain
+from positronic_brain.capture import CaptureTape, load_file, read_manifest
+from positronic_brain.plain import from_plain, to_plain
 from positronic_brain.types import SamplerParams, SamplerReport, UserError
 
 
 def _writer(tmp_path, **kw):
-    return CaptureWriter(tmp_path, {"model": "tiny-random", "fingerprint": {"name": "tiny-random"}},
+    return CaptureTape(tmp_path, {"model": "tiny-random", "fingerprint": {"name": "tiny-random"}},
                          run_id="r1", **kw)
 
 
@@ -99,3 +100,18 @@ def test_a_broken_manifest_is_one_line(tmp_path):
         read_manifest(tmp_path)
     with pytest.raises(UserError, match="no manifest"):
         read_manifest(tmp_path / "nowhere")
+
+
+def test_a_capture_of_another_format_is_refused_in_one_line(tmp_path):
+    w = _writer(tmp_path)
+    path = w.save(0, "s0_prime", {}, {}, cache_len=0, arena_version=0)
+    manifest = json.loads((w.dir / "manifest.json").read_text())
+    (w.dir / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+    with pytest.raises(UserError, match="capture format 1 is not read by this version, which "
+                       "reads format 2") as err:
+        read_manifest(w.dir)
+    assert "\n" not in str(err.value)
+    data = torch.load(path, weights_only=True)
+    torch.save({**data, "format": 1}, path)
+    with pytest.raises(UserError, match="capture format 1 is not read"):
+        load_file(path)

@@ -210,12 +210,12 @@ def test_bad_turns_are_refused_and_the_session_stays_intact(tiny_model, tiny_pol
 
 def test_a_captured_chat_replays_bit_exact(tiny_model, tiny_policy, tmp_path, one_thread):
     """The turns (stage 0 on the live state) are in the event log between the steps."""
-    from positronic_brain.capture import CaptureWriter
+    from positronic_brain.capture import CaptureTape
 
-    capture = CaptureWriter(tmp_path, {"model": tiny_model.name, "dtype": "float32",
+    capture = CaptureTape(tmp_path, {"model": tiny_model.name, "dtype": "float32",
                                        "fingerprint": tiny_model.fingerprint}, run_id="chat")
     chat = Chat(tiny_model, tiny_policy, system=SYSTEM, sampler=SAMPLED, max_new_tokens=6,
-                cache_params=CacheParams(budget=48, sinks=2, recent=4), capture=capture)
+                cache_params=CacheParams(budget=48, sinks=2, recent=4), tape=capture)
     for q in ("one", "two", "three"):
         chat.say(q)
     capture.close(chat.session.stop_reason)

@@ -92,7 +92,7 @@ def test_console_script_exit_code():
 
 
 def test_model_help_names_every_tiny_model():
-    from positronic_brain.cli import MODEL_HELP
+    from positronic_brain.cli.args import MODEL_HELP
     from positronic_brain.model import TINY_CONFIGS
 
     assert all(name in MODEL_HELP for name in TINY_CONFIGS)

@@ -27,8 +27,8 @@ def test_budget_run_past_the_models_positions(capsys):
     assert len(steps) == 600 and d["stop_reason"] == "max_new_tokens"
     assert max(s["cache_len"] for s in steps) == 32 == steps[-1]["cache_len"]
     assert sum(s["reindexed"] for s in steps) >= 1
-    assert all(len(s["culled"]) + len(s["repaired"]) <= 1 for s in steps[1:])
-    repairs = [r for s in steps for r in s["repaired"]]
+    assert all(len(s["culled"]) + len(s["merged"]) <= 1 for s in steps[1:])
+    repairs = [r for s in steps for r in s["merged"]]
     assert repairs and all(len(r["uids"]) == 2 and r["uid"] > max(r["uids"]) for r in repairs)
     positions = [r["position"] for r in d["ledger"]]
     assert positions == sorted(positions) and max(positions) < 512 and len(positions) == 32

@@ -150,16 +150,16 @@ def test_fold_streams_the_real_model_within_budget(real_model, real_policy, poli
 
 
 def test_a_folding_capture_replays_bit_exactly(real_model, real_policy, tmp_path):
-    from positronic_brain.capture import CaptureWriter
+    from positronic_brain.capture import CaptureTape
     from positronic_brain.loop import run
     from positronic_brain.replay import replay
 
-    capture = CaptureWriter(tmp_path, {"model": real_model.name, "dtype": "float32",
+    capture = CaptureTape(tmp_path, {"model": real_model.name, "dtype": "float32",
                                        "fingerprint": real_model.fingerprint},
                             level="full", run_id="fold")
     result = run(real_model, real_policy, real_policy.raw_prompt("Tides follow the moon"),
                  GREEDY, max_new_tokens=12, ignore_eos=True,
-                 cache_params=CacheParams(budget=8, sinks=1, recent=2, repair="fold"), capture=capture)
+                 cache_params=CacheParams(budget=8, sinks=1, recent=2, repair="fold"), tape=capture)
     assert sum(len(s["culled"]) for s in result["steps"]) >= 8
     last = torch.load(capture.dir / "state_000012.pt", weights_only=True)
     assert float(last["arena_log_mass"].max()) > 0  # the states compared hold folded slots
@@ -209,7 +209,7 @@ def test_chat_stats_count_the_folds(tiny_model, tiny_policy):
     for t in range(6):
         chat.say(f"turn {t}")
     stats = chat.stats()
-    assert stats["folded"] == stats["culled"] > 0 and stats["repaired"] == 0
+    assert stats["folded"] == stats["culled"] > 0 and stats["merged"] == 0
 
 
 def test_bfloat16_fold_targets_read_the_stored_keys_in_place(tiny_model, monkeypatch):

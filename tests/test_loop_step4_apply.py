@@ -50,13 +50,13 @@ def test_oracle_after_culls_repairs_and_reindexes(real_model, real_policy, repai
         state = session.state
         state.check_valid()
         assert state.arena.n <= 24 and state.next_position < 40
-        kinds = {k for k, on in (("cull", rec.culled), ("repair", rec.repaired),
+        kinds = {k for k, on in (("cull", rec.culled), ("repair", rec.merged),
                                  ("reindex", rec.reindexed)) if on}
         seen |= kinds
         view = state.view()
         if kinds:
             print(f"\nstep {rec.step}: culled {list(rec.culled)}, repaired "
-                  f"{[(u, real_policy.token_text(t)) for u, t, _ in rec.repaired]}, "
+                  f"{[(u, real_policy.token_text(t)) for u, t, _ in rec.merged]}, "
                   f"reindexed {rec.reindexed}; next position {view.next_position}")
             gen = generate(real_model, view, GREEDY, session.generator)
             assert_close(gen.logits, hf_step_logits(real_model, view), 1e-4,
@@ -100,7 +100,7 @@ def test_big_enough_budget_reproduces_the_no_cull_run(real_model, real_policy):
     budgeted = run(real_model, real_policy, segs, GREEDY, max_new_tokens=40, ignore_eos=True,
                    cache_params=cache)
     assert budgeted["generated_ids"] == plain["generated_ids"]
-    assert not any(s["culled"] or s["repaired"] or s["reindexed"] for s in budgeted["steps"])
+    assert not any(s["culled"] or s["merged"] or s["reindexed"] for s in budgeted["steps"])
 
 
 def _at_budget(tiny_model, tiny_policy, **kw):
@@ -210,7 +210,7 @@ def test_extend_equals_priming_everything(tiny_model, tiny_policy):
     for _ in range(4):
         session.step()
     turn = tiny_policy.chat([("user", "And again?")])
-    patch = extend(tiny_model, session.state, turn, pinned=frozenset({"system"}))
+    patch = extend(tiny_model, session.state, turn)  # pinned: the session's (system)
     ids = session.prompt_ids + session.generated_ids + [i for s in turn for i in s.ids]
     whole, _ = prime(tiny_model, [type(first[0])(tuple(ids), "user")], capacity=200)
     a, b = session.state.view(), whole.view()

@@ -97,7 +97,7 @@ def test_gguf_computes_what_its_weights_compute(name, tmp_path, cache, capsys):
     ids = policy.encode(TEXT)
     assert ids == TokenPolicy(tiny.tokenizer).encode(TEXT)  # the tokenizer came through too
     assert_close(hf_prompt_logits(model, ids), hf_prompt_logits(tiny, ids), 1e-4, "HF forward")
-    _, out = prime(model, [Segment(tuple(ids), "user")], all_logits=True)
+    _, out = prime(model, [Segment(tuple(ids), "user")], len(ids), all_logits=True)
     assert_close(out.logits, hf_prompt_logits(tiny, ids[:-1]), 1e-4, "our prime forward")
     # converted once: a second load finds the folder
     assert "converted" in capsys.readouterr().err

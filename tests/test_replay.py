@@ -21,7 +21,7 @@ def test_the_capture_has_every_stage_and_every_kind_of_patch(captured_run):
         f"{t:06d}_{s}.pt" for t in range(1, steps + 1) for s in STAGES[1:]} | {
         f"state_{t:06d}.pt" for t in range(1, steps + 1)}
     assert any(s["culled"] for s in result["steps"]), "no cull happened"
-    assert any(s["repaired"] for s in result["steps"]), "no repair happened"
+    assert any(s["merged"] for s in result["steps"]), "no repair happened"
     assert any(s["reindexed"] for s in result["steps"]), "no re-index happened"
 
 
@@ -118,7 +118,7 @@ def test_run_capture_then_replay_from_the_command_line(tmp_path, capsys):
     assert cli(args) == 0
     out = json.loads(capsys.readouterr().out)
     m = read_manifest(out["capture"])
-    assert m["params"]["cache"]["budget"] == 10 and m["seed"] == 5 and m["complete"]
+    assert m["params"]["cache_params"]["budget"] == 10 and m["seed"] == 5 and m["complete"]
     assert m["prompt_ids"] == out["prompt_ids"]
     assert cli(["replay", str(tmp_path)]) == 0  # a root holding one run
     assert "12 steps" in capsys.readouterr().err

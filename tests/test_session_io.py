@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import positronic_brain.session_io as session_io
-from positronic_brain.capture import CaptureWriter
+from positronic_brain.capture import NO_TAPE, CaptureTape
 from positronic_brain.loop import Session
 from positronic_brain.model import load_model
 from positronic_brain.session_io import load_session, save_session
@@ -109,7 +109,7 @@ def test_roundtrip_restores_every_column_and_param(tmp_path, tiny_model, tiny_po
     a = Session(tiny_model, tiny_policy, SAMPLED, cache)
     a.prime(tiny_policy.raw_prompt("culled, repaired, re-indexed, then saved"))
     records = [a.step() for _ in range(20)]
-    assert all(any(getattr(r, f) for r in records) for f in ("culled", "repaired", "reindexed"))
+    assert all(any(getattr(r, f) for r in records) for f in ("culled", "merged", "reindexed"))
     assert a.state.ledger.merged
     save_session(a, tmp_path / "s.pbs")
     b = load_session(load_model("tiny-random"), tmp_path / "s.pbs")
@@ -132,11 +132,11 @@ def test_roundtrip_restores_every_column_and_param(tmp_path, tiny_model, tiny_po
 
 def test_a_capturing_session_is_saved_without_its_capture(tmp_path, tiny_model, tiny_policy):
     a = Session(tiny_model, tiny_policy, GREEDY,
-                capture=CaptureWriter(tmp_path, {"model": "tiny-random"}, run_id="run"))
+                tape=CaptureTape(tmp_path, {"model": "tiny-random"}, run_id="run"))
     a.prime(tiny_policy.raw_prompt("captured"), 16)
     a.step()
     b = load_session(tiny_model, save_session(a, tmp_path / "s.pbs"))
-    assert b.capture is None and b.generated_ids == a.generated_ids
+    assert b.tape is NO_TAPE and b.generated_ids == a.generated_ids
     assert _tokens(b, 4) == _tokens(a, 4)
 
 

@@ -220,7 +220,7 @@ class LoopMachine(RuleBasedStateMachine):
         room = min(state.arena.capacity - self.n,
                    self.model.spec.max_positions - 1 - self.next_position, 6)
         ids = data.draw(st.lists(token_ids, min_size=1, max_size=room))
-        extend(self.model, state, [Segment(tuple(ids), source)], pinned=self.pins)
+        extend(self.model, state, [Segment(tuple(ids), source)])  # pins: state.pinned
         for token_id, src in zip([self.pending] + ids[:-1],
                                  [self.pending_source] + [source] * (len(ids) - 1)):
             self._enter(token_id, self.next_position, src)

@@ -111,14 +111,3 @@ async def test_astream_needs_a_primed_session(tiny_model, tiny_policy):
     with pytest.raises(UserError, match="prime"):
         async for _ in astream(Session(tiny_model, tiny_policy), 3):
             pass
-
-
-async def test_session_astream_method_delegates(tiny_model, tiny_policy):
-    from positronic_brain import SamplerParams, Session
-
-    def primed():
-        s = Session(tiny_model, tiny_policy, SamplerParams(seed=4))
-        s.prime(tiny_policy.raw_prompt("method"), 64)
-        return s
-    ours = [e.record.token_id async for e in primed().astream(6, ignore_eos=True)]
-    assert ours == [r.token_id for r in primed().stream(6, ignore_eos=True)]

@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..loop import Session
+from ..loop import Session, arena_capacity
 from ..model import Model, load_model
 from ..special_tokens import TokenPolicy
 from ..scorers import BASELINES, CULLING
-from ..types import CacheParams, SamplerParams, Segment, UserError, require
+from ..types import CacheParams, SamplerParams, Segment, Totals, UserError, require
 from . import common
 from .common import Table, fmt
 
@@ -160,10 +160,7 @@ class Streamed:
 
     nll: tuple[float, ...]
     stop_reason: str
-    culled: int
-    repaired: int
-    reindexed: int
-    ms_per_token: float
+    totals: Totals
 
     @property
     def ppl(self) -> float:
@@ -187,27 +184,22 @@ def streaming_nll(model: Model, policy: TokenPolicy, ids: list[int], cache: Cach
     ``ids[t-1]``. Without a budget the arena holds the whole text (within the positions);
     with ``positions=keep`` the run stops at the model's positions."""
     require(len(ids) >= 2, "streaming perplexity needs at least 2 tokens")
-    capacity = None if cache.budget is not None else min(len(ids), model.spec.max_positions)
     session = Session(model, policy, SamplerParams(greedy=True), cache)
-    session.prime([Segment((ids[0],), "user")], capacity)
-    nll, culled, repaired, reindexed = [], 0, 0, 0
-    t0 = time.perf_counter()
+    session.prime([Segment((ids[0],), "user")], arena_capacity(model, cache, 1, len(ids) - 1))
+    nll, totals = [], Totals()
     for rec in session.stream(len(ids) - 1, ignore_eos=True, force=ids[1:]):
         nll.append(-rec.logprob)
-        culled += len(rec.culled)
-        repaired += len(rec.repaired) + rec.folded
-        reindexed += rec.reindexed
+        totals.add(rec)
         if tick:
             tick()
-    ms = (time.perf_counter() - t0) * 1e3 / max(1, len(nll))
     session.state.check_valid()
-    return Streamed(tuple(nll), session.stop_reason, culled, repaired, reindexed, ms)
+    return Streamed(tuple(nll), session.stop_reason, totals)
 
 
 def _row(s: Streamed, **what) -> dict:
     return {**what, "ppl": s.ppl, "scored": len(s.nll), "stop_reason": s.stop_reason,
-            "culled": s.culled, "repaired": s.repaired, "reindexed": s.reindexed,
-            "ms_per_token": s.ms_per_token}
+            "culled": s.totals.culled, "merged": s.totals.merged, "folded": s.totals.folded,
+            "reindexed": s.totals.reindexed, "ms_per_token": s.totals.ms_per_token}
 
 
 @dataclass(frozen=True)
@@ -460,10 +452,10 @@ def tables(res: dict) -> list[Table]:
         tuple((t["what"], fmt(t["value"], 4), t["target"], "yes" if t["met"] else "NO")
               for t in res["targets"]))
     cost = Table(
-        "Per run: ms per token (whole loop step), culls, repairs (merges or folds)",
-        ("policy", "repair", "budget", "ms/token", "culled", "repaired", "stop"),
+        "Per run: ms per token (whole loop step), culls (and how many folded), merges",
+        ("policy", "repair", "budget", "ms/token", "culled", "folded", "merged", "stop"),
         tuple((r["policy"], r["repair"], str(r["budget"]), fmt(r["ms_per_token"], 1),
-               str(r["culled"]), str(r["repaired"]), r["stop_reason"])
+               str(r["culled"]), str(r["folded"]), str(r["merged"]), r["stop_reason"])
               for r in [res["reference"], *res["runs"]]))
     out = [target, ppl]
     if res["long"]:

@@ -68,7 +68,7 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
 
 
 @torch.no_grad()
-def prime(model: Model, segments: list[Segment], capacity: int | None = None,
+def prime(model: Model, segments: list[Segment], capacity: int,
           pinned: frozenset[str] = frozenset(), chunk: int = PREFILL_CHUNK,
           all_logits: bool = False,
           seeds: tuple[float, ...] | None = None) -> tuple[State, PrimeOut]:
@@ -77,11 +77,10 @@ def prime(model: Model, segments: list[Segment], capacity: int | None = None,
     generated token). Tokens whose source is in ``pinned`` are protected from culls;
     ``seeds`` gives new tokens' brightness by source (SOURCES order; default: the max).
 
-    ``capacity`` defaults to the model's maximum positions.
+    ``capacity``: the arena's slots (``loop.arena_capacity`` chooses them for a session).
     """
     ids_list = [i for s in segments for i in s.ids]
     require(len(ids_list) > 0, "the prompt is empty")
-    capacity = capacity or model.spec.max_positions
     require(capacity >= 1, f"capacity must be >= 1, got {capacity}")
     require(len(ids_list) <= capacity,
             f"the prompt has {len(ids_list)} tokens, more than the arena's capacity of {capacity}")
@@ -110,14 +109,13 @@ def prime(model: Model, segments: list[Segment], capacity: int | None = None,
 
 
 @torch.no_grad()
-def extend(model: Model, state: State, segments: list[Segment],
-           pinned: frozenset[str] = frozenset(), chunk: int = PREFILL_CHUNK,
+def extend(model: Model, state: State, segments: list[Segment], chunk: int = PREFILL_CHUNK,
            pending: int | None = None) -> Patch:
     """Stage 0 on a live state: prefill the pending token, then every new id but the last,
     which becomes the pending token (a chat turn, or an imported session's next prompt).
 
-    Positions continue from ``state.next_position``; tokens whose source is in ``pinned``
-    are protected. ``pending`` first replaces the pending token, which is not cached yet
+    Positions continue from ``state.next_position``; tokens whose source is pinned
+    (``state.pinned``) are protected. ``pending`` first replaces the pending token, which is not cached yet
     (a chat closes a reply that ended on another stop token with its end-of-turn marker).
     Raises UserError (changing nothing) if they would not fit.
     """
@@ -137,7 +135,7 @@ def extend(model: Model, state: State, segments: list[Segment],
         model, state, torch.tensor(ids, dtype=torch.int64),
         torch.arange(state.next_position, state.next_position + len(ids)),
         torch.tensor([SOURCES.index(x) for x in src], dtype=torch.int8),
-        torch.tensor([FLAG_PROTECTED if x in pinned else 0 for x in src], dtype=torch.int8),
+        torch.tensor([FLAG_PROTECTED if x in state.pinned else 0 for x in src], dtype=torch.int8),
         chunk, all_logits=False)
     state.pending_token = new[-1]
     state.pending_source = segments[-1].source
@@ -382,46 +380,26 @@ def rebuild_from_ledger(model: Model, state: State, chunk: int = PREFILL_CHUNK) 
 @torch.no_grad()
 def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, torch.Tensor],
             capacity: int, ledger_fields: dict, state_fields: dict,
-            log_mass: torch.Tensor | None = None) -> State:
-    """Stage 0 from a saved session: allocate ``capacity`` slots and write back the live
-    prefix ``k``/``v`` (L, kv_heads, n, head_dim) and the ledger ``columns`` (name -> (n,),
-    every one of ``Ledger.COLUMNS``) and the slots' ``log_mass`` (L, kv_heads, n) float32
-    (None: every slot holds one token); ``ledger_fields`` (next_uid, merged, ...) and
-    ``state_fields`` (pending token, its source and position, step) are set as given.
-    A shape, dtype or column mismatch raises UserError; an inconsistent ledger fails
-    ``check_valid`` (AssertionError)."""
-    s = model.spec
-    n = k.shape[2] if k.dim() == 4 else -1
-    shape = (s.n_layers, s.n_kv_heads, n, s.head_dim)
-    require(tuple(k.shape) == tuple(v.shape) == shape and k.dtype == v.dtype == model.dtype,
-            f"saved K/V {tuple(k.shape)} {k.dtype} do not fit this model's {shape} {model.dtype}")
-    require(0 <= n <= capacity <= s.max_positions,
-            f"{n} live slots in a capacity of {capacity} (the model has {s.max_positions} positions)")
-    require(sorted(columns) == sorted(Ledger.COLUMNS),
-            f"ledger columns {sorted(columns)} differ from {sorted(Ledger.COLUMNS)}")
-    state = State(Arena.allocate(s, capacity, model.dtype), Ledger.allocate(capacity),
+            log_mass: torch.Tensor) -> State:
+    """Stage 0 from a saved session (checked by ``session_io``): allocate ``capacity`` slots
+    and write back the live prefix ``k``/``v`` (L, kv_heads, n, head_dim), the ledger
+    ``columns`` (name -> (n,), every one of ``Ledger.COLUMNS``) and the slots' ``log_mass``
+    (L, kv_heads, n) float32; ``ledger_fields`` (next_uid, merged, ...) and ``state_fields``
+    (pending token, its source and position, step, pinned) are set as given. An
+    inconsistent ledger fails ``check_valid`` (AssertionError)."""
+    n = k.shape[2]
+    state = State(Arena.allocate(model.spec, capacity, model.dtype), Ledger.allocate(capacity),
                   **state_fields)
     a, m = state.arena, state.ledger
     for c in Ledger.COLUMNS:
-        col = getattr(m, c)
-        require(columns[c].shape == (n,) and columns[c].dtype == col.dtype,
-                f"ledger column {c}: {tuple(columns[c].shape)} {columns[c].dtype}, "
-                f"expected ({n},) {col.dtype}")
-        col[:n] = columns[c]
-    ids = torch.cat((m.live("token_id"), torch.tensor([state.pending_token])))
-    require(bool(((ids >= 0) & (ids < s.vocab)).all()), "a saved token id is outside the vocabulary")
+        getattr(m, c)[:n] = columns[c]
     for name, value in ledger_fields.items():
-        require(hasattr(m, name), f"unknown ledger field {name!r}")
         setattr(m, name, value)
     a.k[:, :, :n] = k
     a.v[:, :, :n] = v
     a.renorm(0, n)
-    if log_mass is not None:
-        require(tuple(log_mass.shape) == shape[:3] and log_mass.dtype == torch.float32
-                and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),
-                f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]}")
-        a.log_mass[:, :, :n] = log_mass
-        a.folded = bool((log_mass > 0).any())
+    a.log_mass[:, :, :n] = log_mass
+    a.folded = bool((log_mass > 0).any())
     a.n = m.n = n
     state.check_valid()
     return state

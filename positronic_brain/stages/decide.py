@@ -88,9 +88,7 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0) -> t
         return ()
     c = torch.tensor(culls)
     L, KVH, n, D = view.k.shape
-    # the stored layout, a view: float32's MKL product reads the live columns in place (and
-    # its bits depend on the row length); bfloat16's oneDNN product would copy them, so it
-    # gets the arena's whole dense key block (same bits) and its dead columns are dropped
+    # bfloat16 reads the arena's dense key block (same bits; dead columns dropped below)
     keys = view.k.transpose(2, 3).reshape(L * KVH, D, n)
     if keys.dtype != torch.float32:
         keys = stored_keys(view.k)
@@ -123,11 +121,28 @@ def oldest_turns(view: View, need: int) -> tuple[int, ...]:
     return tuple(sorted(culls))
 
 
+def turn_room(view: View | None, params: CacheParams, reply: int) -> tuple[int, int]:
+    """How many tokens a new chat turn may add to the cache ``view`` (None: nothing cached)
+    under ``params.budget`` and how many no cull may remove: the pinned tokens and, when
+    whole turns are pruned, whatever precedes the first turn, since only older turns can
+    make room then (and a ``reply`` of that many tokens must fit too)."""
+    kept = 0
+    if view is not None:
+        pinned = (view.flags & FLAG_PROTECTED) != 0  # (n,)
+        kept = int(pinned.sum())
+        if params.prune == "turns":
+            users = view.position[view.source == SOURCES.index("user")]
+            first = int(users.min()) if users.numel() else view.next_position + 1
+            kept += int((~pinned & (view.position < first)).sum())
+    reply = reply if params.prune == "turns" else 0
+    return params.budget - kept - reply - 1, kept
+
+
 def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> Actions:
     """Scores (n,) -> the actions stage 4 applies (culls, repairs, re-index, new columns)."""
     n = view.n
     need = removals_needed(n, params.budget)
-    limit = min(params.reindex_at or model.spec.max_positions, model.spec.max_positions)
+    limit = params.reindex_position(model.spec.max_positions)
     reindex = params.positions == "compact" and view.next_position + 1 >= limit
     if params.prune == "turns":
         return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum,

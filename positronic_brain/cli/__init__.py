@@ -1,0 +1,33 @@
+"""The command line: ``positronic-brain run|chat|bench|replay|inspect``.
+
+``args`` builds the parser and the parameter objects, ``commands`` runs the one-shot
+commands, ``chat_repl`` the chat. Bad input gets one line on stderr and exit code 2, never
+a traceback.
+"""
+from __future__ import annotations
+
+import sys
+
+from ..types import UserError
+from .args import PROG, build_parser
+from .chat_repl import cmd_chat
+from .commands import cmd_bench, cmd_inspect, cmd_replay, cmd_run
+
+COMMANDS = {"run": cmd_run, "bench": cmd_bench, "replay": cmd_replay, "inspect": cmd_inspect,
+            "chat": cmd_chat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The command line's arguments: the parser, and the parameter objects built from them.
+
+Bad input gets one line on stderr and exit code 2 (``UserError``), never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+
+from ..capture import NO_TAPE, CaptureTape, Tape
+from ..scorers import SCORERS, make_scorer
+from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
+
+PROG = "positronic-brain"
+BENCH_KINDS = ("speed", "quality")
+
+MODEL_HELP = ("smollm2 (default), a .gguf file (llama, mistral, qwen2), a local HF folder, "
+              "or a tiny random model for tests: "
+              "tiny-random, tiny-random-qwen2, tiny-random-mistral, tiny-random-llama3")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints the usage too)
+        raise UserError(message)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help=MODEL_HELP)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+
+
+def _add_sampler_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--greedy", action="store_true", help="argmax decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="A staged generation loop in which the KV cache "
+                     "is never touched behind your back.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="generate from a prompt")
+    run.add_argument("--prompt", required=True)
+    run.add_argument("--system", default=None,
+                     help="format as chat turns: this system prompt, then the prompt as the user")
+    run.add_argument("--chat", action="store_true",
+                     help="format the prompt as a user chat turn (no system prompt unless --system)")
+    run.add_argument("--bos", default="auto", choices=("auto", "yes", "no"),
+                     help="add the BOS token explicitly (auto: if the model family expects it)")
+    _add_model_args(run)
+    run.add_argument("--max-new-tokens", type=int, default=64)
+    run.add_argument("--capacity", type=int, default=None,
+                     help="arena slots (default: prompt + max-new-tokens, within the model's positions)")
+    _add_sampler_args(run)
+    run.add_argument("--ignore-eos", action="store_true")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_cache_args(run)
+    _add_capture_args(run)
+
+    bench = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)")
+    bench.add_argument("kind", choices=BENCH_KINDS)
+    bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (make bench)")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    bench.add_argument("--out", default=None,
+                       help="folder for report.md, results.json and the PNG plots")
+    bench.add_argument("--report", default=None,
+                       help="also write the report into this shared document (e.g. "
+                       "docs/BENCHMARKS.md), as its own section between markers")
+    bench.add_argument("--model", default="smollm2",
+                       help=MODEL_HELP)
+    _add_quality_args(bench)
+    _add_inspect_args(sub)
+    _add_chat_args(sub)
+    return parser
+
+
+def _add_capture_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("capture (see README: capture, replay, inspect)")
+    g.add_argument("--capture", metavar="DIR", default=None,
+                   help="save every stage call's inputs and outputs to DIR/<run-id>/")
+    g.add_argument("--capture-level", default="light", choices=("light", "full"),
+                   help="full also saves the whole live state before each step")
+
+
+def _add_inspect_args(sub) -> None:
+    rp = sub.add_parser("replay", help="re-run a captured run's stages and compare bit for bit")
+    rp.add_argument("run_dir", metavar="DIR", help="a capture run folder (or a root with one run)")
+    rp.add_argument("--stage", default=None, help="compare only this stage (s0_prime ... s4_apply)")
+    rp.add_argument("--step", type=int, default=None, help="compare only this step")
+    ip = sub.add_parser("inspect", help="show a captured run (or one capture file)")
+    ip.add_argument("path", metavar="PATH")
+    ip.add_argument("--step", type=int, default=None, help="the step whose context to show "
+                    "(default: the last)")
+    ip.add_argument("--last", type=int, default=30, help="how many steps the table shows")
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    d = CacheParams()
+    g = p.add_argument_group("cache (see README: budgets, policies, repair, positions)")
+    g.add_argument("--budget", type=int, default=None,
+                   help="live cache slots after each step (default: no culling)")
+    g.add_argument("--policy", dest="scorer", default=d.scorer,
+                   help=f"the stage-2 scorer: {'|'.join(SCORERS)}")
+    g.add_argument("--repair", default=d.repair,
+                   help="none|merge|fold: merge dim adjacent pairs; fold culled K/V into the "
+                        "most alike survivor")
+    g.add_argument("--fold-min-cos", type=float, default=d.fold_min_cos,
+                   help="fold only where the key cosine reaches this (elsewhere just drop)")
+    g.add_argument("--positions", default=d.positions,
+                   help="compact (re-index before the model's max positions) | keep (stop there)")
+    g.add_argument("--reindex-at", type=int, default=None,
+                   help="compact when the next position reaches this (default: max positions)")
+    g.add_argument("--sinks", type=int, default=d.sinks, help="first tokens never culled")
+    g.add_argument("--recent", type=int, default=d.recent, help="last tokens never culled")
+    g.add_argument("--decay", type=float, default=d.decay, help="brightness lost per step")
+    g.add_argument("--gain", type=float, default=d.gain,
+                   help="brightness per uniform share of attention (n x attention)")
+    g.add_argument("--signal", default=d.signal,
+                   help=f"what brightness gains from: {'|'.join(SIGNALS)} (value: attention x "
+                        "value norm / mean value norm)")
+    g.add_argument("--aggregate", default=d.aggregate,
+                   help=f"attention over layers-heads: {'|'.join(AGGREGATIONS)}")
+    g.add_argument("--skip-layers", type=float, default=d.skip_layers,
+                   help="fraction of the first layers brightness leaves out")
+
+
+def _add_quality_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("bench quality (streaming perplexity; see docs/BENCHMARKS.md)")
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="default float32")
+    g.add_argument("--text", default=None, help="a UTF-8 file (default: Python's help topics)")
+    g.add_argument("--slice", default=None, choices=("eval", "tune"),
+                   help="eval (default): from the text's start; tune: from its middle")
+    g.add_argument("--at", type=float, default=None, metavar="F",
+                   help="the tune slice starts F of the way into the text (0.5 <= F < 1; "
+                        "default 0.5)")
+    g.add_argument("--budgets", default=None, help="comma-separated, e.g. 128,256,512")
+    g.add_argument("--policies", default=None,
+                   help="comma-separated scorers (default: brightness,streaming,h2o,tova,random)")
+    g.add_argument("--repairs", default=None, help="comma-separated (default: none,merge,fold)")
+    g.add_argument("--params", default=None, metavar="K=V,...",
+                   help="cache parameters of every run, e.g. decay=1,gain=200,sinks=4")
+    g.add_argument("--tokens", type=int, default=None, help="scored tokens per configuration")
+    g.add_argument("--long", type=int, default=None,
+                   help="scored tokens of the run past the model's positions (0 = none)")
+    g.add_argument("--jobs", type=int, default=None,
+                   help="runs in parallel, one single-thread process each (default: CPU cores)")
+
+
+def _add_chat_args(sub) -> None:
+    ch = sub.add_parser("chat", help="an interactive chat whose cache stays at a fixed budget")
+    ch.add_argument("--system", default=None,
+                    help="the system prompt, pinned in the cache (none unless given)")
+    ch.add_argument("--script", metavar="FILE", default=None,
+                    help="read user turns (and /commands) from FILE, one per line ('-': stdin), "
+                    "and print the replies")
+    ch.add_argument("--json", action="store_true", help="with --script: one JSON line per turn")
+    ch.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply")
+    ch.add_argument("--prune", default="tokens", choices=("tokens", "turns"),
+                    help="over the budget, cull single tokens by score (tokens) or drop the "
+                    "oldest whole turns (turns)")
+    ch.add_argument("--bos", default="auto", choices=("auto", "yes", "no"),
+                    help="add the BOS token explicitly (auto: if the model family expects it)")
+    _add_model_args(ch)
+    _add_sampler_args(ch)
+    add_cache_args(ch)
+    _add_capture_args(ch)
+
+
+QUALITY_ONLY = ("dtype", "text", "slice", "at", "budgets", "policies", "repairs", "params", "tokens",
+                "long", "jobs")
+
+
+def cache_params(args) -> CacheParams:
+    """The cache parameters of ``run``/``chat``, checked (the scorer too) before any model loads."""
+    params = CacheParams(budget=args.budget, scorer=args.scorer, repair=args.repair,
+                         positions=args.positions, reindex_at=args.reindex_at, sinks=args.sinks,
+                         recent=args.recent, decay=args.decay, gain=args.gain,
+                         aggregate=args.aggregate, signal=args.signal,
+                         skip_layers=args.skip_layers, fold_min_cos=args.fold_min_cos,
+                         prune=getattr(args, "prune", CacheParams.prune))
+    make_scorer(params)
+    return params
+
+
+def sampler_params(args) -> SamplerParams:
+    return SamplerParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, min_p=args.min_p,
+                         repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
+              prompt_ids: list[int]) -> Tape:
+    """The tape for ``--capture`` (none without it); its manifest holds every parameter."""
+    if args.capture is None:
+        return NO_TAPE
+    return CaptureTape(args.capture, {
+        "model": model.name, "dtype": str(model.dtype).removeprefix("torch."),
+        "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
+        "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},
+                   "sampler": asdict(sampler), "cache_params": asdict(params)},
+        "prompt_ids": prompt_ids}, level=args.capture_level)

@@ -1,0 +1,67 @@
+"""The one-shot commands: ``run``, ``bench``, ``replay``, ``inspect``."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .. import inspector, replay
+from ..bench import quality, speed
+from ..loop import run
+from ..model import load_model
+from ..special_tokens import TokenPolicy
+from ..types import Totals, UserError
+from .args import BENCH_KINDS, QUALITY_ONLY, cache_params, open_tape, sampler_params
+
+BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main)))
+
+
+def cmd_run(args) -> int:
+    sampler, params = sampler_params(args), cache_params(args)  # before the (slower) model load
+    if args.prompt == "":
+        raise UserError("the prompt is empty")
+    if args.max_new_tokens < 0:
+        raise UserError(f"max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.capacity is not None and args.capacity < 1:
+        raise UserError(f"capacity must be >= 1, got {args.capacity}")
+    model = load_model(args.model, args.dtype)
+    policy = TokenPolicy(model.tokenizer, bos=args.bos)
+    if args.system is not None or args.chat:
+        turns = ([("system", args.system)] if args.system is not None else []) \
+            + [("user", args.prompt)]
+        segments = policy.chat(turns)
+    else:
+        segments = policy.raw_prompt(args.prompt)
+
+    def echo(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    tape = open_tape(args, model, sampler, params, [i for s in segments for i in s.ids])
+    result = run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
+                 ignore_eos=args.ignore_eos, capacity=args.capacity,
+                 on_text=None if args.json else echo, cache_params=params, tape=tape)
+    if args.json:
+        json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+    steps = result["steps"]
+    if not args.json and steps:
+        ms = sorted(s["ms"] for s in steps)[len(steps) // 2]
+        print(f"[{len(steps)} tokens, median {ms:.1f} ms/token, cache {steps[-1]['cache_len']} "
+              f"slots, {Totals(**result['totals']).edits()}, stop: {result['stop_reason']}]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    only = [f"--{f}" for f in QUALITY_ONLY if getattr(args, f) is not None]
+    if args.kind != "quality" and only:
+        raise UserError(f"{', '.join(only)}: for bench quality only")
+    return BENCHES[args.kind](args)
+
+
+def cmd_replay(args) -> int:
+    return replay.main(args.run_dir, args.stage, args.step)
+
+
+def cmd_inspect(args) -> int:
+    return inspector.main(args.path, args.step, args.last)

@@ -1,0 +1,90 @@
+"""Plain data: the one codec and the one atomic writer of captures and session files.
+
+``to_plain`` turns this package's frozen dataclasses (``types.py``), tensors and containers
+into plain data: a dataclass becomes a dict tagged ``"__type__"``, a tensor is cloned (a view
+of the arena would otherwise save its whole preallocated storage), a frozenset a sorted
+tuple, a dtype its name. ``from_plain`` inverts it, rebuilding dataclasses only from the
+fixed table of ``types.py`` classes (validated by their ``__post_init__``), so reading a
+file never runs code. ``json=True`` also tags tuples and dicts with non-string keys, which
+JSON cannot hold, and refuses tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from . import types as _types
+from .types import UserError, require
+
+TYPES = {n: c for n, c in vars(_types).items()
+         if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == _types.__name__}
+
+
+def to_plain(x, json: bool = False):
+    """Dataclasses, tensors and containers -> plain data (see the module docstring)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {"__type__": type(x).__name__,
+                **{f.name: to_plain(getattr(x, f.name), json) for f in dataclasses.fields(x)}}
+    if isinstance(x, torch.Tensor) and not json:
+        return x.detach().clone()
+    if isinstance(x, frozenset):
+        x = tuple(sorted(x))
+    if isinstance(x, tuple):
+        items = tuple(to_plain(v, json) for v in x)
+        return {"__tuple__": list(items)} if json else items
+    if isinstance(x, list):
+        return [to_plain(v, json) for v in x]
+    if isinstance(x, dict):
+        if json and not all(isinstance(k, str) for k in x):
+            return {"__pairs__": [[to_plain(k, json), to_plain(v, json)] for k, v in x.items()]}
+        return {k: to_plain(v, json) for k, v in x.items()}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, torch.dtype):
+        return str(x).removeprefix("torch.")
+    raise TypeError(f"cannot save a {type(x).__name__} as plain data")
+
+
+def from_plain(x):
+    """The inverse of ``to_plain`` (either flavour)."""
+    if isinstance(x, list):
+        return [from_plain(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(from_plain(v) for v in x)
+    if not isinstance(x, dict):
+        return x
+    if "__tuple__" in x:
+        return tuple(from_plain(v) for v in x["__tuple__"])
+    if "__pairs__" in x:
+        return {from_plain(k): from_plain(v) for k, v in x["__pairs__"]}
+    if "__type__" in x:
+        cls = TYPES.get(x["__type__"])
+        require(cls is not None, f"unknown saved type {x['__type__']!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: from_plain(v) for k, v in x.items() if k in names})
+    return {k: from_plain(v) for k, v in x.items()}
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def atomic_write(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` via a temp file and a rename: a reader sees the old file
+    or the whole new one. An OS error is a one-line UserError."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
+    return path
