@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_capture_args(run)
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)")
-    bench.add_argument("kind", choices=("speed", "quality"))
+    bench.add_argument("kind", choices=("speed", "quality", "passkey"))
     bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (make bench)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     bench.add_argument("--out", default=None,
@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default="smollm2",
                        help=MODEL_HELP)
     _add_quality_args(bench)
+    from .bench.passkey import add_args as _add_passkey_args
+    _add_passkey_args(bench)
     _add_inspect_args(sub)
     _add_chat_args(sub)
     return parser
@@ -259,8 +261,11 @@ def _add_quality_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args) -> int:
-    from .bench import quality, speed
+    from .bench import passkey, quality, speed
 
+    if args.kind == "passkey":
+        return passkey.main(args)  # takes --dtype, --budgets, --policies; refuses the rest
+    passkey.refuse_own(args)
     only = [f"--{f}" for f in QUALITY_ONLY if getattr(args, f) is not None]
     if args.kind != "quality" and only:
         raise UserError(f"{', '.join(only)}: for bench quality only")
