@@ -2,6 +2,7 @@
 
 - ``speed``: stage 1 vs Hugging Face decode, prefill, bytes allocated per step, loop
   overhead, cull/repair/re-index costs, memory bandwidth and peak RSS.
+- ``passkey``: pass-key retrieval accuracy, the full cache vs every scorer and budget.
 - ``common``: what every benchmark shares (timing, allocation counting, machine facts,
   tables, plots, report files).
 """

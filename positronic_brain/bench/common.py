@@ -271,3 +271,11 @@ def fmt_bytes(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def ints(text: str, name: str) -> tuple[int, ...]:
+    """``--name 1,2,3`` -> (1, 2, 3); anything else is a one-line UserError."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--{name} takes comma-separated integers, got {text!r}") from None

@@ -604,13 +604,6 @@ def command_line(args) -> str:
     return " ".join(parts)
 
 
-def _ints(text: str, name: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise UserError(f"--{name} takes comma-separated integers, got {text!r}") from None
-
-
 def config_from_args(args) -> QualityConfig:
     kw = {"model": args.model, "dtype": args.dtype or "float32"}
     if args.text is not None:
@@ -620,7 +613,7 @@ def config_from_args(args) -> QualityConfig:
     if args.at is not None:
         kw["at"] = args.at
     if args.budgets is not None:
-        kw["budgets"] = _ints(args.budgets, "budgets")
+        kw["budgets"] = common.ints(args.budgets, "budgets")
     if args.policies is not None:
         kw["policies"] = tuple(p.strip() for p in args.policies.split(","))
     if args.tokens is not None:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
+from ..bench import passkey
 from ..capture import NO_TAPE, CaptureTape, Tape
 from ..scorers import SCORERS, make_scorer
 from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
 
 PROG = "positronic-brain"
-BENCH_KINDS = ("speed", "quality")
+BENCH_KINDS = ("speed", "quality", "passkey")
 
 MODEL_HELP = ("smollm2 (default), a .gguf file (llama, mistral, qwen2), a local HF folder, "
               "or a tiny random model for tests: "
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default="smollm2",
                        help=MODEL_HELP)
     _add_quality_args(bench)
+    passkey.add_args(bench)
     _add_inspect_args(sub)
     _add_chat_args(sub)
     return parser

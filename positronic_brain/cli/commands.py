@@ -5,14 +5,14 @@ import json
 import sys
 
 from .. import inspector, replay
-from ..bench import quality, speed
+from ..bench import passkey, quality, speed
 from ..loop import run
 from ..model import load_model
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError
 from .args import BENCH_KINDS, QUALITY_ONLY, cache_params, open_tape, sampler_params
 
-BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main)))
+BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main)))
 
 
 def cmd_run(args) -> int:
@@ -53,6 +53,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.kind == "passkey":
+        return passkey.main(args)  # takes --dtype, --budgets, --policies; refuses the rest
+    passkey.refuse_own(args)
     only = [f"--{f}" for f in QUALITY_ONLY if getattr(args, f) is not None]
     if args.kind != "quality" and only:
         raise UserError(f"{', '.join(only)}: for bench quality only")

@@ -1,0 +1,546 @@
+"""``positronic-brain bench passkey``: can a culled cache still give back one fact?
+
+Pass-key retrieval (Mohtashami & Jaggi's classic prompt). A random 5-digit key sentence
+("The pass key is 48213. Remember it. 48213 is the pass key.") sits at a depth of 10-90%
+in 1k-4k tokens of filler ("The grass is green. The sky is blue. ..." repeated); the
+prompt ends with the question ("What is the pass key? The pass key is"). The model answers
+greedily through the real loop (stages 1-4, the budget enforced at every step) with up to
+``max_new_tokens`` new tokens; a trial is correct if the key's five digits appear in the
+answer. Measured:
+
+1. the full cache (no budget): the ceiling of the model itself;
+2. every culling scorer at every budget, under each ``variant`` (a dict of CacheParams
+   overrides: one more axis of the grid, labelled in every row).
+
+Trial i (its key, depth and length) depends only on the seed and i, so every cell answers
+the same prompts and a quick run's trials are the first of a full run's. The prime does
+not depend on the policy: each trial is primed once, saved with ``session_io`` and loaded
+into a fresh session for each cell (much cheaper than a prefill of thousands of tokens).
+With a budget below the prompt, the arena holds the whole prompt and the first step culls
+down to the budget on that one step's scores; the first answer token is still computed
+over the whole prompt.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..loop import Session, arena_capacity
+from ..model import Model, load_model
+from ..scorers import CULLING
+from ..session_io import load_session, save_session
+from ..special_tokens import TokenPolicy
+from ..types import CacheParams, SamplerParams, Segment, UserError, require
+from . import common
+from .common import Table, fmt
+
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+         "memorize it. I will quiz you about the important information there.")
+FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
+          "There and back again.")
+KEY = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key?"
+ANSWER = "The pass key is"  # the prompt's last words: the model continues with the key
+FRAMINGS = ("raw", "chat")
+DEPTHS = (0.1, 0.9)  # the key's depth in the filler: uniform in this range
+DEPTH_BINS = ((0.1, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9))
+# The target from the project's issue: reported, never asserted.
+TARGET_BUDGET = 128
+TARGET_RATIO = 0.95  # pass-key accuracy with recall at TARGET_BUDGET / the full cache
+# bench quality's own options, which this benchmark does not take
+QUALITY_OPTIONS = ("text", "slice", "at", "repairs", "params", "tokens", "long", "jobs")
+OWN_OPTIONS = ("trials", "lengths")
+
+
+# --- the prompt ---------------------------------------------------------------------------
+
+def prompt_text(key: int, depth: float, sentences: int) -> str:
+    """The raw prompt: the task, ``sentences`` filler sentences with the key sentence after
+    ``round(depth * sentences)`` of them, then the question and the answer's start (last).
+    Pure: no tokenizer."""
+    return f"{haystack(key, depth, sentences)}\n{QUESTION} {ANSWER}"
+
+
+def haystack(key: int, depth: float, sentences: int) -> str:
+    """The task and the filler with the key sentence at ``depth`` of the filler (the
+    question not included)."""
+    require(10000 <= key <= 99999, f"the key must have 5 digits, got {key}")
+    require(0 <= depth <= 1 and sentences >= 0, f"bad depth {depth} or sentences {sentences}")
+    filler = [FILLER[i % len(FILLER)] for i in range(sentences)]
+    at = round(depth * sentences)
+    return "\n".join((INTRO, " ".join(filler[:at]), KEY.format(key=key), " ".join(filler[at:])))
+
+
+def segments(policy: TokenPolicy, key: int, depth: float, sentences: int,
+             framing: str) -> list[Segment]:
+    """The prompt as primed: ``raw`` text (BOS if the model family wants it), or ``chat``:
+    a user turn (the task, the filler, the question) and an assistant turn opened with the
+    answer's start, so both framings end with the same words."""
+    if framing == "raw":
+        return policy.raw_prompt(prompt_text(key, depth, sentences))
+    require(framing == "chat", f"framing must be one of {', '.join(FRAMINGS)}, got {framing!r}")
+    user = f"{haystack(key, depth, sentences)}\n{QUESTION}"
+    return policy.chat([("user", user)]) + [Segment(tuple(policy.encode(ANSWER)), "assistant")]
+
+
+def n_tokens(segs: list[Segment]) -> int:
+    return sum(len(s.ids) for s in segs)
+
+
+def fit(policy: TokenPolicy, key: int, depth: float, length: int,
+        framing: str) -> tuple[int, list[Segment]]:
+    """The most filler sentences whose prompt holds at most ``length`` tokens, and the
+    prompt's segments."""
+    fixed = n_tokens(segments(policy, key, depth, 0, framing))
+    require(fixed < length, f"a {length}-token prompt cannot hold the pass-key task "
+            f"({fixed} tokens without filler)")
+    cycle = n_tokens(segments(policy, key, depth, len(FILLER), framing)) - fixed
+    n = max(0, int((length - fixed) * len(FILLER) / max(1, cycle)))
+    segs = segments(policy, key, depth, n, framing)
+    while n_tokens(segs) < length:  # the estimate is close: walk to the exact count
+        more = segments(policy, key, depth, n + 1, framing)
+        if n_tokens(more) > length:
+            break
+        n, segs = n + 1, more
+    while n > 0 and n_tokens(segs) > length:
+        n -= 1
+        segs = segments(policy, key, depth, n, framing)
+    return n, segs
+
+
+def correct(key: int, answer: str) -> bool:
+    """The key's five digits appear, in order and together, in the answer."""
+    return str(key) in answer
+
+
+# --- trials -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Trial:
+    """One prompt: the key, its depth in the filler, the prompt's length in tokens (at
+    most; the prompt ends at a whole sentence)."""
+
+    index: int
+    key: int
+    depth: float
+    length: int
+
+
+def trials(seed: int, n: int, lengths: tuple[int, ...]) -> list[Trial]:
+    """Trial i depends only on ``seed`` and i (a quick run's trials are the first of a full
+    run's): a random key and depth; the lengths in turn, so each gets its share."""
+    out = []
+    for i in range(n):
+        rng = random.Random(f"passkey:{seed}:{i}")
+        out.append(Trial(i, rng.randrange(10000, 100000), round(rng.uniform(*DEPTHS), 3),
+                         lengths[i % len(lengths)]))
+    return out
+
+
+# --- configuration ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PasskeyConfig:
+    """What to measure. ``policies`` empty: the full cache only. ``variants``: CacheParams
+    overrides, each one more run of the whole policy x budget grid (``({},)``: the plain
+    cache; e.g. ``({}, {"repair": "fold"})``)."""
+
+    model: str = "smollm2"
+    dtype: str = "float32"
+    quick: bool = False
+    trials: int = 50
+    lengths: tuple[int, ...] = (1024, 2048, 3072, 4096)
+    budgets: tuple[int, ...] = (128, 256, 512)
+    policies: tuple[str, ...] = CULLING
+    variants: tuple[dict, ...] = ({},)
+    framing: str = "raw"  # SmolLM2's full-cache accuracy: raw 50/50, chat 30/50 (METHOD)
+    max_new_tokens: int = 8
+    seed: int = 0
+    base: CacheParams = CacheParams()  # sinks, recent, scorer parameters of every cell
+
+    def __post_init__(self) -> None:
+        require(self.trials >= 1, f"trials must be >= 1, got {self.trials}")
+        require(len(self.lengths) > 0 and all(n >= 1 for n in self.lengths),
+                f"lengths must be >= 1, got {self.lengths}")
+        require(len(self.budgets) > 0 and all(b >= 1 for b in self.budgets),
+                f"budgets must be >= 1, got {self.budgets}")
+        require(tuple(sorted(set(self.budgets))) == self.budgets,
+                f"budgets must be increasing, got {self.budgets}")
+        bad = [p for p in self.policies if p not in CULLING]
+        require(not bad, f"unknown or non-culling policies {bad}; expected some of "
+                f"{', '.join(CULLING)} (or none: the full cache only)")
+        require(self.framing in FRAMINGS,
+                f"framing must be one of {', '.join(FRAMINGS)}, got {self.framing!r}")
+        require(self.max_new_tokens >= 5, "the answer needs at least 5 new tokens")
+        require(len(self.variants) > 0, "variants must hold at least one entry ({} = plain)")
+        for v in self.variants:
+            require(isinstance(v, dict) and not {"budget", "scorer"} & set(v),
+                    f"a variant overrides cache parameters other than budget and scorer, got {v!r}")
+            require(not {"pinned", "seeds"} & set(v),
+                    f"variant {v!r}: pinned and seeds are fixed by the shared prime")
+            for b in self.budgets:  # fail early: unknown fields, too small for the protections
+                self.cache(b, (self.policies or CULLING)[0], v)
+
+    @classmethod
+    def preset(cls, quick: bool, **kw) -> "PasskeyConfig":
+        if not quick:
+            return cls(**kw)
+        return cls(quick=True, **{"trials": 8, "budgets": (128,), "lengths": (1024,), **kw})
+
+    def fitted(self, max_positions: int) -> "PasskeyConfig":
+        """Prompts and answers within the model's positions; budgets below them."""
+        room = max_positions - self.max_new_tokens - 1
+        budgets = tuple(b for b in self.budgets if b < max_positions)
+        require(budgets, f"the model's {max_positions} positions fit none of the budgets "
+                f"{self.budgets}")
+        lengths = tuple(dict.fromkeys(min(n, room) for n in self.lengths))
+        return dataclasses.replace(self, budgets=budgets, lengths=lengths)
+
+    def cache(self, budget: int | None, policy: str, variant: dict | None = None) -> CacheParams:
+        if budget is None:
+            return dataclasses.replace(self.base, scorer="none")
+        try:
+            return dataclasses.replace(self.base, budget=budget, scorer=policy, **(variant or {}))
+        except TypeError:
+            raise UserError(f"variant {variant!r}: not a cache parameter "
+                            f"(CacheParams fields only)") from None
+
+
+def variant_label(v: dict) -> str:
+    return ", ".join(f"{k}={val}" for k, val in sorted(v.items())) or "plain"
+
+
+# --- measurement --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Cell:
+    """One column of the grid: ``budget`` None is the full cache."""
+
+    policy: str
+    budget: int | None
+    variant: dict
+    cache: CacheParams
+
+
+def cells(cfg: PasskeyConfig) -> list[Cell]:
+    return [Cell(p, b, v, cfg.cache(b, p, v))
+            for v in cfg.variants for b in cfg.budgets for p in cfg.policies]
+
+
+def answer(session: Session, n: int) -> list[int]:
+    """Up to ``n`` greedy tokens (stopping at EOS)."""
+    ids = [r.token_id for r in session.stream(n)]
+    session.state.check_valid()
+    return ids
+
+
+def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Trial,
+              grid: list[Cell], tmp: Path, tick=None) -> dict:
+    """One prompt, primed once, answered with the full cache and in every cell (each from
+    a copy of the primed session). Returns the trial's row: prompt facts, the answers, the
+    seconds spent priming, copying and answering."""
+    sentences, segs = fit(policy, trial.key, trial.depth, trial.length, cfg.framing)
+    n = n_tokens(segs)
+    sampler = SamplerParams(greedy=True)
+    t0 = time.perf_counter()
+    ref = Session(model, policy, sampler, cfg.cache(None, "none"))
+    ref.prime(segs, arena_capacity(model, ref.cache_params, n, cfg.max_new_tokens))
+    t1 = time.perf_counter()
+    path = tmp / "primed.pbs"
+    if grid:
+        save_session(ref, path)
+    t2 = time.perf_counter()
+    answers = [answer(ref, cfg.max_new_tokens)]
+    if tick:
+        tick()
+    copy_s, answer_s = t2 - t1, time.perf_counter() - t2
+    for cell in grid:
+        t3 = time.perf_counter()
+        state = load_session(model, path).state
+        t4 = time.perf_counter()
+        session = Session(model, policy, sampler, cell.cache, state=state)
+        answers.append(answer(session, cfg.max_new_tokens))
+        copy_s, answer_s = copy_s + t4 - t3, answer_s + time.perf_counter() - t4
+        if tick:
+            tick()
+    texts = [policy.decode(a) for a in answers]
+    return {**dataclasses.asdict(trial), "tokens": n, "sentences": sentences,
+            "answers": texts, "hits": [correct(trial.key, t) for t in texts],
+            "prime_s": t1 - t0, "copy_s": copy_s, "answer_s": answer_s}
+
+
+def run(cfg: PasskeyConfig, command: str) -> dict:
+    """Every measurement, as one JSON-ready dict."""
+    t0 = time.perf_counter()
+    info = common.machine()
+    model = load_model(cfg.model, cfg.dtype)
+    cfg = cfg.fitted(model.spec.max_positions)
+    policy = TokenPolicy(model.tokenizer)
+    for n in cfg.lengths:  # fail before the progress bar: each length holds the task
+        fit(policy, 10000, 0.5, n, cfg.framing)
+    grid = cells(cfg)
+    todo = trials(cfg.seed, cfg.trials, cfg.lengths)
+    rows = []
+    with common.progress() as task, tempfile.TemporaryDirectory(prefix="passkey-") as tmp:
+        tick = task(f"pass key: {len(todo)} trials x {1 + len(grid)} cells",
+                    len(todo) * (1 + len(grid)))
+        for trial in todo:
+            rows.append(run_trial(model, policy, cfg, trial, grid, Path(tmp), tick))
+    res = {"benchmark": "passkey", "command": command, "model": cfg.model, "dtype": cfg.dtype,
+           "quick": cfg.quick, "machine": info, "max_positions": model.spec.max_positions,
+           "config": dataclasses.asdict(cfg), "trials": rows}
+    res["reference"] = _cell_row(rows, 0, policy="none", budget=None, variant={})
+    ref = res["reference"]["accuracy"]
+    res["runs"] = []
+    for i, c in enumerate(grid, 1):
+        r = _cell_row(rows, i, policy=c.policy, budget=c.budget, variant=c.variant)
+        r["ratio"] = r["accuracy"] / ref if ref else None
+        res["runs"].append(r)
+    res["timing"] = {k: sum(r[k] for r in rows) for k in ("prime_s", "copy_s", "answer_s")}
+    res["targets"] = targets(res)
+    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    res["elapsed_s"] = time.perf_counter() - t0
+    return res
+
+
+def _cell_row(rows: list[dict], i: int, **what) -> dict:
+    hits = [r["hits"][i] for r in rows]
+    return {**what, "variant_label": variant_label(what["variant"]), "correct": sum(hits),
+            "trials": len(hits), "accuracy": sum(hits) / len(hits)}
+
+
+# --- analysis -----------------------------------------------------------------------------
+
+def targets(res: dict) -> list[dict]:
+    """Pass-key accuracy with recall at budget 128 / the full cache >= 0.95: measurable once
+    a variant turns recall on; until then the drop-only cells are shown beside it."""
+    ref = res["reference"]
+    at = [r for r in res["runs"] if r["budget"] == TARGET_BUDGET]
+    recall = [r for r in at if r["variant"].get("recall")]
+    base = f"the full cache ({ref['correct']}/{ref['trials']})"
+    out = []
+    for r in recall:
+        out.append({"what": f"budget {TARGET_BUDGET} with recall, {r['policy']} "
+                            f"({r['variant_label']}, {r['correct']}/{r['trials']}) / {base}",
+                    "value": r["ratio"], "target": f">= {TARGET_RATIO:.2f}",
+                    "met": None if r["ratio"] is None else r["ratio"] >= TARGET_RATIO})
+    if not recall:
+        out.append({"what": f"budget {TARGET_BUDGET} with recall / {base}: not yet measurable "
+                            "(no cache variant recalls culled tokens yet)",
+                    "value": None, "target": f">= {TARGET_RATIO:.2f}", "met": None})
+    for r in at:
+        if not r["variant"].get("recall"):
+            out.append({"what": f"budget {TARGET_BUDGET}, drop only (for reference): "
+                                f"{r['policy']} ({r['variant_label']}, "
+                                f"{r['correct']}/{r['trials']}) / {base}",
+                        "value": r["ratio"], "target": f">= {TARGET_RATIO:.2f}",
+                        "met": None if r["ratio"] is None else r["ratio"] >= TARGET_RATIO})
+    return out
+
+
+def _pct(correct: int, n: int) -> str:
+    return f"{100 * correct / n:.0f}% ({correct}/{n})" if n else "–"
+
+
+def _ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}x"
+
+
+def _split(res: dict, i: int, key) -> dict:
+    """Correct and total trials of cell ``i`` (0: the full cache) per ``key(trial)``."""
+    out: dict = {}
+    for t in res["trials"]:
+        k = key(t)
+        c, n = out.get(k, (0, 0))
+        out[k] = (c + t["hits"][i], n + 1)
+    return out
+
+
+def _depth_bin(t: dict) -> str:
+    lo, hi = next((b for b in DEPTH_BINS if t["depth"] < b[1]), DEPTH_BINS[-1])
+    return f"{lo:.0%}-{hi:.0%}"
+
+
+# --- output -------------------------------------------------------------------------------
+
+def tables(res: dict) -> list[Table]:
+    cfg, ref = res["config"], res["reference"]
+    budgets = cfg["budgets"]
+    target = Table(
+        "Targets (reported, not asserted)", ("what", "value", "target", "met"),
+        tuple((t["what"], fmt(t["value"], 3), t["target"],
+               "–" if t["met"] is None else "yes" if t["met"] else "NO") for t in res["targets"]))
+    cells_by = {(r["policy"], r["variant_label"], r["budget"]): r for r in res["runs"]}
+    rows = []
+    for v in cfg["variants"]:
+        for p in cfg["policies"]:
+            rs = [cells_by.get((p, variant_label(v), b)) for b in budgets]
+            rows.append((p, variant_label(v), *(
+                f"{_pct(r['correct'], r['trials'])}, {_ratio(r['ratio'])}" if r else "–"
+                for r in rs)))
+    grid = Table(
+        f"Pass-key accuracy by budget ({ref['trials']} trials per cell; x = / the full cache)",
+        ("policy", "variant", *(f"budget {b}" for b in budgets)), tuple(rows),
+        f"Full cache (no budget): {_pct(ref['correct'], ref['trials'])}. Higher is better.")
+    named = [("full cache", "–", 0)] + [
+        (r["policy"], f"{r['variant_label']}, budget {r['budget']}", i)
+        for i, r in enumerate(res["runs"], 1)]
+    lengths = sorted({t["length"] for t in res["trials"]})
+    by_length = Table(
+        "Accuracy by prompt length (tokens, at most)", ("cell", "setting", *map(str, lengths)),
+        tuple((a, b, *(_pct(*_split(res, i, lambda t: t["length"]).get(n, (0, 0)))
+                       for n in lengths)) for a, b, i in named))
+    bins = [f"{lo:.0%}-{hi:.0%}" for lo, hi in DEPTH_BINS]
+    by_depth = Table(
+        "Accuracy by the key's depth in the filler", ("cell", "setting", *bins),
+        tuple((a, b, *(_pct(*_split(res, i, _depth_bin).get(d, (0, 0))) for d in bins))
+              for a, b, i in named))
+    tm = res["timing"]
+    n = len(res["trials"])
+    cost = Table(
+        "Time (seconds, whole run)", ("prime (once per trial)", "copy (save + loads)",
+                                      "answers", "mean prompt tokens", "elapsed"),
+        ((fmt(tm["prime_s"], 1), fmt(tm["copy_s"], 1), fmt(tm["answer_s"], 1),
+          fmt(sum(t["tokens"] for t in res["trials"]) / n, 0), fmt(res["elapsed_s"], 1)),))
+    return [target, *([grid] if res["runs"] else []), by_length, by_depth, cost]
+
+
+def plots(res: dict, out: Path) -> list[str]:
+    """Accuracy vs budget, one line per policy (and variant), the full cache dotted."""
+    budgets = res["config"]["budgets"]
+    if not res["runs"]:
+        return []
+    series = {}
+    for i, p in enumerate(res["config"]["policies"]):
+        for j, v in enumerate(res["config"]["variants"]):
+            label = variant_label(v)
+            rs = [r for r in res["runs"] if r["policy"] == p and r["variant_label"] == label]
+            series[p if len(res["config"]["variants"]) == 1 else f"{p}, {label}"] = (
+                [r["budget"] for r in rs], [100 * r["accuracy"] for r in rs],
+                {"color": f"C{i}", "linestyle": ("-", "--", "-.", ":")[j % 4]})
+    series["full cache"] = (budgets, [100 * res["reference"]["accuracy"]] * len(budgets),
+                            {"linestyle": ":", "color": "gray"})
+    common.line_plot(out / "passkey_vs_budget.png",
+                     f"Pass-key accuracy vs budget, {res['model']} {res['dtype']}",
+                     "budget (live cache slots)", "accuracy (%)", series)
+    return ["passkey_vs_budget.png"]
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
+    """The markdown report; ``level`` is the heading level of its title."""
+    h = "#" * level
+    m, cfg = res["machine"], res["config"]
+    sp, ref = cfg["base"], res["reference"]
+    only = "" if res["runs"] else " Only the full cache was measured (`--policies none`)."
+    lines = [
+        f"{h} Pass-key retrieval benchmark",
+        "",
+        f"Regenerate with `{res['command']}` (this run took {_duration(res['elapsed_s'])}). "
+        "Every number below comes from that one run." + only,
+        "",
+        f"Model `{res['model']}` ({res['dtype']}{', quick' if res['quick'] else ''}), "
+        f"{res['max_positions']} positions; {len(res['trials'])} trials (seed {cfg['seed']}), "
+        f"prompt lengths {', '.join(map(str, cfg['lengths']))} tokens, `{cfg['framing']}` "
+        f"framing, up to {cfg['max_new_tokens']} greedy new tokens; {m['cpu']}, {m['cores']} "
+        f"cores, {m['torch_threads']} torch thread(s), load average {m['loadavg_start'][0]} at "
+        f"the start, {m['loadavg_end'][0]} at the end. Full-cache accuracy: "
+        f"**{_pct(ref['correct'], ref['trials'])}**. Protected from culls: {sp['sinks']} "
+        f"sinks, {sp['recent']} recent tokens.",
+        "",
+    ]
+    for tb in tables(res):
+        lines += [f"{h}# {tb.title}", "", tb.markdown(), ""]
+    if images:
+        lines += [f"{h}# Plots", ""] + [f"![{n}]({image_dir}/{n})" for n in images] + [""]
+    lines += [f"{h}# Method", "", METHOD]
+    return "\n".join(lines) + "\n"
+
+
+METHOD = """\
+- **Prompt** (the classic pass-key prompt): the task ("There is an important info hidden
+  inside a lot of irrelevant text. ..."), then filler sentences ("The grass is green. The
+  sky is blue. The sun is yellow. Here we go. There and back again." repeated) with the key
+  sentence ("The pass key is 48213. Remember it. 48213 is the pass key.") after a fraction
+  `depth` of them, then "What is the pass key? The pass key is". As many whole sentences as
+  fit the trial's length in tokens. `raw` framing primes this text as it is; `chat` puts all
+  but the last four words in a user turn and opens the assistant's turn with them. `raw`
+  is the default because SmolLM2-135M-Instruct answers it best with the full cache: 50 of
+  the 50 trials of seed 0 (1k-4k tokens) raw, 30 of 50 as a chat turn (12/13, 8/13, 5/12
+  and 5/12 at 1k, 2k, 3k and 4k tokens; the misses describe "a magical item that ...").
+- **Trials**: trial i's key (5 digits) and depth (uniform in 10-90%) come from the seed and
+  i only; lengths are taken in turn. Every cell answers the same trials.
+- **Answer**: up to `max_new_tokens` greedy tokens through the real loop (stages 1-4), the
+  budget enforced at every step; correct if the key's five digits appear in the answer.
+- **Cells**: each trial is primed once without a budget; the primed session is saved
+  (`session_io.save_session`) and loaded into a fresh session per cell, with the cell's
+  cache parameters. With a budget below the prompt, the arena holds the whole prompt and
+  the first step culls down to the budget on that step's attention alone: the first
+  answer token (a space before the digits, for SmolLM2) is computed over the whole prompt,
+  and the digits over what that step kept.
+- **Variants**: each is a set of cache-parameter overrides and one more run of the whole
+  policy x budget grid; `plain` is the cache as configured."""
+
+
+# --- the command line -----------------------------------------------------------------------
+
+def add_args(p) -> None:
+    """This benchmark's own options (it also takes --budgets, --policies and --dtype)."""
+    g = p.add_argument_group("bench passkey (pass-key retrieval; also takes --budgets, "
+                             "--policies (none: the full cache only) and --dtype)")
+    g.add_argument("--trials", type=int, default=None,
+                   help="prompts per cell (default 50; --quick 8)")
+    g.add_argument("--lengths", default=None,
+                   help="comma-separated prompt lengths in tokens, taken in turn (default "
+                        "1024,2048,3072,4096; --quick 1024)")
+
+
+def refuse_own(args) -> None:
+    given = [f"--{f}" for f in OWN_OPTIONS if getattr(args, f, None) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)}: for bench passkey only")
+
+
+def config_from_args(args) -> PasskeyConfig:
+    given = [f"--{f}" for f in QUALITY_OPTIONS if getattr(args, f, None) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)}: not an option of bench passkey")
+    kw = {"model": args.model, "dtype": args.dtype or "float32"}
+    if args.trials is not None:
+        kw["trials"] = args.trials
+    if args.lengths is not None:
+        kw["lengths"] = common.ints(args.lengths, "lengths")
+    if args.budgets is not None:
+        kw["budgets"] = common.ints(args.budgets, "budgets")
+    if args.policies is not None:
+        names = tuple(p.strip() for p in args.policies.split(","))
+        kw["policies"] = tuple(p for p in names if p != "none")  # none: the full cache only
+    return PasskeyConfig.preset(args.quick, **kw)
+
+
+def command_line(args) -> str:
+    parts = ["positronic-brain bench passkey"] + (["--quick"] if args.quick else [])
+    for flag, default in (("model", "smollm2"), ("dtype", None), ("budgets", None),
+                          ("policies", None), ("trials", None), ("lengths", None),
+                          ("out", None), ("report", None)):
+        value = getattr(args, flag, None)
+        if value is not None and value != default:
+            parts += [f"--{flag}", str(value)]
+    return " ".join(parts)
+
+
+def main(args) -> int:
+    """The CLI entry: measure, then print tables (or one JSON object) and write files."""
+    cfg = config_from_args(args)  # validate before the slow part
+    out = common.out_dir(args)
+    res = run(cfg, command_line(args))
+    common.emit(res, args, out, "passkey", plots, report_md, tables)
+    return 0

@@ -1,0 +1,174 @@
+"""`bench passkey`: the prompt, the seeded trials, a hand-checked answer from SmolLM2, the
+copied prime, and the CLI's JSON, report and one-line errors."""
+import json
+import re
+
+import pytest
+
+from positronic_brain.bench import passkey
+from positronic_brain.cli import main
+from positronic_brain.loop import Session
+from positronic_brain.types import SamplerParams, UserError
+
+QUESTION_LAST = "\nWhat is the pass key? The pass key is"
+
+
+@pytest.mark.parametrize("depth", [0.1, 0.25, 0.5, 0.77, 0.9])
+def test_the_key_sits_at_its_depth_and_the_question_comes_last(depth):
+    text = passkey.prompt_text(48213, depth, 200)
+    assert text.startswith(passkey.INTRO + "\n") and text.endswith(QUESTION_LAST)
+    assert text.count("What is the pass key?") == 1 and text.count("48213") == 2
+    key = "The pass key is 48213. Remember it. 48213 is the pass key."
+    before, after = text.split(key)
+    filler = re.compile("|".join(re.escape(s) for s in passkey.FILLER))
+    n_before, n_after = len(filler.findall(before)), len(filler.findall(after))
+    assert n_before + n_after == 200 and n_before == round(depth * 200)
+    # the filler cycles in order on both sides of the key
+    assert filler.findall(before + after) == [passkey.FILLER[i % 5] for i in range(200)]
+    # in characters too, the key sits at its depth of the filler
+    start, end = len(passkey.INTRO) + 1, len(text) - len(QUESTION_LAST)
+    assert abs((text.index(key) - start) / (end - start - len(key)) - depth) < 0.01
+
+
+def test_trials_are_seeded_and_the_same_for_any_count():
+    lengths = (1024, 2048, 3072, 4096)
+    a = passkey.trials(0, 50, lengths)
+    assert a == passkey.trials(0, 50, lengths) and a[:8] == passkey.trials(0, 8, lengths)
+    assert [t.key for t in a] != [t.key for t in passkey.trials(1, 50, lengths)]
+    assert [t.index for t in a] == list(range(50))
+    assert all(10000 <= t.key <= 99999 and 0.1 <= t.depth <= 0.9 for t in a)
+    assert [t.length for t in a[:8]] == list(lengths) * 2
+    assert len({t.key for t in a}) > 45 and len({round(t.depth, 1) for t in a}) >= 8
+
+
+def test_the_prompt_fits_its_length_in_whole_sentences(tiny_policy):
+    for framing in passkey.FRAMINGS:
+        n, segs = passkey.fit(tiny_policy, 12345, 0.5, 480, framing)
+        tokens = passkey.n_tokens(segs)
+        more = passkey.n_tokens(passkey.segments(tiny_policy, 12345, 0.5, n + 1, framing))
+        assert tokens <= 480 < more
+        assert tiny_policy.decode([i for s in segs for i in s.ids]).endswith("The pass key is")
+    with pytest.raises(UserError, match="cannot hold the pass-key task"):
+        passkey.fit(tiny_policy, 12345, 0.5, 40, "raw")
+
+
+def test_variants_are_one_more_axis():
+    cfg = passkey.PasskeyConfig(budgets=(128, 256), policies=("h2o", "tova"),
+                                variants=({}, {"repair": "fold"}))
+    grid = passkey.cells(cfg)
+    assert len(grid) == 8 and grid[4].cache.repair == "fold" and grid[0].cache.repair == "none"
+    assert [passkey.variant_label(c.variant) for c in grid] == ["plain"] * 4 + ["repair=fold"] * 4
+    with pytest.raises(UserError, match="not a cache parameter"):
+        passkey.PasskeyConfig(variants=({"no_such_field": True},))
+    with pytest.raises(UserError, match="other than budget and scorer"):
+        passkey.PasskeyConfig(variants=({"budget": 4},))
+
+
+def test_the_target_waits_for_a_recall_variant():
+    ref = {"correct": 40, "trials": 50, "accuracy": 0.8}
+    row = lambda p, variant, correct: {  # noqa: E731
+        "policy": p, "budget": 128, "variant": variant,
+        "variant_label": passkey.variant_label(variant), "correct": correct, "trials": 50,
+        "accuracy": correct / 50, "ratio": correct / 40}
+    res = {"reference": ref, "runs": [row("h2o", {}, 20), row("h2o", {"recall": True}, 39)]}
+    recall, drop = passkey.targets(res)
+    assert "with recall" in recall["what"] and recall["met"] is True
+    assert recall["value"] == pytest.approx(39 / 40)
+    assert "drop only" in drop["what"] and drop["met"] is False
+    res["runs"] = res["runs"][:1]
+    waiting = passkey.targets(res)[0]
+    assert "not yet measurable" in waiting["what"] and waiting["met"] is None
+
+
+def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, tmp_path, one_thread):
+    """Each cell starts from a saved and loaded copy of the trial's prime: the same tokens
+    and the same culls as a session primed for that cell alone."""
+    cfg = passkey.PasskeyConfig(model="tiny-random", lengths=(400,), budgets=(64,),
+                                policies=("h2o", "random"))
+    trial = passkey.trials(0, 1, cfg.lengths)[0]
+    grid = passkey.cells(cfg)
+    row = passkey.run_trial(tiny_model, tiny_policy, cfg, trial, grid, tmp_path)
+    _, segs = passkey.fit(tiny_policy, trial.key, trial.depth, trial.length, cfg.framing)
+    for cell, text in zip(grid, row["answers"][1:]):
+        fresh = Session(tiny_model, tiny_policy, SamplerParams(greedy=True), cell.cache)
+        fresh.prime(segs)
+        ids = [r.token_id for r in fresh.stream(cfg.max_new_tokens)]
+        assert text == tiny_policy.decode(ids) and fresh.state.arena.n == 64
+    assert row["tokens"] <= 400 and len(row["hits"]) == 3
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_smollm2_finds_the_key_in_a_1k_prompt(real_model, real_policy, tmp_path):
+    """Hand-checked: trial 0 (key 46398 at 49% of ~1k tokens of filler) is answered
+    " 46398." with the full cache, and TOVA at budget 128 answers it too."""
+    cfg = passkey.PasskeyConfig(lengths=(1024,), budgets=(128,), policies=("tova",))
+    trial = passkey.trials(0, 1, cfg.lengths)[0]
+    assert (trial.key, trial.depth) == (46398, 0.493)
+    row = passkey.run_trial(real_model, real_policy, cfg, trial, passkey.cells(cfg), tmp_path)
+    assert 1000 < row["tokens"] <= 1024
+    assert row["answers"][0].startswith(" 46398.") and row["hits"] == [True, True]
+
+
+def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
+    out, doc = tmp_path / "pk", tmp_path / "BENCHMARKS.md"
+    doc.write_text("# Benchmarks\n\nintro\n")
+    code = main(["bench", "passkey", "--quick", "--model", "tiny-random", "--json",
+                 "--out", str(out), "--report", str(doc)])
+    stdout, err = capsys.readouterr()
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res == json.loads((out / "results.json").read_text())
+    assert res["benchmark"] == "passkey" and res["quick"] is True
+    cfg = res["config"]
+    assert cfg["trials"] == 8 and cfg["budgets"] == [128] and cfg["variants"] == [{}]
+    assert cfg["lengths"] == [512 - 8 - 1]  # 1024 does not fit the tiny model's positions
+    assert len(res["trials"]) == 8 and all(len(t["hits"]) == 6 for t in res["trials"])
+    ref = res["reference"]
+    assert ref["budget"] is None and ref["trials"] == 8 and 0 <= ref["accuracy"] <= 1
+    assert [(r["policy"], r["budget"], r["variant_label"]) for r in res["runs"]] == \
+        [(p, 128, "plain") for p in ("brightness", "streaming", "h2o", "tova", "random")]
+    for i, r in enumerate([ref, *res["runs"]]):
+        assert r["correct"] == sum(t["hits"][i] for t in res["trials"])
+        assert r["accuracy"] == r["correct"] / 8 and r["trials"] == 8
+    first = res["targets"][0]
+    assert "not yet measurable" in first["what"] and first["met"] is None
+    assert len(res["targets"]) == 6  # and the five drop-only policies beside it
+    assert res["timing"]["prime_s"] > 0 and res["elapsed_s"] > 0
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Pass-key retrieval benchmark")
+    assert "bench passkey --quick --model tiny-random --out" in report
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nintro\n") and "<!-- bench passkey: end -->" in text
+    assert "## Pass-key retrieval benchmark" in text
+
+
+def test_policies_none_measures_the_full_cache_only(capsys, one_thread):
+    code = main(["bench", "passkey", "--model", "tiny-random", "--policies", "none",
+                 "--trials", "3", "--lengths", "300,400", "--json"])
+    stdout, err = capsys.readouterr()
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["runs"] == [] and res["reference"]["trials"] == 3
+    assert [t["length"] for t in res["trials"]] == [300, 400, 300]
+    assert [t["what"].split(":")[0] for t in res["targets"]] == \
+        ["budget 128 with recall / the full cache (0/3)"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trials", "0"], "trials must be >= 1"),
+    (["--lengths", "1,a"], "comma-separated integers"),
+    (["--budgets", "8"], "smaller than sinks + recent"),
+    (["--budgets", "256,128"], "increasing"),
+    (["--policies", "h2o,bogus"], "non-culling"),
+    (["--text", "x.txt"], "not an option of bench passkey"),
+    (["--lengths", "40", "--trials", "1"], "cannot hold the pass-key task"),
+])
+def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
+    assert main(["bench", "passkey", "--model", "tiny-random", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_its_options_are_its_own(capsys):
+    assert main(["bench", "speed", "--trials", "3"]) == 2
+    assert "for bench passkey only" in capsys.readouterr().err
