@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from .capture import (CaptureWriter, arena_version, generate_outputs, state_snapshot,
                       view_columns)
@@ -44,10 +44,11 @@ class Session:
     generated_ids: list[int] = field(default_factory=list)
     stop_reason: str | None = None
     capture: CaptureWriter | None = None
+    scorer: InitVar[object] = None  # a prebuilt stage-2 scorer (bench quality's oracle)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, scorer: object = None) -> None:
         self.generator = make_generator(self.sampler.seed)
-        self.scorer = make_scorer(self.cache_params)
+        self.scorer = make_scorer(self.cache_params) if scorer is None else scorer
         limit = self.model.spec.max_positions
         require(self.cache_params.reindex_at is None or self.cache_params.reindex_at <= limit,
                 f"reindex-at {self.cache_params.reindex_at} is past the model's {limit} positions")

@@ -106,6 +106,9 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
         assert removed == 64 - 32
         assert (r["repaired"] > 0) == (r["repair"] != "none")
         assert r["repair"] != "fold" or r["repaired"] <= r["culled"]
+    (oracle,) = res["oracle"]  # the hindsight oracle, from the reference's attention
+    assert (oracle["budget"], oracle["policy"], oracle["repair"]) == (32, "oracle", "none")
+    assert oracle["scored"] == 64 and oracle["culled"] == 64 - 32
     ref = res["reference"]
     assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 64
     assert ref["windows"][-1]["end"] == 512  # the reference streams up to the positions
