@@ -4,10 +4,10 @@ A full-cache pass over the same text records, at every step, the attention the p
 token (the query) paid to each earlier token, ``aggregate``d to one value per token
 (``AttentionRecorder``). Its suffix sums say how much attention each token will still
 receive after a given query; the oracle scores a live token by that sum, so the token the
-future needs least goes first (a Belady-style bound for culling by attention). It cannot be
-built from ``CacheParams``: ``make_scorer`` refuses it, the benchmark passes one to
-``Session(scorer=...)``. It is a bound on the signal, not on perplexity: the full cache's
-attention is not what a culled cache's queries would pay.
+future needs least goes first (a Belady-style reference for culling by attention). It
+cannot be built from ``CacheParams``: ``make_scorer`` refuses it, the benchmark passes one
+to ``Session(scorer=...)``. It is no strict bound on perplexity: the full cache's attention is
+not what a culled cache's queries would pay, nor is attention mass all a token is worth.
 
 Tokens are indexed by their text index. In a teacher-forced run primed with the text's
 first token and nothing merged, a token's uid is its text index and the pending token at
