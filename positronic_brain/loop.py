@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 
 from .capture import NO_TAPE, Tape
 from .model import Model
@@ -53,10 +53,11 @@ class Session:
     generated_ids: list[int] = field(default_factory=list)
     stop_reason: str | None = None
     tape: Tape = NO_TAPE
+    scorer: InitVar[object] = None  # a prebuilt stage-2 scorer (bench quality's oracle)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, scorer: object = None) -> None:
         self.generator = make_generator(self.sampler.seed)
-        self.scorer = make_scorer(self.cache_params)
+        self.scorer = make_scorer(self.cache_params) if scorer is None else scorer
         self.cache_params.check_positions(self.model.spec.max_positions)
 
     def prime(self, segments: list[Segment], capacity: int | None = None) -> None:

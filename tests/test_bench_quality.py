@@ -106,6 +106,9 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
         assert removed == 64 - 32
         assert (r["merged"] + r["folded"] > 0) == (r["repair"] != "none")
         assert r["repair"] != "fold" or 0 < r["folded"] <= r["culled"]
+    (oracle,) = res["oracle"]  # the hindsight oracle, from the reference's attention
+    assert (oracle["budget"], oracle["policy"], oracle["repair"]) == (32, "oracle", "none")
+    assert oracle["scored"] == 64 and oracle["culled"] == 64 - 32
     ref = res["reference"]
     assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 64
     assert ref["windows"][-1]["end"] == 512  # the reference streams up to the positions
@@ -130,6 +133,8 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
     whats = [t["what"] for t in res["targets"]]
     assert {w.split(":")[0] for w in whats} >= {"budget 32", "compact positions",
                                                   "budget 32, the first 512 tokens"}
+    gap = next(t for t in res["targets"] if "gap between the best baseline" in t["what"])
+    assert gap["met"] is None if gap["value"] is None else gap["met"] == (gap["value"] >= 0.5)
     control = next(t for t in res["targets"] if "control run" in t["what"])
     assert control["value"] == pytest.approx(c["ppl_compact"] / c["ppl_past"])
 

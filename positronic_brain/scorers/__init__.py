@@ -5,7 +5,8 @@ A scorer is a frozen dataclass whose fields are its hyperparameters, named as in
 ``score(view, attention) -> ScoreOut``. Per-token state that persists across steps
 (brightness, attn_sum) lives in the ledger: a scorer returns the new values and stage 4
 writes them. ``SCORERS`` is the one registry: the CLI's choices, the benchmarks and the
-tests are derived from it.
+tests are derived from it. The hindsight oracle (``scorers.oracle``, bench quality only)
+is not in it: it needs a full-cache pass over the same text, which no parameters give.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ..types import CacheParams, ScoreOut, require
 from .brightness import Brightness
 from .h2o import H2O
 from .none import NoScore
+from .oracle import NAME as ORACLE, ONLY_BENCH
 from .random import RandomScore
 from .streaming import Streaming
 from .tova import TOVA
@@ -36,6 +38,7 @@ BASELINES = tuple(name for name in CULLING if name != CacheParams.scorer)
 
 def make_scorer(params: CacheParams) -> Scorer:
     """The scorer ``params.scorer`` with its hyperparameters taken from ``params``."""
+    require(params.scorer != ORACLE, ONLY_BENCH)
     require(params.scorer in SCORERS, f"unknown policy {params.scorer!r}; expected one of "
             f"{', '.join(SCORERS)}")
     cls = SCORERS[params.scorer]

@@ -1,0 +1,144 @@
+"""The hindsight oracle (bench quality only): a full-cache pass records the attention every
+token receives, and the oracle culls the token the rest of the text attends to least."""
+import pytest
+import torch
+
+from positronic_brain.bench import quality
+from positronic_brain.cli import main
+from positronic_brain.loop import Session
+from positronic_brain.scorers import make_scorer
+from positronic_brain.scorers.attention import aggregate
+from positronic_brain.scorers.oracle import ONLY_BENCH, AttentionRecorder, suffix_sums
+from positronic_brain.stages.decide import protected
+from positronic_brain.stages.generate import generate
+from positronic_brain.types import CacheParams, SamplerParams, Segment, UserError
+
+GREEDY = SamplerParams(greedy=True)
+FULL = CacheParams(scorer="none")
+
+
+@pytest.fixture(scope="module")
+def tiny_ids(tiny_policy):
+    return tiny_policy.encode(quality.default_text())[:49]  # 48 scored tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_model, tiny_policy, tiny_ids):
+    return quality.streaming_nll(tiny_model, tiny_policy, tiny_ids, FULL, record=48)
+
+
+def test_suffix_sums_match_a_brute_force_sum():
+    a = torch.rand(7, 7, generator=torch.Generator().manual_seed(0)).tril(-1)
+    s = suffix_sums(a)
+    want = torch.tensor([[sum(float(a[t, j]) for t in range(q + 1, 7)) for j in range(7)]
+                         for q in range(7)])
+    assert s.dtype == torch.float32 and torch.allclose(s, want, atol=1e-6)
+    assert not s[-1].any()  # after the last query, nothing more is paid
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_recorder_holds_each_steps_attention_by_text_index(tiny_model, tiny_policy, tiny_ids):
+    """Row q is what stage 1 paid, at the step that ran the text's token q, to tokens 0..q-1."""
+    rec = AttentionRecorder(20, "all-mean", tiny_ids)
+    session = Session(tiny_model, tiny_policy, GREEDY, FULL, scorer=rec)
+    session.prime([Segment((tiny_ids[0],), "user")], capacity=32)
+    want = torch.zeros(20, 20)
+    for q in range(24):  # past the recorded size: later rows are left out
+        view = session.state.view()
+        if q < 20:
+            att = generate(tiny_model, view, GREEDY, session.generator, tiny_ids[q + 1]).attention
+            want[q, :q] = aggregate(att, "all-mean")
+        session.step(force=tiny_ids[q + 1])
+    assert torch.allclose(rec.rows, want, atol=1e-6)
+    oracle = rec.oracle()
+    assert torch.equal(oracle.token_ids, torch.tensor(tiny_ids[:20]))
+    assert torch.allclose(oracle.future, suffix_sums(want), atol=1e-6)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_oracle_with_room_for_everything_is_the_full_cache(tiny_model, tiny_policy, tiny_ids,
+                                                              tiny_reference):
+    oracle = tiny_reference.oracle
+    assert oracle.future.shape == (48, 48)
+    s = quality.streaming_nll(tiny_model, tiny_policy, tiny_ids,
+                              CacheParams(scorer="oracle", budget=64), oracle=oracle)
+    assert s.totals.culled == 0
+    assert max(abs(a - b) for a, b in zip(s.nll, tiny_reference.nll)) <= 1e-5
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_oracle_culls_the_token_the_future_needs_least(tiny_model, tiny_policy, tiny_ids,
+                                                          tiny_reference):
+    """Each step's cull is the unprotected live token with the least attention still to come
+    in the full cache (ties: the earlier position)."""
+    oracle, cache = tiny_reference.oracle, CacheParams(scorer="oracle", budget=16, sinks=2,
+                                                        recent=4)
+    session = Session(tiny_model, tiny_policy, GREEDY, cache, scorer=oracle)
+    session.prime([Segment((tiny_ids[0],), "user")])
+    culls = 0
+    for q in range(48):
+        view = session.state.view()
+        free = ~protected(view, cache)
+        expect = []
+        if view.n + 1 > 16:  # uid = text index = position: the least future, then the earliest
+            expect = [min(view.uid[free].tolist(), key=lambda u: (float(oracle.future[q, u]), u))]
+        rec = session.step(force=tiny_ids[q + 1])
+        assert list(rec.culled) == expect, f"step {q + 1}"
+        culls += len(expect)
+    assert culls == 48 - 16
+    with pytest.raises(UserError, match="full-cache run's oracle"):
+        quality.streaming_nll(tiny_model, tiny_policy, tiny_ids, cache)
+
+
+def test_the_oracle_needs_the_bench_one_line(capsys):
+    with pytest.raises(UserError, match=ONLY_BENCH):
+        make_scorer(CacheParams(scorer="oracle", budget=32))
+    assert main(["run", "--model", "tiny-random", "--prompt", "hello", "--budget", "32",
+                 "--policy", "oracle"]) == 2
+    err = capsys.readouterr().err
+    assert ONLY_BENCH in err and err.count("\n") == 1, err
+    assert main(["bench", "quality", "--model", "tiny-random", "--policies", "oracle"]) == 2
+    assert "the oracle runs at every budget" in capsys.readouterr().err
+
+
+def test_gap_closed():
+    def run(policy, repair, ppl, budget=64):
+        return {"policy": policy, "repair": repair, "budget": budget, "ppl": ppl}
+
+    res = {"runs": [run("brightness", "none", 11.0), run("h2o", "none", 12.0),
+                    run("tova", "fold", 13.0), run("random", "none", 20.0),
+                    run("h2o", "none", 9.0, 128)],
+           "oracle": [run("oracle", "none", 10.0), run("oracle", "none", 9.5, 128)]}
+    base, oracle = quality.gap(res, 64)
+    assert (base["policy"], oracle["ppl"]) == ("h2o", 10.0)
+    assert quality.gap_closed(res, res["runs"][0]) == pytest.approx(0.5)
+    assert quality.gap_closed(res, res["runs"][3]) == pytest.approx(-4.0)
+    assert quality.gap(res, 128) is None  # the oracle does not beat the best baseline there
+    assert quality.gap_closed(res, res["runs"][4]) is None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_pool_workers_run_the_oracle_after_the_reference(tiny_model, tiny_policy, tiny_ids):
+    cfg = quality.QualityConfig(model="tiny-random", budgets=(24,), tokens=48, long=0)
+    jobs = [j for j in quality.plan(cfg, 512) if j.kind in ("reference", "oracle")
+            or j.label == "h2o budget 24, none repair"]
+    assert [j.kind for j in jobs] == ["reference", "grid", "oracle"] and jobs[0].record == 48
+    inline = quality.execute(cfg, jobs[::-1], tiny_ids, workers=1)  # the oracle listed first
+    pooled = quality.execute(cfg, jobs[::-1], tiny_ids, workers=2)
+    for a, b in zip(inline, pooled):
+        assert a.totals.culled == b.totals.culled and max(abs(x - y) for x, y in zip(a.nll, b.nll)) < 1e-4
+    assert inline[0].totals.culled == 48 - 24 and inline[2].oracle is not None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_oracle_beats_random_on_the_real_model(real_model, real_policy):
+    ids = real_policy.encode(quality.default_text())[:97]
+    ref = quality.streaming_nll(real_model, real_policy, ids, FULL, record=96)
+    cut = {p: quality.streaming_nll(real_model, real_policy, ids,
+                                    CacheParams(scorer=p, budget=32, sinks=4, recent=8),
+                                    oracle=ref.oracle if p == "oracle" else None)
+           for p in ("oracle", "random")}
+    oracle, rand = cut["oracle"], cut["random"]
+    assert oracle.totals.culled == rand.totals.culled == 96 - 32
+    # (here the oracle even edges out the full cache: 19.23 against 19.34)
+    assert oracle.ppl < rand.ppl, (ref.ppl, oracle.ppl, rand.ppl)
