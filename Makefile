@@ -37,6 +37,7 @@ lint: install
 bench: install
 	$(BIN)/positronic-brain bench speed --quick $(ARGS)
 	$(BIN)/positronic-brain bench quality --quick $(ARGS)
+	$(BIN)/positronic-brain bench passkey --quick $(ARGS)
 
 # The full runs that write docs/BENCHMARKS.md and docs/bench/ (about an hour on 2 cores;
 # run on an otherwise idle machine: the speed section times against the clock).
@@ -45,6 +46,7 @@ bench-report: install
 	$(BIN)/positronic-brain bench quality --out docs/bench/quality --report docs/BENCHMARKS.md
 	$(BIN)/positronic-brain bench quality --slice tune --tokens 1024 --repairs none,fold \
 	    --long 0 --out docs/bench/quality-tune --report docs/BENCHMARKS.md
+	$(BIN)/positronic-brain bench passkey --out docs/bench/passkey --report docs/BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) captures/*/ .pytest_cache .hypothesis
