@@ -56,7 +56,7 @@ def captured_run(real_model, real_policy, tmp_path_factory):
     from positronic_brain.loop import run
     from positronic_brain.types import CacheParams, SamplerParams
 
-    cache = CacheParams(budget=24, sinks=2, recent=6, repair="merge", max_repairs=1,
+    cache = CacheParams(budget=24, sinks=2, recent=6, repair="merge", max_merges=1,
                         reindex_at=40)
     sampler = SamplerParams(temperature=0.8, top_k=40, seed=11)
     capture = CaptureTape(tmp_path_factory.mktemp("captures"),

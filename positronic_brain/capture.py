@@ -31,7 +31,7 @@ from .plain import atomic_write, from_plain, sha256, to_plain
 from .types import GenerateOut, UserError, require
 from .version import __version__
 
-FORMAT = 2
+FORMAT = 3
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
 EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step
 FILE_KEYS = ("format", "stage", "step", "model", "inputs", "outputs", "cache_len", "arena_version")
@@ -76,9 +76,8 @@ def _view_columns(view) -> dict:
 
 
 def _gen_outputs(gen: GenerateOut) -> dict:
-    """Stage 1's output as flat keys (``logits``, ``token_id``, ``top_tokens``, ...)."""
-    return {**{f.name: getattr(gen, f.name) for f in fields(gen)},
-            "top_tokens": [[i, p] for i, p in zip(gen.report.top_ids, gen.report.top_probs)]}
+    """Stage 1's output as flat keys (``logits``, ``token_id``, ``report``, ...)."""
+    return {f.name: getattr(gen, f.name) for f in fields(gen)}
 
 
 def _snapshot(state) -> dict:
@@ -167,12 +166,10 @@ class CaptureTape(Tape):
 
     def scored(self, view, cache_params, scores) -> None:
         self._stage(view.step + 1, "s2_score",
-                    {"view": _view_columns(view), "cache_params": cache_params,
-                     "value_norms": view.vnorm}, {"out": scores})
+                    {"cache_params": cache_params, "value_norms": view.vnorm}, {"out": scores})
 
-    def decided(self, cache_params, actions) -> None:
-        self._stage(self._state.step + 1, "s3_decide", {"cache_params": cache_params},
-                    {"out": actions})
+    def decided(self, cache_params, actions) -> None:  # its parameters are stage 2's
+        self._stage(self._state.step + 1, "s3_decide", {}, {"out": actions})
 
     def applied(self, patch) -> None:
         self._stage(patch.step, "s4_apply", {}, {"out": patch})
@@ -287,8 +284,7 @@ class CaptureRun:
         missing = [n for n in files if not (self.dir / n).is_file()]
         require(not missing, f"{missing[:1]} listed in the manifest but missing")
         named = [p for p in map(parse_name, files) if p]
-        self.steps = sorted({t for t, st in named if st == "s4_apply"})  # generation steps
-        self.extends = sorted({t for t, st in named if st == EXTEND})
+        self.steps = sorted({t for t, st in named if st in STAGES[1:]})  # generation steps
 
     def has(self, name: str) -> bool:
         return name in self.manifest["files"]
@@ -307,14 +303,19 @@ class CaptureRun:
         name = file_name(step, EXTEND)
         return StageFile(name, self.load(name)) if self.has(name) else None
 
-    def step(self, t: int) -> "StepFiles | None":
-        """Step ``t``'s four stage files; None unless all four were captured."""
+    def stage(self, t: int, stage: str) -> "StageFile":
+        name = file_name(t, stage)
+        return StageFile(name, self.load(name))
+
+    def step(self, t: int, state: bool = False) -> "StepFiles | None":
+        """Step ``t``'s four stage files (and, with ``state``, its ``full`` state file if there
+        is one); None unless all four were captured."""
         names = [file_name(t, st) for st in STAGES[1:]]
         if not all(map(self.has, names)):
             return None
+        snap = state_file_name(t)
         return StepFiles(t, *(StageFile(n, self.load(n)) for n in names),
-                         state=self.load(state_file_name(t))
-                         if self.has(state_file_name(t)) else None)
+                         state=self.load(snap) if state and self.has(snap) else None)
 
 
 @dataclass(frozen=True)
@@ -373,11 +374,8 @@ class StepFiles:
         return GenerateOut(**{f.name: from_plain(out[f.name]) for f in fields(GenerateOut)})
 
     @property
-    def top_tokens(self) -> list:
-        return self.generate.outputs["top_tokens"]
-
-    @property
     def cache_params(self):
+        """The cache parameters of stages 2 and 3 (stored once, with stage 2)."""
         return self.score.args["cache_params"]
 
     @property

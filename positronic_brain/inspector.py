@@ -1,8 +1,8 @@
 """``positronic-brain inspect PATH``: a captured run (or one capture file) for a person.
 
 For a run folder: the manifest; per step the chosen token and its top alternatives with
-the step's culls, repairs and re-index; the context at a step as text coloured by
-brightness, culled tokens struck through and repaired pairs marked; cache length over
+the step's culls, merges and re-index; the context at a step as text coloured by
+brightness, culled tokens struck through and merged tokens marked; cache length over
 steps. For one file: its keys with shapes, dtypes and small values.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from .capture import CaptureRun, load_file
+from .capture import CaptureRun, file_name, load_file
 from .model import load_model
 from .render import context_text, sparkline, steps_table
 from .special_tokens import TokenPolicy
@@ -79,29 +79,31 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
     console.print(Panel(info, title=f"capture {run.dir}"))
 
     policy = TokenPolicy(load_model(manifest["model"], manifest["dtype"]).tokenizer)
-    steps = [f for f in map(run.step, run.steps) if f is not None]
-    rows = [{"step": f.step, "token_id": f.gen.token_id, "top": f.top_tokens,
+    done = [t for t in run.steps if run.has(file_name(t, "s4_apply"))]
+    shown = [f for f in map(run.step, done[-last:]) if f is not None]
+    rows = [{"step": f.step, "token_id": f.gen.token_id, "top": list(zip(f.gen.report.top_ids,
+                                                                         f.gen.report.top_probs)),
              "cache_len": f.apply.data["cache_len"], "culled": f.patch.culled_uids,
-             "merged": f.patch.repairs, "reindexed": f.patch.reindex_to is not None}
-            for f in steps[-last:]]
-    console.print(steps_table(rows, policy.token_text, title=f"steps ({len(steps)} in all)"))
-    lengths = [f.apply.data["cache_len"] for f in steps]
+             "merged": f.patch.merges, "reindexed": f.patch.reindex_to is not None}
+            for f in shown]
+    console.print(steps_table(rows, policy.token_text, title=f"steps ({len(done)} in all)"))
+    lengths = [run.stage(t, "s4_apply").data["cache_len"] for t in done[-2000:]]
     if lengths:
         console.print(f"cache length over steps  {min(lengths)}..{max(lengths)}  "
                       f"{sparkline(lengths)}")
 
-    t = step if step is not None else (steps[-1].step if steps else None)
-    require(t is None or t in run.steps, f"step {t} is not in this capture")
+    t = step if step is not None else (done[-1] if done else None)
+    require(t is None or t in done, f"step {t} is not in this capture")
     if t is None:
         return
-    f = next(f for f in steps if f.step == t)
-    view, out, patch = f.view, f.scores, f.patch
+    f = run.step(t)
+    view, out, patch = f.view, f.scores, f.patch  # the ledger before the step, its scores
     bright = out.brightness if out.brightness is not None else view["brightness"]
     ledger = [{"uid": int(u), "token_id": int(tok), "position": int(pos),
                "source": SOURCES[int(src)], "brightness": float(b)}
               for u, tok, pos, src, b in zip(view["uid"], view["token_id"], view["position"],
                                               view["source"], bright)]
-    merged = [u for r in patch.repairs for u in r.uids]
+    merged = [u for r in patch.merges for u in r.uids]
     legend = Text.assemble(("bright", "rgb(255,225,60)"), " … ", ("dim", "rgb(70,70,90)"), "   ",
                            ("culled", "strike red"), "   ", ("merged pair", "bold underline cyan"))
     console.print(Panel(Group(context_text(ledger, policy.token_text, culled=patch.culled_uids,
@@ -109,7 +111,7 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
                                            max_brightness=f.cache_params.max_brightness),
                               Text(""), legend),
                         title=f"context at step {t} ({len(ledger)} live slots, "
-                              f"{len(patch.culled_uids)} culled, {len(patch.repairs)} merged)"))
+                              f"{len(patch.culled_uids)} culled, {len(patch.merges)} merged)"))
 
 
 def main(path: str, step: int | None = None, last: int = 30, out=None) -> int:

@@ -1,6 +1,6 @@
 """The loop: prime once, then one token per step through the four stages.
 
-    state = stage0.prime(model, segments)                           # mutation
+    state = stage0.prime(model, segments, capacity)                 # mutation
     repeat:
         gen     = stage1.generate(model, view, sampler)             # read-only
         scores  = stage2.score(view, gen.attention, scorer)         # read-only

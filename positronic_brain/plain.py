@@ -65,7 +65,9 @@ def from_plain(x):
         cls = TYPES.get(x["__type__"])
         require(cls is not None, f"unknown saved type {x['__type__']!r}")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: from_plain(v) for k, v in x.items() if k in names})
+        unknown = sorted(set(x) - names - {"__type__"})
+        require(not unknown, f"unknown field {unknown[:1]} of a saved {x['__type__']}")
+        return cls(**{k: from_plain(v) for k, v in x.items() if k != "__type__"})
     return {k: from_plain(v) for k, v in x.items()}
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from .capture import EXTEND, STAGES, CaptureRun, StageFile, StepFiles
+from .capture import EXTEND, LEDGER_COLUMNS, STAGES, CaptureRun, StageFile, StepFiles
 from .model import Model, load_model
 from .plain import to_plain
 from .scorers import make_scorer
@@ -127,7 +127,7 @@ class _Replay:
         """Stages 1-4 of one step, each from the captured outputs of the stage before it; the
         captured generate output and actions re-applied rebuild the next state."""
         t, view, model = files.step, self.state.view(), self.model
-        if files.state is not None and self.only_step in (None, t):
+        if files.state is not None:
             _check_state(files.state, self.state, f"state_{t:06d}.pt", self.report)
         for f in files.stages[:3]:
             if f.data["cache_len"] != view.n:
@@ -181,7 +181,7 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
     for i, t in enumerate(steps):
         if step is not None and t > step:
             break
-        files = run.step(t)
+        files = run.step(t, state=step in (None, t))
         if files is None:
             report.notes.append(f"step {t} was not captured whole; replay stops before it")
             break
@@ -201,7 +201,7 @@ def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
     theirs_order = torch.argsort(snap["ledger"]["uid"])
     ours = {"arena_k": view.k[:, :, ours_order], "arena_v": view.v[:, :, ours_order],
             "arena_log_mass": state.arena.log_mass[:, :, :view.n][:, :, ours_order],
-            "ledger": {c: getattr(view, c)[ours_order] for c in snap["ledger"]},
+            "ledger": {c: getattr(view, c)[ours_order] for c in LEDGER_COLUMNS},
             "pending_token": state.pending_token, "next_position": state.next_position,
             "step": state.step}
     theirs = {**snap, **{k: snap[k][:, :, theirs_order]

@@ -30,7 +30,7 @@ from .stages.apply import restore
 from .state import Ledger, State
 from .types import UserError, require
 
-FORMAT = "positronic-brain-session/2"
+FORMAT = "positronic-brain-session/3"
 # Session fields not saved as JSON: rebuilt on load, or (a capture's tape) owned by the
 # saving process; a loaded session starts without a capture.
 RUNTIME = ("model", "policy", "state", "tape")
@@ -101,7 +101,8 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
     except Exception as e:  # truncated, not safetensors, unreadable ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
         raise UserError(f"{path}: not a readable session file ({first})") from None
-    require(meta.get("format") == FORMAT, f"{path}: not a session file of format {FORMAT}")
+    require(meta.get("format") == FORMAT, f"{path}: not a session file of format {FORMAT} "
+            f"(its format: {meta.get('format')!r})")
     require(meta.get("sha256") == _digest(meta, tensors),
             f"{path}: the session file is corrupt (sha256 mismatch)")
     try:
@@ -111,10 +112,13 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
                 f"{model.name!r}: {diff}")
         columns = {k.removeprefix("ledger."): t for k, t in tensors.items()
                    if k.startswith("ledger.")}
-        fields = from_plain(body["state"])
+        fields, ledger = from_plain(body["state"]), from_plain(body["ledger"])
         _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"])
+        for what, cls, saved in (("state", State, fields), ("ledger", Ledger, ledger)):
+            unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
+            require(not unknown, f"unknown {what} field {unknown[:1]}")
         state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
-                        from_plain(body["ledger"]), fields, tensors["arena.log_mass"])
+                        ledger, fields, tensors["arena.log_mass"])
         session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
                           state=state, **from_plain(body["session"]))
         session.generator.set_state(tensors["generator"])

@@ -70,7 +70,7 @@ class Arena:
     knorm: torch.Tensor  # (L, kv_heads, capacity) float32
     vnorm: torch.Tensor  # (L, kv_heads, capacity) float32
     n: int = 0
-    folded: bool = False  # has any slot ever held more than one token (else no score bias)
+    folded: bool = False  # has any slot ever held more than one token (else no log-mass)
 
     @classmethod
     def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype) -> "Arena":
@@ -103,7 +103,8 @@ class Arena:
                 self.vnorm[i, :, lo:hi] = value_norms(self.v[i, :, lo:hi])
 
     def live_log_mass(self, n: int) -> torch.Tensor | None:
-        """The live slots' attention-score bias (L, kv_heads, n), None while nothing folded."""
+        """The live slots' log-mass (L, kv_heads, n), added to their attention scores; None
+        while nothing is folded."""
         return self.log_mass[:, :, :n] if self.folded else None
 
     @property

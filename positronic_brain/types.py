@@ -108,7 +108,7 @@ class CacheParams:
 
     ``budget``: live slots after each step (None = never cull). ``scorer``: the stage-2
     scorer (``scorers.SCORERS``; the CLI calls it the policy).
-    ``repair``: ``merge`` turns up to ``max_repairs`` of each step's removals into merges of
+    ``repair``: ``merge`` turns up to ``max_merges`` of each step's removals into merges of
     a dim adjacent pair; ``fold`` folds every culled token's K/V into the surviving slot
     whose key is most alike (per layer and KV head), weighted by how many tokens each
     holds, and that slot's attention scores get log(tokens held) added; where the best
@@ -142,7 +142,7 @@ class CacheParams:
     aggregate: str = "all-mean"
     signal: str = "value"
     skip_layers: float = 0.2
-    max_repairs: int = 1
+    max_merges: int = 1
     fold_min_cos: float = 0.8
     reindex_at: int | None = None
     random_seed: int = 0  # the random scorer's seed
@@ -174,7 +174,7 @@ class CacheParams:
         require(len(self.seeds) == len(SOURCES)
                 and all(0 <= s <= self.max_brightness for s in self.seeds),
                 f"seeds must be {len(SOURCES)} values in [0, max brightness]")
-        require(self.max_repairs >= 0, f"max repairs must be >= 0, got {self.max_repairs}")
+        require(self.max_merges >= 0, f"max merges must be >= 0, got {self.max_merges}")
         require(self.prune in ("tokens", "turns"),
                 f"prune must be tokens or turns, got {self.prune!r}")
         require(self.prune == "tokens" or self.repair == "none",
@@ -212,7 +212,7 @@ class ScoreOut:
 
 
 @dataclass(frozen=True)
-class Repair:
+class Merge:
     """Merge the adjacent live pair (slots[0], slots[1]) (text order) into one token at
     ``position`` (the first one's): the model's argmax there given the text to its left."""
 
@@ -242,7 +242,7 @@ class Actions:
     brightness: torch.Tensor | None = None  # (n,) new values for the live slots
     attn_sum: torch.Tensor | None = None  # (n,)
     cull_slots: tuple[int, ...] = ()
-    repairs: tuple[Repair, ...] = ()
+    merges: tuple[Merge, ...] = ()
     folds: tuple[Fold, ...] = ()  # culled slots whose K/V fold into survivors
     reindex: bool = False  # positions become 0..n-1 in text order (keys re-rotated)
 
@@ -253,16 +253,16 @@ NO_ACTIONS = Actions()
 @dataclass(frozen=True)
 class Patch:
     """What stage 0/4 changed in one application (the capture's event-log entry): with the
-    previous state, enough to replay it. Stage 4's order: brightness/attn_sum, repairs
+    previous state, enough to replay it. Stage 4's order: brightness/attn_sum, merges
     (slot ``slots[0]`` rewritten; ``slots[1]`` removed with the culls), folds, removals (``moves``
     fill the holes), re-index, append."""
 
     step: int
     brightness: torch.Tensor | None = None  # (n,) written before anything else
     attn_sum: torch.Tensor | None = None  # (n,)
-    repairs: tuple[Repair, ...] = ()
-    repaired_uids: tuple[int, ...] = ()  # the new uid of each repair
-    folds: tuple[Fold, ...] = ()  # applied after repairs, before removals
+    merges: tuple[Merge, ...] = ()
+    merged_uids: tuple[int, ...] = ()  # the new uid of each repair
+    folds: tuple[Fold, ...] = ()  # applied after merges, before removals
     culled_slots: tuple[int, ...] = ()
     culled_uids: tuple[int, ...] = ()
     moves: tuple[tuple[int, int], ...] = ()  # (from_slot, to_slot) that filled removal holes
@@ -310,7 +310,7 @@ class StepRecord:
                    logprob=float(gen.logits.log_softmax(-1)[gen.token_id]),
                    culled=patch.culled_uids,
                    merged=tuple((r.uids, r.token_id, u)
-                                for r, u in zip(patch.repairs, patch.repaired_uids)),
+                                for r, u in zip(patch.merges, patch.merged_uids)),
                    folded=len(patch.folds), reindexed=patch.reindex_to is not None)
 
     def as_json(self) -> dict:

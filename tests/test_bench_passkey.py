@@ -8,6 +8,7 @@ import pytest
 from positronic_brain.bench import passkey
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
+from positronic_brain.scorers import CULLING
 from positronic_brain.types import SamplerParams, UserError
 
 QUESTION_LAST = "\nWhat is the pass key? The pass key is"
@@ -126,7 +127,7 @@ def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
     ref = res["reference"]
     assert ref["budget"] is None and ref["trials"] == 8 and 0 <= ref["accuracy"] <= 1
     assert [(r["policy"], r["budget"], r["variant_label"]) for r in res["runs"]] == \
-        [(p, 128, "plain") for p in ("brightness", "streaming", "h2o", "tova", "random")]
+        [(p, 128, "plain") for p in CULLING]
     for i, r in enumerate([ref, *res["runs"]]):
         assert r["correct"] == sum(t["hits"][i] for t in res["trials"])
         assert r["accuracy"] == r["correct"] / 8 and r["trials"] == 8

@@ -108,7 +108,7 @@ def test_a_capture_of_another_format_is_refused_in_one_line(tmp_path):
     manifest = json.loads((w.dir / "manifest.json").read_text())
     (w.dir / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
     with pytest.raises(UserError, match="capture format 1 is not read by this version, which "
-                       "reads format 2") as err:
+                       "reads format 3") as err:
         read_manifest(w.dir)
     assert "\n" not in str(err.value)
     data = torch.load(path, weights_only=True)

@@ -46,7 +46,7 @@ def test_s1_generate_outputs(capture, real_model):
         assert out["logits"].shape == (s.vocab,) and torch.isfinite(out["logits"]).all()
         assert out["input_token"] == view["pending_token"] and out["position"] == view["next_position"]
         assert out["token_id"] == result["generated_ids"][t - 1]
-        probs = [p for _, p in out["top_tokens"]]
+        probs = list(out["report"]["top_probs"])
         assert probs == sorted(probs, reverse=True) and sum(probs) <= 1 + 1e-5
         assert out["k"].shape == out["v"].shape == (s.n_layers, s.n_kv_heads, 1, s.head_dim)
         att = out["attention"]
@@ -57,7 +57,7 @@ def test_s1_generate_outputs(capture, real_model):
 def test_s2_scores_follow_the_brightness_rule(capture):
     _, files, _, cache = capture
     for f in files.values():
-        view, out = f["s2_score"]["inputs"]["view"], f["s2_score"]["outputs"]["out"]
+        view, out = f["s1_generate"]["inputs"]["view"], f["s2_score"]["outputs"]["out"]
         n = view["n"]
         assert out["scores"].shape == (n,) and torch.isfinite(out["scores"]).all()
         b = out["brightness"]
@@ -76,18 +76,18 @@ def test_s2_scores_follow_the_brightness_rule(capture):
 def test_s3_decisions_respect_budget_and_protections(capture):
     _, files, _, cache = capture
     for t, f in files.items():
-        view, act = f["s2_score"]["inputs"]["view"], f["s3_decide"]["outputs"]["out"]
+        view, act = f["s1_generate"]["inputs"]["view"], f["s3_decide"]["outputs"]["out"]
         n = view["n"]
         culls = act["cull_slots"]
-        merged = [s for r in act["repairs"] for s in r["slots"]]
+        merged = [s for r in act["merges"] for s in r["slots"]]
         assert len(set(culls) | set(merged)) == len(culls) + len(merged), "a slot used twice"
         assert all(0 <= s < n for s in list(culls) + merged)
-        assert len(culls) + len(act["repairs"]) == max(0, n + 1 - cache.budget)
+        assert len(culls) + len(act["merges"]) == max(0, n + 1 - cache.budget)
         order = torch.argsort(view["position"]).tolist()
         protected = set(order[:cache.sinks]) | set(order[n - cache.recent:]) | {
             s for s in range(n) if int(view["flags"][s]) & FLAG_PROTECTED}
         assert not protected & (set(culls) | set(merged)), f"step {t}: a protected slot removed"
-        for r in act["repairs"]:  # adjacent in text order
+        for r in act["merges"]:  # adjacent in text order
             a, b = r["slots"]
             assert order.index(b) == order.index(a) + 1 and r["position"] == int(view["position"][a])
         assert act["reindex"] == (view["next_position"] + 1 >= cache.reindex_at)
@@ -97,22 +97,22 @@ def test_s4_applies_exactly_the_decided_patch(capture):
     _, files, result, cache = capture
     seen_uids = set()
     for t, f in files.items():
-        view = f["s2_score"]["inputs"]["view"]
+        view = f["s1_generate"]["inputs"]["view"]
         act, patch = f["s3_decide"]["outputs"]["out"], f["s4_apply"]["outputs"]["out"]
         n = view["n"]
         versions = {f[s]["arena_version"] for s in ("s1_generate", "s2_score", "s3_decide")}
         assert len(versions) == 1, f"step {t}: the arena changed before stage 4"
         assert f["s4_apply"]["arena_version"] not in versions
-        assert f["s4_apply"]["cache_len"] == n - len(act["cull_slots"]) - len(act["repairs"]) + 1
+        assert f["s4_apply"]["cache_len"] == n - len(act["cull_slots"]) - len(act["merges"]) + 1
         assert f["s4_apply"]["cache_len"] == result["steps"][t - 1]["cache_len"] <= cache.budget
         culled = {int(view["uid"][s]) for s in act["cull_slots"]}
         assert set(patch["culled_uids"]) >= culled
-        new = set(patch["appended_uids"]) | set(patch["repaired_uids"])
+        new = set(patch["appended_uids"]) | set(patch["merged_uids"])
         assert not new & seen_uids and all(u > int(view["uid"].max()) for u in new)
         seen_uids |= set(view["uid"].tolist()) | new
         if t + 1 in files:  # the next view holds exactly the survivors and the new tokens
             nxt = set(files[t + 1]["s1_generate"]["inputs"]["view"]["uid"].tolist())
-            removed = set(patch["culled_uids"]) | {u for r in patch["repairs"] for u in r["uids"]}
+            removed = set(patch["culled_uids"]) | {u for r in patch["merges"] for u in r["uids"]}
             assert nxt == (set(view["uid"].tolist()) - removed) | new
         if patch["reindex_to"] is not None:
             assert sorted(patch["reindex_to"].tolist()) == list(range(len(patch["reindex_to"])))

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from positronic_brain.loop import Session
 from positronic_brain.stages.apply import prime
-from positronic_brain.stages.decide import decide, pick_pairs, protected, repair_pair
+from positronic_brain.stages.decide import decide, pick_pairs, protected, merge_pair
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
 from positronic_brain.types import CacheParams, SamplerParams, ScoreOut, UserError
@@ -41,12 +41,12 @@ def test_decide_at_budget_on_the_real_model(at_budget, real_model, real_policy):
     actions = decide(real_model, view, scores, session.cache_params)
     _assert_unchanged(before, _fingerprint(session.state))  # stage 3 is read-only
     text = lambda s: repr(real_policy.token_text(int(view.token_id[s])))  # noqa: E731
-    for r in actions.repairs:
+    for r in actions.merges:
         print(f"\nrepair: {text(r.slots[0])} {text(r.slots[1])} @{r.position} -> "
               f"{real_policy.token_text(r.token_id)!r}")
     print("culls:", [text(s) for s in actions.cull_slots], "reindex:", actions.reindex)
     # at the budget exactly one removal makes room for the append: here a repair
-    assert len(actions.cull_slots) + len(actions.repairs) == 1 and len(actions.repairs) == 1
+    assert len(actions.cull_slots) + len(actions.merges) == 1 and len(actions.merges) == 1
     assert actions.brightness is scores.brightness and not actions.reindex
 
 
@@ -56,7 +56,7 @@ def test_repair_kv_and_token_equal_hf(at_budget, real_model):
     session, view, scores = at_budget
     keep = protected(view, session.cache_params)
     (left, first, second), = pick_pairs(scores.scores, view.position, keep, 1)
-    r = repair_pair(real_model, view, left, first, second)
+    r = merge_pair(real_model, view, left, first, second)
     pos = view.position
 
     def hf_over(mask, ids, positions):

@@ -176,7 +176,7 @@ def test_bad_actions_change_nothing(tiny_model, tiny_policy):
 @pytest.mark.usefixtures("one_thread")
 def test_apply_order_and_patch(tiny_model, tiny_policy):
     """One step with a repair, culls and a re-index: the patch names what changed."""
-    session = _at_budget(tiny_model, tiny_policy, repair="merge", max_repairs=1)
+    session = _at_budget(tiny_model, tiny_policy, repair="merge", max_merges=1)
     state = session.state
     view = state.view()
     gen = generate(tiny_model, view, session.sampler, session.generator)
@@ -188,10 +188,10 @@ def test_apply_order_and_patch(tiny_model, tiny_policy):
     patch = apply(tiny_model, state, gen, actions)
     state.check_valid()
     live = set(state.view().uid.tolist())
-    assert len(patch.repairs) == 1 and len(patch.culled_uids) == 6 and state.arena.n == 10
-    assert not live & (set(patch.culled_uids) | set(patch.repairs[0].uids))
-    assert patch.repaired_uids[0] in live and patch.appended_uids[0] in live
-    assert state.ledger.merged[patch.repaired_uids[0]] == patch.repairs[0].uids
+    assert len(patch.merges) == 1 and len(patch.culled_uids) == 6 and state.arena.n == 10
+    assert not live & (set(patch.culled_uids) | set(patch.merges[0].uids))
+    assert patch.merged_uids[0] in live and patch.appended_uids[0] in live
+    assert state.ledger.merged[patch.merged_uids[0]] == patch.merges[0].uids
     assert sorted(patch.reindex_to.tolist()) == list(range(9))
     assert patch.appended_positions == (9,) and state.next_position == 10
     # re-index keeps text order

@@ -28,7 +28,7 @@ def cache_params(draw):
     budget = draw(st.integers(sinks + recent + 1, 40))
     return CacheParams(budget=budget, scorer=draw(st.sampled_from(CULLING)),
                        repair=draw(st.sampled_from(["none", "merge"])),
-                       max_repairs=draw(st.integers(0, 2)), sinks=sinks, recent=recent,
+                       max_merges=draw(st.integers(0, 2)), sinks=sinks, recent=recent,
                        decay=draw(st.floats(0, 20)), gain=draw(st.floats(0, 500)),
                        aggregate=draw(st.sampled_from(["all-mean", "last-max"])),
                        reindex_at=draw(st.sampled_from([None, budget + 1, budget + 9])),
@@ -54,12 +54,12 @@ def test_culls_keep_the_best_and_protect(tiny_model, tiny_policy, cache, prompt,
         actions = decide(tiny_model, view, scores, cache)
         _assert_unchanged(before, _fingerprint(state))  # stages 1-3 are read-only
         keep = protected(view, cache)
-        touched = list(actions.cull_slots) + [s for r in actions.repairs for s in r.slots]
+        touched = list(actions.cull_slots) + [s for r in actions.merges for s in r.slots]
         assert not keep[touched].any(), "a protected slot was culled or repaired"
         assert len(touched) == len(set(touched))
-        removed = len(actions.cull_slots) + len(actions.repairs)
+        removed = len(actions.cull_slots) + len(actions.merges)
         assert removed == max(0, view.n + 1 - cache.budget)
-        if not actions.repairs:  # culled = exactly the lowest-scored unprotected slots
+        if not actions.merges:  # culled = exactly the lowest-scored unprotected slots
             free = [i for i in range(view.n) if not keep[i]]
             free.sort(key=lambda i: (float(scores.scores[i]), int(view.position[i])))
             assert sorted(actions.cull_slots) == sorted(free[:removed])
@@ -68,7 +68,7 @@ def test_culls_keep_the_best_and_protect(tiny_model, tiny_policy, cache, prompt,
         state.check_valid()
         assert state.arena.n <= cache.budget
         assert state.next_position < tiny_model.spec.max_positions
-        new = set(patch.repaired_uids) | set(patch.appended_uids)
+        new = set(patch.merged_uids) | set(patch.appended_uids)
         assert min(new) > old_max and not new & seen_uids, "a uid was reused"
         seen_uids |= new
         assert set(state.view().uid.tolist()) <= seen_uids

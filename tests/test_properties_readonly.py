@@ -2,7 +2,7 @@
 ledger. Random prompts, cache and sampler parameters and random sequences of stage calls
 and actions on the tiny model:
 
-- stages 1-3 (generate, score, decide with its repair forwards, repair_pair) leave every
+- stages 1-3 (generate, score, decide with its repair forwards, merge_pair) leave every
   arena and ledger tensor as it was: same ``_version`` counter, same ``data_ptr()``, same
   content hash; and every scalar field of the state;
 - stage 4 does exactly what its actions say, token by token: the cache length changes by
@@ -30,7 +30,7 @@ from positronic_brain.model import load_model
 from positronic_brain.sampler import make_generator
 from positronic_brain.scorers import SCORERS, make_scorer
 from positronic_brain.stages.apply import apply, prime
-from positronic_brain.stages.decide import decide, fold_targets, repair_pair
+from positronic_brain.stages.decide import decide, fold_targets, merge_pair
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
 from positronic_brain.state import FLAG_PROTECTED, Ledger
@@ -80,7 +80,7 @@ def cache_params(draw) -> CacheParams:
         decay=draw(st.floats(0, 20)), gain=draw(st.floats(0, 60)), max_brightness=top,
         seeds=tuple(draw(st.lists(st.floats(0, top), min_size=len(SOURCES),
                                   max_size=len(SOURCES)))),
-        aggregate=draw(st.sampled_from(AGGREGATIONS)), max_repairs=draw(st.integers(0, 3)),
+        aggregate=draw(st.sampled_from(AGGREGATIONS)), max_merges=draw(st.integers(0, 3)),
         fold_min_cos=draw(st.sampled_from((-1.0, 0.0, 0.5, 1.0))),
         reindex_at=draw(st.none() | st.integers((budget or 1) + 1, (budget or 1) + 30)),
         random_seed=draw(st.integers(0, 3)))
@@ -141,7 +141,7 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
     state.check_valid()
     a, m = state.arena, state.ledger
     n0, n1 = len(old), a.n
-    assert n1 == m.n == n0 + 1 - len(actions.cull_slots) - len(actions.repairs), \
+    assert n1 == m.n == n0 + 1 - len(actions.cull_slots) - len(actions.merges), \
         "cache length: +1 append, -1 per cull, -1 per repair"
     for name, (_, ptr, _) in snapshot(state)[0].items():
         assert ptr == before[0][name][1], f"stage 4 reallocated {name}"
@@ -153,12 +153,12 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
 
     by_slot = {r["slot"]: u for u, r in old.items()}
     culled = {by_slot[s] for s in actions.cull_slots}
-    merged = {u for r in actions.repairs for u in r.uids}
+    merged = {u for r in actions.merges for u in r.uids}
     assert set(old) - set(new) == culled | merged, "removed uids differ from culls + repairs"
     fresh = set(new) - set(old)
-    assert fresh == set(patch.repaired_uids) | set(patch.appended_uids)
+    assert fresh == set(patch.merged_uids) | set(patch.appended_uids)
     assert min(fresh) >= next_uid and m.next_uid == next_uid + len(fresh), "a uid was reused"
-    assert list(patch.repaired_uids) == list(range(next_uid, next_uid + len(actions.repairs)))
+    assert list(patch.merged_uids) == list(range(next_uid, next_uid + len(actions.merges)))
 
     # What each live uid must hold, before any re-index: (row fields, position, K, V).
     want = {}
@@ -169,7 +169,7 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
         want[u] = ({"token_id": r["token_id"], "source": r["source"], "flags": r["flags"],
                     "born_step": r["born_step"], "changed_step": r["changed_step"],
                     "brightness": b, "attn_sum": s}, r["position"], r["k"], r["v"])
-    for rep, u in zip(actions.repairs, patch.repaired_uids):
+    for rep, u in zip(actions.merges, patch.merged_uids):
         first, second = (old[x] for x in rep.uids)
         bright = [x["brightness"] if actions.brightness is None
                   else float(actions.brightness[x["slot"]]) for x in (first, second)]
@@ -246,11 +246,11 @@ def _read_only_call(model, view, state, data, kind: str, seen: Counter):
             budget = max(cache.sinks + cache.recent + 1, view.n - 2)
             cache = CacheParams(budget=budget, scorer=cache.scorer,
                                 repair="merge", sinks=cache.sinks, recent=cache.recent,
-                                max_repairs=3, aggregate=cache.aggregate)
+                                max_merges=3, aggregate=cache.aggregate)
         scores = score(view, gen.attention, make_scorer(cache))
         if kind == "decide":
             try:
-                seen["decide repairs"] += len(decide(model, view, scores, cache).repairs)
+                seen["decide repairs"] += len(decide(model, view, scores, cache).merges)
             except UserError:
                 seen["decide refused"] += 1
     assert_unchanged(before, state, kind)
@@ -258,7 +258,7 @@ def _read_only_call(model, view, state, data, kind: str, seen: Counter):
 
 def _draw_actions(model, view, data, scores) -> Actions:
     """Hand-picked valid actions: unprotected culls, disjoint adjacent merges built by
-    stage 3's repair_pair, maybe a re-index; the scorer's columns."""
+    stage 3's merge_pair, maybe a re-index; the scorer's columns."""
     n = view.n
     free = [s for s in range(n) if not int(view.flags[s]) & FLAG_PROTECTED]
     culls = data.draw(st.lists(st.sampled_from(free), unique=True, max_size=4)) if free else []
@@ -276,7 +276,7 @@ def _draw_actions(model, view, data, scores) -> Actions:
         else []
     return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum,
                    cull_slots=tuple(culls),
-                   repairs=tuple(repair_pair(model, view, *p) for p in pairs),
+                   merges=tuple(merge_pair(model, view, *p) for p in pairs),
                    folds=tuple(f for f in fold_targets(view, tuple(culls),
                                                         data.draw(st.sampled_from((-1.0, 0.3))))
                                if f.slot in folded),
@@ -312,12 +312,12 @@ def test_only_stage_4_writes_and_it_does_what_its_actions_say(tiny_model):
                 actions = None
             if actions is None or data.draw(st.booleans()):
                 actions = _draw_actions(tiny_model, view, data, scores)
-            assert_unchanged(before, state, "decide / repair_pair")
+            assert_unchanged(before, state, "decide / merge_pair")
             old = rows(state)
             patch = apply(tiny_model, state, gen, actions)  # 4)
             assert_apply_did_what_actions_say(tiny_model, state, before, old, gen, actions,
                                               patch)
-            seen.update(cull=len(actions.cull_slots), repair=len(actions.repairs),
+            seen.update(cull=len(actions.cull_slots), repair=len(actions.merges),
                         fold=len(actions.folds),
                         reindex=actions.reindex, step=1)
 

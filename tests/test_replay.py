@@ -89,10 +89,10 @@ def test_files_are_plain_data_and_stage_outputs_have_the_promised_keys(captured_
     out = s1["outputs"]
     assert out["logits"].dtype == torch.float32 and out["logits"].shape == (49152,)
     assert out["token_id"] == result["generated_ids"][0]
-    assert [t for t, _ in out["top_tokens"]] == list(out["report"]["top_ids"])
+    assert len(out["report"]["top_ids"]) == len(out["report"]["top_probs"]) >= 1
     assert out["attention"].shape == (30, 9, s1["cache_len"])
     s4 = load_file(run_dir / "000001_s4_apply.pt", m["files"]["000001_s4_apply.pt"])
-    assert set(s4["outputs"]["out"]) >= {"culled_uids", "moves", "repairs", "reindex_to",
+    assert set(s4["outputs"]["out"]) >= {"culled_uids", "moves", "merges", "reindex_to",
                                          "appended_k"}
 
 

@@ -3,7 +3,7 @@
 The model is the live token list in text order, ``[(uid, token_id, position)]``, plus the
 next uid, the pending token, its source and position, the step and which uids are pinned.
 Rules drive the tiny model's loop: a full step (generate -> score -> decide -> apply with
-the machine's CacheParams), hand-picked culls, repairs built by stage 3's ``repair_pair``,
+the machine's CacheParams), hand-picked culls, repairs built by stage 3's ``merge_pair``,
 re-indexes, chat-style ``extend`` and a save/load round trip of the session into a fresh
 state. After every rule the real state must equal the model, ``check_valid()`` must hold,
 and stage 1's logits must equal Hugging Face's forward over the same cache.
@@ -26,7 +26,7 @@ from positronic_brain.loop import Session
 from positronic_brain.sampler import make_generator
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import apply, extend
-from positronic_brain.stages.decide import decide, removals_needed, repair_pair
+from positronic_brain.stages.decide import decide, removals_needed, merge_pair
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
 from positronic_brain.state import FLAG_PROTECTED
@@ -47,7 +47,7 @@ def loop_params(draw):
     budget = c.sinks + c.recent + draw(st.integers(3, 8))
     prune = draw(st.sampled_from(("tokens", "turns")))
     return replace(c, budget=budget, prune=prune, repair="merge" if prune == "tokens" else "none",
-                   max_repairs=max(1, c.max_repairs),
+                   max_merges=max(1, c.max_merges),
                    positions="compact", reindex_at=budget + draw(st.integers(1, 12)))
 
 
@@ -65,17 +65,17 @@ class LoopMachine(RuleBasedStateMachine):
             self.pinned.add(self.next_uid)
         self.next_uid += 1
 
-    def _apply(self, gen, culled=(), repairs=(), reindex=False) -> None:
-        """What stage 4 must do, in its order: repairs, removals, re-index, append."""
+    def _apply(self, gen, culled=(), merges=(), reindex=False) -> None:
+        """What stage 4 must do, in its order: merges, removals, re-index, append."""
         live = self.live
-        for r in repairs:
+        for r in merges:
             i = [u for u, _, _ in live].index(r.uids[0])
             live[i] = (self.next_uid, r.token_id, live[i][2])
             self.next_uid += 1
-        gone = set(culled) | {r.uids[1] for r in repairs}
+        gone = set(culled) | {r.uids[1] for r in merges}
         self.live = [x for x in live if x[0] not in gone]
         self.removed += len(gone)
-        self.pinned -= gone | {r.uids[0] for r in repairs}
+        self.pinned -= gone | {r.uids[0] for r in merges}
         if reindex:
             self.live = [(u, t, p) for p, (u, t, _) in enumerate(self.live)]
         position = len(self.live) if reindex else self.next_position
@@ -166,15 +166,16 @@ class LoopMachine(RuleBasedStateMachine):
             self.seen["decide refused"] += 1
             return False
         culled = [int(view.uid[s]) for s in actions.cull_slots]
-        touched = set(culled) | {u for r in actions.repairs for u in r.uids}
+        touched = set(culled) | {u for r in actions.merges for u in r.uids}
         assert not touched & self._protected(), "decide touched a protected token"
-        removed = len(touched) - len(actions.repairs)
+        removed = len(touched) - len(actions.merges)
         # whole turns may free more than the budget needs
         assert removed == need or (self.cache.prune == "turns" and removed > need), \
             f"decide removed {removed}, the budget needs {need}"
         apply(self.model, state, gen, actions)
-        self._apply(gen, culled, actions.repairs, actions.reindex)
-        self.seen.update(step=1, decide_cull=len(culled), decide_repair=len(actions.repairs),
+        self._apply(gen, culled, actions.merges, actions.reindex)
+        self.seen.update(step=1, decide_need=need, decide_cull=len(culled),
+                         decide_repair=len(actions.merges),
                          decide_reindex=actions.reindex,
                          decide_turns=len(culled) * (self.cache.prune == "turns"))
         return True
@@ -195,13 +196,13 @@ class LoopMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._room() and self._pairs())
     @rule(data=st.data())
     def repair(self, data):
-        """Merge an unpinned adjacent pair with a left neighbour, built by repair_pair."""
+        """Merge an unpinned adjacent pair with a left neighbour, built by merge_pair."""
         i = data.draw(st.sampled_from(self._pairs()))
         left, first, second = (self._slot(self.live[j][0]) for j in (i - 1, i, i + 1))
-        r = repair_pair(self.model, self.session.state.view(), left, first, second)
+        r = merge_pair(self.model, self.session.state.view(), left, first, second)
         gen = self._generate()
-        apply(self.model, self.session.state, gen, Actions(repairs=(r,)))
-        self._apply(gen, repairs=(r,))
+        apply(self.model, self.session.state, gen, Actions(merges=(r,)))
+        self._apply(gen, merges=(r,))
         self.seen["repair"] += 1
 
     @precondition(lambda self: self._room())
@@ -266,6 +267,8 @@ class LoopMachine(RuleBasedStateMachine):
     @invariant()
     def stage1_equals_hf(self):
         view = self.session.state.view()
+        if view.log_mass is not None:  # folded slots add their log-mass, which no HF cache can hold: tests/test_fold.py checks those
+            return
         gen = generate(self.model, view, GREEDY, make_generator(0))
         assert_close(gen.logits, hf_step_logits(self.model, view), 1e-4,
                      f"step {view.step} logits over {view.n} slots")
@@ -276,7 +279,7 @@ def test_the_loop_against_a_plain_model(tiny_model, tiny_policy):
     LoopMachine.model, LoopMachine.policy = tiny_model, tiny_policy
     LoopMachine.seen.clear()
     run_state_machine_as_test(LoopMachine, settings=settings(
-        max_examples=30, stateful_step_count=25, **SETTINGS))
+        max_examples=30, stateful_step_count=30, **SETTINGS))
     seen = dict(LoopMachine.seen)
     print(seen)
     for kind in ("step", "decide_cull", "decide_repair", "decide_reindex", "cull", "repair",

@@ -33,7 +33,7 @@ from ..model import Model, load_model
 from ..sampler import make_generator
 from ..special_tokens import TokenPolicy
 from ..stages.apply import apply, prime
-from ..stages.decide import decide, fold_targets, repair_pair
+from ..stages.decide import decide, fold_targets, merge_pair
 from ..stages.generate import generate
 from ..stages.score import score
 from ..state import State, View
@@ -323,9 +323,9 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
             view = primed.view()
             gen = generate(model, view, GREEDY, gen_rng)
             t0 = time.perf_counter()
-            r = repair_pair(model, view, *_middle_triple(view))
+            r = merge_pair(model, view, *_middle_triple(view))
             t1 = time.perf_counter()
-            apply(model, primed, gen, Actions(repairs=(r,)))
+            apply(model, primed, gen, Actions(merges=(r,)))
             t2 = time.perf_counter()
             found.append((t1 - t0) * 1e3)
             repair_apply.append((t2 - t1) * 1e3)

@@ -4,7 +4,8 @@
 - ``extend``: prefill new prompt segments onto an existing state (stage 0; chat turns,
   imported sessions).
 - ``apply``: apply one step's actions atomically, in a fixed order: brightness/attn_sum,
-  repairs, folds (a culled slot's K/V into survivors), removals (each hole is filled by moving the last live slot into it, so live
+  merges, folds (a culled slot's K/V into survivors), removals (each hole is filled by moving
+  the last live slot into it, so live
   slots stay a dense prefix), position re-index (keys re-rotated exactly), then the append
   of the pending token's K/V (stage 4).
 - ``rebuild_from_ledger``: re-prefill the arena from the ledger after a failure part-way.
@@ -19,7 +20,7 @@ from ..forward import apply_rope, forward, rerotation
 from ..model import Model
 from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Ledger, State, key_norms,
                      value_norms)
-from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Patch, PrimeOut, Repair,
+from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Patch, PrimeOut, Merge,
                      Segment, require)
 
 PREFILL_CHUNK = 256
@@ -159,30 +160,30 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
             lo, hi = (float(x) for x in t.aminmax())  # a NaN fails the comparisons
             assert 0 <= lo and hi <= top and math.isfinite(hi), \
                 f"{name} outside [0, {top}]: [{lo}, {hi}]"
-    slots = list(actions.cull_slots) + [s for r in actions.repairs for s in r.slots]
+    slots = list(actions.cull_slots) + [s for r in actions.merges for s in r.slots]
     require(len(set(slots)) == len(slots), f"a slot is culled or repaired twice: {slots}")
     require(all(0 <= s < n for s in slots), f"a cull or repair slot is outside [0, {n})")
     protected = [s for s in slots if int(m.flags[s]) & FLAG_PROTECTED]
     require(not protected, f"slots {protected} are protected and cannot be culled")
-    for r in actions.repairs:
+    for r in actions.merges:
         assert r.k.shape == gen.k.shape and r.v.shape == gen.v.shape, "repair K/V shape"
         assert r.k.dtype == r.v.dtype == a.v.dtype, "repair K/V dtype"
         assert (int(m.uid[r.slots[0]]), int(m.uid[r.slots[1]])) == r.uids, "stale repair"
         assert int(m.position[r.slots[0]]) == r.position, "repair position"
     culled = set(actions.cull_slots)
-    changed = culled | {s for r in actions.repairs for s in r.slots}
+    changed = culled | {s for r in actions.merges for s in r.slots}
     for f in actions.folds:
         assert f.slot in culled and int(m.uid[f.slot]) == f.uid, "a fold of a slot not culled"
         assert f.into.shape == a.log_mass.shape[:2], f"fold targets have shape {tuple(f.into.shape)}"
         into = set(f.into.flatten().tolist()) - {-1}
         assert all(0 <= s < n for s in into) and not into & changed, \
             "a fold into a slot that goes or is repaired"
-    removed = len(actions.cull_slots) + len(actions.repairs)
+    removed = len(actions.cull_slots) + len(actions.merges)
     require(n - removed < a.capacity,
             f"the arena is full ({a.capacity} slots); set a budget to cull")
 
 
-def _repair(state: State, r: Repair, step: int) -> int:
+def _merge(state: State, r: Merge, step: int) -> int:
     """Rewrite slot ``r.slots[0]`` as the merged token (a fresh uid; source kept; brightness
     the pair's max); its partner is removed with the culls. Returns the new uid."""
     a, m = state.arena, state.ledger
@@ -300,7 +301,7 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
 
 @torch.no_grad()
 def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_ACTIONS) -> Patch:
-    """Stage 4: in this order, write brightness/attn_sum, apply repairs, fold culled slots'
+    """Stage 4: in this order, write brightness/attn_sum, apply merges, fold culled slots'
     K/V into their survivors, remove culled and repair-partner slots, re-index positions, append the pending token; the sampled token
     becomes pending.
 
@@ -319,11 +320,11 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
             m.brightness[:n] = actions.brightness
         if actions.attn_sum is not None:
             m.attn_sum[:n] = actions.attn_sum
-        new_uids = [_repair(state, r, step) for r in actions.repairs]  # 2) repairs
+        new_uids = [_merge(state, r, step) for r in actions.merges]  # 2) merges
         for f in actions.folds:  # 3) folds
             _fold(state, f)
         moves = _remove(state, list(actions.cull_slots)  # 4) removals
-                        + [r.slots[1] for r in actions.repairs])
+                        + [r.slots[1] for r in actions.merges])
         position = gen.position
         if actions.reindex:  # 5) positions 0..n-1; the appended token comes next
             reindex_from, reindex_to = _reindex(model, state)
@@ -343,7 +344,7 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
     state.pending_source = "assistant"
     state.next_position = position + 1
     return Patch(step=step, brightness=actions.brightness, attn_sum=actions.attn_sum,
-                 repairs=actions.repairs, repaired_uids=tuple(new_uids), folds=actions.folds,
+                 merges=actions.merges, merged_uids=tuple(new_uids), folds=actions.folds,
                  culled_slots=tuple(actions.cull_slots), culled_uids=tuple(culled_uids),
                  moves=tuple(moves), reindex_from=reindex_from, reindex_to=reindex_to,
                  appended_slots=(slot,), appended_uids=(uid,), appended_positions=(position,),

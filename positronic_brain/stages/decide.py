@@ -1,10 +1,10 @@
-"""Stage 3: decide culls, repairs and re-index (read-only).
+"""Stage 3: decide culls, merges, folds and the re-index (read-only).
 
 Budget rule: below the budget nothing is culled; at or above it, enough slots are removed
 that the live count after the append equals the budget. Removed are the lowest-scored
 unprotected slots (ties: the earlier position first); protected are the first ``sinks``
 live tokens, the last ``recent`` ones, and pinned tokens (FLAG_PROTECTED). With repair
-``merge``, up to ``max_repairs`` removals are instead merges of a dim adjacent pair (text
+``merge``, up to ``max_merges`` removals are instead merges of a dim adjacent pair (text
 order, lowest summed score, pairs never overlap) into the single token the model ranks best
 at the pair's first position given the text to its left: two read-only forwards with the
 right-hand slots masked out, the second of which yields the new token's K/V. With repair
@@ -19,7 +19,7 @@ import torch
 from ..forward import forward
 from ..model import Model
 from ..state import FLAG_PROTECTED, View, stored_keys
-from ..types import SOURCES, Actions, CacheParams, Fold, Repair, ScoreOut, require
+from ..types import SOURCES, Actions, CacheParams, Fold, Merge, ScoreOut, require
 
 
 def protected(view: View, params: CacheParams, order: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,7 +66,7 @@ def pick_pairs(scores: torch.Tensor, position: torch.Tensor, keep: torch.Tensor,
 
 
 @torch.no_grad()
-def repair_pair(model: Model, view: View, left: int, first: int, second: int) -> Repair:
+def merge_pair(model: Model, view: View, left: int, first: int, second: int) -> Merge:
     """The model's argmax at ``first``'s position given the text to its left, and its K/V
     (L, kv_heads, 1, head_dim): forwards over the live slots with the right-hand ones masked."""
     pos = view.position  # (n,)
@@ -76,7 +76,7 @@ def repair_pair(model: Model, view: View, left: int, first: int, second: int) ->
     token = int(out.logits[0].argmax())
     out = forward(model, view.k, view.v, torch.tensor([token]), pos[first:first + 1],
                   past_mask=(pos < p_first)[None], past_log_mass=view.log_mass, kv_only=True)
-    return Repair(slots=(first, second), uids=(int(view.uid[first]), int(view.uid[second])),
+    return Merge(slots=(first, second), uids=(int(view.uid[first]), int(view.uid[second])),
                   token_id=token, position=p_first, k=out.k, v=out.v)
 
 
@@ -139,7 +139,7 @@ def turn_room(view: View | None, params: CacheParams, reply: int) -> tuple[int, 
 
 
 def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> Actions:
-    """Scores (n,) -> the actions stage 4 applies (culls, repairs, re-index, new columns)."""
+    """Scores (n,) -> the actions stage 4 applies (culls, merges, folds, re-index, new columns)."""
     n = view.n
     need = removals_needed(n, params.budget)
     limit = params.reindex_position(model.spec.max_positions)
@@ -155,8 +155,8 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     pairs = []
     if params.repair == "merge":
         pairs = pick_pairs(scores.scores, view.position, keep,
-                           min(params.max_repairs, need, free - need))
-    repairs = tuple(repair_pair(model, view, *p) for p in pairs)
+                           min(params.max_merges, need, free - need))
+    merges = tuple(merge_pair(model, view, *p) for p in pairs)
     taken = keep.clone()
     for _, first, second in pairs:
         taken[first] = taken[second] = True
@@ -165,4 +165,4 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     culls = tuple(sorted(candidates[: need - len(pairs)].tolist()))
     folds = fold_targets(view, culls, params.fold_min_cos) if params.repair == "fold" else ()
     return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum, cull_slots=culls,
-                   repairs=repairs, folds=folds, reindex=reindex)
+                   merges=merges, folds=folds, reindex=reindex)
