@@ -75,9 +75,21 @@ def _view_columns(view) -> dict:
             "step": view.step, "n": view.n, "capacity": view.capacity}
 
 
-def _gen_outputs(gen: GenerateOut) -> dict:
+def gen_outputs(gen: GenerateOut) -> dict:
     """Stage 1's output as flat keys (``logits``, ``token_id``, ``report``, ...)."""
     return {f.name: getattr(gen, f.name) for f in fields(gen)}
+
+
+def prime_outputs(state, out) -> dict:
+    """What stage 0's prime gave: its logits, its patch and the K/V it wrote."""
+    view = state.view()
+    return {"logits": out.logits, "patch": out.patch, "k": view.k, "v": view.v}
+
+
+def extend_outputs(state, n_before: int, patch) -> dict:
+    """What stage 0's extend gave: its patch and the K/V of the slots it added."""
+    view = state.view()
+    return {"patch": patch, "k": view.k[:, :, n_before:], "v": view.v[:, :, n_before:]}
 
 
 def _snapshot(state) -> dict:
@@ -100,7 +112,7 @@ class Tape:
 
     def primed(self, state, segments, capacity, out) -> None: ...
     def extended(self, state, segments, pending, n_before: int, patch) -> None: ...
-    def begin(self, state, rng_state) -> None: ...
+    def begin(self, state, generator) -> None: ...
     def generated(self, view, sampler, force, gen) -> None: ...
     def scored(self, view, cache_params, scores) -> None: ...
     def decided(self, cache_params, actions) -> None: ...
@@ -143,18 +155,19 @@ class CaptureTape(Tape):
 
     # the loop's calls, one per stage
     def primed(self, state, segments, capacity, out) -> None:
-        self._state, view = state, state.view()
+        self._state = state
         self._stage(0, "s0_prime", {"segments": segments, "capacity": capacity,
                                     "pinned": state.pinned, "seeds": state.ledger.seeds},
-                    {"logits": out.logits, "patch": out.patch, "k": view.k, "v": view.v})
+                    prime_outputs(state, out))
 
     def extended(self, state, segments, pending, n_before: int, patch) -> None:
-        self._state, view = state, state.view()
+        self._state = state
         self._stage(state.step, EXTEND, {"segments": segments, "pending": pending},
-                    {"patch": patch, "k": view.k[:, :, n_before:], "v": view.v[:, :, n_before:]})
+                    extend_outputs(state, n_before, patch))
 
-    def begin(self, state, rng_state) -> None:
-        self._state, self._rng = state, rng_state
+    def begin(self, state, generator) -> None:
+        """A step starts: its state, and the sampler's generator state before it (an input)."""
+        self._state, self._rng = state, generator.get_state()
         if self.level == "full":
             self._add(state_file_name(state.step + 1), _to_bytes(to_plain(_snapshot(state))),
                       state.step + 1)
@@ -162,7 +175,7 @@ class CaptureTape(Tape):
     def generated(self, view, sampler, force, gen) -> None:
         self._stage(view.step + 1, "s1_generate",
                     {"view": _view_columns(view), "sampler": sampler,
-                     "generator_state": self._rng, "force": force}, _gen_outputs(gen))
+                     "generator_state": self._rng, "force": force}, gen_outputs(gen))
 
     def scored(self, view, cache_params, scores) -> None:
         self._stage(view.step + 1, "s2_score",

@@ -141,8 +141,7 @@ class Chat:
         params, state = self.session.cache_params, self.session.state
         if params.budget is None:  # a resumed session without one: only the arena limits
             return
-        room, kept = turn_room(state and state.view(), params, self.max_new_tokens)
-        reply = self.max_new_tokens if params.prune == "turns" else 0
+        room, kept, reply = turn_room(state and state.view(), params, self.max_new_tokens)
         require(turn_len <= room, f"the turn adds {turn_len} tokens; the budget of "
                 f"{params.budget} leaves room for {max(room, 0)} ({kept} kept"
                 + (f", {reply} for the reply)" if reply else ")"))

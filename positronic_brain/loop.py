@@ -91,7 +91,7 @@ class Session:
         token instead of a sampled one; the record's ``logprob`` is the model's for it."""
         require(self.state is not None, "prime the session before stepping")
         t0, view, tape = time.perf_counter(), self.state.view(), self.tape
-        tape.begin(self.state, self.generator.get_state())  # the sampler's randomness is an input
+        tape.begin(self.state, self.generator)  # a recording tape keeps its state (an input)
         gen = generate(self.model, view, self.sampler, self.generator, force)  # 1) read-only
         tape.generated(view, self.sampler, force, gen)
         scores = score(view, gen.attention, self.scorer)  # 2) read-only

@@ -9,7 +9,6 @@ compared with the rebuilt arena and ledger as well.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +17,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from .capture import EXTEND, LEDGER_COLUMNS, STAGES, CaptureRun, StageFile, StepFiles
+from .capture import (EXTEND, LEDGER_COLUMNS, STAGES, CaptureRun, StageFile, StepFiles,
+                      extend_outputs, gen_outputs, prime_outputs)
 from .model import Model, load_model
 from .plain import to_plain
 from .scorers import make_scorer
@@ -96,11 +96,11 @@ class _Replay:
     def wanted(self, stage: str, t: int) -> bool:
         return self.only_stage in (None, stage) and self.only_step in (None, t)
 
-    def check(self, f: StageFile, ours: dict, theirs: dict | None = None) -> None:
+    def check(self, f: StageFile, ours: dict) -> None:
+        """Compare a re-run stage's outputs with the file's, bit for bit."""
         self.report.compared[f.stage] = self.report.compared.get(f.stage, 0) + 1
         self.report.mismatches += [Mismatch(f.name, k, d)
-                                   for k, d in diff(to_plain(ours), f.outputs if theirs is None
-                                                    else to_plain(theirs))]
+                                   for k, d in diff(to_plain(ours), f.outputs)]
 
     def prime(self) -> None:
         """Stage 0: re-prime from the captured prompt; the K/V it writes must equal the captured."""
@@ -109,8 +109,7 @@ class _Replay:
         self.state, out = prime(self.model, list(inp["segments"]), inp["capacity"],
                                 pinned=frozenset(inp["pinned"]), seeds=tuple(inp["seeds"]))
         if self.wanted(f.stage, 0):
-            view = self.state.view()
-            self.check(f, {"logits": out.logits, "patch": out.patch, "k": view.k, "v": view.v})
+            self.check(f, prime_outputs(self.state, out))
 
     def extend(self, t: int) -> None:
         """The chat turn prefilled after step ``t``, if there was one."""
@@ -120,8 +119,7 @@ class _Replay:
         n, inp = self.state.arena.n, f.args
         patch = extend(self.model, self.state, list(inp["segments"]), pending=inp["pending"])
         if self.wanted(EXTEND, t):
-            view = self.state.view()
-            self.check(f, {"patch": patch, "k": view.k[:, :, n:], "v": view.v[:, :, n:]})
+            self.check(f, extend_outputs(self.state, n, patch))
 
     def step(self, files: StepFiles) -> None:
         """Stages 1-4 of one step, each from the captured outputs of the stage before it; the
@@ -141,7 +139,7 @@ class _Replay:
             rng = torch.Generator()
             rng.set_state(g.args["generator_state"])
             out = generate(model, view, g.args["sampler"], rng, g.args["force"])
-            self.check(g, _gen_plain(out), _gen_plain(files.gen))
+            self.check(g, gen_outputs(out))
         params = files.cache_params
         if self.wanted(files.score.stage, t):  # 2) score the captured attention
             self.check(files.score, {"out": score(view, files.gen.attention, make_scorer(params))})
@@ -150,10 +148,6 @@ class _Replay:
         patch = apply(model, self.state, files.gen, files.actions)  # 4) rebuilds the next state
         if self.wanted(files.apply.stage, t):
             self.check(files.apply, {"out": patch})
-
-
-def _gen_plain(gen) -> dict:
-    return {f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)}
 
 
 def replay(run_dir: str | Path, stage: str | None = None, step: int | None = None,

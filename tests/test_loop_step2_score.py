@@ -10,7 +10,6 @@ import torch
 
 from positronic_brain.loop import Session
 from positronic_brain.scorers import SCORERS, make_scorer
-from positronic_brain.scorers.attention import aggregate
 from positronic_brain.stages.apply import prime
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score

@@ -279,3 +279,18 @@ def ints(text: str, name: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise UserError(f"--{name} takes comma-separated integers, got {text!r}") from None
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def command_line(bench: str, args, flags: tuple[tuple[str, object], ...]) -> str:
+    """The ``positronic-brain bench`` command that reproduces a run: ``--quick`` and every
+    ``(flag, default)`` given a value other than its default."""
+    parts = [f"positronic-brain bench {bench}"] + (["--quick"] if args.quick else [])
+    for flag, default in flags:
+        value = getattr(args, flag, None)
+        if value is not None and value != default:
+            parts += [f"--{flag}", str(value)]
+    return " ".join(parts)

@@ -431,10 +431,6 @@ def plots(res: dict, out: Path) -> list[str]:
     return ["passkey_vs_budget.png"]
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
-
-
 def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
     """The markdown report; ``level`` is the heading level of its title."""
     h = "#" * level
@@ -444,7 +440,7 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
     lines = [
         f"{h} Pass-key retrieval benchmark",
         "",
-        f"Regenerate with `{res['command']}` (this run took {_duration(res['elapsed_s'])}). "
+        f"Regenerate with `{res['command']}` (this run took {common.duration(res['elapsed_s'])}). "
         "Every number below comes from that one run." + only,
         "",
         f"Model `{res['model']}` ({res['dtype']}{', quick' if res['quick'] else ''}), "
@@ -527,14 +523,9 @@ def config_from_args(args) -> PasskeyConfig:
 
 
 def command_line(args) -> str:
-    parts = ["positronic-brain bench passkey"] + (["--quick"] if args.quick else [])
-    for flag, default in (("model", "smollm2"), ("dtype", None), ("budgets", None),
-                          ("policies", None), ("trials", None), ("lengths", None),
-                          ("out", None), ("report", None)):
-        value = getattr(args, flag, None)
-        if value is not None and value != default:
-            parts += [f"--{flag}", str(value)]
-    return " ".join(parts)
+    return common.command_line("passkey", args, (
+        ("model", "smollm2"), ("dtype", None), ("budgets", None), ("policies", None),
+        ("trials", None), ("lengths", None), ("out", None), ("report", None)))
 
 
 def main(args) -> int:

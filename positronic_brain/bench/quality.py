@@ -624,10 +624,6 @@ def _long_plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
-
-
 def missed_notes(res: dict) -> list[str]:
     return [f"- **Missed: {t['what']}**: {t['value']:.4f}, target {t['target']}."
             for t in res["targets"] if t["met"] is False]
@@ -642,7 +638,7 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
         f"{h} Quality benchmark: streaming perplexity"
         + (" (tune slice)" if t["slice"] == "tune" else ""),
         "",
-        f"Regenerate with `{res['command']}` (this run took {_duration(res['elapsed_s'])}; "
+        f"Regenerate with `{res['command']}` (this run took {common.duration(res['elapsed_s'])}; "
         "`make bench` runs the quick version). Every number below comes from that one run.",
         "",
         f"Model `{res['model']}` ({res['dtype']}{', quick' if res['quick'] else ''}), "
@@ -698,18 +694,10 @@ METHOD = """\
 
 
 def command_line(args) -> str:
-    parts = ["positronic-brain bench quality"]
-    for flag in ("quick",):
-        if getattr(args, flag):
-            parts.append(f"--{flag}")
-    for flag, default in (("model", "smollm2"), ("dtype", None), ("text", None),
-                          ("slice", None), ("at", None), ("budgets", None), ("policies", None),
-                          ("repairs", None), ("params", None), ("tokens", None),
-                          ("long", None), ("out", None), ("report", None)):
-        value = getattr(args, flag, None)
-        if value is not None and value != default:
-            parts += [f"--{flag}", str(value)]
-    return " ".join(parts)
+    return common.command_line("quality", args, (
+        ("model", "smollm2"), ("dtype", None), ("text", None), ("slice", None), ("at", None),
+        ("budgets", None), ("policies", None), ("repairs", None), ("params", None),
+        ("tokens", None), ("long", None), ("out", None), ("report", None)))
 
 
 def config_from_args(args) -> QualityConfig:

@@ -652,10 +652,6 @@ def plots(res: dict, out: Path) -> list[str]:
     return ["decode_ms.png", "alloc_bytes.png", "edits_ms.png"]
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
-
-
 def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
     """The markdown report; ``level`` is the heading level of its title."""
     h = "#" * level
@@ -663,7 +659,7 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
     lines = [
         f"{h} Speed benchmark",
         "",
-        f"Regenerate with `{res['command']}` (this run took {_duration(res['elapsed_s'])}; "
+        f"Regenerate with `{res['command']}` (this run took {common.duration(res['elapsed_s'])}; "
         "`make bench` runs the quick version). Every number below comes from that one run; "
         "nothing is typed by hand.",
         "",
@@ -712,16 +708,8 @@ METHOD = """\
 
 
 def command_line(args) -> str:
-    parts = ["positronic-brain bench speed"]
-    if args.quick:
-        parts.append("--quick")
-    if args.model != "smollm2":
-        parts += ["--model", args.model]
-    if args.out:
-        parts += ["--out", args.out]
-    if args.report:
-        parts += ["--report", args.report]
-    return " ".join(parts)
+    return common.command_line("speed", args,
+                               (("model", "smollm2"), ("out", None), ("report", None)))
 
 
 def main(args) -> int:

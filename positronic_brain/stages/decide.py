@@ -121,11 +121,12 @@ def oldest_turns(view: View, need: int) -> tuple[int, ...]:
     return tuple(sorted(culls))
 
 
-def turn_room(view: View | None, params: CacheParams, reply: int) -> tuple[int, int]:
+def turn_room(view: View | None, params: CacheParams, reply: int) -> tuple[int, int, int]:
     """How many tokens a new chat turn may add to the cache ``view`` (None: nothing cached)
     under ``params.budget`` and how many no cull may remove: the pinned tokens and, when
     whole turns are pruned, whatever precedes the first turn, since only older turns can
-    make room then (and a ``reply`` of that many tokens must fit too)."""
+    make room then (and a ``reply`` of that many tokens must fit too): (room, kept, the
+    tokens held back for the reply)."""
     kept = 0
     if view is not None:
         pinned = (view.flags & FLAG_PROTECTED) != 0  # (n,)
@@ -135,7 +136,7 @@ def turn_room(view: View | None, params: CacheParams, reply: int) -> tuple[int, 
             first = int(users.min()) if users.numel() else view.next_position + 1
             kept += int((~pinned & (view.position < first)).sum())
     reply = reply if params.prune == "turns" else 0
-    return params.budget - kept - reply - 1, kept
+    return params.budget - kept - reply - 1, kept, reply
 
 
 def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> Actions:
