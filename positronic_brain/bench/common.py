@@ -294,3 +294,17 @@ def command_line(bench: str, args, flags: tuple[tuple[str, object], ...]) -> str
         if value is not None and value != default:
             parts += [f"--{flag}", str(value)]
     return " ".join(parts)
+
+
+def model_facts(res: dict) -> str:
+    """``Model `smollm2` (float32, quick), 8192 positions``: a report's first facts."""
+    return (f"Model `{res['model']}` ({res['dtype']}{', quick' if res['quick'] else ''}), "
+            f"{res['max_positions']} positions")
+
+
+def machine_facts(m: dict, threads: bool = False) -> str:
+    """The machine a report ran on (``machine()`` plus the load averages)."""
+    return (f"{m['cpu']}, {m['cores']} cores, "
+            + (f"{m['torch_threads']} torch thread(s), " if threads else "")
+            + f"load average {m['loadavg_start'][0]} at the start, {m['loadavg_end'][0]} at "
+            "the end")

@@ -443,12 +443,10 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
         f"Regenerate with `{res['command']}` (this run took {common.duration(res['elapsed_s'])}). "
         "Every number below comes from that one run." + only,
         "",
-        f"Model `{res['model']}` ({res['dtype']}{', quick' if res['quick'] else ''}), "
-        f"{res['max_positions']} positions; {len(res['trials'])} trials (seed {cfg['seed']}), "
+        f"{common.model_facts(res)}; {len(res['trials'])} trials (seed {cfg['seed']}), "
         f"prompt lengths {', '.join(map(str, cfg['lengths']))} tokens, `{cfg['framing']}` "
-        f"framing, up to {cfg['max_new_tokens']} greedy new tokens; {m['cpu']}, {m['cores']} "
-        f"cores, {m['torch_threads']} torch thread(s), load average {m['loadavg_start'][0]} at "
-        f"the start, {m['loadavg_end'][0]} at the end. Full-cache accuracy: "
+        f"framing, up to {cfg['max_new_tokens']} greedy new tokens; "
+        f"{common.machine_facts(m, threads=True)}. Full-cache accuracy: "
         f"**{_pct(ref['correct'], ref['trials'])}**. Protected from culls: {sp['sinks']} "
         f"sinks, {sp['recent']} recent tokens.",
         "",

@@ -641,11 +641,9 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
         f"Regenerate with `{res['command']}` (this run took {common.duration(res['elapsed_s'])}; "
         "`make bench` runs the quick version). Every number below comes from that one run.",
         "",
-        f"Model `{res['model']}` ({res['dtype']}{', quick' if res['quick'] else ''}), "
-        f"{res['max_positions']} positions; text `{t['source']}` ({t['tokens']:,} tokens, sha256 "
-        f"{t['sha256']}…), slice `{t['slice']}` from token {t['offset']:,}; {m['cpu']}, "
-        f"{m['cores']} cores, load average {m['loadavg_start'][0]} at the start, "
-        f"{m['loadavg_end'][0]} at the end. Protected from culls: {sp['sinks']} sinks, "
+        f"{common.model_facts(res)}; text `{t['source']}` ({t['tokens']:,} tokens, sha256 "
+        f"{t['sha256']}…), slice `{t['slice']}` from token {t['offset']:,}; "
+        f"{common.machine_facts(m)}. Protected from culls: {sp['sinks']} sinks, "
         f"{sp['recent']} recent tokens. Brightness: decay {sp['decay']}, gain {sp['gain']}, "
         f"signal {sp['signal']}, aggregation {sp['aggregate']}, "
         f"skip layers {sp.get('skip_layers', 0.0)}, max {sp['max_brightness']}.",
