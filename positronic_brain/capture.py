@@ -246,9 +246,10 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
 
 
 def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
-              model: dict | str | None = None) -> dict:
-    """Read one capture file as plain data; a wrong checksum, a truncated or non-plain file,
-    or a file from another model raises ``UserError`` (one line). Nothing is unpickled."""
+              model: dict | str | None = None, device: torch.device | str = "cpu") -> dict:
+    """Read one capture file as plain data, its tensors onto ``device``; a wrong checksum, a
+    truncated or non-plain file, or a file from another model raises ``UserError`` (one
+    line). Nothing is unpickled."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -257,7 +258,7 @@ def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
     if expected_sha256 is not None and sha256(data) != expected_sha256:
         raise UserError(f"{path.name}: sha256 differs from the manifest (modified or truncated)")
     try:
-        obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        obj = torch.load(io.BytesIO(data), weights_only=True, map_location=device)
     except Exception as e:  # truncated zip, pickled objects refused by weights_only, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
         raise UserError(f"{path.name}: not a plain-data capture file ({first})") from None
@@ -293,6 +294,7 @@ class CaptureRun:
         self.dir = resolve_run(path)
         self.manifest = read_manifest(self.dir)
         self.fingerprint = self.manifest.get("fingerprint")
+        self.device = torch.device("cpu")  # where loaded tensors go: replay sets its model's
         files = self.manifest["files"]
         missing = [n for n in files if not (self.dir / n).is_file()]
         require(not missing, f"{missing[:1]} listed in the manifest but missing")
@@ -304,7 +306,8 @@ class CaptureRun:
 
     def load(self, name: str) -> dict:
         require(self.has(name), f"{name} is not in the manifest")
-        return load_file(self.dir / name, self.manifest["files"][name], model=self.fingerprint)
+        return load_file(self.dir / name, self.manifest["files"][name], model=self.fingerprint,
+                         device=self.device)
 
     def prime(self) -> "StageFile":
         name = file_name(0, "s0_prime")

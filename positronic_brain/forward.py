@@ -32,7 +32,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if w.is_mkldnn:  # a packed bfloat16 weight (model.pack)
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     parts = torch.get_num_threads()
-    if (x.shape[0] != 1 or w.dtype != torch.float32 or parts < 2 or w.shape[1] % parts
+    if (x.shape[0] != 1 or not x.is_cpu or w.dtype != torch.float32 or parts < 2 or w.shape[1] % parts
             or w.stride() != (1, w.shape[0])):
         return F.linear(x, w, b)
     y = torch.bmm(x.reshape(parts, 1, -1), w.t().view(parts, -1, w.shape[0])).sum(0)
@@ -50,7 +50,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def rope_cos_sin(model: Model, positions: torch.Tensor, dtype: torch.dtype):
     """cos/sin from the model's own rotary embedding: each (T, head_dim)."""
-    dummy = torch.empty(1, dtype=dtype)
+    dummy = torch.empty(1, dtype=dtype, device=positions.device)
     cos, sin = model.rotary(dummy, positions.view(1, -1))
     return cos[0], sin[0]
 
@@ -101,19 +101,21 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     # score scale, which for a power-of-two scale (D = 64) gives exactly (rope q) * scale.
     cos, sin = rope_cos_sin(model, positions, dtype)  # (T, D)
     sin = torch.cat((-sin[:, : D // 2], sin[:, D // 2:]), dim=-1)
-    heads = torch.tensor([scale] * H + [1.0] * KVH, dtype=dtype).view(H + KVH, 1, 1)
+    dev = model.device
+    heads = torch.tensor([scale] * H + [1.0] * KVH, dtype=dtype, device=dev).view(H + KVH, 1, 1)
     cos_qk, sin_qk = cos * heads, sin * heads  # (H + KVH, T, D)
     new_k, new_v = [], []
     # the last query's whole softmax row per layer (a contiguous copy); live slots returned
-    attention = torch.empty(L, H, n + T, dtype=torch.float32) if want_attention else None
+    attention = (torch.empty(L, H, n + T, dtype=torch.float32, device=dev) if want_attention
+                 else None)
 
     # Additive bias over the score columns [live slots | new tokens]; None when nothing is masked.
     mask_past = None
     if past_mask is not None:
-        mask_past = torch.zeros(T, n, dtype=torch.float32).masked_fill_(~past_mask, float("-inf"))
+        mask_past = torch.zeros(T, n, device=dev).masked_fill_(~past_mask, float("-inf"))
     mask_new = None
     if T > 1:
-        mask_new = torch.full((T, T), float("-inf")).triu_(1)  # causal within the new tokens
+        mask_new = torch.full((T, T), float("-inf"), device=dev).triu_(1)  # causal among the new
 
     for i, w in enumerate(model.layers):
         h = rms_norm(x, w.ln1, s.rms_eps)

@@ -56,7 +56,7 @@ class Session:
     scorer: InitVar[object] = None  # a prebuilt stage-2 scorer (bench quality's oracle)
 
     def __post_init__(self, scorer: object = None) -> None:
-        self.generator = make_generator(self.sampler.seed)
+        self.generator = make_generator(self.sampler.seed, self.model.device)
         self.scorer = make_scorer(self.cache_params) if scorer is None else scorer
         self.cache_params.check_positions(self.model.spec.max_positions)
 

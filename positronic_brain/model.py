@@ -37,7 +37,7 @@ transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 
 SUPPORTED = ("llama", "mistral", "qwen2")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -99,6 +99,7 @@ class Model:
     lm_head: torch.Tensor  # (V, hidden)
     rotary: nn.Module  # the model's own rotary embedding (gives cos/sin)
     dtype: torch.dtype
+    device: torch.device  # where the weights live; the arena, ledger and generator too
 
     @property
     def fingerprint(self) -> dict:
@@ -117,7 +118,7 @@ class Model:
         for name, t in self.hf.state_dict().items():
             flat = t.detach().reshape(-1)
             h.update(name.encode())
-            h.update(flat[:: max(1, flat.numel() // 1024)].float().numpy().tobytes())
+            h.update(flat[:: max(1, flat.numel() // 1024)].float().cpu().numpy().tobytes())
         return h.hexdigest()[:16]
 
 
@@ -129,20 +130,52 @@ def cache_dir() -> Path:
     return Path(base) / "positronic_brain"
 
 
-def load_model(name: str = "smollm2", dtype: str = "float32") -> Model:
-    """Load a model by name (``smollm2`` or one of ``TINY_CONFIGS``), a ``.gguf`` file
-    (converted once into ``cache_dir()``; see ``_gguf_folder``) or a Hugging Face folder."""
+def resolve_device(device: str = "cpu") -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available, else the CPU) as a
+    device this machine has; anything else is a UserError."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    require(dev is not None and dev.type in ("cpu", "cuda"),
+            f"unknown device {device!r}; expected cpu, cuda, cuda:N or auto")
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    require(torch.cuda.is_available(), f"device {device!r} asked for, but this machine has no "
+            "CUDA device (or this torch was built without CUDA); use --device cpu")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    require(index < count, f"device {device!r} asked for, but this machine has {count} CUDA "
+            f"device{'s' if count != 1 else ''} (cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
+def check_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The torch dtype for ``dtype`` on ``device``, or a UserError if the device cannot run it."""
     require(dtype in DTYPES, f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-    torch_dtype = DTYPES[dtype]
+    if dtype == "bfloat16" and device.type == "cuda":
+        require(torch.cuda.is_bf16_supported(),
+                f"{torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32")
+    return DTYPES[dtype]
+
+
+def load_model(name: str = "smollm2", dtype: str = "float32", device: str = "cpu") -> Model:
+    """Load a model by name (``smollm2`` or one of ``TINY_CONFIGS``), a ``.gguf`` file
+    (converted once into ``cache_dir()``; see ``_gguf_folder``) or a Hugging Face folder,
+    onto ``device`` (``resolve_device``)."""
+    dev = resolve_device(device)
+    torch_dtype = check_dtype(dtype, dev)
     if name == "smollm2":
-        hf, tok = _load_folder(_gguf_folder(smollm2_gguf()), torch_dtype)
+        hf, tok = _load_folder(_gguf_folder(smollm2_gguf()), torch_dtype, dev)
     elif name.lower().endswith(".gguf"):
-        hf, tok = _load_folder(_gguf_folder(Path(name).expanduser()), torch_dtype)
+        hf, tok = _load_folder(_gguf_folder(Path(name).expanduser()), torch_dtype, dev)
     elif name in TINY_CONFIGS:
         hf, tok = _tiny_random(name, torch_dtype)
     else:
-        hf, tok = _load_folder(Path(name), torch_dtype)
-    return _wrap(name, hf, tok, torch_dtype)
+        hf, tok = _load_folder(Path(name), torch_dtype, dev)
+    return _wrap(name, hf.to(dev), tok, torch_dtype, dev)
 
 
 def _check_arch(config) -> None:
@@ -151,7 +184,7 @@ def _check_arch(config) -> None:
             f"unsupported model architecture {mt!r}; supported: {', '.join(SUPPORTED)}")
 
 
-def _load_folder(path: Path, dtype: torch.dtype):
+def _load_folder(path: Path, dtype: torch.dtype, device: torch.device):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     require(path.is_dir(), f"model not found: {str(path)!r} is neither a known model name "
@@ -163,8 +196,11 @@ def _load_folder(path: Path, dtype: torch.dtype):
         raise UserError(f"cannot read {path / 'config.json'}: {_first_line(e)}") from None
     _check_arch(config)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    # straight onto a GPU (a large model need not fit in host memory first); on the CPU the
+    # plain load, whose memory map _copy_the_rest lets go of
+    placement = {"device_map": {"": device}} if device.type != "cpu" else {}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                              attn_implementation="sdpa")
+                                              attn_implementation="sdpa", **placement)
     return hf, tok
 
 
@@ -283,6 +319,11 @@ TINY_CONFIGS = {
                                                     factor=8.0, low_freq_factor=1.0,
                                                     high_freq_factor=4.0,
                                                     original_max_position_embeddings=64)),
+    # ~1.0B parameters in a Llama-3.2-1B-like shape, for speed on a GPU without real weights
+    "random-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192,
+                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=65536, rope_theta=500000.0, vocab_size=32000,
+                      tie_word_embeddings=True),
 }
 BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -306,7 +347,8 @@ def _tiny_random(name: str, dtype: torch.dtype):
 
     tok = byte_tokenizer()
     kw = dict(TINY_CONFIGS[name])
-    config = AutoConfig.for_model(kw.pop("model_type"), vocab_size=len(tok), rms_norm_eps=1e-6,
+    kw.setdefault("vocab_size", len(tok))  # a larger one: ids past the tokenizer's are unnamed
+    config = AutoConfig.for_model(kw.pop("model_type"), rms_norm_eps=1e-6,
                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                   pad_token_id=tok.eos_token_id, **kw)
     with torch.random.fork_rng():
@@ -368,14 +410,16 @@ def _check_rope(rotary: nn.Module) -> None:
     require(scale == 1.0, f"unsupported rope scaling {kind!r}: it scales cos/sin by {scale:.4g}")
 
 
-def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype) -> Model:
+def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype, device: torch.device) -> Model:
     _check_arch(hf.config)
     _check_rope(hf.model.rotary_emb)
     hf.eval().requires_grad_(False)
     spec = ModelSpec.from_config(hf.config)
-    # float32 weights are stored input-major, where a one-token matrix-vector product is
-    # fastest (forward.linear); Hugging Face's modules hold views of the same storage
-    input_major = dtype == torch.float32
+    # float32 weights on the CPU are stored input-major, where a one-token matrix-vector
+    # product is fastest (forward.linear); Hugging Face's modules hold views of the same
+    # storage. On a GPU the weights keep their layout: cuBLAS products take them as they are.
+    cpu = device.type == "cpu"
+    input_major = cpu and dtype == torch.float32
     for layer in hf.model.layers:
         att = layer.self_attn
         for needed in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -398,13 +442,13 @@ def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype) -> Model:
     lm_head, _ = _fuse([hf.lm_head], input_major)
     if tied:
         hf.model.embed_tokens.weight = hf.lm_head.weight
-    if dtype == torch.bfloat16 and packable():
+    if cpu and dtype == torch.bfloat16 and packable():
         layers = [dataclasses.replace(w, **{f: pack(getattr(w, f)) for f in MATRICES})
                   for w in layers]
         lm_head = pack(lm_head)
     return Model(name=name, hf=hf, tokenizer=tok, spec=spec, layers=tuple(layers),
                  embed=hf.model.embed_tokens.weight, final_norm=hf.model.norm.weight,
-                 lm_head=lm_head, rotary=hf.model.rotary_emb, dtype=dtype)
+                 lm_head=lm_head, rotary=hf.model.rotary_emb, dtype=dtype, device=device)
 
 
 MATRICES = ("qkv_w", "o_w", "gate_up_w", "down_w")

@@ -1,8 +1,9 @@
 """Plain data: the one codec and the one atomic writer of captures and session files.
 
 ``to_plain`` turns this package's frozen dataclasses (``types.py``), tensors and containers
-into plain data: a dataclass becomes a dict tagged ``"__type__"``, a tensor is cloned (a view
-of the arena would otherwise save its whole preallocated storage), a frozenset a sorted
+into plain data: a dataclass becomes a dict tagged ``"__type__"``, a tensor is copied to host
+memory (a view of the arena would otherwise save its whole preallocated storage, and a file
+must load on any machine), a frozenset a sorted
 tuple, a dtype its name. ``from_plain`` inverts it, rebuilding dataclasses only from the
 fixed table of ``types.py`` classes (validated by their ``__post_init__``), so reading a
 file never runs code. ``json=True`` also tags tuples and dicts with non-string keys, which
@@ -30,7 +31,7 @@ def to_plain(x, json: bool = False):
         return {"__type__": type(x).__name__,
                 **{f.name: to_plain(getattr(x, f.name), json) for f in dataclasses.fields(x)}}
     if isinstance(x, torch.Tensor) and not json:
-        return x.detach().clone()
+        return x.detach().to("cpu", copy=True)
     if isinstance(x, frozenset):
         x = tuple(sorted(x))
     if isinstance(x, tuple):

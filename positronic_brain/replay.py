@@ -6,6 +6,11 @@ Stage 1 gets the captured generator state, so sampling replays exactly. Stages 2
 the captured outputs of the stage before them (not the re-run ones), so a mismatch is
 reported where it arises, not everywhere after it. A ``full`` capture's state files are
 compared with the rebuilt arena and ledger as well.
+
+On another device than the capture's (its manifest says which), kernels round differently:
+floating-point outputs are compared within ``TOLERANCE`` of the dtype instead of bit for
+bit, and stage 1 takes the captured token as given (a generator's state does not carry
+across devices); the report says so in a note.
 """
 from __future__ import annotations
 
@@ -19,8 +24,9 @@ from rich.console import Console
 
 from .capture import (EXTEND, LEDGER_COLUMNS, STAGES, CaptureRun, StageFile, StepFiles,
                       extend_outputs, gen_outputs, prime_outputs)
-from .model import Model, load_model
+from .model import Model, load_model, resolve_device
 from .plain import to_plain
+from .sampler import make_generator
 from .scorers import make_scorer
 from .stages.apply import apply, extend, prime
 from .stages.decide import decide
@@ -47,22 +53,38 @@ class ReplayReport:
     compared: dict[str, int] = field(default_factory=dict)  # stage -> files compared
     mismatches: list[Mismatch] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    tolerance: float | None = None  # None: compared bit for bit (the capture's own device)
 
     @property
     def ok(self) -> bool:
         return not self.mismatches
 
 
-def diff(ours, theirs, key: str = "") -> list[tuple[str, str]]:
-    """Differences between two plain structures: [(key path, detail)], tensors bit-exact."""
+# Cross-device tolerance by the capture's dtype: |ours - theirs| <= tol * (1 + |theirs|).
+TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+def _equal(ours: torch.Tensor, theirs: torch.Tensor, tol: float | None) -> bool:
+    if torch.equal(ours, theirs):
+        return True
+    if not ours.is_floating_point() or not torch.equal(ours.isnan(), theirs.isnan()):
+        return False
+    a, b = ours.nan_to_num(), theirs.nan_to_num()
+    if tol is None:
+        return torch.equal(a, b)
+    return bool(((a.double() - b.double()).abs() <= tol * (1 + b.double().abs())).all())
+
+
+def diff(ours, theirs, key: str = "", tol: float | None = None) -> list[tuple[str, str]]:
+    """Differences between two plain structures: [(key path, detail)]; tensors bit-exact,
+    or floating-point ones within ``tol`` (relative, see ``TOLERANCE``) where it is given."""
     if isinstance(theirs, torch.Tensor) or isinstance(ours, torch.Tensor):
         if not (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor)):
             return [(key, f"{type(ours).__name__} vs {type(theirs).__name__}")]
         if ours.shape != theirs.shape or ours.dtype != theirs.dtype:
             return [(key, f"{tuple(ours.shape)} {ours.dtype} vs {tuple(theirs.shape)} {theirs.dtype}")]
-        if torch.equal(ours, theirs) or (ours.is_floating_point()
-                                         and torch.equal(ours.isnan(), theirs.isnan())
-                                         and torch.equal(ours.nan_to_num(), theirs.nan_to_num())):
+        ours, theirs = ours.cpu(), theirs.cpu()
+        if _equal(ours, theirs, tol):
             return []
         d = (ours.double() - theirs.double()).abs().nan_to_num(float("inf"))
         return [(key, f"max abs diff {float(d.max()):.3g} at {int(d.argmax())}")]
@@ -73,12 +95,16 @@ def diff(ours, theirs, key: str = "") -> list[tuple[str, str]]:
             if k not in ours or k not in theirs:
                 out.append((sub, "missing in " + ("replay" if k not in ours else "capture")))
             else:
-                out += diff(ours[k], theirs[k], sub)
+                out += diff(ours[k], theirs[k], sub, tol)
         return out
     if isinstance(theirs, (list, tuple)) and isinstance(ours, (list, tuple)):
         if len(ours) != len(theirs):
             return [(key, f"length {len(ours)} != {len(theirs)}")]
-        return [d for i, (a, b) in enumerate(zip(ours, theirs)) for d in diff(a, b, f"{key}[{i}]")]
+        return [d for i, (a, b) in enumerate(zip(ours, theirs))
+                for d in diff(a, b, f"{key}[{i}]", tol)]
+    if isinstance(ours, float) and isinstance(theirs, float) and tol is not None:
+        if abs(ours - theirs) <= tol * (1 + abs(theirs)):
+            return []
     if ours != theirs:
         return [(key, f"{ours!r:.60} != {theirs!r:.60}")]
     return []
@@ -92,6 +118,13 @@ class _Replay:
         self.run, self.model, self.report = run, model, report
         self.only_stage, self.only_step = stage, step
         self.state: State | None = None
+        captured_on = run.manifest.get("device", "cpu")
+        if torch.device(captured_on) != model.device:
+            report.tolerance = TOLERANCE[run.manifest["dtype"]]
+            report.notes.append(f"captured on {captured_on}, replayed on {model.device}: "
+                                f"floating-point outputs compared within {report.tolerance:g} "
+                                "(relative), sampled tokens taken from the capture")
+        self.tol = report.tolerance
 
     def wanted(self, stage: str, t: int) -> bool:
         return self.only_stage in (None, stage) and self.only_step in (None, t)
@@ -100,7 +133,7 @@ class _Replay:
         """Compare a re-run stage's outputs with the file's, bit for bit."""
         self.report.compared[f.stage] = self.report.compared.get(f.stage, 0) + 1
         self.report.mismatches += [Mismatch(f.name, k, d)
-                                   for k, d in diff(to_plain(ours), f.outputs)]
+                                   for k, d in diff(to_plain(ours), f.outputs, tol=self.tol)]
 
     def prime(self) -> None:
         """Stage 0: re-prime from the captured prompt; the K/V it writes must equal the captured."""
@@ -126,7 +159,7 @@ class _Replay:
         captured generate output and actions re-applied rebuild the next state."""
         t, view, model = files.step, self.state.view(), self.model
         if files.state is not None:
-            _check_state(files.state, self.state, f"state_{t:06d}.pt", self.report)
+            _check_state(files.state, self.state, f"state_{t:06d}.pt", self.report, self.tol)
         for f in files.stages[:3]:
             if f.data["cache_len"] != view.n:
                 self.report.mismatches.append(Mismatch(f.name, "cache_len",
@@ -136,9 +169,12 @@ class _Replay:
                                                    "changed during stages 1-3 (only stage 4 may write)"))
         g = files.generate
         if self.wanted(g.stage, t):  # 1) from the captured sampler and generator state
-            rng = torch.Generator()
-            rng.set_state(g.args["generator_state"])
-            out = generate(model, view, g.args["sampler"], rng, g.args["force"])
+            rng, force = make_generator(0, model.device), g.args["force"]
+            if self.tol is None:
+                rng.set_state(g.args["generator_state"].cpu())
+            else:  # the draw happened on another device: take its token
+                force = files.gen.token_id
+            out = generate(model, view, g.args["sampler"], rng, force)
             self.check(g, gen_outputs(out))
         params = files.cache_params
         if self.wanted(files.score.stage, t):  # 2) score the captured attention
@@ -151,21 +187,29 @@ class _Replay:
 
 
 def replay(run_dir: str | Path, stage: str | None = None, step: int | None = None,
-           model: Model | None = None, progress: Callable[[int, int], None] | None = None
-           ) -> ReplayReport:
+           model: Model | None = None, progress: Callable[[int, int], None] | None = None,
+           device: str | None = None) -> ReplayReport:
     """Replay a run folder; ``stage``/``step`` restrict which files are compared (the state
-    is still rebuilt from every patch before them). Bad files raise ``UserError``."""
+    is still rebuilt from every patch before them). The model loads onto ``device``
+    (default: the capture's, if this machine has it, else the CPU). Bad files raise
+    ``UserError``."""
     require(stage is None or stage in (*STAGES, EXTEND), f"unknown stage {stage!r}; expected "
             f"one of {', '.join((*STAGES, EXTEND))}")
     run = CaptureRun(run_dir)
     manifest, steps = run.manifest, run.steps
+    if model is None and device is None:
+        captured = torch.device(manifest.get("device", "cpu"))
+        here = captured.type == "cpu" or (torch.cuda.is_available()
+                                          and (captured.index or 0) < torch.cuda.device_count())
+        device = str(captured) if here else "cpu"
+    model = model or load_model(manifest["model"], manifest["dtype"], device)
+    run.device = model.device  # the captured tensors load there
     report = ReplayReport(str(run.dir))
     require(step is None or step == 0 or step in steps, f"step {step} is not in this capture "
             f"(steps 1..{steps[-1] if steps else 0})")
     if not manifest.get("complete"):
         report.notes.append(f"the run did not complete (stopped: {manifest.get('stop_reason')}, "
                             f"last file {manifest.get('last_file')})")
-    model = model or load_model(manifest["model"], manifest["dtype"])
     require(json.loads(json.dumps(model.fingerprint)) == run.fingerprint,
             f"the capture is of model {manifest.get('model')!r} {manifest.get('dtype')}, which "
             f"does not match the loaded {model.name!r}")
@@ -188,7 +232,8 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
     return report
 
 
-def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
+def _check_state(snap: dict, state, name: str, report: ReplayReport,
+                 tol: float | None) -> None:
     """Compare a ``full`` state file with the rebuilt state, slot order ignored (by uid)."""
     view = state.view()
     ours_order = torch.argsort(view.uid)
@@ -201,19 +246,23 @@ def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
     theirs = {**snap, **{k: snap[k][:, :, theirs_order]
                          for k in ("arena_k", "arena_v", "arena_log_mass")},
               "ledger": {c: col[theirs_order] for c, col in snap["ledger"].items()}}
-    report.mismatches += [Mismatch(name, k, d) for k, d in diff(to_plain(ours), theirs)]
+    report.mismatches += [Mismatch(name, k, d) for k, d in diff(to_plain(ours), theirs, tol=tol)]
 
 
-def main(run_dir: str, stage: str | None, step: int | None, out=None) -> int:
+def main(run_dir: str, stage: str | None, step: int | None, out=None,
+         device: str | None = None) -> int:
     """The ``replay`` command: exit 0 if everything matches, 1 on a mismatch."""
     console = Console(file=out, stderr=out is None, highlight=False)
-    report = replay(run_dir, stage, step)
+    if device is not None:
+        resolve_device(device)  # a bad device is refused before the capture is read
+    report = replay(run_dir, stage, step, device=device)
     for note in report.notes:
         console.print(f"note: {note}")
     counts = ", ".join(f"{n} {s}" for s, n in report.compared.items()) or "nothing"
     if report.ok:
         console.print(f"replay OK: {report.steps} steps of {report.run_dir}; compared {counts}; "
-                      "all bit-exact")
+                      + ("all bit-exact" if report.tolerance is None
+                         else "all within the tolerance"))
         return 0
     for m in report.mismatches[:20]:
         console.print(f"MISMATCH {m}")

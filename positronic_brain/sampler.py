@@ -6,8 +6,10 @@ import torch
 from .types import SamplerParams, SamplerReport
 
 
-def make_generator(seed: int) -> torch.Generator:
-    g = torch.Generator()
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The sampler's only source of randomness, on the model's device (a draw happens where
+    the logits are)."""
+    g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
 

@@ -6,9 +6,13 @@ Tensors: the arena's live prefix ``arena.k`` / ``arena.v`` (L, kv_heads, n, head
 str->str safetensors header holds JSON (``plain.to_plain(..., json=True)``): the model's
 fingerprint, the rest of the ledger and state (capacity, next uid, merge history, pending
 token, its source and position, step), the session's plain fields (prompt and generated
-ids, sampler and cache parameters, ...) and a sha256 over all of it, so a modified or
-truncated file is refused. The write is atomic. Loading checks every shape, dtype, column
-and token id here; ``stages.apply.restore`` (stage 0, the only writer) then writes them back.
+ids, sampler and cache parameters, ...), the device it was saved from and a sha256 over all
+of it, so a modified or truncated file is refused. The write is atomic and from host copies.
+Loading checks every shape, dtype, column and token id here; ``stages.apply.restore``
+(stage 0, the only writer) then writes them back onto the model's device. On the device
+type it was saved from, the continuation is bit-exact; on another, kernels round
+differently (equal up to the dtype's tolerance) and a generator's state does not carry
+over, so sampling restarts from the sampler's seed.
 """
 from __future__ import annotations
 
@@ -68,10 +72,11 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
     state = session.state
     require(state is not None, "prime the session before saving it")
     a, m = state.arena, state.ledger
-    tensors = {"arena.k": a.k[:, :, :a.n].contiguous(), "arena.v": a.v[:, :, :a.n].contiguous(),
-               "arena.log_mass": a.log_mass[:, :, :a.n].contiguous(),
-               **{f"ledger.{c}": m.live(c).contiguous() for c in Ledger.COLUMNS},
+    tensors = {"arena.k": a.k[:, :, :a.n], "arena.v": a.v[:, :, :a.n],
+               "arena.log_mass": a.log_mass[:, :, :a.n],
+               **{f"ledger.{c}": m.live(c) for c in Ledger.COLUMNS},
                "generator": session.generator.get_state()}
+    tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
     body = {
         "capacity": a.capacity,
         "ledger": {f.name: to_plain(getattr(m, f.name), json=True)
@@ -81,6 +86,7 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
         "session": {f.name: to_plain(getattr(session, f.name), json=True)
                     for f in dataclasses.fields(Session) if f.name not in RUNTIME},
         "bos": session.policy.add_bos,
+        "device": str(session.model.device),
     }
     meta = {"format": FORMAT, "model": json.dumps(session.model.fingerprint),
             "session": json.dumps(body)}
@@ -121,7 +127,8 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
                         ledger, fields, tensors["arena.log_mass"])
         session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
                           state=state, **from_plain(body["session"]))
-        session.generator.set_state(tensors["generator"])
+        if torch.device(body.get("device", "cpu")).type == model.device.type:
+            session.generator.set_state(tensors["generator"])
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (AssertionError, KeyError, TypeError, ValueError, RuntimeError) as e:

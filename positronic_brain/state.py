@@ -73,14 +73,16 @@ class Arena:
     folded: bool = False  # has any slot ever held more than one token (else no log-mass)
 
     @classmethod
-    def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype) -> "Arena":
+    def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> "Arena":
         # Each key row is padded by one cache line: a slot's key is one element per row, and
         # rows a power of two apart would all fall into the same few cache sets.
         pad = 64 // dtype.itemsize
-        kt = torch.zeros(spec.n_layers, spec.n_kv_heads, spec.head_dim, capacity + pad,
-                         dtype=dtype)[..., :capacity]
-        v = torch.zeros(spec.n_layers, spec.n_kv_heads, capacity, spec.head_dim, dtype=dtype)
-        zeros = lambda: torch.zeros(spec.n_layers, spec.n_kv_heads, capacity)  # noqa: E731
+        shape = (spec.n_layers, spec.n_kv_heads)
+        kt = torch.zeros(*shape, spec.head_dim, capacity + pad, dtype=dtype,
+                         device=device)[..., :capacity]
+        v = torch.zeros(*shape, capacity, spec.head_dim, dtype=dtype, device=device)
+        zeros = lambda: torch.zeros(*shape, capacity, device=device)  # noqa: E731
         return cls(kt, v, zeros(), zeros(), zeros())
 
     def renorm(self, lo: int, hi: int, k: torch.Tensor | None = None,
@@ -140,17 +142,23 @@ class Ledger:
                "changed_step", "flags", "attn_sum")
 
     @classmethod
-    def allocate(cls, capacity: int, seeds: tuple[float, ...] | None = None) -> "Ledger":
-        i64 = lambda: torch.zeros(capacity, dtype=torch.int64)  # noqa: E731
-        f32 = lambda: torch.zeros(capacity, dtype=torch.float32)  # noqa: E731
-        return cls(uid=i64(), token_id=i64(), position=i64(),
-                   source=torch.zeros(capacity, dtype=torch.int8), brightness=f32(),
-                   born_step=i64(), changed_step=i64(),
-                   flags=torch.zeros(capacity, dtype=torch.int8), attn_sum=f32(),
+    def allocate(cls, capacity: int, seeds: tuple[float, ...] | None = None,
+                 device: torch.device | str = "cpu") -> "Ledger":
+        def col(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(capacity, dtype=dtype, device=device)
+
+        i64, i8, f32 = torch.int64, torch.int8, torch.float32
+        return cls(uid=col(i64), token_id=col(i64), position=col(i64), source=col(i8),
+                   brightness=col(f32), born_step=col(i64), changed_step=col(i64),
+                   flags=col(i8), attn_sum=col(f32),
                    seeds=tuple(seeds or (MAX_BRIGHTNESS,) * len(SOURCES)))
 
     def live(self, column: str) -> torch.Tensor:
         return getattr(self, column)[: self.n]
+
+    @property
+    def device(self) -> torch.device:
+        return self.uid.device
 
     def rows(self) -> list[dict]:
         """Live rows in position (text) order, as plain Python values."""

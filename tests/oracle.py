@@ -17,8 +17,8 @@ def dynamic_cache(view: View) -> DynamicCache:
 @torch.no_grad()
 def hf_step_logits(model: Model, view: View) -> torch.Tensor:
     """HF logits (V,) for the pending token at its position over the live cache."""
-    out = model.hf(input_ids=torch.tensor([[view.pending_token]]),
-                   position_ids=torch.tensor([[view.next_position]]),
+    out = model.hf(input_ids=torch.tensor([[view.pending_token]], device=model.device),
+                   position_ids=torch.tensor([[view.next_position]], device=model.device),
                    past_key_values=dynamic_cache(view), use_cache=True)
     return out.logits[0, -1].float()
 
@@ -26,11 +26,11 @@ def hf_step_logits(model: Model, view: View) -> torch.Tensor:
 @torch.no_grad()
 def hf_prompt_logits(model: Model, ids: list[int]) -> torch.Tensor:
     """HF logits (T, V) of a plain forward over ``ids`` from an empty cache."""
-    return model.hf(input_ids=torch.tensor([ids])).logits[0].float()
+    return model.hf(input_ids=torch.tensor([ids], device=model.device)).logits[0].float()
 
 
 def assert_close(ours: torch.Tensor, theirs: torch.Tensor, atol: float, what: str) -> None:
-    diff = (ours.float() - theirs.float()).abs()
+    diff = (ours.float().cpu() - theirs.float().cpu()).abs()
     assert ours.shape == theirs.shape, f"{what}: shape {tuple(ours.shape)} vs {tuple(theirs.shape)}"
     assert float(diff.max()) <= atol, \
         f"{what}: max abs diff {float(diff.max()):.3g} > {atol} (mean {float(diff.mean()):.3g})"

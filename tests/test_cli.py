@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from positronic_brain.cli import main
 
@@ -57,7 +58,9 @@ def test_run_streams_text(capsys):
     (["--prompt", "x", "--top-k", "-1"], "top-k"),
     (["--prompt", "x", "--model", "/no/such/model"], "model not found"),
     (["--prompt", "a long prompt", "--capacity", "3"], "capacity"),
-    (["--prompt", "x", "--dtype", "float16"], "dtype"),
+    (["--prompt", "x", "--dtype", "int4"], "dtype"),
+    (["--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
+    (["--prompt", "x", "--device", "cuda:99"], "cuda:99"),
     (["--prompt", "x", "--max-new-tokens", "-2"], "max-new-tokens"),
     (["--prompt", "x", "--repetition-penalty", "0"], "repetition penalty"),
     ([], "--prompt"),
@@ -70,6 +73,16 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert err.count("\n") == 1 and err.startswith("positronic-brain: error: "), err
     assert message in err
     assert "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("command", [["run", "--prompt", "x"], ["chat", "--script", "SCRIPT"],
+                                     ["bench", "passkey", "--quick"]])
+def test_cuda_without_cuda_is_one_line_and_exit_2(capsys, tmp_path, command):
+    (tmp_path / "turns.txt").write_text("hello\n")
+    command = [str(tmp_path / "turns.txt") if c == "SCRIPT" else c for c in command]
+    code, _, err = _run(capsys, *command, "--model", "tiny-random", "--device", "cuda")
+    assert code == 2 and err.count("\n") == 1 and "no CUDA device" in err, err
 
 
 def test_unsupported_architecture(capsys, tmp_path):

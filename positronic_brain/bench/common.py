@@ -51,6 +51,7 @@ def interleaved_ms(contenders: dict[str, Callable[[], object]], reps: int, warmu
         for name, fn in contenders.items():
             t0 = time.perf_counter()
             fn()
+            sync()
             dt = (time.perf_counter() - t0) * 1e3
             if name in after:
                 after[name]()
@@ -59,6 +60,13 @@ def interleaved_ms(contenders: dict[str, Callable[[], object]], reps: int, warmu
         if tick is not None and r >= warmup:
             tick()
     return samples
+
+
+def sync() -> None:
+    """Wait for queued GPU work (a CUDA call returns before its kernels finish); nothing on
+    a CPU-only run."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 # --- allocations ----------------------------------------------------------------------------
@@ -78,10 +86,10 @@ def bytes_allocated(fn: Callable[[], object]) -> int:
 
 # --- the machine ------------------------------------------------------------------------------
 
-def copy_bandwidth_gbs(mbytes: int = 256, reps: int = 9) -> float:
-    """Memory bandwidth in GB/s from a large tensor copy (bytes read + bytes written, as
-    STREAM counts a copy), median of ``reps``; ``mbytes`` must dwarf the CPU caches."""
-    src = torch.ones(mbytes * 2 ** 20 // 4)  # float32
+def copy_bandwidth_gbs(mbytes: int = 256, reps: int = 9, device: str = "cpu") -> float:
+    """Memory bandwidth in GB/s of ``device`` from a large tensor copy (bytes read + bytes
+    written, as STREAM counts a copy), median of ``reps``; ``mbytes`` must dwarf the caches."""
+    src = torch.ones(mbytes * 2 ** 20 // 4, device=device)  # float32
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch: page faults are not bandwidth
     ms = median(interleaved_ms({"copy": lambda: dst.copy_(src)}, reps)["copy"])
@@ -107,7 +115,9 @@ def cpu_name() -> str:
 def machine() -> dict:
     import transformers
 
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_initialized() else None
+    return {"cpu": cpu_name(), **({"gpu": gpu} if gpu else {}), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(),
             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
@@ -304,7 +314,7 @@ def model_facts(res: dict) -> str:
 
 def machine_facts(m: dict, threads: bool = False) -> str:
     """The machine a report ran on (``machine()`` plus the load averages)."""
-    return (f"{m['cpu']}, {m['cores']} cores, "
+    return ((f"{m['gpu']} (GPU), " if m.get("gpu") else "") + f"{m['cpu']}, {m['cores']} cores, "
             + (f"{m['torch_threads']} torch thread(s), " if threads else "")
             + f"load average {m['loadavg_start'][0]} at the start, {m['loadavg_end'][0]} at "
             "the end")

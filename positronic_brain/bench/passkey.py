@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..loop import Session, arena_capacity
-from ..model import Model, load_model
+from ..model import Model, load_model, resolve_device
 from ..scorers import CULLING
 from ..session_io import load_session, save_session
 from ..special_tokens import TokenPolicy
@@ -152,6 +152,7 @@ class PasskeyConfig:
 
     model: str = "smollm2"
     dtype: str = "float32"
+    device: str = "cpu"
     quick: bool = False
     trials: int = 50
     lengths: tuple[int, ...] = (1024, 2048, 3072, 4096)
@@ -278,7 +279,7 @@ def run(cfg: PasskeyConfig, command: str) -> dict:
     """Every measurement, as one JSON-ready dict."""
     t0 = time.perf_counter()
     info = common.machine()
-    model = load_model(cfg.model, cfg.dtype)
+    model = load_model(cfg.model, cfg.dtype, cfg.device)
     cfg = cfg.fitted(model.spec.max_positions)
     policy = TokenPolicy(model.tokenizer)
     for n in cfg.lengths:  # fail before the progress bar: each length holds the task
@@ -507,7 +508,8 @@ def config_from_args(args) -> PasskeyConfig:
     given = [f"--{f}" for f in QUALITY_OPTIONS if getattr(args, f, None) is not None]
     if given:
         raise UserError(f"{', '.join(given)}: not an option of bench passkey")
-    kw = {"model": args.model, "dtype": args.dtype or "float32"}
+    kw = {"model": args.model, "dtype": args.dtype or "float32",
+          "device": str(resolve_device(args.device))}
     if args.trials is not None:
         kw["trials"] = args.trials
     if args.lengths is not None:
@@ -522,7 +524,8 @@ def config_from_args(args) -> PasskeyConfig:
 
 def command_line(args) -> str:
     return common.command_line("passkey", args, (
-        ("model", "smollm2"), ("dtype", None), ("budgets", None), ("policies", None),
+        ("model", "smollm2"), ("dtype", None), ("device", "cpu"), ("budgets", None),
+        ("policies", None),
         ("trials", None), ("lengths", None), ("out", None), ("report", None)))
 
 

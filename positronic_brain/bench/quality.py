@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..loop import Session, arena_capacity
-from ..model import Model, load_model
+from ..model import Model, load_model, resolve_device
 from ..special_tokens import TokenPolicy
 from ..scorers import BASELINES, CULLING
 from ..scorers.oracle import NAME as ORACLE, AttentionRecorder, Oracle
@@ -62,6 +62,7 @@ class QualityConfig:
 
     model: str = "smollm2"
     dtype: str = "float32"
+    device: str = "cpu"
     quick: bool = False
     text: str = DEFAULT_TEXT
     slice: str = "eval"
@@ -265,11 +266,11 @@ def plan(cfg: QualityConfig, limit: int) -> list[Job]:
 _WORKER: dict = {}  # a pool worker's model, policy, ids and tick queue
 
 
-def _init_worker(model: str, dtype: str, ids: list[int], queue) -> None:
+def _init_worker(model: str, dtype: str, device: str, ids: list[int], queue) -> None:
     import torch
 
     torch.set_num_threads(1)  # one thread per worker: parallel runs, not parallel matmuls
-    m = load_model(model, dtype)
+    m = load_model(model, dtype, device)
     _WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), ids=ids, queue=queue)
 
 
@@ -301,7 +302,7 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], workers: int) -
     with common.progress() as task:
         ticks = [task(j.label, j.steps) for j in jobs]
         if workers == 1:
-            model = load_model(cfg.model, cfg.dtype)
+            model = load_model(cfg.model, cfg.dtype, cfg.device)
             policy = TokenPolicy(model.tokenizer)
             for i in first + later:
                 j = jobs[i]
@@ -315,7 +316,7 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], workers: int) -
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
         q = ctx.Queue()
         with ProcessPoolExecutor(workers, ctx, _init_worker,
-                                 (cfg.model, cfg.dtype, ids, q)) as pool:
+                                 (cfg.model, cfg.dtype, cfg.device, ids, q)) as pool:
             futures = {i: pool.submit(_run_job, i, jobs[i]) for i in first}
             (rec,) = [i for i in first if jobs[i].record] if later else [None]
             while len(futures) < len(jobs) or not all(f.done() for f in futures.values()):
@@ -335,7 +336,7 @@ def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
     """Every measurement, as one JSON-ready dict."""
     t0 = time.perf_counter()
     info = common.machine()
-    model = load_model(cfg.model, cfg.dtype)
+    model = load_model(cfg.model, cfg.dtype, cfg.device)
     limit = model.spec.max_positions
     cfg = cfg.fitted(limit)
     text = read_text(cfg.text)
@@ -693,13 +694,14 @@ METHOD = """\
 
 def command_line(args) -> str:
     return common.command_line("quality", args, (
-        ("model", "smollm2"), ("dtype", None), ("text", None), ("slice", None), ("at", None),
+        ("model", "smollm2"), ("dtype", None), ("device", "cpu"), ("text", None), ("slice", None), ("at", None),
         ("budgets", None), ("policies", None), ("repairs", None), ("params", None),
         ("tokens", None), ("long", None), ("out", None), ("report", None)))
 
 
 def config_from_args(args) -> QualityConfig:
-    kw = {"model": args.model, "dtype": args.dtype or "float32"}
+    kw = {"model": args.model, "dtype": args.dtype or "float32",
+          "device": str(resolve_device(args.device))}
     if args.text is not None:
         kw["text"] = args.text
     if args.slice is not None:

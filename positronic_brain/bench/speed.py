@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..loop import Session
-from ..model import Model, load_model
+from ..model import Model, load_model, resolve_device
 from ..sampler import make_generator
 from ..special_tokens import TokenPolicy
 from ..stages.apply import apply, prime
@@ -54,6 +54,7 @@ class SpeedConfig:
 
     model: str = "smollm2"
     quick: bool = False
+    device: str = "cpu"
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     prefill: tuple[int, ...] = (1024, 4096)
@@ -75,11 +76,17 @@ class SpeedConfig:
         require(self.budget >= 32, f"budget must be >= 32, got {self.budget}")
 
     @classmethod
-    def preset(cls, model: str, quick: bool) -> "SpeedConfig":
+    def preset(cls, model: str, quick: bool, device: str = "cpu") -> "SpeedConfig":
+        """The CPU's contexts, or on a GPU 1k-32k (bandwidth over a buffer that dwarfs its
+        caches)."""
+        gpu = {} if device == "cpu" else dict(
+            device=device, contexts=(1024, 2048, 4096, 8192, 16384, 32768), prefill=(1024, 4096),
+            bandwidth_mb=2048)
         if not quick:
-            return cls(model=model)
+            return cls(model=model, **gpu)
         return cls(model=model, quick=True, contexts=(128, 256, 512, 1024), prefill=(1024,),
-                   reps=7, prefill_reps=2, edit_reps=3, bandwidth_mb=128)
+                   reps=7, prefill_reps=2, edit_reps=3, bandwidth_mb=128,
+                   **({**gpu, "contexts": (1024, 4096), "prefill": (1024,)} if gpu else {}))
 
     def fitted(self, max_positions: int) -> "SpeedConfig":
         """Drop what the model's positions cannot hold (the pending token needs one more)."""
@@ -137,15 +144,17 @@ def stock_hf(model: Model) -> torch.nn.Module:
 @torch.no_grad()
 def hf_decode(hf: torch.nn.Module, cache, token: int, position: int) -> int:
     """HF's own decode of one token; grows ``cache`` by one row (crop it back)."""
-    out = hf(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
-                   past_key_values=cache, use_cache=True)
+    dev = hf.device
+    out = hf(input_ids=torch.tensor([[token]], device=dev),
+             position_ids=torch.tensor([[position]], device=dev),
+             past_key_values=cache, use_cache=True)
     return int(out.logits[0, -1].argmax())
 
 
 @torch.no_grad()
 def hf_prefill(hf: torch.nn.Module, ids: list[int]) -> None:
     """HF's own prefill: one forward that builds a DynamicCache (last logits only, as ours)."""
-    hf(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+    hf(input_ids=torch.tensor([ids], device=hf.device), use_cache=True, logits_to_keep=1)
 
 
 def weight_bytes(model: Model) -> int:
@@ -217,7 +226,7 @@ def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfi
     for n in cfg.contexts:
         view = prefix_view(full, n, ids[n])
         cache = hf_cache(view)
-        gen = make_generator(0)
+        gen = make_generator(0, model.device)
         t = common.interleaved_ms(
             {"ours": lambda: generate(model, view, GREEDY, gen),
              "hf": lambda: hf_decode(hf, cache, ids[n], n)},
@@ -238,7 +247,8 @@ def measure_alloc(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig
     for n in cfg.contexts:
         view = prefix_view(full, n, ids[n])
         cache = hf_cache(view)
-        ours = common.bytes_allocated(lambda: generate(model, view, GREEDY, make_generator(0)))
+        ours = common.bytes_allocated(
+            lambda: generate(model, view, GREEDY, make_generator(0, model.device)))
         theirs = common.bytes_allocated(lambda: hf_decode(hf, cache, ids[n], n))
         rows.append({"dtype": dt, "context": n, "ours_bytes": ours, "hf_bytes": theirs})
         del cache
@@ -256,7 +266,7 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
         params = CacheParams(budget=cfg.budget, scorer="brightness", repair=repair)
         session = Session(model, TokenPolicy(model.tokenizer), GREEDY, params)
         session.prime([Segment(tuple(random_prompt(model, cfg.budget + 1, seed=2)), "user")])
-        gen, scorer = make_generator(0), session.scorer
+        gen, scorer = make_generator(0, model.device), session.scorer
         kept = {}
 
         def stage1():
@@ -295,7 +305,7 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
     fold run."""
     dt = str(model.dtype).removeprefix("torch.")
     tick = task(f"{dt} cull / repair / fold / re-index", len(cfg.contexts) * cfg.edit_reps)
-    gen_rng = make_generator(0)
+    gen_rng = make_generator(0, model.device)
     rows = []
 
     def timed_apply(actions_of) -> float:
@@ -305,8 +315,10 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
             view = primed.view()
             gen = generate(model, view, GREEDY, gen_rng)
             actions = actions_of(view)
+            common.sync()
             t0 = time.perf_counter()
             apply(model, primed, gen, actions)
+            common.sync()
             samples.append((time.perf_counter() - t0) * 1e3)
         return common.median(samples)
 
@@ -322,10 +334,13 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
         for _ in range(cfg.edit_reps):
             view = primed.view()
             gen = generate(model, view, GREEDY, gen_rng)
+            common.sync()
             t0 = time.perf_counter()
             r = merge_pair(model, view, *_middle_triple(view))
+            common.sync()
             t1 = time.perf_counter()
             apply(model, primed, gen, Actions(merges=(r,)))
+            common.sync()
             t2 = time.perf_counter()
             found.append((t1 - t0) * 1e3)
             repair_apply.append((t2 - t1) * 1e3)
@@ -336,10 +351,13 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
             view = primed.view()
             gen = generate(model, view, GREEDY, gen_rng)
             slot = view.n // 2
+            common.sync()
             t0 = time.perf_counter()
             folds = fold_targets(view, (slot,), CacheParams.fold_min_cos)
+            common.sync()
             t1 = time.perf_counter()
             apply(model, primed, gen, Actions(cull_slots=(slot,), folds=folds))
+            common.sync()
             t2 = time.perf_counter()
             targets.append((t1 - t0) * 1e3)
             fold_apply.append((t2 - t1) * 1e3)
@@ -355,7 +373,7 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
 
 
 def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
-    model = load_model(cfg.model, dtype)
+    model = load_model(cfg.model, dtype, cfg.device)
     cfg = cfg.fitted(model.spec.max_positions)
     hf = stock_hf(model)
     prefill, states = measure_prefill(model, hf, cfg, task)
@@ -366,7 +384,8 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     del states
     view = primed.view()
     decode = measure_decode(model, hf, view, ids, cfg, task)
-    alloc = measure_alloc(model, hf, view, ids, cfg, task)
+    # the profiler's memory events count host allocations: on a GPU, nothing to compare
+    alloc = measure_alloc(model, hf, view, ids, cfg, task) if cfg.device == "cpu" else []
     del hf
     del view
     edits = measure_edits(model, primed, cfg, task)  # changes the primed arena: last
@@ -390,7 +409,7 @@ def run(cfg: SpeedConfig, command: str) -> dict:
     parts = []
     with common.progress() as task:
         tick = task("copy bandwidth", 1)
-        bandwidth = common.copy_bandwidth_gbs(cfg.bandwidth_mb)
+        bandwidth = common.copy_bandwidth_gbs(cfg.bandwidth_mb, device=cfg.device)
         tick()
         for dtype in cfg.dtypes:
             parts.append(measure_dtype(cfg, dtype, bandwidth, task))
@@ -708,13 +727,14 @@ METHOD = """\
 
 
 def command_line(args) -> str:
-    return common.command_line("speed", args,
-                               (("model", "smollm2"), ("out", None), ("report", None)))
+    return common.command_line("speed", args, (("model", "smollm2"), ("device", "cpu"),
+                                               ("out", None), ("report", None)))
 
 
 def main(args) -> int:
     """The CLI entry: measure, then print tables (or one JSON object) and write files."""
     out = common.out_dir(args)  # fail before the long run
-    res = run(SpeedConfig.preset(args.model, args.quick), command_line(args))
+    device = str(resolve_device(args.device))
+    res = run(SpeedConfig.preset(args.model, args.quick, device), command_line(args))
     common.emit(res, args, out, "speed", plots, report_md, tables)
     return 0

@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 from ..bench import passkey
 from ..capture import NO_TAPE, CaptureTape, Tape
+from ..model import DTYPES
 from ..scorers import SCORERS, make_scorer
 from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
 
@@ -17,7 +18,8 @@ BENCH_KINDS = ("speed", "quality", "passkey")
 
 MODEL_HELP = ("smollm2 (default), a .gguf file (llama, mistral, qwen2), a local HF folder, "
               "or a tiny random model for tests: "
-              "tiny-random, tiny-random-qwen2, tiny-random-mistral, tiny-random-llama3")
+              "tiny-random, tiny-random-qwen2, tiny-random-mistral, tiny-random-llama3; random-1b (a ~1B "
+              "random Llama for GPU speed runs)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,10 +27,14 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+DEVICE_HELP = "cpu, cuda, cuda:N or auto (default: CUDA when available, else the CPU)"
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help=MODEL_HELP)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
 
 
 def _add_sampler_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "docs/BENCHMARKS.md), as its own section between markers")
     bench.add_argument("--model", default="smollm2",
                        help=MODEL_HELP)
+    bench.add_argument("--device", default="cpu",
+                       help="cpu (default: a report names its machine), cuda, cuda:N or auto")
     _add_quality_args(bench)
     passkey.add_args(bench)
     _add_inspect_args(sub)
@@ -95,6 +103,9 @@ def _add_inspect_args(sub) -> None:
     rp.add_argument("run_dir", metavar="DIR", help="a capture run folder (or a root with one run)")
     rp.add_argument("--stage", default=None, help="compare only this stage (s0_prime ... s4_apply)")
     rp.add_argument("--step", type=int, default=None, help="compare only this step")
+    rp.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the "
+                    "capture's device if this machine has it, else the CPU; on another device "
+                    "than the capture's, outputs are compared with a tolerance)")
     ip = sub.add_parser("inspect", help="show a captured run (or one capture file)")
     ip.add_argument("path", metavar="PATH")
     ip.add_argument("--step", type=int, default=None, help="the step whose context to show "
@@ -134,7 +145,7 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
 
 def _add_quality_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bench quality (streaming perplexity; see docs/BENCHMARKS.md)")
-    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+    g.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                    help="default float32")
     g.add_argument("--text", default=None, help="a UTF-8 file (default: Python's help topics)")
     g.add_argument("--slice", default=None, choices=("eval", "tune"),
@@ -204,7 +215,7 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
         return NO_TAPE
     return CaptureTape(args.capture, {
         "model": model.name, "dtype": str(model.dtype).removeprefix("torch."),
-        "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
+        "device": str(model.device), "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
         "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},
                    "sampler": asdict(sampler), "cache_params": asdict(params)},
         "prompt_ids": prompt_ids}, level=args.capture_level)

@@ -167,7 +167,7 @@ def cmd_chat(args) -> int:
         except OSError as e:
             raise UserError(f"cannot read the script {args.script}: {e.strerror}") from None
         lines = lines.splitlines()
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, args.device)
     policy = TokenPolicy(model.tokenizer, bos=args.bos)
     chat = Chat(model, policy, args.system, sampler, params, args.max_new_tokens,
                 open_tape(args, model, sampler, params, []))

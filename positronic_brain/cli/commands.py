@@ -23,7 +23,7 @@ def cmd_run(args) -> int:
         raise UserError(f"max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.capacity is not None and args.capacity < 1:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, args.device)
     policy = TokenPolicy(model.tokenizer, bos=args.bos)
     if args.system is not None or args.chat:
         turns = ([("system", args.system)] if args.system is not None else []) \
@@ -63,7 +63,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    return replay.main(args.run_dir, args.stage, args.step)
+    return replay.main(args.run_dir, args.stage, args.step, device=args.device)
 
 
 def cmd_inspect(args) -> int:

@@ -12,4 +12,4 @@ from ..types import ScoreOut
 @dataclass(frozen=True)
 class NoScore:
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
-        return ScoreOut(scores=torch.zeros(view.n))
+        return ScoreOut(scores=torch.zeros(view.n, device=view.uid.device))

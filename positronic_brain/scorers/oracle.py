@@ -47,9 +47,10 @@ class Oracle:
         q, T = view.step, self.future.shape[0]  # the pending token's text index
         assert q < T and view.pending_token == int(self.token_ids[q]), \
             f"step {view.step}: the pending token is not the text's token {q}"
-        assert view.n == 0 or (int(view.uid.max()) < q and torch.equal(
-            self.token_ids[view.uid], view.token_id)), "a live uid is not a text index (a merge?)"
-        return ScoreOut(scores=self.future[q, view.uid])
+        uid = view.uid.cpu()  # the oracle's tables stay in host memory
+        assert view.n == 0 or (int(uid.max()) < q and torch.equal(
+            self.token_ids[uid], view.token_id.cpu())), "a live uid is not a text index (a merge?)"
+        return ScoreOut(scores=self.future[q, uid].to(view.uid.device))
 
 
 class AttentionRecorder:
@@ -67,10 +68,10 @@ class AttentionRecorder:
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         q, size = view.step, self.rows.shape[0]
         if q < size:
-            assert torch.equal(view.uid, torch.arange(q)) and view.pending_token == \
+            assert torch.equal(view.uid.cpu(), torch.arange(q)) and view.pending_token == \
                 int(self.token_ids[q]), f"step {q}: not a full cache over the text"
             self.rows[q, :q] = aggregate(attention, self.how)
-        return ScoreOut(scores=torch.zeros(view.n))
+        return ScoreOut(scores=torch.zeros(view.n, device=view.uid.device))
 
     def oracle(self) -> Oracle:
         return Oracle(future=suffix_sums(self.rows), token_ids=self.token_ids)

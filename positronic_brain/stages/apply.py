@@ -30,12 +30,12 @@ def _write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: tor
                 sources: torch.Tensor, step: int, flags: torch.Tensor) -> list[int]:
     """Fill ledger rows ``slots`` for new tokens; returns their fresh uids."""
     count = token_ids.shape[0]
-    uids = torch.arange(m.next_uid, m.next_uid + count)
+    uids = torch.arange(m.next_uid, m.next_uid + count, device=m.device)
     m.uid[slots] = uids
     m.token_id[slots] = token_ids
     m.position[slots] = positions
     m.source[slots] = sources
-    m.brightness[slots] = torch.tensor(m.seeds, dtype=torch.float32)[sources.long()]
+    m.brightness[slots] = torch.tensor(m.seeds, device=m.device)[sources.long()]
     m.attn_sum[slots] = 0.0
     m.born_step[slots] = step
     m.changed_step[slots] = step
@@ -94,17 +94,18 @@ def prime(model: Model, segments: list[Segment], capacity: int,
 
     src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
     flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
-    state = State(Arena.allocate(model.spec, capacity, model.dtype),
-                  Ledger.allocate(capacity, seeds), pinned=tuple(sorted(pinned)))
+    state = State(Arena.allocate(model.spec, capacity, model.dtype, model.device),
+                  Ledger.allocate(capacity, seeds, model.device), pinned=tuple(sorted(pinned)))
     T = len(ids_list) - 1
+    dev = model.device
     logits, slots, uids = _prefill(
-        model, state, torch.tensor(ids_list[:T], dtype=torch.int64), torch.arange(T),
-        torch.tensor(src[:T], dtype=torch.int8), torch.tensor(flg[:T], dtype=torch.int8),
-        chunk, all_logits)
+        model, state, torch.tensor(ids_list[:T], device=dev), torch.arange(T, device=dev),
+        torch.tensor(src[:T], dtype=torch.int8, device=dev),
+        torch.tensor(flg[:T], dtype=torch.int8, device=dev), chunk, all_logits)
     state.pending_token = ids_list[-1]
     state.pending_source = segments[-1].source
     state.next_position = T
-    rows = torch.cat(logits) if logits else torch.empty(0, model.spec.vocab)
+    rows = torch.cat(logits) if logits else torch.empty(0, model.spec.vocab, device=dev)
     patch = Patch(step=0, appended_slots=tuple(slots), appended_uids=tuple(uids))
     return state, PrimeOut(logits=rows, patch=patch)
 
@@ -132,12 +133,13 @@ def extend(model: Model, state: State, segments: list[Segment], chunk: int = PRE
     require(not bad, f"token id {bad[:1]} outside the model's vocabulary of {spec.vocab}")
     ids = [first] + new[:-1]
     src = [state.pending_source] + [s.source for s in segments for _ in s.ids][:-1]
+    dev = model.device
     _, slots, uids = _prefill(
-        model, state, torch.tensor(ids, dtype=torch.int64),
-        torch.arange(state.next_position, state.next_position + len(ids)),
-        torch.tensor([SOURCES.index(x) for x in src], dtype=torch.int8),
-        torch.tensor([FLAG_PROTECTED if x in state.pinned else 0 for x in src], dtype=torch.int8),
-        chunk, all_logits=False)
+        model, state, torch.tensor(ids, device=dev),
+        torch.arange(state.next_position, state.next_position + len(ids), device=dev),
+        torch.tensor([SOURCES.index(x) for x in src], dtype=torch.int8, device=dev),
+        torch.tensor([FLAG_PROTECTED if x in state.pinned else 0 for x in src], dtype=torch.int8,
+                     device=dev), chunk, all_logits=False)
     state.pending_token = new[-1]
     state.pending_source = segments[-1].source
     state.next_position += len(ids)
@@ -233,8 +235,8 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
     fillers = [s for s in range(n, m.n) if s not in gone]
     moves = list(zip(fillers, sorted(s for s in gone if s < n)))  # (from_slot, to_slot)
     if moves:
-        src = torch.tensor([f for f, _ in moves])
-        dst = torch.tensor([t for _, t in moves])
+        src = torch.tensor([f for f, _ in moves], device=m.device)
+        dst = torch.tensor([t for _, t in moves], device=m.device)
         for c in Ledger.COLUMNS:  # ledger first: a later failure rebuilds from it
             col = getattr(m, c)
             col[dst] = col[src]
@@ -255,7 +257,7 @@ def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
     n = m.n
     old = m.live("position").clone()  # (n,)
     new = torch.empty_like(old)
-    new[torch.argsort(old)] = torch.arange(n)
+    new[torch.argsort(old)] = torch.arange(n, device=old.device)
     moved = (old != new).nonzero()[:, 0]  # (t,) slots whose position changes
     m.position[:n] = new  # ledger first
     if moved.numel():
@@ -264,7 +266,7 @@ def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
         # their exact bits. Same per-element arithmetic as apply_rope.
         cos, sin = rerotation(model, old[moved], new[moved])  # (t, D) float32
         d = cos.shape[1]
-        c, s = torch.ones(n, d), torch.zeros(n, d)
+        c, s = cos.new_ones(n, d), sin.new_zeros(n, d)
         c[moved], s[moved] = cos, sin
         c, s = c.t().contiguous(), s.t().contiguous()  # (D, n)
         is_moved = old != new  # (n,)
@@ -282,14 +284,16 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
     a, m = state.arena, state.ledger
     n = a.n
     k = gen.k
+    def row(x: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor([x], dtype=dtype, device=m.device)
+
     if position != gen.position:
-        cos, sin = rerotation(model, torch.tensor([gen.position]), torch.tensor([position]))
+        cos, sin = rerotation(model, row(gen.position), row(position))
         k = apply_rope(gen.k.float(), cos, sin).to(gen.k.dtype)  # (L, KVH, 1, D)
-    (uid,) = _write_rows(m, slice(n, n + 1), torch.tensor([gen.input_token]),
-                         torch.tensor([position]),
-                         torch.tensor([SOURCES.index(state.pending_source)], dtype=torch.int8),
-                         step, torch.tensor([FLAG_PROTECTED if state.pending_source in state.pinned
-                                             else 0], dtype=torch.int8))
+    flag = FLAG_PROTECTED if state.pending_source in state.pinned else 0
+    (uid,) = _write_rows(m, slice(n, n + 1), row(gen.input_token), row(position),
+                         row(SOURCES.index(state.pending_source), torch.int8), step,
+                         row(flag, torch.int8))
     m.n = n + 1
     a.k[:, :, n:n + 1] = k
     a.v[:, :, n:n + 1] = gen.v
@@ -389,8 +393,8 @@ def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, t
     (pending token, its source and position, step, pinned) are set as given. An
     inconsistent ledger fails ``check_valid`` (AssertionError)."""
     n = k.shape[2]
-    state = State(Arena.allocate(model.spec, capacity, model.dtype), Ledger.allocate(capacity),
-                  **state_fields)
+    state = State(Arena.allocate(model.spec, capacity, model.dtype, model.device),
+                  Ledger.allocate(capacity, device=model.device), **state_fields)
     a, m = state.arena, state.ledger
     for c in Ledger.COLUMNS:
         getattr(m, c)[:n] = columns[c]

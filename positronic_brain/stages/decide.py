@@ -74,7 +74,7 @@ def merge_pair(model: Model, view: View, left: int, first: int, second: int) -> 
     out = forward(model, view.k, view.v, view.token_id[left:left + 1], pos[left:left + 1],
                   past_mask=(pos < p_left)[None], past_log_mass=view.log_mass)
     token = int(out.logits[0].argmax())
-    out = forward(model, view.k, view.v, torch.tensor([token]), pos[first:first + 1],
+    out = forward(model, view.k, view.v, pos.new_tensor([token]), pos[first:first + 1],
                   past_mask=(pos < p_first)[None], past_log_mass=view.log_mass, kv_only=True)
     return Merge(slots=(first, second), uids=(int(view.uid[first]), int(view.uid[second])),
                   token_id=token, position=p_first, k=out.k, v=out.v)
@@ -86,7 +86,7 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0) -> t
     below ``min_cos`` (the token is only dropped there); none for a slot dropped everywhere."""
     if not culls or len(culls) >= view.n:
         return ()
-    c = torch.tensor(culls)
+    c = view.uid.new_tensor(culls)
     L, KVH, n, D = view.k.shape
     # bfloat16 reads the arena's dense key block (same bits; dead columns dropped below)
     keys = view.k.transpose(2, 3).reshape(L * KVH, D, n)

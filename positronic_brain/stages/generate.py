@@ -23,8 +23,8 @@ def generate(model: Model, view: View, params: SamplerParams,
     """
     require(force is None or 0 <= force < model.spec.vocab,
             f"forced token {force} outside the model's vocabulary of {model.spec.vocab}")
-    ids = torch.tensor([view.pending_token])
-    pos = torch.tensor([view.next_position])
+    ids = view.token_id.new_tensor([view.pending_token])
+    pos = view.position.new_tensor([view.next_position])
     out = forward(model, view.k, view.v, ids, pos, want_attention=True, past_log_mass=view.log_mass)
     logits = out.logits[0]  # (V,)
     seen = torch.cat((view.token_id, ids)) if params.repetition_penalty != 1.0 else ids
