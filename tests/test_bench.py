@@ -102,6 +102,8 @@ def test_the_hf_contender_is_row_major_and_computes_the_same(tiny_model):
     """bench speed times HF as its own loader leaves it: a row-major copy, ties kept."""
     from positronic_brain.bench.speed import stock_hf
 
+    if tiny_model.device.type != "cpu":
+        pytest.skip("input-major float32 weights are the CPU's layout only")
     assert not tiny_model.layers[0].qkv_w.is_contiguous()  # ours: float32 input-major
     hf = stock_hf(tiny_model)
     assert hf is not tiny_model.hf and all(p.is_contiguous() for p in hf.parameters())

@@ -31,11 +31,12 @@ def test_a_log_mass_bias_makes_one_slot_attend_as_two(tiny_model):
     k = torch.randn(s.n_layers, s.n_kv_heads, 6, s.head_dim, generator=g)
     v = torch.randn(s.n_layers, s.n_kv_heads, 6, s.head_dim, generator=g)
     k[:, :, 5] = k[:, :, 2]
-    ids, pos = torch.tensor([7]), torch.tensor([6])
+    k, v = k.to(tiny_model.device), v.to(tiny_model.device)
+    ids, pos = torch.tensor([7], device=tiny_model.device), torch.tensor([6], device=tiny_model.device)
     both = forward(tiny_model, k, v, ids, pos, want_attention=True)
     v1 = v[:, :, :5].clone()
     v1[:, :, 2] = (v[:, :, 2] + v[:, :, 5]) / 2
-    bias = torch.zeros(s.n_layers, s.n_kv_heads, 5)
+    bias = torch.zeros(s.n_layers, s.n_kv_heads, 5, device=tiny_model.device)
     bias[:, :, 2] = math.log(2)
     one = forward(tiny_model, k[:, :, :5], v1, ids, pos, want_attention=True, past_log_mass=bias)
     assert_close(one.logits, both.logits, 1e-5, "logits")
@@ -97,7 +98,7 @@ def test_below_the_cosine_threshold_a_culled_token_is_only_dropped(tiny_model, t
     session = Session(tiny_model, tiny_policy, GREEDY, cache)
     session.prime(tiny_policy.raw_prompt("fold only the culled tokens that have a close match"))
     state = session.state
-    dropped = torch.zeros(state.arena.log_mass.shape[:2])  # (L, KVH)
+    dropped = state.arena.log_mass.new_zeros(state.arena.log_mass.shape[:2])  # (L, KVH)
     kinds = set()
     for _ in range(30):
         view = state.view()
@@ -110,7 +111,7 @@ def test_below_the_cosine_threshold_a_culled_token_is_only_dropped(tiny_model, t
             cos = F.cosine_similarity(keys, keys[:, :, c:c + 1], dim=-1)  # (L, KVH, n)
             cos[..., gone] = float("-inf")
             best = cos.max(-1).values
-            into = folds.get(c, torch.full(best.shape, -1))
+            into = folds.get(c, torch.full(best.shape, -1, device=best.device))
             near = (best - min_cos).abs() < 1e-5  # too close to call
             assert bool(((into < 0) == (best < min_cos))[~near].all()), "fold vs threshold"
             hit = (into >= 0).nonzero(as_tuple=True)
@@ -131,7 +132,7 @@ def test_a_folded_session_saves_and_continues_exactly(tmp_path, tiny_model, tiny
     a.prime(tiny_policy.raw_prompt("saved after a few folds"))
     assert sum(a.step().folded for _ in range(24)) > 0
     save_session(a, tmp_path / "s.pbs")
-    b = load_session(load_model("tiny-random"), tmp_path / "s.pbs")
+    b = load_session(load_model("tiny-random", device=str(tiny_model.device)), tmp_path / "s.pbs")
     n = a.state.arena.n
     assert torch.equal(b.state.arena.log_mass[:, :, :n], a.state.arena.log_mass[:, :, :n])
     assert b.state.arena.folded

@@ -66,8 +66,8 @@ def test_stage1_outputs(tiny_model, tiny_policy):
 def test_stage1_is_deterministic_and_sampling_is_seeded(tiny_model, tiny_policy):
     state, _ = prime(tiny_model, tiny_policy.raw_prompt("abc"), capacity=16)
     p = SamplerParams(temperature=1.5, seed=7)
-    a = generate(tiny_model, state.view(), p, make_generator(7))
-    b = generate(tiny_model, state.view(), p, make_generator(7))
+    a = generate(tiny_model, state.view(), p, make_generator(7, tiny_model.device))
+    b = generate(tiny_model, state.view(), p, make_generator(7, tiny_model.device))
     assert torch.equal(a.logits, b.logits) and a.token_id == b.token_id
     assert torch.equal(a.k, b.k) and torch.equal(a.attention, b.attention)
 

@@ -66,9 +66,10 @@ def _value_weights(v, layer, head, heads):
 @pytest.mark.parametrize("signal", ["value", "attention"])
 def test_brightness_update_rule_by_hand(tiny_model, tiny_policy, signal):
     state, _ = prime(tiny_model, tiny_policy.raw_prompt("abcdefgh"), capacity=16)
-    view = replace(state.view(), brightness=torch.tensor([0.5, 3.0, 100.0, 254.0, 255.0, 1.0, 2.0]))
+    view = replace(state.view(), brightness=torch.tensor([0.5, 3.0, 100.0, 254.0, 255.0, 1.0, 2.0],
+                                                         device=tiny_model.device))
     L, H, n = tiny_model.spec.n_layers, tiny_model.spec.n_heads, view.n
-    attention = torch.rand(L, H, n, generator=torch.Generator().manual_seed(0))
+    attention = torch.rand(L, H, n, generator=torch.Generator().manual_seed(0)).to(tiny_model.device)
     weight = [[_value_weights(view.v, li, h, H) if signal == "value" else [1.0] * n
                for h in range(H)] for li in range(L)]
     for how, skip in [(how, 0.0) for how in AGGREGATIONS] + [("all-mean", 0.5), ("all-max", 0.6)]:
@@ -93,16 +94,17 @@ def test_value_weights_favour_large_values(tiny_model, tiny_policy):
     """Equal attention, one value scaled up: that slot gains more brightness, the others
     less (the weights keep their mean at 1)."""
     state, _ = prime(tiny_model, tiny_policy.raw_prompt("abcdef"), capacity=16)
-    view = replace(state.view(), brightness=torch.zeros(state.arena.n))
+    view = replace(state.view(), brightness=torch.zeros(state.arena.n, device=tiny_model.device))
     view = replace(view, vnorm=torch.ones_like(view.vnorm))  # equal value norms
     norms = view.vnorm.clone()
     norms[:, :, 2] *= 5
-    attention = torch.full((tiny_model.spec.n_layers, tiny_model.spec.n_heads, view.n), 1 / view.n)
+    attention = torch.full((tiny_model.spec.n_layers, tiny_model.spec.n_heads, view.n), 1 / view.n,
+                           device=tiny_model.device)
     scorer = make_scorer(CacheParams(decay=0.0, gain=1.0))
     plain = scorer.score(view, attention).brightness
-    assert torch.allclose(plain, torch.ones(view.n))  # n x 1/n, the same for every slot
+    assert torch.allclose(plain, torch.ones_like(plain))  # n x 1/n, the same for every slot
     b = scorer.score(replace(view, vnorm=norms), attention).brightness
-    assert float(b[2]) > 1 and bool((b[torch.arange(view.n) != 2] < 1).all())
+    assert float(b[2]) > 1 and bool((b[torch.arange(view.n, device=b.device) != 2] < 1).all())
     assert abs(float(b.mean()) - 1) < 1e-5
 
 
@@ -111,28 +113,31 @@ def test_new_tokens_are_seeded_by_source(tiny_model, tiny_policy):
     segs = tiny_policy.chat([("system", "S"), ("user", "U")])  # ends with the assistant opener
     state, _ = prime(tiny_model, segs, capacity=64, seeds=seeds)
     m = state.ledger
-    want = torch.tensor(seeds)[m.live("source").long()]
-    assert torch.equal(m.live("brightness"), want)
+    want = torch.tensor(seeds)[m.live("source").long().cpu()]
+    assert torch.equal(m.live("brightness").cpu(), want)
     assert set(m.live("source").tolist()) == {SOURCES.index(r) for r in ("system", "user", "assistant")}
 
 
 def _synthetic_view(tiny_model, tiny_policy, step=10):
     state, _ = prime(tiny_model, tiny_policy.raw_prompt("abcdefghij"), capacity=16)
     n = state.arena.n
-    return replace(state.view(), step=step, position=torch.tensor([0, 1, 2, 3, 5, 7, 8, 9, 4]),
-                   born_step=torch.tensor([0, 0, 0, 2, 4, 6, 8, 9, 10]),
-                   attn_sum=torch.arange(n, dtype=torch.float32)), n
+    dev = tiny_model.device
+    return replace(state.view(), step=step,
+                   position=torch.tensor([0, 1, 2, 3, 5, 7, 8, 9, 4], device=dev),
+                   born_step=torch.tensor([0, 0, 0, 2, 4, 6, 8, 9, 10], device=dev),
+                   attn_sum=torch.arange(n, dtype=torch.float32, device=dev)), n
 
 
 def test_baselines(tiny_model, tiny_policy):
     view, n = _synthetic_view(tiny_model, tiny_policy)
     s = tiny_model.spec
     attention = torch.rand(s.n_layers, s.n_heads, n, generator=torch.Generator().manual_seed(1))
+    attention = attention.to(tiny_model.device)
     agg = attention.mean((0, 1))
 
     h2o = make_scorer(CacheParams(scorer="h2o")).score(view, attention)
     assert torch.allclose(h2o.attn_sum, view.attn_sum + agg)
-    queries = torch.tensor([11, 11, 11, 9, 7, 5, 3, 2, 1], dtype=torch.float32)
+    queries = torch.tensor([11, 11, 11, 9, 7, 5, 3, 2, 1], dtype=torch.float32, device=view.uid.device)
     assert torch.allclose(h2o.scores, (view.attn_sum + agg) / queries)
     assert h2o.brightness is None
 

@@ -82,12 +82,17 @@ def _view(tiny_model, tiny_policy, n_prompt=21, flags=None):
     # shuffle slot order against text order, as culls do
     perm = torch.randperm(view.n, generator=torch.Generator().manual_seed(0))
     return replace(view, position=view.position[perm],
-                   flags=view.flags if flags is None else flags)
+                   flags=view.flags if flags is None else flags.to(view.flags.device))
+
+
+def _scores(view, s: torch.Tensor) -> ScoreOut:
+    """Scores built here, on the view's device."""
+    return ScoreOut(scores=s.to(view.uid.device))
 
 
 def test_budget_rules(tiny_model, tiny_policy):
     view = _view(tiny_model, tiny_policy)  # 20 live slots
-    scores = ScoreOut(scores=torch.rand(20, generator=torch.Generator().manual_seed(1)))
+    scores = _scores(view, torch.rand(20, generator=torch.Generator().manual_seed(1)))
     for budget, culls in ((40, 0), (21, 0), (20, 1), (15, 6)):
         cache = CacheParams(budget=budget, sinks=1, recent=2)
         assert len(decide(tiny_model, view, scores, cache).cull_slots) == culls, budget
@@ -104,10 +109,10 @@ def test_culls_are_the_lowest_unprotected(tiny_model, tiny_policy):
     s[order[:3]] = -2.0  # the sinks are dimmest of all
     s[order[-4:]] = -3.0  # and so is the recent window
     cache = CacheParams(budget=12, sinks=3, recent=4)
-    actions = decide(tiny_model, view, ScoreOut(scores=s), cache)
+    actions = decide(tiny_model, view, _scores(view, s), cache)
     culled = set(actions.cull_slots)
     assert len(culled) == 9
-    keep = protected(view, cache)
+    keep = protected(view, cache).cpu()
     assert keep.sum() == 3 + 4 + 2 and not culled & set(keep.nonzero()[:, 0].tolist())
     free = [i for i in range(20) if not keep[i]]
     assert culled == set(sorted(free, key=lambda i: float(s[i]))[:9])
@@ -115,7 +120,7 @@ def test_culls_are_the_lowest_unprotected(tiny_model, tiny_policy):
 
 def test_ties_cull_the_earlier_position(tiny_model, tiny_policy):
     view = _view(tiny_model, tiny_policy)
-    actions = decide(tiny_model, view, ScoreOut(scores=torch.zeros(20)),
+    actions = decide(tiny_model, view, _scores(view, torch.zeros(20)),
                      CacheParams(budget=18, sinks=0, recent=0))
     assert sorted(view.position[list(actions.cull_slots)].tolist()) == [0, 1, 2]
 
@@ -123,7 +128,7 @@ def test_ties_cull_the_earlier_position(tiny_model, tiny_policy):
 def test_too_many_protected_is_a_user_error(tiny_model, tiny_policy):
     view = _view(tiny_model, tiny_policy, flags=torch.ones(20, dtype=torch.int8))
     with pytest.raises(UserError, match="protected"):
-        decide(tiny_model, view, ScoreOut(scores=torch.zeros(20)),
+        decide(tiny_model, view, _scores(view, torch.zeros(20)),
                CacheParams(budget=10, sinks=1, recent=1))
 
 
@@ -144,7 +149,7 @@ def test_pairs_are_adjacent_disjoint_and_unprotected():
 
 def test_reindex_flag(tiny_model, tiny_policy):
     view = replace(_view(tiny_model, tiny_policy), next_position=99)
-    scores = ScoreOut(scores=torch.zeros(20))
+    scores = _scores(view, torch.zeros(20))
     assert decide(tiny_model, view, scores, CacheParams(reindex_at=100)).reindex
     assert not decide(tiny_model, view, scores, CacheParams(reindex_at=101)).reindex
     assert not decide(tiny_model, view, scores, CacheParams(reindex_at=100, positions="keep")).reindex

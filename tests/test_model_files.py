@@ -66,7 +66,7 @@ def write_gguf(path, model, arch: str | None = None, name: str = "tiny") -> None
     for key, t in model.hf.state_dict().items():
         if key == "lm_head.weight" and c.tie_word_embeddings:
             continue  # llama.cpp writes no output.weight for a tied embedding
-        a = np.ascontiguousarray(t.detach().float().numpy())
+        a = np.ascontiguousarray(t.detach().float().cpu().numpy())
         parts = key.split(".")
         if key.startswith("model.layers."):
             module, suffix = ".".join(parts[3:-1]), parts[-1]

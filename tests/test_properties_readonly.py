@@ -96,7 +96,7 @@ samplers = st.builds(
 # --- what must not change ----------------------------------------------------------------
 
 def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 def snapshot(state) -> tuple[dict, dict]:
@@ -180,7 +180,7 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
                    rep.k[:, :, 0], rep.v[:, :, 0])
     # Folds, in order: per layer and KV head, the target's K/V move toward the culled slot's
     # by its share of their mass, and its log-mass becomes their log-sum-exp.
-    zero = torch.zeros(a.log_mass.shape[:2])  # repaired and appended slots hold one token
+    zero = a.log_mass.new_zeros(a.log_mass.shape[:2])  # repaired and appended slots hold one token
     log_mass = {u: old[u]["log_mass"].clone() if u in old else zero.clone() for u in want}
     for f in actions.folds:
         j = old[by_slot[f.slot]]
@@ -213,8 +213,8 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
     assert state.next_position == target[u_app] + 1 and state.pending_token == gen.token_id
     uids = sorted(want)
     k_old = torch.stack([want[u][2] for u in uids], 2)  # (L, KVH, n1, D)
-    cos, sin = rerotation(model, torch.tensor([want[u][1] for u in uids]),
-                          torch.tensor([target[u] for u in uids]))
+    cos, sin = rerotation(model, torch.tensor([want[u][1] for u in uids], device=model.device),
+                          torch.tensor([target[u] for u in uids], device=model.device))
     k_want = apply_rope(k_old.float(), cos, sin)
     for i, u in enumerate(uids):
         fields, _, _, v = want[u]
@@ -237,7 +237,7 @@ def _read_only_call(model, view, state, data, kind: str, seen: Counter):
     before = snapshot(state)
     if kind == "generate":
         params = data.draw(samplers)
-        generate(model, view, params, make_generator(params.seed))
+        generate(model, view, params, make_generator(params.seed, model.device))
     else:
         gen = generate(model, view, SamplerParams(greedy=True), make_generator(0))
         cache = data.draw(cache_params())
@@ -295,7 +295,7 @@ def test_only_stage_4_writes_and_it_does_what_its_actions_say(tiny_model):
         state, _ = prime(tiny_model, segments, n_prompt + steps + 1,
                          pinned=frozenset(cache.pinned), seeds=cache.seeds)
         state.check_valid()
-        scorer, generator = make_scorer(cache), make_generator(sampler.seed)
+        scorer, generator = make_scorer(cache), make_generator(sampler.seed, tiny_model.device)
         for _ in range(steps):
             view = state.view()
             before = snapshot(state)

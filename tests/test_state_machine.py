@@ -282,6 +282,10 @@ def test_the_loop_against_a_plain_model(tiny_model, tiny_policy):
         max_examples=30, stateful_step_count=30, **SETTINGS))
     seen = dict(LoopMachine.seen)
     print(seen)
-    for kind in ("step", "decide_cull", "decide_repair", "decide_reindex", "cull", "repair",
-                 "reindex", "extend", "export_import", "export_import after removals"):
+    # The examples are derandomized, but which ones reach a merge decision depends on the
+    # model's numbers, which round differently on a GPU: there the "repair" rule alone must
+    # have merged (stage 4), on the CPU stage 3 must have chosen merges too.
+    wanted = ("step", "decide_cull", "decide_reindex", "cull", "repair", "reindex", "extend",
+              "export_import", "export_import after removals")
+    for kind in wanted + (("decide_repair",) if tiny_model.device.type == "cpu" else ()):
         assert seen.get(kind), f"no {kind} in {seen}"
