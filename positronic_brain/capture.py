@@ -31,7 +31,7 @@ from .plain import atomic_write, from_plain, sha256, to_plain
 from .types import GenerateOut, UserError, require
 from .version import __version__
 
-FORMAT = 3
+FORMAT = 4
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
 EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step
 FILE_KEYS = ("format", "stage", "step", "model", "inputs", "outputs", "cache_len", "arena_version")
@@ -63,9 +63,15 @@ def versions() -> dict:
 def arena_version(state) -> int:
     """A number that changes whenever the arena's or the ledger's contents change: the
     tensors' in-place version counters plus the live counts (reads never bump them)."""
-    a, m = state.arena, state.ledger
+    a, m, cold = state.arena, state.ledger, state.cold
     tensors = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm) + tuple(getattr(m, c) for c in m.COLUMNS)
-    return hash((tuple(t._version for t in tensors), a.n, m.n, m.next_uid)) & (2 ** 62 - 1)
+    counts = (a.n, m.n, m.next_uid)
+    if cold is not None:
+        c = cold.arena
+        tensors += (c.kt, c.v, c.knorm, c.vnorm, cold.entered) + tuple(
+            getattr(cold.ledger, col) for col in m.COLUMNS)
+        counts += (cold.n, cold.next_entry, id(c.kt))  # id: a grown store is new storage
+    return hash((tuple(t._version for t in tensors), counts)) & (2 ** 62 - 1)
 
 
 def _view_columns(view) -> dict:
@@ -157,7 +163,8 @@ class CaptureTape(Tape):
     def primed(self, state, segments, capacity, out) -> None:
         self._state = state
         self._stage(0, "s0_prime", {"segments": segments, "capacity": capacity,
-                                    "pinned": state.pinned, "seeds": state.ledger.seeds},
+                                    "pinned": state.pinned, "seeds": state.ledger.seeds,
+                                    "cold_capacity": None if state.cold is None else state.cold.capacity},
                     prime_outputs(state, out))
 
     def extended(self, state, segments, pending, n_before: int, patch) -> None:

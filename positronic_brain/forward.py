@@ -75,7 +75,8 @@ def rerotation(model: Model, old: torch.Tensor, new: torch.Tensor):
 def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
             want_attention: bool = False, all_logits: bool = False,
-            past_log_mass: torch.Tensor | None = None, kv_only: bool = False) -> ForwardOut:
+            past_log_mass: torch.Tensor | None = None, kv_only: bool = False,
+            want_query: bool = False) -> ForwardOut:
     """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
     (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
     every live slot, except where ``past_mask`` (T, n) bool is False. ``past_log_mass``
@@ -86,8 +87,12 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     applied, and optionally the last new query's attention on the live slots (L, H, n).
     ``kv_only``: only the new K/V are wanted, so the last layer stops after its K/V
     projection and no logits are computed (``logits`` is None); the K/V have the same bits.
+    ``want_query``: also the last query per layer (L, H, head_dim), roped and scaled as its
+    scores use it, and the log-sum-exp of its scores (L, H) float32, so a key k that was not
+    in the cache would have received exp(q.k - lse) next to the others (recall).
     """
-    require(not (kv_only and want_attention), "kv_only skips the last layer's attention")
+    require(not (kv_only and (want_attention or want_query)),
+            "kv_only skips the last layer's attention")
     s = model.spec
     L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
     g = H // KVH
@@ -108,6 +113,8 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     # the last query's whole softmax row per layer (a contiguous copy); live slots returned
     attention = (torch.empty(L, H, n + T, dtype=torch.float32, device=dev) if want_attention
                  else None)
+    query = torch.empty(L, H, D, dtype=dtype, device=dev) if want_query else None
+    lse = torch.empty(L, H, dtype=torch.float32, device=dev) if want_query else None
 
     # Additive bias over the score columns [live slots | new tokens]; None when nothing is masked.
     mask_past = None
@@ -141,7 +148,11 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
             s_past = (s_past.view(KVH, g, T, n) + mask_past).view(KVH, g * T, n)
         if mask_new is not None:
             s_new = (s_new.view(KVH, g, T, T) + mask_new).view(KVH, g * T, T)
-        p = torch.softmax(torch.cat((s_past, s_new), dim=-1), dim=-1)  # (KVH, gT, n + T)
+        scores = torch.cat((s_past, s_new), dim=-1)  # (KVH, gT, n + T)
+        p = torch.softmax(scores, dim=-1)
+        if query is not None:
+            query[i] = qk[:H, -1]
+            lse[i] = scores.view(KVH, g, T, n + T)[:, :, -1].logsumexp(-1).reshape(H)
         if attention is not None:
             attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
         p = p.to(dtype)
@@ -158,4 +169,4 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     if attention is not None:
         attention = attention[..., :n]
     return ForwardOut(logits=logits, k=torch.stack(new_k), v=torch.stack(new_v),
-                      attention=attention)
+                      attention=attention, query=query, lse=lse)

@@ -3,7 +3,7 @@
     state = stage0.prime(model, segments, capacity)                 # mutation
     repeat:
         gen     = stage1.generate(model, view, sampler)             # read-only
-        scores  = stage2.score(view, gen.attention, scorer)         # read-only
+        scores  = stage2.score(view, gen.attention, scorer, recall) # read-only
         actions = stage3.decide(model, view, scores, cache_params)  # read-only
         patch   = stage4.apply(model, state, gen, actions)          # the only mutation
 
@@ -24,7 +24,7 @@ from .special_tokens import TextStream, TokenPolicy
 from .stages.apply import apply, extend, prime
 from .stages.decide import decide
 from .stages.generate import generate
-from .stages.score import score
+from .stages.score import recall_query, score
 from .state import State
 from .types import CacheParams, Patch, SamplerParams, Segment, StepRecord, Totals, require
 
@@ -38,6 +38,11 @@ def arena_capacity(model: Model, cache_params: CacheParams, n_prompt: int,
     if cache_params.budget is not None:
         return max(cache_params.budget + room, n_prompt)
     return max(1, min(n_prompt + new_tokens, limit)) if new_tokens is not None else limit
+
+
+def cold_capacity(cache_params: CacheParams) -> int | None:
+    """The cold store's capacity a prime allocates: with recall, ``cold_capacity``; else None."""
+    return cache_params.cold_capacity if cache_params.recall else None
 
 
 @dataclass
@@ -70,7 +75,8 @@ class Session:
                 f"capacity {capacity} is smaller than the budget {budget}")
         self.state, out = prime(self.model, segments, capacity,
                                 pinned=frozenset(self.cache_params.pinned),
-                                seeds=self.cache_params.seeds)
+                                seeds=self.cache_params.seeds,
+                                cold_capacity=cold_capacity(self.cache_params))
         self.tape.primed(self.state, segments, capacity, out)
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []
@@ -94,7 +100,8 @@ class Session:
         tape.begin(self.state, self.generator)  # a recording tape keeps its state (an input)
         gen = generate(self.model, view, self.sampler, self.generator, force)  # 1) read-only
         tape.generated(view, self.sampler, force, gen)
-        scores = score(view, gen.attention, self.scorer)  # 2) read-only
+        recall = recall_query(view, gen, self.cache_params)
+        scores = score(view, gen.attention, self.scorer, recall)  # 2) read-only
         tape.scored(view, self.cache_params, scores)
         actions = decide(self.model, view, scores, self.cache_params)  # 3) read-only
         tape.decided(self.cache_params, actions)

@@ -31,7 +31,7 @@ from .scorers import make_scorer
 from .stages.apply import apply, extend, prime
 from .stages.decide import decide
 from .stages.generate import generate
-from .stages.score import score
+from .stages.score import recall_query, score
 from .state import State
 from .types import require
 
@@ -140,7 +140,8 @@ class _Replay:
         f = self.run.prime()
         inp = f.args
         self.state, out = prime(self.model, list(inp["segments"]), inp["capacity"],
-                                pinned=frozenset(inp["pinned"]), seeds=tuple(inp["seeds"]))
+                                pinned=frozenset(inp["pinned"]), seeds=tuple(inp["seeds"]),
+                                cold_capacity=inp["cold_capacity"])
         if self.wanted(f.stage, 0):
             self.check(f, prime_outputs(self.state, out))
 
@@ -178,7 +179,9 @@ class _Replay:
             self.check(g, gen_outputs(out))
         params = files.cache_params
         if self.wanted(files.score.stage, t):  # 2) score the captured attention
-            self.check(files.score, {"out": score(view, files.gen.attention, make_scorer(params))})
+            recall = recall_query(view, files.gen, params)
+            self.check(files.score, {"out": score(view, files.gen.attention, make_scorer(params),
+                                                  recall)})
         if self.wanted(files.decide.stage, t):  # 3) decide from the captured scores
             self.check(files.decide, {"out": decide(model, view, files.scores, params)})
         patch = apply(model, self.state, files.gen, files.actions)  # 4) rebuilds the next state

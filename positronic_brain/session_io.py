@@ -2,7 +2,9 @@
 
 Tensors: the arena's live prefix ``arena.k`` / ``arena.v`` (L, kv_heads, n, head_dim) and
 ``arena.log_mass`` (L, kv_heads, n), every ledger column ``ledger.<name>`` (n,) (whatever
-``Ledger.COLUMNS`` lists) and the sampler's generator state ``generator`` (uint8). The
+``Ledger.COLUMNS`` lists), with recall the cold store's rows alike (``cold.k``, ``cold.v``,
+``cold.<column>``, ``cold.entered``), and the sampler's generator state ``generator``
+(uint8). The
 str->str safetensors header holds JSON (``plain.to_plain(..., json=True)``): the model's
 fingerprint, the rest of the ledger and state (capacity, next uid, merge history, pending
 token, its source and position, step), the session's plain fields (prompt and generated
@@ -34,7 +36,7 @@ from .stages.apply import restore
 from .state import Ledger, State
 from .types import UserError, require
 
-FORMAT = "positronic-brain-session/3"
+FORMAT = "positronic-brain-session/4"
 # Session fields not saved as JSON: rebuilt on load, or (a capture's tape) owned by the
 # saving process; a loaded session starts without a capture.
 RUNTIME = ("model", "policy", "state", "tape")
@@ -65,6 +67,17 @@ def _mismatch(saved: dict, ours: dict) -> str | None:
     return None
 
 
+def _cold_tensors(state: State) -> dict[str, torch.Tensor]:
+    """The cold store's live rows as named tensors (none without one)."""
+    cold = state.cold
+    if cold is None:
+        return {}
+    n, a = cold.n, cold.arena
+    return {"cold.k": a.k[:, :, :n].contiguous(), "cold.v": a.v[:, :, :n].contiguous(),
+            "cold.entered": cold.entered[:n].clone(),
+            **{f"cold.{c}": cold.ledger.live(c).contiguous() for c in Ledger.COLUMNS}}
+
+
 # --- export / import ----------------------------------------------------------------------
 
 def save_session(session: Session, path: str | os.PathLike) -> Path:
@@ -75,14 +88,16 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
     tensors = {"arena.k": a.k[:, :, :a.n], "arena.v": a.v[:, :, :a.n],
                "arena.log_mass": a.log_mass[:, :, :a.n],
                **{f"ledger.{c}": m.live(c) for c in Ledger.COLUMNS},
-               "generator": session.generator.get_state()}
+               "generator": session.generator.get_state(), **_cold_tensors(state)}
     tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
     body = {
         "capacity": a.capacity,
         "ledger": {f.name: to_plain(getattr(m, f.name), json=True)
                    for f in dataclasses.fields(Ledger) if f.name not in Ledger.COLUMNS + ("n",)},
         "state": {f.name: to_plain(getattr(state, f.name), json=True)
-                  for f in dataclasses.fields(State) if f.name not in ("arena", "ledger")},
+                  for f in dataclasses.fields(State) if f.name not in ("arena", "ledger", "cold")},
+        "cold": None if state.cold is None else {"capacity": state.cold.capacity,
+                                                 "next_entry": state.cold.next_entry},
         "session": {f.name: to_plain(getattr(session, f.name), json=True)
                     for f in dataclasses.fields(Session) if f.name not in RUNTIME},
         "bos": session.policy.add_bos,
@@ -118,13 +133,14 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
                 f"{model.name!r}: {diff}")
         columns = {k.removeprefix("ledger."): t for k, t in tensors.items()
                    if k.startswith("ledger.")}
+        cold = _saved_cold(model, tensors, body["cold"])
         fields, ledger = from_plain(body["state"]), from_plain(body["ledger"])
         _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"])
         for what, cls, saved in (("state", State, fields), ("ledger", Ledger, ledger)):
             unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
             require(not unknown, f"unknown {what} field {unknown[:1]}")
         state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
-                        ledger, fields, tensors["arena.log_mass"])
+                        ledger, fields, tensors["arena.log_mass"], cold)
         session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
                           state=state, **from_plain(body["session"]))
         if torch.device(body.get("device", "cpu")).type == model.device.type:
@@ -137,20 +153,36 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
     return session
 
 
-def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[str, torch.Tensor],
-                 capacity: int, pending_token: int) -> None:
-    """Every saved tensor fits ``model`` and the ledger: shapes, dtypes, columns, token ids."""
+def _saved_cold(model: Model, tensors: dict[str, torch.Tensor], body: dict | None) -> dict | None:
+    """The saved cold store, checked like the arena (shapes, dtypes, columns, token ids):
+    what ``restore`` takes, or None."""
+    if body is None:
+        return None
     s = model.spec
-    k, v, log_mass = tensors["arena.k"], tensors["arena.v"], tensors["arena.log_mass"]
+    k, v, entered = tensors["cold.k"], tensors["cold.v"], tensors["cold.entered"]
+    n = _check_kv(model, k, v, "cold ")[2]
+    require(0 <= n <= body["capacity"] and entered.shape == (n,)
+            and entered.dtype == torch.int64, f"{n} cold rows in a capacity of {body['capacity']}")
+    columns = {c: tensors[f"cold.{c}"] for c in Ledger.COLUMNS}
+    _check_columns(columns, n)
+    require(bool(((columns["token_id"] >= 0) & (columns["token_id"] < s.vocab)).all()),
+            "a saved cold token id is outside the vocabulary")
+    return {"k": k, "v": v, "columns": columns, "entered": entered, **body}
+
+
+def _check_kv(model: Model, k: torch.Tensor, v: torch.Tensor, what: str = "") -> tuple:
+    """Saved K/V (L, kv_heads, n, head_dim) of ``model``'s shape and dtype: their shape."""
+    s = model.spec
     n = k.shape[2] if k.dim() == 4 else -1
     shape = (s.n_layers, s.n_kv_heads, n, s.head_dim)
     require(tuple(k.shape) == tuple(v.shape) == shape and k.dtype == v.dtype == model.dtype,
-            f"saved K/V {tuple(k.shape)} {k.dtype} do not fit this model's {shape} {model.dtype}")
-    require(0 <= n <= capacity <= s.max_positions,
-            f"{n} live slots in a capacity of {capacity} (the model has {s.max_positions} positions)")
-    require(tuple(log_mass.shape) == shape[:3] and log_mass.dtype == torch.float32
-            and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),
-            f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]}")
+            f"saved {what}K/V {tuple(k.shape)} {k.dtype} do not fit this model's {shape} "
+            f"{model.dtype}")
+    return shape
+
+
+def _check_columns(columns: dict[str, torch.Tensor], n: int) -> None:
+    """Exactly ``Ledger.COLUMNS``, each (n,) of its dtype."""
     require(sorted(columns) == sorted(Ledger.COLUMNS),
             f"ledger columns {sorted(columns)} differ from {sorted(Ledger.COLUMNS)}")
     empty = Ledger.allocate(1)
@@ -159,5 +191,20 @@ def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[s
         require(columns[c].shape == (n,) and columns[c].dtype == want,
                 f"ledger column {c}: {tuple(columns[c].shape)} {columns[c].dtype}, "
                 f"expected ({n},) {want}")
+
+
+def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[str, torch.Tensor],
+                 capacity: int, pending_token: int) -> None:
+    """Every saved tensor fits ``model`` and the ledger: shapes, dtypes, columns, token ids."""
+    s = model.spec
+    k, v, log_mass = tensors["arena.k"], tensors["arena.v"], tensors["arena.log_mass"]
+    shape = _check_kv(model, k, v)
+    n = shape[2]
+    require(0 <= n <= capacity <= s.max_positions,
+            f"{n} live slots in a capacity of {capacity} (the model has {s.max_positions} positions)")
+    require(tuple(log_mass.shape) == shape[:3] and log_mass.dtype == torch.float32
+            and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),
+            f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]}")
+    _check_columns(columns, n)
     ids = torch.cat((columns["token_id"], torch.tensor([pending_token])))
     require(bool(((ids >= 0) & (ids < s.vocab)).all()), "a saved token id is outside the vocabulary")

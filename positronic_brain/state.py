@@ -135,6 +135,7 @@ class Ledger:
     n: int = 0
     next_uid: int = 0
     merged: dict[int, tuple[int, ...]] = field(default_factory=dict)  # repair history
+    dropped: int = 0  # tokens culled for good (not into a cold store), an account of uids
     # A new token's brightness by source (SOURCES order), written when it enters the cache.
     seeds: tuple[float, ...] = (MAX_BRIGHTNESS,) * len(SOURCES)
 
@@ -199,6 +200,69 @@ class Ledger:
             assert all(u < new for u in old), f"repair {new} merged a later uid {old}"
 
 
+@dataclass(eq=False)
+class Cold:
+    """The recall tier's cold store, in host memory: culled tokens' K/V (an ``Arena`` whose
+    keys sit rotated at the token's current logical position, so a recalled key is the key
+    RoPE gives there), their ledger rows (a ``Ledger``, same columns) and ``entered``, each
+    row's order of entry (the oldest to enter is dropped first past ``capacity``). Rows
+    ``[0, n)`` are live, dense like the arena's. Stage 4 grows the storage by doubling up
+    to ``capacity``, so a short run never holds a large block."""
+
+    arena: Arena
+    ledger: Ledger
+    entered: torch.Tensor  # (rows,) int64, order of entry
+    capacity: int  # the most tokens it may hold (CacheParams.cold_capacity)
+    next_entry: int = 0
+
+    @property
+    def n(self) -> int:
+        return self.ledger.n
+
+    def view(self) -> "ColdView":
+        n, m = self.n, self.ledger
+        return ColdView(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n],
+                        vnorm=self.arena.vnorm[:, :, :n], uid=m.live("uid"),
+                        position=m.live("position"), source=m.live("source"),
+                        born_step=m.live("born_step"))
+
+    def check_valid(self, hot: Ledger, next_position: int) -> None:
+        """Assert the cold rows' invariants next to the ``hot`` ledger's."""
+        a, m, n = self.arena, self.ledger, self.n
+        assert a.n == n <= self.capacity, f"cold store: {a.n} K/V rows, {n} ledger rows"
+        assert n <= m.uid.shape[0] == a.capacity == self.entered.shape[0], "cold store shapes"
+        uid, pos = m.live("uid"), m.live("position")
+        assert torch.unique(uid).numel() == n and (n == 0 or int(uid.max()) < hot.next_uid), \
+            "cold uids are not unique issued uids"
+        assert not bool(torch.isin(uid, hot.live("uid")).any()), "a uid is both hot and cold"
+        both = torch.cat((pos, hot.live("position")))
+        assert torch.unique(both).numel() == both.numel(), "a cold position is not unique"
+        assert n == 0 or 0 <= int(pos.min()) <= int(pos.max()) < next_position, \
+            "a cold position outside [0, next position)"
+        assert torch.unique(self.entered[:n]).numel() == n and (
+            n == 0 or int(self.entered[:n].max()) < self.next_entry), "cold entry order"
+        assert torch.allclose(a.knorm[:, :, :n], a.k[:, :, :n].float().norm(dim=-1),
+                              rtol=1e-5, atol=1e-6), "the cold key norms do not match the keys"
+        assert torch.equal(a.vnorm[:, :, :n], value_norms(a.v[:, :, :n])), "cold value norms"
+
+
+@dataclass(frozen=True)
+class ColdView:
+    """What stages 2-3 see of the cold store: views of its live rows, never to be written."""
+
+    k: torch.Tensor  # (L, kv_heads, c, head_dim), rotated at each row's position
+    v: torch.Tensor  # (L, kv_heads, c, head_dim)
+    vnorm: torch.Tensor  # (L, kv_heads, c) float32
+    uid: torch.Tensor  # (c,)
+    position: torch.Tensor  # (c,)
+    source: torch.Tensor  # (c,)
+    born_step: torch.Tensor  # (c,)
+
+    @property
+    def n(self) -> int:
+        return self.k.shape[2]
+
+
 @dataclass(frozen=True)
 class View:
     """What stages 1-3 see: views of the live prefix, never copies, never to be written."""
@@ -220,6 +284,7 @@ class View:
     next_position: int
     step: int
     capacity: int
+    cold: ColdView | None = None  # the cold store's rows (recall); None without recall
 
     @property
     def n(self) -> int:
@@ -237,6 +302,7 @@ class State:
     next_position: int = 0  # the pending token's position
     step: int = 0  # number of stage-4 applications so far
     pinned: tuple[str, ...] = ()  # prime's protected sources (stage 4 flags the pending token)
+    cold: Cold | None = None  # the recall tier (CacheParams.recall); None without it
 
     def view(self) -> View:
         n, m = self.arena.n, self.ledger
@@ -248,7 +314,8 @@ class State:
                     flags=m.live("flags"), born_step=m.live("born_step"),
                     attn_sum=m.live("attn_sum"), pending_token=self.pending_token,
                     next_position=self.next_position, step=self.step,
-                    capacity=self.arena.capacity)
+                    capacity=self.arena.capacity,
+                    cold=None if self.cold is None else self.cold.view())
 
     def check_valid(self) -> None:
         assert self.arena.n == self.ledger.n, \
@@ -261,3 +328,20 @@ class State:
         assert torch.equal(a.vnorm[:, :, :a.n], value_norms(a.v[:, :, :a.n])), \
             "the value-norm column does not match the values"
         self.ledger.check_valid(step=self.step, next_position=self.next_position)
+        self.check_accounts()
+
+    def check_accounts(self) -> None:
+        """Every uid ever issued is hot, cold, culled for good or merged away, exactly once."""
+        m = self.ledger
+        cold = 0
+        if self.cold is not None:
+            self.cold.check_valid(m, self.next_position)
+            cold = self.cold.n
+        away = {u for pair in m.merged.values() for u in pair}
+        live = set(m.live("uid").tolist())
+        if self.cold is not None:
+            live |= set(self.cold.ledger.live("uid").tolist())
+        assert not away & live, "a merged-away uid is still hot or cold"
+        assert m.n + cold + m.dropped + len(away) == m.next_uid, (
+            f"uids unaccounted for: {m.n} hot + {cold} cold + {m.dropped} dropped + "
+            f"{len(away)} merged away != {m.next_uid} issued")

@@ -74,6 +74,8 @@ class ForwardOut:
     k: torch.Tensor  # (L, kv_heads, T, head_dim) new keys, RoPE applied at their positions
     v: torch.Tensor  # (L, kv_heads, T, head_dim)
     attention: torch.Tensor | None  # (L, heads, n) float32: last new query's weights on live slots
+    query: torch.Tensor | None = None  # (L, heads, head_dim): last query, roped and scaled
+    lse: torch.Tensor | None = None  # (L, heads) float32: log-sum-exp of its scores (softmax's)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,10 @@ class GenerateOut:
     k: torch.Tensor  # (L, kv_heads, 1, head_dim)
     v: torch.Tensor  # (L, kv_heads, 1, head_dim)
     attention: torch.Tensor  # (L, heads, n) float32 over live slots (slot order)
+    # with recall: the query (L, heads, head_dim) in the model's dtype, roped and scaled, and
+    # its softmax's log-sum-exp (L, heads) float32, so a cold key k would get exp(q.k - lse)
+    query: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
 
 
 REPAIRS = ("none", "merge", "fold")
@@ -120,6 +126,12 @@ class CacheParams:
     ``prune``: ``tokens`` culls single tokens by score; ``turns`` drops whole oldest chat
     turns instead (a user turn with everything up to the next one; never the last, never
     pinned tokens; sinks, recent and repairs do not apply).
+    ``recall``: a culled token goes to a cold store (at most ``cold_capacity`` tokens, the
+    oldest to enter dropped for good past it) instead of away; every ``recall_every`` steps
+    the current query scores the cold keys over ``recall_layers`` layers (evenly spread over
+    those brightness reads) and up to ``recall_max`` cold tokens whose would-be attention
+    beats one of the dimmest unprotected hot tokens' swap places with them. It takes no
+    ``fold`` repair (a folded token lives on inside its survivor) and no ``turns`` pruning.
     Brightness: new tokens start at ``seeds[source]`` (in SOURCES order); each step
     b <- clamp(b - decay + gain * share, 0, max_brightness), where share is n times the
     token's ``signal`` (``value``: attention weighted by its value norm relative to the mean
@@ -147,6 +159,11 @@ class CacheParams:
     reindex_at: int | None = None
     random_seed: int = 0  # the random scorer's seed
     prune: str = "tokens"
+    recall: bool = False
+    cold_capacity: int = 16384
+    recall_every: int = 1
+    recall_max: int = 8
+    recall_layers: int = 8
 
     def __post_init__(self) -> None:
         require(self.repair in REPAIRS,
@@ -179,6 +196,14 @@ class CacheParams:
                 f"prune must be tokens or turns, got {self.prune!r}")
         require(self.prune == "tokens" or self.repair == "none",
                 "prune turns drops whole turns; it takes no token repairs")
+        for name in ("cold_capacity", "recall_every", "recall_max", "recall_layers"):
+            require(getattr(self, name) >= 1,
+                    f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
+        if self.recall:
+            require(self.budget is not None, "recall brings back culled tokens; it needs a budget")
+            require(self.repair != "fold", "recall keeps culled tokens whole; it takes no fold "
+                    "repair")
+            require(self.prune == "tokens", "recall swaps single tokens; it takes no prune turns")
         if self.budget is not None:
             require(self.scorer != "none", "policy none never culls; it takes no budget")
             need = self.sinks + self.recent + 1
@@ -209,6 +234,37 @@ class ScoreOut:
     scores: torch.Tensor  # (n,) float32
     brightness: torch.Tensor | None = None  # (n,) float32 in [0, max]
     attn_sum: torch.Tensor | None = None  # (n,) float32, attention received since born
+    # on a recall step: the attention signal each hot slot got (n,) and each cold row would
+    # have got (c,), aggregated alike over the recall layers (stage 3 compares them)
+    hot_signal: torch.Tensor | None = None
+    cold_signal: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RecallQuery:
+    """Stage 2's input on a recall step: stage 1's query (L, heads, head_dim) and its
+    softmax's log-sum-exp (L, heads), the ``layers`` that score the cold keys, and how their
+    attention becomes one value per token (CacheParams' ``signal`` and ``aggregate``)."""
+
+    query: torch.Tensor
+    lse: torch.Tensor
+    layers: tuple[int, ...]
+    signal: str
+    aggregate: str
+
+
+@dataclass(frozen=True)
+class Swap:
+    """A recall: cold row ``cold_slot`` (uid ``cold_uid``) takes hot slot ``slot`` (uid
+    ``uid``), whose token goes cold in its place; the recalled token's scorer columns become
+    ``brightness`` and ``attn_sum`` (see ``decide.swaps``)."""
+
+    slot: int
+    uid: int
+    cold_slot: int
+    cold_uid: int
+    brightness: float
+    attn_sum: float
 
 
 @dataclass(frozen=True)
@@ -245,6 +301,8 @@ class Actions:
     merges: tuple[Merge, ...] = ()
     folds: tuple[Fold, ...] = ()  # culled slots whose K/V fold into survivors
     reindex: bool = False  # positions become 0..n-1 in text order (keys re-rotated)
+    swaps: tuple[Swap, ...] = ()  # recalls: cold tokens that take dim hot slots
+    cold_keep: int | None = None  # with recall, the cold rows a re-index keeps (newest first)
 
 
 NO_ACTIONS = Actions()
@@ -254,8 +312,9 @@ NO_ACTIONS = Actions()
 class Patch:
     """What stage 0/4 changed in one application (the capture's event-log entry): with the
     previous state, enough to replay it. Stage 4's order: brightness/attn_sum, merges
-    (slot ``slots[0]`` rewritten; ``slots[1]`` removed with the culls), folds, removals (``moves``
-    fill the holes), re-index, append."""
+    (slot ``slots[0]`` rewritten; ``slots[1]`` removed with the culls), folds, swaps (recalls),
+    culled tokens into the cold store (with recall), removals (``moves`` fill the holes),
+    re-index (of the cold store too), append."""
 
     step: int
     brightness: torch.Tensor | None = None  # (n,) written before anything else
@@ -266,6 +325,10 @@ class Patch:
     culled_slots: tuple[int, ...] = ()
     culled_uids: tuple[int, ...] = ()
     moves: tuple[tuple[int, int], ...] = ()  # (from_slot, to_slot) that filled removal holes
+    swaps: tuple[Swap, ...] = ()  # recalls, applied after folds, before removals
+    cooled_uids: tuple[int, ...] = ()  # culled tokens that went into the cold store
+    dropped_uids: tuple[int, ...] = ()  # cold tokens dropped for good (capacity, re-index)
+    cold_reindex_to: torch.Tensor | None = None  # (c,) the cold rows' new positions (row order)
     reindex_from: torch.Tensor | None = None  # (n',) old positions of the live slots (slot order)
     reindex_to: torch.Tensor | None = None  # (n',) their new positions
     appended_slots: tuple[int, ...] = ()
@@ -301,6 +364,7 @@ class StepRecord:
     merged: tuple[tuple[tuple[int, int], int, int], ...] = ()  # ((old uids), token_id, new uid)
     folded: int = 0  # culled tokens whose K/V were folded into survivors
     reindexed: bool = False
+    recalled: tuple[int, ...] = ()  # uids brought back from the cold store
 
     @classmethod
     def of(cls, state, gen: GenerateOut, patch: Patch, ms: float) -> "StepRecord":
@@ -311,7 +375,8 @@ class StepRecord:
                    culled=patch.culled_uids,
                    merged=tuple((r.uids, r.token_id, u)
                                 for r, u in zip(patch.merges, patch.merged_uids)),
-                   folded=len(patch.folds), reindexed=patch.reindex_to is not None)
+                   folded=len(patch.folds), reindexed=patch.reindex_to is not None,
+                   recalled=tuple(s.cold_uid for s in patch.swaps))
 
     def as_json(self) -> dict:
         """The ``--json`` step object."""
@@ -320,7 +385,8 @@ class StepRecord:
                 "culled": list(self.culled),
                 "merged": [{"uids": list(u), "token_id": t, "uid": new}
                            for u, t, new in self.merged],
-                "folded": self.folded, "reindexed": self.reindexed}
+                "folded": self.folded, "reindexed": self.reindexed,
+                "recalled": list(self.recalled)}
 
 
 @dataclass
@@ -333,6 +399,7 @@ class Totals:
     merged: int = 0
     folded: int = 0
     reindexed: int = 0
+    recalled: int = 0
 
     def add(self, rec: StepRecord) -> None:
         self.steps += 1
@@ -341,6 +408,7 @@ class Totals:
         self.merged += len(rec.merged)
         self.folded += rec.folded
         self.reindexed += rec.reindexed
+        self.recalled += len(rec.recalled)
 
     @classmethod
     def of(cls, records) -> "Totals":
@@ -354,6 +422,7 @@ class Totals:
         return round(self.ms / self.steps, 3) if self.steps else 0.0
 
     def edits(self) -> str:
-        """``culled 12 (folded 3), merged 1, re-indexed 0``: the edits, as every UI words them."""
+        """``culled 12 (folded 3), merged 1, re-indexed 0, recalled 2``: the edits, as every UI
+        words them."""
         return (f"culled {self.culled} (folded {self.folded}), merged {self.merged}, "
-                f"re-indexed {self.reindexed}")
+                f"re-indexed {self.reindexed}, recalled {self.recalled}")

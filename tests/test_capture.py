@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from positronic_brain.capture import CaptureTape, load_file, read_manifest
+from positronic_brain.capture import FORMAT, CaptureTape, load_file, read_manifest
 from positronic_brain.plain import from_plain, to_plain
 from positronic_brain.types import SamplerParams, SamplerReport, UserError
 
@@ -108,7 +108,7 @@ def test_a_capture_of_another_format_is_refused_in_one_line(tmp_path):
     manifest = json.loads((w.dir / "manifest.json").read_text())
     (w.dir / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
     with pytest.raises(UserError, match="capture format 1 is not read by this version, which "
-                       "reads format 3") as err:
+                       f"reads format {FORMAT}") as err:
         read_manifest(w.dir)
     assert "\n" not in str(err.value)
     data = torch.load(path, weights_only=True)

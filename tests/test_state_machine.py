@@ -4,8 +4,9 @@ The model is the live token list in text order, ``[(uid, token_id, position)]``,
 next uid, the pending token, its source and position, the step and which uids are pinned.
 Rules drive the tiny model's loop: a full step (generate -> score -> decide -> apply with
 the machine's CacheParams), hand-picked culls, repairs built by stage 3's ``merge_pair``,
-re-indexes, chat-style ``extend`` and a save/load round trip of the session into a fresh
-state. After every rule the real state must equal the model, ``check_valid()`` must hold,
+re-indexes, chat-style ``extend``, recalls (a cold token swapped for a hot one, with
+``recall`` on; the model then also holds the cold tokens in order of entry) and a save/load
+round trip of the session into a fresh state. After every rule the real state must equal the model, ``check_valid()`` must hold,
 and stage 1's logits must equal Hugging Face's forward over the same cache.
 """
 from __future__ import annotations
@@ -28,9 +29,9 @@ from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import apply, extend
 from positronic_brain.stages.decide import decide, removals_needed, merge_pair
 from positronic_brain.stages.generate import generate
-from positronic_brain.stages.score import score
+from positronic_brain.stages.score import recall_query, score
 from positronic_brain.state import FLAG_PROTECTED
-from positronic_brain.types import SOURCES, Actions, SamplerParams, Segment, UserError
+from positronic_brain.types import SOURCES, Actions, SamplerParams, Segment, Swap, UserError
 from tests.oracle import assert_close, hf_step_logits
 from tests.test_properties_readonly import SETTINGS, cache_params, prompts, samplers, token_ids
 
@@ -51,10 +52,24 @@ def loop_params(draw):
                    positions="compact", reindex_at=budget + draw(st.integers(1, 12)))
 
 
+@st.composite
+def recall_params(draw):
+    """CacheParams with recall: a budget within reach, merges, a small cold store and a
+    re-index a few steps later."""
+    c = draw(cache_params())
+    budget = c.sinks + c.recent + draw(st.integers(3, 8))
+    return replace(c, budget=budget, scorer=draw(st.sampled_from(("brightness", "h2o", "tova"))),
+                   prune="tokens", repair="merge", max_merges=max(1, c.max_merges),
+                   recall=True, cold_capacity=draw(st.integers(1, 12)), recall_layers=1,
+                   recall_max=draw(st.integers(1, 3)), positions="compact",
+                   reindex_at=budget + draw(st.integers(1, 12)))
+
+
 class LoopMachine(RuleBasedStateMachine):
     model = None  # the tiny model, set by the test
     policy = None
     seen = Counter()  # what the runs did, for the test to check its own reach
+    params = staticmethod(loop_params)  # the CacheParams strategy
 
     # --- the model's bookkeeping -------------------------------------------------------
 
@@ -65,20 +80,38 @@ class LoopMachine(RuleBasedStateMachine):
             self.pinned.add(self.next_uid)
         self.next_uid += 1
 
-    def _apply(self, gen, culled=(), merges=(), reindex=False) -> None:
-        """What stage 4 must do, in its order: merges, removals, re-index, append."""
+    def _apply(self, gen, culled=(), merges=(), reindex=False, swaps=(),
+               cold_keep=None) -> None:
+        """What stage 4 must do, in its order: merges, swaps, culled tokens into the cold
+        store (with recall; its oldest dropped past its capacity), removals, re-index (over
+        hot and cold; the oldest cold past ``cold_keep`` dropped first), append."""
         live = self.live
         for r in merges:
             i = [u for u, _, _ in live].index(r.uids[0])
             live[i] = (self.next_uid, r.token_id, live[i][2])
             self.next_uid += 1
+        for sw in swaps:
+            i = [u for u, _, _ in live].index(sw.uid)
+            j = [u for u, _, _ in self.cold].index(sw.cold_uid)
+            hot, live[i] = live[i], self.cold.pop(j)
+            self.cold.append(hot)
+        live.sort(key=lambda x: x[2])  # text order
         gone = set(culled) | {r.uids[1] for r in merges}
+        if self.cache.recall:
+            by_uid = {x[0]: x for x in live}
+            self.cold += [by_uid[u] for u in culled]  # in the order stage 4 takes them
+            self.cold = self.cold[max(0, len(self.cold) - self.cache.cold_capacity):]
         self.live = [x for x in live if x[0] not in gone]
         self.removed += len(gone)
         self.pinned -= gone | {r.uids[0] for r in merges}
         if reindex:
-            self.live = [(u, t, p) for p, (u, t, _) in enumerate(self.live)]
-        position = len(self.live) if reindex else self.next_position
+            if cold_keep is not None:
+                self.cold = self.cold[max(0, len(self.cold) - cold_keep):]
+            rank = {u: p for p, (u, _, _) in enumerate(sorted(self.live + self.cold,
+                                                              key=lambda x: x[2]))}
+            self.live = [(u, t, rank[u]) for u, t, _ in self.live]
+            self.cold = [(u, t, rank[u]) for u, t, _ in self.cold]
+        position = len(self.live) + len(self.cold) if reindex else self.next_position
         self._enter(self.pending, position, self.pending_source)
         self.pending, self.pending_source = gen.token_id, "assistant"
         self.next_position = position + 1
@@ -129,18 +162,21 @@ class LoopMachine(RuleBasedStateMachine):
 
     # --- rules -------------------------------------------------------------------------
 
-    @initialize(segments=prompts(max_len=10), cache=loop_params(), sampler=samplers,
+    @initialize(segments=prompts(max_len=10), data=st.data(), sampler=samplers,
                 slack=st.integers(1, 24))
-    def prime(self, segments, cache, sampler, slack):
+    def prime(self, segments, data, sampler, slack):
+        cache = data.draw(self.params())
         ids = [(i, s.source) for s in segments for i in s.ids]
         self.cache, self.pins, self.pinned = cache, frozenset(cache.pinned), set()
         self.session = Session(self.model, self.policy, sampler, cache)
         self.session.prime(segments, max(len(ids), cache.budget or 0) + slack)
         self.live, self.next_uid, self.step, self.removed = [], 0, 0, 0
+        self.cold = []  # (uid, token_id, position) in order of entry
         for position, (token_id, source) in enumerate(ids[:-1]):
             self._enter(token_id, position, source)
         (self.pending, self.pending_source), self.next_position = ids[-1], len(ids) - 1
         self.issued, self.was_live = set(), set()  # uids seen so far, uids live last time
+        self.was_cold = set()
 
     @precondition(lambda self: self._can_step())
     @rule(count=st.integers(1, 6))
@@ -158,7 +194,8 @@ class LoopMachine(RuleBasedStateMachine):
         need = removals_needed(self.n, self.cache.budget)
         view = state.view()
         gen = self._generate()
-        scores = score(view, gen.attention, self.session.scorer)
+        scores = score(view, gen.attention, self.session.scorer,
+                       recall_query(view, gen, self.cache))
         try:
             actions = decide(self.model, view, scores, self.cache)
         except UserError:  # the older turns hold too few slots: refused, nothing changed
@@ -173,10 +210,11 @@ class LoopMachine(RuleBasedStateMachine):
         assert removed == need or (self.cache.prune == "turns" and removed > need), \
             f"decide removed {removed}, the budget needs {need}"
         apply(self.model, state, gen, actions)
-        self._apply(gen, culled, actions.merges, actions.reindex)
+        self._apply(gen, culled, actions.merges, actions.reindex, actions.swaps,
+                    actions.cold_keep)
         self.seen.update(step=1, decide_need=need, decide_cull=len(culled),
                          decide_repair=len(actions.merges),
-                         decide_reindex=actions.reindex,
+                         decide_reindex=actions.reindex, decide_recall=len(actions.swaps),
                          decide_turns=len(culled) * (self.cache.prune == "turns"))
         return True
 
@@ -204,6 +242,20 @@ class LoopMachine(RuleBasedStateMachine):
         apply(self.model, self.session.state, gen, Actions(merges=(r,)))
         self._apply(gen, merges=(r,))
         self.seen["repair"] += 1
+
+    @precondition(lambda self: self._room() and self.cold and self._unpinned())
+    @rule(data=st.data())
+    def recall(self, data):
+        """A hand-picked recall: a cold token swaps places with an unpinned hot one."""
+        hot = data.draw(st.sampled_from(self._unpinned()))
+        cold = data.draw(st.sampled_from([u for u, _, _ in self.cold]))
+        row = self.session.state.cold.ledger.live("uid").tolist().index(cold)
+        gen = self._generate()
+        sw = Swap(slot=self._slot(hot), uid=hot, cold_slot=row, cold_uid=cold,
+                  brightness=1.0, attn_sum=0.5)
+        apply(self.model, self.session.state, gen, Actions(swaps=(sw,)))
+        self._apply(gen, swaps=(sw,))
+        self.seen["recall"] += 1
 
     @precondition(lambda self: self._room())
     @rule()
@@ -257,8 +309,13 @@ class LoopMachine(RuleBasedStateMachine):
                                 self.step, self.next_uid)
         flags = {int(u): int(f) & FLAG_PROTECTED for u, f in zip(m.live("uid"), m.live("flags"))}
         assert {u for u, f in flags.items() if f} == self.pinned, "protected flags"
+        cold = [] if state.cold is None else list(zip(
+            *(state.cold.ledger.live(c).tolist() for c in ("uid", "token_id", "position"))))
+        assert sorted(cold) == sorted(self.cold), f"cold store {cold} != model {self.cold}"
         live = {u for u, _, _ in self.live}
-        assert live & self.issued <= self.was_live, "a uid came back after it left the cache"
+        assert live & self.issued <= self.was_live | {u for u, _, _ in self.cold} | \
+            self.was_cold, "a uid came back after it left the cache (not by a recall)"
+        self.was_cold = {u for u, _, _ in self.cold}
         assert min(live - self.issued, default=1 << 62) > max(self.issued, default=-1), \
             "a new uid is not above every earlier one"
         self.issued |= live
@@ -288,4 +345,23 @@ def test_the_loop_against_a_plain_model(tiny_model, tiny_policy):
     wanted = ("step", "decide_cull", "decide_reindex", "cull", "repair", "reindex", "extend",
               "export_import", "export_import after removals")
     for kind in wanted + (("decide_repair",) if tiny_model.device.type == "cpu" else ()):
+        assert seen.get(kind), f"no {kind} in {seen}"
+
+
+class RecallMachine(LoopMachine):
+    """The same machine with recall on: culled tokens go cold, recalls swap them back."""
+
+    params = staticmethod(recall_params)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_loop_with_recall_never_loses_a_uid(tiny_model, tiny_policy):
+    RecallMachine.model, RecallMachine.policy = tiny_model, tiny_policy
+    RecallMachine.seen = Counter()
+    run_state_machine_as_test(RecallMachine, settings=settings(
+        max_examples=15, stateful_step_count=30, **SETTINGS))
+    seen = dict(RecallMachine.seen)
+    print(seen)
+    for kind in ("step", "decide_cull", "decide_recall", "decide_reindex", "cull", "recall",
+                 "reindex", "export_import"):
         assert seen.get(kind), f"no {kind} in {seen}"

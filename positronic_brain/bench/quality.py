@@ -50,6 +50,7 @@ FULL_TARGET = 1.05  # brightness at FULL_TARGET_BUDGET / the full cache
 FULL_TARGET_BUDGET = 512
 FLAT_TARGET = 1.10  # long run: perplexity past the positions / at half the positions
 GAP_TARGET = 0.5  # the default policy closes this much of the best baseline -> oracle gap
+RECALL_TARGET = 1.05  # the long run with recall over the first positions / the full cache
 DEFAULT_TEXT = "pydoc_data.topics"
 
 
@@ -57,8 +58,8 @@ DEFAULT_TEXT = "pydoc_data.topics"
 class QualityConfig:
     """What to measure. ``tokens``: scored tokens per configuration; ``long``: scored
     tokens of the long run (0 = none), at ``long_budget`` with ``long_policy`` (and, up to
-    the positions, with each of ``long_baselines``); ``window``: tokens per perplexity
-    window of the long run."""
+    the positions, with each of ``long_baselines``, and with ``long_recall`` with the long
+    policy and recall on); ``window``: tokens per perplexity window of the long run."""
 
     model: str = "smollm2"
     dtype: str = "float32"
@@ -76,6 +77,7 @@ class QualityConfig:
     long_policy: str = "brightness"
     long_baselines: tuple[str, ...] = ("streaming", "h2o")
     long_repair: str = "none"
+    long_recall: bool = True  # the long policy with recall too (positions keep)
     window: int = 512
     base: CacheParams = CacheParams()  # sinks, recent, scorer parameters of every run
 
@@ -215,7 +217,8 @@ def streaming_nll(model: Model, policy: TokenPolicy, ids: list[int], cache: Cach
 def _row(s: Streamed, **what) -> dict:
     return {**what, "ppl": s.ppl, "scored": len(s.nll), "stop_reason": s.stop_reason,
             "culled": s.totals.culled, "merged": s.totals.merged, "folded": s.totals.folded,
-            "reindexed": s.totals.reindexed, "ms_per_token": s.totals.ms_per_token}
+            "reindexed": s.totals.reindexed, "recalled": s.totals.recalled,
+            "ms_per_token": s.totals.ms_per_token}
 
 
 @dataclass(frozen=True)
@@ -251,6 +254,10 @@ def plan(cfg: QualityConfig, limit: int) -> list[Job]:
                         long(cfg.long_policy, "compact"), cfg.long, cfg.long))
         for p in (cfg.long_policy, *cfg.long_baselines):
             jobs.append(Job("long", f"long run, {p}, positions keep", long(p, "keep"),
+                            cfg.long, min(cfg.long, limit)))
+        if cfg.long_recall:
+            jobs.append(Job("long", f"long run, {cfg.long_policy} with recall, positions keep",
+                            dataclasses.replace(long(cfg.long_policy, "keep"), recall=True),
                             cfg.long, min(cfg.long, limit)))
         if cfg.long > limit:
             n = limit // 2
@@ -365,7 +372,8 @@ def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
     res["oracle"] = [_row(s, policy=j.cache.scorer, repair=j.cache.repair, budget=j.cache.budget)
                      for j, s in done if j.kind == "oracle"]
     res["long"] = [{**_row(s, policy=j.cache.scorer, repair=j.cache.repair, budget=j.cache.budget,
-                           positions=j.cache.positions), "windows": windows(s.nll, cfg.window)}
+                           positions=j.cache.positions, recall=j.cache.recall),
+                    "windows": windows(s.nll, cfg.window)}
                    for j, s in done if j.kind == "long"]
     res["control"] = None
     for j, s in done:
@@ -466,7 +474,8 @@ def targets(res: dict) -> list[dict]:
                             f"{ours['scored']} tokens ({FULL_TARGET_BUDGET} before any cull)",
                     "value": ratio,
                     "target": f"<= {FULL_TARGET:.2f}", "met": ratio <= FULL_TARGET})
-    keep = {r["policy"]: r for r in res["long"] if r["positions"] == "keep"}
+    keep = {r["policy"]: r for r in res["long"]
+            if r["positions"] == "keep" and not r.get("recall")}
     first = next(iter(keep.values()), None)
     if first and first["scored"] == ref.get("scored_all"):
         lead, rest = keep.get("brightness"), [r for p, r in keep.items() if p != "brightness"]
@@ -484,6 +493,14 @@ def targets(res: dict) -> list[dict]:
                                 f"({lead['ppl']:.3f}) / the full cache ({ref['ppl_all']:.3f})",
                         "value": ratio, "target": f"<= {FULL_TARGET:.2f}",
                         "met": ratio <= FULL_TARGET})
+    for r in res["long"]:
+        if r.get("recall") and r["scored"] == ref.get("scored_all"):
+            ratio = r["ppl"] / ref["ppl_all"]
+            out.append({"what": f"budget {r['budget']}, the first {r['scored']} tokens: "
+                                f"{r['policy']} with recall ({r['ppl']:.3f}, {r['recalled']} "
+                                f"recalled) / the full cache ({ref['ppl_all']:.3f})",
+                        "value": ratio, "target": f"<= {RECALL_TARGET:.2f}",
+                        "met": ratio <= RECALL_TARGET})
     flat = long_flatness(res)
     if flat:
         out.append({"what": f"compact positions: the worst window past {flat['limit']} "
@@ -553,8 +570,7 @@ def tables(res: dict) -> list[Table]:
               for r in [res["reference"], *res["runs"], *res.get("oracle", ())]))
     out = [target, ppl, closed] if oracle else [target, ppl]
     if res["long"]:
-        ws = {f"{r['policy']} {r['positions']}": {w["end"]: w["ppl"] for w in r["windows"]}
-              for r in res["long"]}
+        ws = {_long_label(r): {w["end"]: w["ppl"] for w in r["windows"]} for r in res["long"]}
         ws["full cache"] = {w["end"]: w["ppl"] for w in res["reference"]["windows"]}
         ends = sorted(set().union(*ws.values()))
         first = res["long"][0]
@@ -565,8 +581,10 @@ def tables(res: dict) -> list[Table]:
                                          for e in ends)
             + (("all", *(fmt(r["ppl"], 3) for r in res["long"]),
                 fmt(res["reference"]["ppl_all"], 3)),),
-            " ".join(f"{r['policy']} `{r['positions']}`: {r['scored']} tokens scored, stopped "
-                     f"by {r['stop_reason']}, {r['reindexed']} re-index(es)." for r in res["long"])
+            " ".join(f"{_long_label(r)}: {r['scored']} tokens scored, stopped by "
+                     f"{r['stop_reason']}, {r['reindexed']} re-index(es)"
+                     + (f", {r['recalled']} recalled" if r.get("recall") else "") + "."
+                     for r in res["long"])
             + f" The model has {res['max_positions']} positions: `keep` and the full cache "
               "stop there. No oracle here: it needs a full-cache pass, which cannot go past "
               "the positions."))
@@ -609,7 +627,8 @@ def _long_plot(res: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 5.2), dpi=110)
     for r in res["long"]:
         ax.step([w["end"] for w in r["windows"]], [w["ppl"] for w in r["windows"]], where="pre",
-                label=f"{r['policy']} budget {r['budget']}, positions {r['positions']}",
+                label=f"{r['policy']} budget {r['budget']}, positions {r['positions']}"
+                + (", recall" if r.get("recall") else ""),
                 linestyle="-" if r["positions"] == "compact" else "--")
     ref = res["reference"]
     ax.step([w["end"] for w in ref["windows"]], [w["ppl"] for w in ref["windows"]], where="pre",
@@ -628,6 +647,11 @@ def _long_plot(res: dict, path: Path) -> None:
 def missed_notes(res: dict) -> list[str]:
     return [f"- **Missed: {t['what']}**: {t['value']:.4f}, target {t['target']}."
             for t in res["targets"] if t["met"] is False]
+
+
+def _long_label(r: dict) -> str:
+    """``brightness keep``, ``brightness keep recall``: a long run's column."""
+    return f"{r['policy']} {r['positions']}" + (" recall" if r.get("recall") else "")
 
 
 def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:

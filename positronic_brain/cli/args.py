@@ -141,6 +141,17 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help=f"attention over layers-heads: {'|'.join(AGGREGATIONS)}")
     g.add_argument("--skip-layers", type=float, default=d.skip_layers,
                    help="fraction of the first layers brightness leaves out")
+    g.add_argument("--recall", action="store_true",
+                   help="culled tokens go to a cold store and come back when the query "
+                        "attends to them more than to the dimmest hot ones")
+    g.add_argument("--cold-capacity", type=int, default=d.cold_capacity,
+                   help="recall: the most cold tokens kept (the oldest dropped past it)")
+    g.add_argument("--recall-every", type=int, default=d.recall_every, metavar="K",
+                   help="recall: score the cold store every K steps")
+    g.add_argument("--recall-max", type=int, default=d.recall_max,
+                   help="recall: the most tokens swapped in per step")
+    g.add_argument("--recall-layers", type=int, default=d.recall_layers,
+                   help="recall: how many layers score the cold keys")
 
 
 def _add_quality_args(p: argparse.ArgumentParser) -> None:
@@ -197,7 +208,9 @@ def cache_params(args) -> CacheParams:
                          recent=args.recent, decay=args.decay, gain=args.gain,
                          aggregate=args.aggregate, signal=args.signal,
                          skip_layers=args.skip_layers, fold_min_cos=args.fold_min_cos,
-                         prune=getattr(args, "prune", CacheParams.prune))
+                         prune=getattr(args, "prune", CacheParams.prune), recall=args.recall,
+                         cold_capacity=args.cold_capacity, recall_every=args.recall_every,
+                         recall_max=args.recall_max, recall_layers=args.recall_layers)
     make_scorer(params)
     return params
 

@@ -13,12 +13,15 @@ def aggregate(attention: torch.Tensor, how: str) -> torch.Tensor:
     return a.mean(0)
 
 
-def value_weighted(attention: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+def value_weighted(attention: torch.Tensor, norms: torch.Tensor,
+                   live: torch.Tensor | None = None) -> torch.Tensor:
     """Attention (L, H, n) times each slot's value norm (``View.vnorm``) relative to the mean
     live norm of its layer and KV head, as in value-aware token pruning (Guo et al., 2024): a
     slot whose value is small moves the attention output little, however much attention it
-    gets (the attention sinks are the usual case)."""
-    w = norms / norms.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    gets (the attention sinks are the usual case). ``live``: the live norms the mean is
+    taken over, when ``norms`` are others' (cold tokens, weighed as if they were live)."""
+    live = norms if live is None else live
+    w = norms / live.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     L, H, n = attention.shape
     kvh = norms.shape[1]  # the heads of one KV group share its values (GQA)
     return (attention.reshape(L, kvh, H // kvh, n) * w[:, :, None]).reshape(L, H, n)

@@ -18,9 +18,9 @@ import torch
 
 from ..forward import apply_rope, forward, rerotation
 from ..model import Model
-from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Ledger, State, key_norms,
+from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Cold, Ledger, State, key_norms,
                      value_norms)
-from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Patch, PrimeOut, Merge,
+from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Patch, PrimeOut, Merge, Swap,
                      Segment, require)
 
 PREFILL_CHUNK = 256
@@ -71,14 +71,15 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
 @torch.no_grad()
 def prime(model: Model, segments: list[Segment], capacity: int,
           pinned: frozenset[str] = frozenset(), chunk: int = PREFILL_CHUNK,
-          all_logits: bool = False,
-          seeds: tuple[float, ...] | None = None) -> tuple[State, PrimeOut]:
+          all_logits: bool = False, seeds: tuple[float, ...] | None = None,
+          cold_capacity: int | None = None) -> tuple[State, PrimeOut]:
     """Stage 0: allocate an arena of ``capacity`` slots and prefill all prompt tokens but
     the last, which becomes the pending token (stage 1 runs it and samples the first
     generated token). Tokens whose source is in ``pinned`` are protected from culls;
     ``seeds`` gives new tokens' brightness by source (SOURCES order; default: the max).
 
     ``capacity``: the arena's slots (``loop.arena_capacity`` chooses them for a session).
+    ``cold_capacity``: with recall, the cold store's (None: no cold store).
     """
     ids_list = [i for s in segments for i in s.ids]
     require(len(ids_list) > 0, "the prompt is empty")
@@ -95,7 +96,8 @@ def prime(model: Model, segments: list[Segment], capacity: int,
     src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
     flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
     state = State(Arena.allocate(model.spec, capacity, model.dtype, model.device),
-                  Ledger.allocate(capacity, seeds, model.device), pinned=tuple(sorted(pinned)))
+                  Ledger.allocate(capacity, seeds, model.device), pinned=tuple(sorted(pinned)),
+                  cold=None if cold_capacity is None else cold_store(model, cold_capacity))
     T = len(ids_list) - 1
     dev = model.device
     logits, slots, uids = _prefill(
@@ -105,7 +107,7 @@ def prime(model: Model, segments: list[Segment], capacity: int,
     state.pending_token = ids_list[-1]
     state.pending_source = segments[-1].source
     state.next_position = T
-    rows = torch.cat(logits) if logits else torch.empty(0, model.spec.vocab, device=dev)
+    rows = torch.cat(logits) if logits else torch.empty(0, model.spec.vocab, device=model.device)
     patch = Patch(step=0, appended_slots=tuple(slots), appended_uids=tuple(uids))
     return state, PrimeOut(logits=rows, patch=patch)
 
@@ -180,9 +182,30 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
         into = set(f.into.flatten().tolist()) - {-1}
         assert all(0 <= s < n for s in into) and not into & changed, \
             "a fold into a slot that goes or is repaired"
+    _check_swaps(state, actions, changed)
     removed = len(actions.cull_slots) + len(actions.merges)
     require(n - removed < a.capacity,
             f"the arena is full ({a.capacity} slots); set a budget to cull")
+
+
+def _check_swaps(state: State, actions: Actions, changed: set[int]) -> None:
+    """Recalls name live, unprotected hot slots that nothing else changes, and live cold
+    rows, each once, with their uids; a recalled token's columns are in range."""
+    if not actions.swaps:
+        return
+    m, cold = state.ledger, state.cold
+    assert cold is not None, "a recall without a cold store"
+    hot = [s.slot for s in actions.swaps]
+    rows = [s.cold_slot for s in actions.swaps]
+    assert len(set(hot)) == len(hot) and len(set(rows)) == len(rows), "a slot swapped twice"
+    for s in actions.swaps:
+        assert 0 <= s.slot < m.n and s.slot not in changed, "a recall into a slot that changes"
+        assert int(m.uid[s.slot]) == s.uid, "stale recall (hot uid)"
+        assert not int(m.flags[s.slot]) & FLAG_PROTECTED, "a recall replaces a protected slot"
+        assert 0 <= s.cold_slot < cold.n and int(cold.ledger.uid[s.cold_slot]) == s.cold_uid, \
+            "stale recall (cold uid)"
+        assert 0 <= s.brightness <= MAX_BRIGHTNESS and 0 <= s.attn_sum < float("inf"), \
+            "a recalled token's brightness or attn_sum out of range"
 
 
 def _merge(state: State, r: Merge, step: int) -> int:
@@ -225,11 +248,12 @@ def _fold(state: State, f: Fold) -> None:
     a.folded = True
 
 
-def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
-    """Remove live slots; the survivors among the last ``len(slots)`` slots fill the holes
-    below them (O(1) per token). Each move reads an original slot, never one that another
-    move has just filled, so all of them can be done at once."""
-    a, m = state.arena, state.ledger
+def _remove(a: Arena, m: Ledger, slots: list[int],
+            extra: tuple[torch.Tensor, ...] = ()) -> list[tuple[int, int]]:
+    """Remove live slots of ``a``/``m`` (the arena and ledger, or the cold store's); the
+    survivors among the last ``len(slots)`` slots fill the holes below them (O(1) per token),
+    and so do their entries of the ``extra`` per-slot tensors. Each move reads an original
+    slot, never one that another move has just filled, so all of them can be done at once."""
     gone = set(slots)
     n = m.n - len(gone)
     fillers = [s for s in range(n, m.n) if s not in gone]
@@ -237,8 +261,7 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
     if moves:
         src = torch.tensor([f for f, _ in moves], device=m.device)
         dst = torch.tensor([t for _, t in moves], device=m.device)
-        for c in Ledger.COLUMNS:  # ledger first: a later failure rebuilds from it
-            col = getattr(m, c)
+        for col in [getattr(m, c) for c in Ledger.COLUMNS] + list(extra):  # ledger first
             col[dst] = col[src]
     m.n = n
     if moves:
@@ -250,32 +273,145 @@ def _remove(state: State, slots: list[int]) -> list[tuple[int, int]]:
     return moves
 
 
-def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions become 0..n-1 in text order; each moved key is re-rotated by the exact
-    rotation old -> new. Returns (old, new) positions (n,) in slot order."""
-    a, m = state.arena, state.ledger
-    n = m.n
-    old = m.live("position").clone()  # (n,)
-    new = torch.empty_like(old)
-    new[torch.argsort(old)] = torch.arange(n, device=old.device)
+def _rotate(model: Model, a: Arena, old: torch.Tensor, new: torch.Tensor) -> None:
+    """Re-rotate the keys of live slots [0, n) from positions ``old`` (n,) to ``new`` (n,)
+    by the exact rotation old -> new; unmoved slots keep their exact bits."""
+    n = old.shape[0]
     moved = (old != new).nonzero()[:, 0]  # (t,) slots whose position changes
-    m.position[:n] = new  # ledger first
-    if moved.numel():
-        # Rotate the whole live block in the keys' stored layout (KVH, D, n), rows of
-        # contiguous slots (a gather along slots would be per element); unmoved slots keep
-        # their exact bits. Same per-element arithmetic as apply_rope.
-        cos, sin = rerotation(model, old[moved], new[moved])  # (t, D) float32
-        d = cos.shape[1]
-        c, s = cos.new_ones(n, d), sin.new_zeros(n, d)
-        c[moved], s[moved] = cos, sin
-        c, s = c.t().contiguous(), s.t().contiguous()  # (D, n)
-        is_moved = old != new  # (n,)
-        for i in range(a.kt.shape[0]):  # per layer: a float32 temporary
-            x = a.kt[i, :, :, :n].float()  # (KVH, D, n)
-            rot = torch.cat((-x[:, d // 2:], x[:, : d // 2]), dim=1)  # rotate_half over D
-            a.kt[i, :, :, :n] = torch.where(is_moved, x * c + rot * s, x)
-        a.renorm(0, n, values=False)
-    return old, new
+    if not moved.numel():
+        return
+    # Rotate the whole live block in the keys' stored layout (KVH, D, n), rows of
+    # contiguous slots (a gather along slots would be per element). Same per-element
+    # arithmetic as apply_rope.
+    cos, sin = rerotation(model, old[moved], new[moved])  # (t, D) float32
+    d = cos.shape[1]
+    c, s = cos.new_ones(n, d), sin.new_zeros(n, d)
+    c[moved], s[moved] = cos, sin
+    c, s = c.t().contiguous(), s.t().contiguous()  # (D, n)
+    is_moved = old != new  # (n,)
+    for i in range(a.kt.shape[0]):  # per layer: a float32 temporary
+        x = a.kt[i, :, :, :n].float()  # (KVH, D, n)
+        rot = torch.cat((-x[:, d // 2:], x[:, : d // 2]), dim=1)  # rotate_half over D
+        a.kt[i, :, :, :n] = torch.where(is_moved, x * c + rot * s, x)
+    a.renorm(0, n, values=False)
+
+
+def _reindex(model: Model, state: State,
+             cold_keep: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                             list[int]]:
+    """Positions become 0..n-1 in text order over the hot slots and the cold store's rows
+    together (the oldest cold rows to enter past ``cold_keep`` dropped for good first);
+    each moved key, hot or cold, is re-rotated by the exact rotation old -> new. Returns
+    the hot slots' (old, new) positions (n,) in slot order, the cold rows' new positions
+    and the dropped uids."""
+    a, m, cold = state.arena, state.ledger, state.cold
+    dropped = [] if cold is None or cold_keep is None else _drop_oldest(state, cold.n - cold_keep)
+    old = m.live("position").clone()  # (n,)
+    old_cold = cold.ledger.live("position").clone() if cold is not None else old[:0]
+    both = torch.cat((old, old_cold))
+    ranks = torch.empty_like(both)
+    ranks[torch.argsort(both)] = torch.arange(both.numel(), device=both.device)
+    new, new_cold = ranks[: m.n], ranks[m.n:]
+    m.position[: m.n] = new  # ledger first
+    _rotate(model, a, old, new)
+    if cold is None:
+        return old, new, None, dropped
+    cold.ledger.position[: cold.n] = new_cold
+    _rotate(model, cold.arena, old_cold, new_cold)
+    return old, new, new_cold, dropped
+
+
+COLD_ROWS = 1024  # a cold store's first allocation; stage 4 doubles it up to its capacity
+
+
+def cold_store(model: Model, capacity: int) -> Cold:
+    """An empty cold store for at most ``capacity`` tokens."""
+    rows = min(capacity, COLD_ROWS)
+    dev = model.device
+    return Cold(Arena.allocate(model.spec, rows, model.dtype, dev), Ledger.allocate(rows, device=dev),
+                torch.zeros(rows, dtype=torch.int64, device=dev), capacity)
+
+
+def _grow(model: Model, cold: Cold, rows: int) -> None:
+    """Room for ``rows`` live cold rows: storage twice as large (at most the capacity)
+    with the live rows copied (amortised O(1) per row)."""
+    if rows <= cold.arena.capacity:
+        return
+    size = min(cold.capacity, max(rows, 2 * cold.arena.capacity))
+    new = cold_store(model, size)
+    a, m, n = new.arena, new.ledger, cold.n
+    a.kt[..., :n] = cold.arena.kt[..., :n]
+    for name in ("v", "knorm", "vnorm"):
+        getattr(a, name)[:, :, :n] = getattr(cold.arena, name)[:, :, :n]
+    for c in Ledger.COLUMNS:
+        getattr(m, c)[:n] = cold.ledger.live(c)
+    new.entered[:n] = cold.entered[:n]
+    a.n = m.n = n
+    cold.arena, cold.ledger, cold.entered = a, m, new.entered
+
+
+def _drop_oldest(state: State, count: int) -> list[int]:
+    """Drop the ``count`` cold rows that entered first, for good; returns their uids."""
+    cold = state.cold
+    if count <= 0:
+        return []
+    rows = torch.argsort(cold.entered[: cold.n])[:count]
+    uids = cold.ledger.uid[rows].tolist()
+    _remove(cold.arena, cold.ledger, rows.tolist(), extra=(cold.entered,))
+    state.ledger.dropped += len(uids)
+    return uids
+
+
+def _read_row(a: Arena, m: Ledger, s: int) -> dict[str, torch.Tensor]:
+    """Slot ``s``'s ledger row, K, V and norms, as copies."""
+    return {**{c: getattr(m, c)[s].clone() for c in Ledger.COLUMNS},
+            "kt": a.kt[..., s].clone(),
+            **{name: getattr(a, name)[:, :, s].clone() for name in ("v", "knorm", "vnorm")}}
+
+
+def _write_row(a: Arena, m: Ledger, t: int, row: dict[str, torch.Tensor]) -> None:
+    """Write a row read by ``_read_row`` into slot ``t`` (ledger first); it holds one
+    token (log-mass 0)."""
+    for c in Ledger.COLUMNS:
+        getattr(m, c)[t] = row[c]
+    a.kt[..., t] = row["kt"]
+    for name in ("v", "knorm", "vnorm"):
+        getattr(a, name)[:, :, t] = row[name]
+    a.log_mass[:, :, t] = 0.0
+
+
+def _swap(state: State, sw: Swap, step: int) -> None:
+    """A recall: cold row ``sw.cold_slot`` and hot slot ``sw.slot`` trade places; the
+    recalled token takes the swap's brightness and attn_sum; the other enters the cold store
+    now."""
+    a, m, cold = state.arena, state.ledger, state.cold
+    hot = _read_row(a, m, sw.slot)
+    _write_row(a, m, sw.slot, _read_row(cold.arena, cold.ledger, sw.cold_slot))
+    m.brightness[sw.slot], m.attn_sum[sw.slot] = sw.brightness, sw.attn_sum
+    m.changed_step[sw.slot] = step
+    _write_row(cold.arena, cold.ledger, sw.cold_slot, hot)
+    cold.entered[sw.cold_slot] = cold.next_entry
+    cold.next_entry += 1
+
+
+def _cool(model: Model, state: State, slots: list[int]) -> tuple[list[int], list[int]]:
+    """Culled hot ``slots`` into the cold store, the rows that entered first dropped for good
+    past its capacity (and, if more go at once than it holds, the first of them). Returns
+    the uids that went cold and those dropped."""
+    cold = state.cold
+    direct = slots[: max(0, len(slots) - cold.capacity)]
+    slots = slots[len(direct):]
+    dropped = state.ledger.uid[direct].tolist()
+    state.ledger.dropped += len(dropped)
+    dropped += _drop_oldest(state, cold.n + len(slots) - cold.capacity)
+    _grow(model, cold, cold.n + len(slots))
+    n = cold.n
+    for j, s in enumerate(slots):
+        _write_row(cold.arena, cold.ledger, n + j, _read_row(state.arena, state.ledger, s))
+        cold.entered[n + j] = cold.next_entry
+        cold.next_entry += 1
+    cold.arena.n = cold.ledger.n = n + len(slots)
+    return state.ledger.uid[slots].tolist(), dropped
 
 
 def _append(state: State, gen: GenerateOut, position: int, model: Model,
@@ -306,19 +442,24 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
 @torch.no_grad()
 def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_ACTIONS) -> Patch:
     """Stage 4: in this order, write brightness/attn_sum, apply merges, fold culled slots'
-    K/V into their survivors, remove culled and repair-partner slots, re-index positions, append the pending token; the sampled token
-    becomes pending.
+    K/V into their survivors, swap recalled cold tokens in (their hot slots' tokens go cold),
+    move culled tokens into the cold store (with recall), remove culled and repair-partner
+    slots, re-index positions (the cold store's too), append the pending token; the sampled
+    token becomes pending.
 
-    Updates ``state`` in place (same arena tensors; O(changed tokens)). Atomic: bad actions
-    raise before anything changes; a failure part-way restores the ledger and rebuilds the
-    arena from it, then re-raises.
+    Updates ``state`` in place (same arena tensors; O(changed tokens)). Atomic for the arena
+    and the ledger: bad actions raise before anything changes; a failure part-way restores
+    the ledger and rebuilds the arena from it, then re-raises (a cold store is not rolled
+    back: a failure after it changed leaves the state invalid, which ``check_valid`` says).
     """
     _check(state, gen, actions)
     m, step = state.ledger, state.step + 1
     n = m.n
-    undo = ({c: m.live(c).clone() for c in Ledger.COLUMNS}, m.next_uid)  # (n,) each: the ledger
-    culled_uids = m.uid[list(actions.cull_slots)].tolist()
-    reindex_from = reindex_to = None
+    undo = ({c: m.live(c).clone() for c in Ledger.COLUMNS}, m.next_uid, m.dropped)
+    culls = list(actions.cull_slots)
+    culled_uids = m.uid[culls].tolist()
+    reindex_from = reindex_to = cold_to = None
+    cooled, dropped = [], []
     try:
         if actions.brightness is not None:  # 1) the scorer's persistent columns
             m.brightness[:n] = actions.brightness
@@ -327,15 +468,21 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
         new_uids = [_merge(state, r, step) for r in actions.merges]  # 2) merges
         for f in actions.folds:  # 3) folds
             _fold(state, f)
-        moves = _remove(state, list(actions.cull_slots)  # 4) removals
-                        + [r.slots[1] for r in actions.merges])
+        for sw in actions.swaps:  # 4) recalls
+            _swap(state, sw, step)
+        if state.cold is not None:  # 5) culled tokens go cold, or away for good
+            cooled, dropped = _cool(model, state, culls)
+        else:
+            m.dropped += len(culls)
+        moves = _remove(state.arena, m, culls + [r.slots[1] for r in actions.merges])  # 6)
         position = gen.position
-        if actions.reindex:  # 5) positions 0..n-1; the appended token comes next
-            reindex_from, reindex_to = _reindex(model, state)
-            position = m.n
-        slot, uid, k = _append(state, gen, position, model, step)  # 6) append
+        if actions.reindex:  # 7) positions 0..n-1; the appended token comes next
+            reindex_from, reindex_to, cold_to, gone = _reindex(model, state, actions.cold_keep)
+            dropped += gone
+            position = m.n + (state.cold.n if state.cold is not None else 0)
+        slot, uid, k = _append(state, gen, position, model, step)  # 8) append
     except BaseException:
-        cols, next_uid = undo
+        cols, next_uid, m.dropped = undo
         for c, col in cols.items():
             getattr(m, c)[:n] = col
         for uid in range(next_uid, m.next_uid):
@@ -350,7 +497,9 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
     return Patch(step=step, brightness=actions.brightness, attn_sum=actions.attn_sum,
                  merges=actions.merges, merged_uids=tuple(new_uids), folds=actions.folds,
                  culled_slots=tuple(actions.cull_slots), culled_uids=tuple(culled_uids),
-                 moves=tuple(moves), reindex_from=reindex_from, reindex_to=reindex_to,
+                 moves=tuple(moves), swaps=actions.swaps, cooled_uids=tuple(cooled),
+                 dropped_uids=tuple(dropped), cold_reindex_to=cold_to,
+                 reindex_from=reindex_from, reindex_to=reindex_to,
                  appended_slots=(slot,), appended_uids=(uid,), appended_positions=(position,),
                  appended_k=k, appended_v=gen.v)
 
@@ -385,13 +534,14 @@ def rebuild_from_ledger(model: Model, state: State, chunk: int = PREFILL_CHUNK) 
 @torch.no_grad()
 def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, torch.Tensor],
             capacity: int, ledger_fields: dict, state_fields: dict,
-            log_mass: torch.Tensor) -> State:
+            log_mass: torch.Tensor, cold: dict | None = None) -> State:
     """Stage 0 from a saved session (checked by ``session_io``): allocate ``capacity`` slots
     and write back the live prefix ``k``/``v`` (L, kv_heads, n, head_dim), the ledger
     ``columns`` (name -> (n,), every one of ``Ledger.COLUMNS``) and the slots' ``log_mass``
     (L, kv_heads, n) float32; ``ledger_fields`` (next_uid, merged, ...) and ``state_fields``
-    (pending token, its source and position, step, pinned) are set as given. An
-    inconsistent ledger fails ``check_valid`` (AssertionError)."""
+    (pending token, its source and position, step, pinned) are set as given; ``cold`` (the
+    cold store's ``k``, ``v``, ``columns``, ``entered``, ``capacity``, ``next_entry``) is
+    written back likewise. An inconsistent ledger fails ``check_valid`` (AssertionError)."""
     n = k.shape[2]
     state = State(Arena.allocate(model.spec, capacity, model.dtype, model.device),
                   Ledger.allocate(capacity, device=model.device), **state_fields)
@@ -406,5 +556,24 @@ def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, t
     a.log_mass[:, :, :n] = log_mass
     a.folded = bool((log_mass > 0).any())
     a.n = m.n = n
+    if cold is not None:
+        state.cold = _restore_cold(model, cold)
     state.check_valid()
     return state
+
+
+def _restore_cold(model: Model, saved: dict) -> Cold:
+    """A cold store holding the saved rows."""
+    cold = cold_store(model, saved["capacity"])
+    n = saved["k"].shape[2]
+    _grow(model, cold, n)
+    a, m = cold.arena, cold.ledger
+    a.k[:, :, :n] = saved["k"]
+    a.v[:, :, :n] = saved["v"]
+    a.renorm(0, n)
+    for c in Ledger.COLUMNS:
+        getattr(m, c)[:n] = saved["columns"][c]
+    cold.entered[:n] = saved["entered"]
+    cold.next_entry = saved["next_entry"]
+    a.n = m.n = n
+    return cold

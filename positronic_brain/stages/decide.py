@@ -11,6 +11,9 @@ right-hand slots masked out, the second of which yields the new token's K/V. Wit
 ``fold``, every culled token's K/V fold into the surviving slot whose key is most alike
 (cosine, per layer and KV head; ``fold_targets``); stage 4 does the arithmetic.
 With prune ``turns``, the removals are instead the oldest whole chat turns (``oldest_turns``).
+With recall, on a step whose scores carry the hot and cold signals, the best cold tokens
+swap places with the dimmest hot ones left after the culls when their signal is the higher
+(``swaps``).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 from ..forward import forward
 from ..model import Model
 from ..state import FLAG_PROTECTED, View, stored_keys
-from ..types import SOURCES, Actions, CacheParams, Fold, Merge, ScoreOut, require
+from ..types import SOURCES, Actions, CacheParams, Fold, Merge, ScoreOut, Swap, require
 
 
 def protected(view: View, params: CacheParams, order: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,6 +106,42 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0) -> t
                  for j, s in enumerate(culls) if bool((into[:, :, j] >= 0).any()))
 
 
+def cold_kept(limit: int, params: CacheParams) -> int:
+    """How many cold tokens a re-index keeps (the newest to enter): hot and cold together
+    then take at most 3/4 of the ``limit`` positions, so the next re-index is at least a
+    quarter of them away (each re-rotates every cold key)."""
+    return max(0, limit - limit // 4 - params.budget)
+
+
+def swaps(view: View, scores: ScoreOut, params: CacheParams,
+          candidates: torch.Tensor) -> tuple[Swap, ...]:
+    """Recalls: the i-th best cold token (by ``cold_signal``) takes the slot of the i-th
+    dimmest of ``candidates`` (unprotected hot slots that stay this step, ascending score),
+    for i < ``recall_max``, wherever its signal beats that slot's ``hot_signal``.
+
+    A recalled token re-enters as a new token would, so it is not culled again at once: its
+    brightness becomes its source's seed, and its ``attn_sum`` its signal times the queries
+    since it was born (so H2O's average starts at the attention it would get now). TOVA
+    scores this step's attention, so it keeps what it recalled while the query attends to it;
+    streaming keeps the most recent tokens and so culls a recalled one again first."""
+    if scores.cold_signal is None or not scores.cold_signal.numel():
+        return ()
+    cold = view.cold
+    victims = candidates[: params.recall_max].tolist()
+    best = torch.argsort(scores.cold_signal, descending=True, stable=True)[: len(victims)]
+    out = []
+    for slot, row in zip(victims, best.tolist()):
+        signal = float(scores.cold_signal[row])
+        if signal <= float(scores.hot_signal[slot]):
+            continue
+        queries = view.step + 1 - int(cold.born_step[row]) + 1
+        out.append(Swap(slot=slot, uid=int(view.uid[slot]), cold_slot=row,
+                        cold_uid=int(cold.uid[row]),
+                        brightness=float(params.seeds[int(cold.source[row])]),
+                        attn_sum=float(torch.tensor(signal * queries, dtype=torch.float32))))
+    return tuple(out)
+
+
 def oldest_turns(view: View, need: int) -> tuple[int, ...]:
     """Slots of the fewest oldest whole turns that free ``need`` slots. A turn is a run of
     user tokens (text order) and everything after it up to the next such run (the reply);
@@ -166,4 +205,6 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     culls = tuple(sorted(candidates[: need - len(pairs)].tolist()))
     folds = fold_targets(view, culls, params.fold_min_cos) if params.repair == "fold" else ()
     return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum, cull_slots=culls,
-                   merges=merges, folds=folds, reindex=reindex)
+                   merges=merges, folds=folds, reindex=reindex,
+                   cold_keep=cold_kept(limit, params) if reindex and params.recall else None,
+                   swaps=swaps(view, scores, params, candidates[need - len(pairs):]))

@@ -19,16 +19,19 @@ def generate(model: Model, view: View, params: SamplerParams,
     """Run ``view.pending_token`` at ``view.next_position``; sample its successor, or take
     ``force`` as it (teacher forcing: the successor is given, e.g. a text's next token).
 
-    The repetition penalty applies to the live tokens plus the pending one.
+    The repetition penalty applies to the live tokens plus the pending one. With a cold
+    store (recall) the output also holds the query and its log-sum-exp per layer, with which
+    stage 2 scores the cold keys.
     """
     require(force is None or 0 <= force < model.spec.vocab,
             f"forced token {force} outside the model's vocabulary of {model.spec.vocab}")
     ids = view.token_id.new_tensor([view.pending_token])
     pos = view.position.new_tensor([view.next_position])
-    out = forward(model, view.k, view.v, ids, pos, want_attention=True, past_log_mass=view.log_mass)
+    out = forward(model, view.k, view.v, ids, pos, want_attention=True,
+                  past_log_mass=view.log_mass, want_query=view.cold is not None)
     logits = out.logits[0]  # (V,)
     seen = torch.cat((view.token_id, ids)) if params.repetition_penalty != 1.0 else ids
     report = sample(logits, params, seen, generator, force)
     return GenerateOut(input_token=view.pending_token, position=view.next_position,
                        logits=logits, token_id=report.token_id, report=report,
-                       k=out.k, v=out.v, attention=out.attention)
+                       k=out.k, v=out.v, attention=out.attention, query=out.query, lse=out.lse)

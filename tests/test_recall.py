@@ -1,0 +1,158 @@
+"""The recall tier: culled tokens go to a cold store and come back when the query attends
+to them; hot keys and recalled keys alike are what Hugging Face's forward would use."""
+import dataclasses
+
+import pytest
+import torch
+
+from positronic_brain.capture import CaptureTape
+from positronic_brain.forward import rope_cos_sin
+from positronic_brain.loop import Session, run
+from positronic_brain.replay import replay
+from positronic_brain.session_io import load_session, save_session
+from positronic_brain.stages.apply import apply
+from positronic_brain.stages.decide import decide
+from positronic_brain.stages.generate import generate
+from positronic_brain.stages.score import recall_query, score
+from positronic_brain.types import CacheParams, SamplerParams, Totals, UserError
+from tests.oracle import assert_close, hf_step_logits
+
+GREEDY = SamplerParams(greedy=True)
+RECALL = CacheParams(budget=24, sinks=2, recent=4, recall=True, recall_max=4, recall_layers=2,
+                     reindex_at=70)
+PROMPT = "bring back what the query attends to, " * 2
+
+
+def _session(model, policy, params=RECALL, sampler=GREEDY, tape=None):
+    s = Session(model, policy, sampler, params, **({"tape": tape} if tape else {}))
+    s.prime(policy.raw_prompt(PROMPT))
+    return s
+
+
+def _hf_key(model, token_id: int, position: int) -> torch.Tensor:
+    """The key (L, kv_heads, head_dim) HF's own layers give ``token_id`` at ``position``
+    after a forward of nothing else before it: its first layer's only (no past needed)."""
+    hf = model.hf.model
+    x = hf.embed_tokens(torch.tensor([[token_id]]))
+    layer = hf.layers[0]
+    h = layer.input_layernorm(x)
+    k = layer.self_attn.k_proj(h).view(1, 1, -1, model.spec.head_dim).transpose(1, 2)
+    cos, sin = rope_cos_sin(model, torch.tensor([position]), torch.float32)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    _, k = apply_rotary_pos_emb(k, k, cos[None], sin[None])
+    return k[0, :, 0]  # (kv_heads, head_dim)
+
+
+def test_recall_off_takes_no_query_and_no_cold_store(tiny_model, tiny_policy):
+    s = _session(tiny_model, tiny_policy, dataclasses.replace(RECALL, recall=False))
+    assert s.state.cold is None and s.state.view().cold is None
+    gen = generate(tiny_model, s.state.view(), GREEDY, s.generator)
+    assert gen.query is None and gen.lse is None
+
+
+def test_cold_scores_are_the_attention_a_key_would_get(tiny_model, tiny_policy):
+    """exp(q.k - lse) for a live key equals the attention stage 1 paid it."""
+    s = _session(tiny_model, tiny_policy)
+    view = s.state.view()
+    gen = generate(tiny_model, view, GREEDY, s.generator)
+    L, H, D = gen.query.shape
+    KVH = view.k.shape[1]
+    for i in range(L):
+        sc = torch.matmul(gen.query[i].view(KVH, H // KVH, D), view.k[i].transpose(1, 2))
+        p = (sc.float().reshape(H, -1) - gen.lse[i, :, None]).exp()
+        assert_close(p, gen.attention[i], 1e-6, f"layer {i}")
+
+
+def test_recall_never_loses_a_uid_and_logits_match_hf(tiny_model, tiny_policy):
+    """Stages one by one past the budget and two re-indexes: every step's accounts hold,
+    the arena stays at the budget, swaps happen, stage 1 equals HF's forward on the live
+    K/V after recalls (and after re-indexes), and a recalled key equals HF's key for its
+    token at its position."""
+    s = _session(tiny_model, tiny_policy)
+    state, totals, reindexed, checked = s.state, Totals(), 0, 0
+    for _ in range(120):
+        rec = s.step()
+        totals.add(rec)
+        state.check_valid()
+        assert state.arena.n <= RECALL.budget
+        reindexed += rec.reindexed
+        if rec.recalled:
+            view = state.view()
+            gen = generate(tiny_model, view, GREEDY, torch.Generator())
+            assert_close(gen.logits, hf_step_logits(tiny_model, view), 1e-4, "logits")
+            slot = int((view.uid == rec.recalled[0]).nonzero()[0, 0])
+            key = _hf_key(tiny_model, int(view.token_id[slot]), int(view.position[slot]))
+            assert_close(view.k[0, :, slot], key, 1e-5, "recalled key")
+            checked += 1
+    assert totals.recalled > 0 and reindexed >= 1 and checked > 0
+    cold = state.cold
+    m = cold.ledger
+    for r in range(0, cold.n, max(1, cold.n // 5)):  # cold keys sit at their current positions
+        key = _hf_key(tiny_model, int(m.token_id[r]), int(m.position[r]))
+        assert_close(cold.arena.k[0, :, r], key, 1e-5, f"cold key {r}")
+
+
+def test_the_cold_store_is_bounded_and_drops_the_oldest(tiny_model, tiny_policy):
+    s = _session(tiny_model, tiny_policy, dataclasses.replace(RECALL, cold_capacity=5,
+                                                              reindex_at=None))
+    first_cooled = []
+    for _ in range(20):
+        patch_rec = s.step()
+        s.state.check_valid()
+        first_cooled += [u for u in patch_rec.culled]
+    cold = s.state.cold
+    assert cold.n == 5 and s.state.ledger.dropped > 0
+    assert first_cooled[0] not in cold.ledger.live("uid").tolist()
+
+
+def test_replay_with_recall_is_bit_exact(tmp_path, tiny_model, tiny_policy):
+    tape = CaptureTape(tmp_path, {"model": tiny_model.name, "dtype": "float32",
+                                  "fingerprint": tiny_model.fingerprint})
+    result = run(tiny_model, tiny_policy, tiny_policy.raw_prompt(PROMPT),
+                 SamplerParams(seed=3), max_new_tokens=80, ignore_eos=True,
+                 cache_params=RECALL, tape=tape)
+    assert result["totals"]["recalled"] > 0 and result["totals"]["reindexed"] >= 1
+    assert any(st["recalled"] for st in result["steps"])
+    report = replay(tape.dir, model=tiny_model)
+    assert report.ok, report.mismatches[:3]
+    assert report.steps == 80
+
+
+def test_a_saved_session_with_a_cold_store_continues_bit_exact(tmp_path, tiny_model, tiny_policy):
+    sampler = SamplerParams(seed=5)
+    a = _session(tiny_model, tiny_policy, sampler=sampler)
+    for _ in range(40):
+        a.step()
+    assert a.state.cold.n > 0
+    path = save_session(a, tmp_path / "s.safetensors")
+    b = load_session(tiny_model, path)
+    assert b.state.cold.n == a.state.cold.n and b.state.cold.next_entry == a.state.cold.next_entry
+    for _ in range(40):
+        ra, rb = a.step(), b.step()
+        assert (ra.token_id, ra.culled, ra.recalled) == (rb.token_id, rb.culled, rb.recalled)
+    assert torch.equal(a.state.cold.ledger.live("uid"), b.state.cold.ledger.live("uid"))
+    assert torch.equal(a.state.view().k, b.state.view().k)
+
+
+def test_recall_every_k_steps_scores_only_then(tiny_model, tiny_policy):
+    params = dataclasses.replace(RECALL, recall_every=3, reindex_at=None)
+    s = _session(tiny_model, tiny_policy, params)
+    for _ in range(30):
+        view = s.state.view()
+        gen = generate(tiny_model, view, GREEDY, s.generator)
+        rq = recall_query(view, gen, params)
+        scores = score(view, gen.attention, s.scorer, rq)
+        assert (scores.cold_signal is not None) == (view.cold.n > 0 and (view.step + 1) % 3 == 0)
+        apply(tiny_model, s.state, gen, decide(tiny_model, view, scores, params))
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"recall": True}, "needs a budget"),
+    ({"recall": True, "budget": 24, "repair": "fold"}, "no fold"),
+    ({"recall": True, "budget": 24, "prune": "turns"}, "no prune turns"),
+    ({"cold_capacity": 0}, "cold capacity must be >= 1"),
+    ({"recall_every": 0}, "recall every must be >= 1"),
+])
+def test_bad_recall_parameters_are_one_line_errors(kw, message):
+    with pytest.raises(UserError, match=message):
+        CacheParams(**kw)
