@@ -113,9 +113,10 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
     assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 64
     assert ref["windows"][-1]["end"] == 512  # the reference streams up to the positions
 
-    compact, keep, base = res["long"]
-    assert [(r["policy"], r["positions"]) for r in res["long"]] == [
-        ("brightness", "compact"), ("brightness", "keep"), ("streaming", "keep")]
+    compact, keep, base, recall = res["long"]
+    assert [(r["policy"], r["positions"], r.get("recall")) for r in res["long"]] == [
+        ("brightness", "compact", False), ("brightness", "keep", False),
+        ("streaming", "keep", False), ("brightness", "keep", True)]
     assert compact["scored"] == 560 and compact["reindexed"] >= 1
     for r in (keep, base):
         assert r["scored"] == 512 and r["stop_reason"] == "max_positions"
