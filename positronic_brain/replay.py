@@ -124,7 +124,6 @@ class _Replay:
             report.notes.append(f"captured on {captured_on}, replayed on {model.device}: "
                                 f"floating-point outputs compared within {report.tolerance:g} "
                                 "(relative), sampled tokens taken from the capture")
-        self.tol = report.tolerance
 
     def wanted(self, stage: str, t: int) -> bool:
         return self.only_stage in (None, stage) and self.only_step in (None, t)
@@ -133,7 +132,8 @@ class _Replay:
         """Compare a re-run stage's outputs with the file's, bit for bit."""
         self.report.compared[f.stage] = self.report.compared.get(f.stage, 0) + 1
         self.report.mismatches += [Mismatch(f.name, k, d)
-                                   for k, d in diff(to_plain(ours), f.outputs, tol=self.tol)]
+                                   for k, d in diff(to_plain(ours), f.outputs,
+                                                              tol=self.report.tolerance)]
 
     def prime(self) -> None:
         """Stage 0: re-prime from the captured prompt; the K/V it writes must equal the captured."""
@@ -160,7 +160,7 @@ class _Replay:
         captured generate output and actions re-applied rebuild the next state."""
         t, view, model = files.step, self.state.view(), self.model
         if files.state is not None:
-            _check_state(files.state, self.state, f"state_{t:06d}.pt", self.report, self.tol)
+            _check_state(files.state, self.state, f"state_{t:06d}.pt", self.report)
         for f in files.stages[:3]:
             if f.data["cache_len"] != view.n:
                 self.report.mismatches.append(Mismatch(f.name, "cache_len",
@@ -171,7 +171,7 @@ class _Replay:
         g = files.generate
         if self.wanted(g.stage, t):  # 1) from the captured sampler and generator state
             rng, force = make_generator(0, model.device), g.args["force"]
-            if self.tol is None:
+            if self.report.tolerance is None:
                 rng.set_state(g.args["generator_state"].cpu())
             else:  # the draw happened on another device: take its token
                 force = files.gen.token_id
@@ -235,8 +235,7 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
     return report
 
 
-def _check_state(snap: dict, state, name: str, report: ReplayReport,
-                 tol: float | None) -> None:
+def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
     """Compare a ``full`` state file with the rebuilt state, slot order ignored (by uid)."""
     view = state.view()
     ours_order = torch.argsort(view.uid)
@@ -249,7 +248,8 @@ def _check_state(snap: dict, state, name: str, report: ReplayReport,
     theirs = {**snap, **{k: snap[k][:, :, theirs_order]
                          for k in ("arena_k", "arena_v", "arena_log_mass")},
               "ledger": {c: col[theirs_order] for c, col in snap["ledger"].items()}}
-    report.mismatches += [Mismatch(name, k, d) for k, d in diff(to_plain(ours), theirs, tol=tol)]
+    report.mismatches += [Mismatch(name, k, d) for k, d in diff(to_plain(ours), theirs,
+                                                                   tol=report.tolerance)]
 
 
 def main(run_dir: str, stage: str | None, step: int | None, out=None,

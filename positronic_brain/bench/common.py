@@ -306,6 +306,14 @@ def command_line(bench: str, args, flags: tuple[tuple[str, object], ...]) -> str
     return " ".join(parts)
 
 
+def regenerate(res: dict, quick_version: bool = True) -> str:
+    """A report's first sentence: the command that made it, how long it took, and that every
+    number in it comes from that run."""
+    quick = "; `make bench` runs the quick version" if quick_version else ""
+    return (f"Regenerate with `{res['command']}` (this run took "
+            f"{duration(res['elapsed_s'])}{quick}). Every number below comes from that one run.")
+
+
 def model_facts(res: dict) -> str:
     """``Model `smollm2` (float32, quick), 8192 positions``: a report's first facts."""
     return (f"Model `{res['model']}` ({res['dtype']}{', quick' if res['quick'] else ''}), "

@@ -441,8 +441,7 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
     lines = [
         f"{h} Pass-key retrieval benchmark",
         "",
-        f"Regenerate with `{res['command']}` (this run took {common.duration(res['elapsed_s'])}). "
-        "Every number below comes from that one run." + only,
+        common.regenerate(res, quick_version=False) + only,
         "",
         f"{common.model_facts(res)}; {len(res['trials'])} trials (seed {cfg['seed']}), "
         f"prompt lengths {', '.join(map(str, cfg['lengths']))} tokens, `{cfg['framing']}` "

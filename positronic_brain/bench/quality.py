@@ -663,8 +663,7 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
         f"{h} Quality benchmark: streaming perplexity"
         + (" (tune slice)" if t["slice"] == "tune" else ""),
         "",
-        f"Regenerate with `{res['command']}` (this run took {common.duration(res['elapsed_s'])}; "
-        "`make bench` runs the quick version). Every number below comes from that one run.",
+        common.regenerate(res),
         "",
         f"{common.model_facts(res)}; text `{t['source']}` ({t['tokens']:,} tokens, sha256 "
         f"{t['sha256']}…), slice `{t['slice']}` from token {t['offset']:,}; "

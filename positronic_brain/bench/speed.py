@@ -685,9 +685,7 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
         f"{h} Speed benchmark" + ("" if res["config"].get("device", "cpu") == "cpu"
                                     else f" on a GPU ({res['config']['device']})"),
         "",
-        f"Regenerate with `{res['command']}` (this run took {common.duration(res['elapsed_s'])}; "
-        "`make bench` runs the quick version). Every number below comes from that one run; "
-        "nothing is typed by hand.",
+        common.regenerate(res),
         "",
         f"Model `{res['model']}`{' (quick)' if res['quick'] else ''}; "
         + (f"{m['gpu']}; " if m.get("gpu") else "") + f"{m['cpu']}, {m['cores']} cores, "

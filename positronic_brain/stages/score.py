@@ -49,7 +49,7 @@ def recall_signals(view: View, attention: torch.Tensor,
     cold, layers = view.cold, list(recall.layers)
     KVH, c = cold.k.shape[1], cold.n
     H, D = recall.query.shape[1:]
-    p = torch.empty(len(layers), H, c)
+    p = torch.empty(len(layers), H, c, device=recall.query.device)
     for j, i in enumerate(layers):  # one layer at a time: no copy of the strided cold keys
         s = torch.matmul(recall.query[i].view(KVH, H // KVH, D), cold.k[i].transpose(1, 2))
         p[j] = (s.float().view(H, c) - recall.lse[i].unsqueeze(-1)).exp()
