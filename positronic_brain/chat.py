@@ -203,7 +203,8 @@ class Chat:
                 "ms_per_token": t.ms_per_token,
                 "last_ms_per_token": round(self.last.ms_per_token, 3) if self.last else 0.0,
                 "culled": t.culled, "folded": t.folded, "merged": t.merged,
-                "reindexed": t.reindexed}
+                "reindexed": t.reindexed, "recalled": t.recalled,
+                "cold_len": state.cold.n if state and state.cold else 0}
 
     def context(self) -> tuple[list[dict], set[int], set[int]]:
         """Ledger rows to show (the live ones, and those culled since the current turn

@@ -21,7 +21,7 @@ from .model import Model
 from .sampler import make_generator
 from .scorers import make_scorer
 from .special_tokens import TextStream, TokenPolicy
-from .stages.apply import apply, extend, prime
+from .stages.apply import add_cold_store, apply, extend, prime
 from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import recall_query, score
@@ -64,6 +64,8 @@ class Session:
         self.generator = make_generator(self.sampler.seed, self.model.device)
         self.scorer = make_scorer(self.cache_params) if scorer is None else scorer
         self.cache_params.check_positions(self.model.spec.max_positions)
+        if self.state is not None and self.state.cold is None and self.cache_params.recall:
+            add_cold_store(self.model, self.state, self.cache_params.cold_capacity)  # stage 0
 
     def prime(self, segments: list[Segment], capacity: int | None = None) -> None:
         """Stage 0 over the prompt segments (what the special-token policy produced), into

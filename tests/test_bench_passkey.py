@@ -78,7 +78,7 @@ def test_the_target_waits_for_a_recall_variant():
     assert "drop only" in drop["what"] and drop["met"] is False
     res["runs"] = res["runs"][:1]
     waiting = passkey.targets(res)[0]
-    assert "not yet measurable" in waiting["what"] and waiting["met"] is None
+    assert "not measured" in waiting["what"] and waiting["met"] is None
 
 
 def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, tmp_path, one_thread):
@@ -95,19 +95,20 @@ def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, tmp_path
         fresh.prime(segs)
         ids = [r.token_id for r in fresh.stream(cfg.max_new_tokens)]
         assert text == tiny_policy.decode(ids) and fresh.state.arena.n == 64
-    assert row["tokens"] <= 400 and len(row["hits"]) == 3
+    assert row["tokens"] <= 400 and len(row["hits"]) == 1 + len(grid) == 5  # plain, recall
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_smollm2_finds_the_key_in_a_1k_prompt(real_model, real_policy, tmp_path):
     """Hand-checked: trial 0 (key 46398 at 49% of ~1k tokens of filler) is answered
-    " 46398." with the full cache, and TOVA at budget 128 answers it too."""
+    " 46398." with the full cache, and TOVA at budget 128 answers it too, without recall
+    and with it."""
     cfg = passkey.PasskeyConfig(lengths=(1024,), budgets=(128,), policies=("tova",))
     trial = passkey.trials(0, 1, cfg.lengths)[0]
     assert (trial.key, trial.depth) == (46398, 0.493)
     row = passkey.run_trial(real_model, real_policy, cfg, trial, passkey.cells(cfg), tmp_path)
     assert 1000 < row["tokens"] <= 1024
-    assert row["answers"][0].startswith(" 46398.") and row["hits"] == [True, True]
+    assert row["answers"][0].startswith(" 46398.") and row["hits"] == [True, True, True]
 
 
 def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
@@ -121,19 +122,20 @@ def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
     assert res == json.loads((out / "results.json").read_text())
     assert res["benchmark"] == "passkey" and res["quick"] is True
     cfg = res["config"]
-    assert cfg["trials"] == 8 and cfg["budgets"] == [128] and cfg["variants"] == [{}]
+    assert cfg["trials"] == 8 and cfg["budgets"] == [128]
+    assert cfg["variants"] == [{}, {"recall": True}]
     assert cfg["lengths"] == [512 - 8 - 1]  # 1024 does not fit the tiny model's positions
-    assert len(res["trials"]) == 8 and all(len(t["hits"]) == 6 for t in res["trials"])
+    assert len(res["trials"]) == 8 and all(len(t["hits"]) == 11 for t in res["trials"])
     ref = res["reference"]
     assert ref["budget"] is None and ref["trials"] == 8 and 0 <= ref["accuracy"] <= 1
     assert [(r["policy"], r["budget"], r["variant_label"]) for r in res["runs"]] == \
-        [(p, 128, "plain") for p in CULLING]
+        [(p, 128, v) for v in ("plain", "recall=True") for p in CULLING]
     for i, r in enumerate([ref, *res["runs"]]):
         assert r["correct"] == sum(t["hits"][i] for t in res["trials"])
         assert r["accuracy"] == r["correct"] / 8 and r["trials"] == 8
     first = res["targets"][0]
-    assert "not yet measurable" in first["what"] and first["met"] is None
-    assert len(res["targets"]) == 6  # and the five drop-only policies beside it
+    assert "with recall, brightness (recall=True" in first["what"]
+    assert len(res["targets"]) == 10  # each policy with recall, and drop-only beside it
     assert res["timing"]["prime_s"] > 0 and res["elapsed_s"] > 0
     report = (out / "report.md").read_text()
     assert report.startswith("# Pass-key retrieval benchmark")

@@ -114,13 +114,14 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
     assert ref["windows"][-1]["end"] == 512  # the reference streams up to the positions
 
     compact, keep, base, recall = res["long"]
-    assert [(r["policy"], r["positions"], r.get("recall")) for r in res["long"]] == [
+    assert [(r["policy"], r["positions"], r["recall"]) for r in res["long"]] == [
         ("brightness", "compact", False), ("brightness", "keep", False),
         ("streaming", "keep", False), ("brightness", "keep", True)]
     assert compact["scored"] == 560 and compact["reindexed"] >= 1
-    for r in (keep, base):
+    for r in (keep, base, recall):
         assert r["scored"] == 512 and r["stop_reason"] == "max_positions"
         assert r["reindexed"] == 0 and r["budget"] == 32
+    assert recall["recalled"] > 0 and keep["recalled"] == 0
     assert ref["scored_all"] == 512 and ref["ppl_all"] > 1
     # The runs are one until the re-index (in stage 4 of the step at position 511).
     assert keep["windows"] == compact["windows"][:len(keep["windows"])]
@@ -136,6 +137,8 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
                                                   "budget 32, the first 512 tokens"}
     gap = next(t for t in res["targets"] if "gap between the best baseline" in t["what"])
     assert gap["met"] is None if gap["value"] is None else gap["met"] == (gap["value"] >= 0.5)
+    with_recall = next(t for t in res["targets"] if "with recall" in t["what"])
+    assert with_recall["value"] == pytest.approx(recall["ppl"] / ref["ppl_all"])
     control = next(t for t in res["targets"] if "control run" in t["what"])
     assert control["value"] == pytest.approx(c["ppl_compact"] / c["ppl_past"])
 

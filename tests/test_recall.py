@@ -14,7 +14,7 @@ from positronic_brain.stages.apply import apply
 from positronic_brain.stages.decide import decide
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import recall_query, score
-from positronic_brain.types import CacheParams, SamplerParams, Totals, UserError
+from positronic_brain.types import CacheParams, SamplerParams, Segment, Totals, UserError
 from tests.oracle import assert_close, hf_step_logits
 
 GREEDY = SamplerParams(greedy=True)
@@ -156,3 +156,16 @@ def test_recall_every_k_steps_scores_only_then(tiny_model, tiny_policy):
 def test_bad_recall_parameters_are_one_line_errors(kw, message):
     with pytest.raises(UserError, match=message):
         CacheParams(**kw)
+
+
+def test_a_prompt_far_over_the_budget_fills_a_grown_cold_store(tiny_model, tiny_policy,
+                                                               monkeypatch):
+    """The first step culls more tokens than the cold store's first allocation holds."""
+    monkeypatch.setattr("positronic_brain.stages.apply.COLD_ROWS", 16)
+    s = Session(tiny_model, tiny_policy, GREEDY, dataclasses.replace(RECALL, reindex_at=None))
+    s.prime([Segment(tuple(range(5, 105)), "user")])
+    assert s.state.cold.arena.capacity == 16
+    for _ in range(3):
+        s.step()
+        s.state.check_valid()
+    assert s.state.cold.n == 100 - RECALL.budget + 2

@@ -70,7 +70,7 @@ def _chat_reply(chat, text: str, console, args, live: bool) -> None:
                           "reply_ids": list(r.ids), "stop_reason": r.stop_reason,
                           "tokens": len(r.steps), "ms_per_token": round(r.ms_per_token, 3),
                           **{k: getattr(turn, k) for k in ("culled", "folded", "merged",
-                                                           "reindexed")},
+                                                           "reindexed", "recalled")},
                           "rss_mb": _rss_mb(),
                           **{k: st[k] for k in ("cache_len", "budget", "max_position")}}))
         return

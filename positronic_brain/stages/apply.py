@@ -324,12 +324,20 @@ def _reindex(model: Model, state: State,
 COLD_ROWS = 1024  # a cold store's first allocation; stage 4 doubles it up to its capacity
 
 
-def cold_store(model: Model, capacity: int) -> Cold:
-    """An empty cold store for at most ``capacity`` tokens."""
-    rows = min(capacity, COLD_ROWS)
+def cold_store(model: Model, capacity: int, rows: int | None = None) -> Cold:
+    """An empty cold store for at most ``capacity`` tokens, with storage for ``rows``
+    (default ``COLD_ROWS``)."""
+    rows = min(capacity, rows or COLD_ROWS)
     dev = model.device
     return Cold(Arena.allocate(model.spec, rows, model.dtype, dev), Ledger.allocate(rows, device=dev),
                 torch.zeros(rows, dtype=torch.int64, device=dev), capacity)
+
+
+def add_cold_store(model: Model, state: State, capacity: int) -> None:
+    """Stage 0: an empty cold store for a live state that has none (a session restored from
+    a cache without recall that now recalls, as bench passkey's cells do)."""
+    require(state.cold is None, "the state has a cold store already")
+    state.cold = cold_store(model, capacity)
 
 
 def _grow(model: Model, cold: Cold, rows: int) -> None:
@@ -338,7 +346,7 @@ def _grow(model: Model, cold: Cold, rows: int) -> None:
     if rows <= cold.arena.capacity:
         return
     size = min(cold.capacity, max(rows, 2 * cold.arena.capacity))
-    new = cold_store(model, size)
+    new = cold_store(model, cold.capacity, size)
     a, m, n = new.arena, new.ledger, cold.n
     a.kt[..., :n] = cold.arena.kt[..., :n]
     for name in ("v", "knorm", "vnorm"):
@@ -362,36 +370,46 @@ def _drop_oldest(state: State, count: int) -> list[int]:
     return uids
 
 
-def _read_row(a: Arena, m: Ledger, s: int) -> dict[str, torch.Tensor]:
-    """Slot ``s``'s ledger row, K, V and norms, as copies."""
-    return {**{c: getattr(m, c)[s].clone() for c in Ledger.COLUMNS},
-            "kt": a.kt[..., s].clone(),
-            **{name: getattr(a, name)[:, :, s].clone() for name in ("v", "knorm", "vnorm")}}
+def _take_rows(a: Arena, m: Ledger, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Slots ``slots`` (k,): their ledger rows, K, V and norms, as copies."""
+    return {**{c: getattr(m, c)[slots] for c in Ledger.COLUMNS}, "kt": a.kt[..., slots],
+            **{name: getattr(a, name)[:, :, slots] for name in ("v", "knorm", "vnorm")}}
 
 
-def _write_row(a: Arena, m: Ledger, t: int, row: dict[str, torch.Tensor]) -> None:
-    """Write a row read by ``_read_row`` into slot ``t`` (ledger first); it holds one
+def _put_rows(a: Arena, m: Ledger, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+    """Write rows taken by ``_take_rows`` into ``slots`` (ledger first); each holds one
     token (log-mass 0)."""
     for c in Ledger.COLUMNS:
-        getattr(m, c)[t] = row[c]
-    a.kt[..., t] = row["kt"]
+        getattr(m, c)[slots] = rows[c]
+    a.kt[..., slots] = rows["kt"]
     for name in ("v", "knorm", "vnorm"):
-        getattr(a, name)[:, :, t] = row[name]
-    a.log_mass[:, :, t] = 0.0
+        getattr(a, name)[:, :, slots] = rows[name]
+    a.log_mass[:, :, slots] = 0.0
 
 
-def _swap(state: State, sw: Swap, step: int) -> None:
-    """A recall: cold row ``sw.cold_slot`` and hot slot ``sw.slot`` trade places; the
-    recalled token takes the swap's brightness and attn_sum; the other enters the cold store
-    now."""
+def _enter_cold(cold: Cold, rows: torch.Tensor) -> None:
+    """Cold rows ``rows`` (k,) entered now, in that order."""
+    cold.entered[rows] = torch.arange(cold.next_entry, cold.next_entry + rows.numel(),
+                                      device=rows.device)
+    cold.next_entry += rows.numel()
+
+
+def _swap(state: State, swaps: tuple[Swap, ...], step: int) -> None:
+    """Recalls: each cold row ``cold_slot`` and hot slot ``slot`` trade places; the recalled
+    tokens take the swaps' brightness and attn_sum; the others enter the cold store now."""
+    if not swaps:
+        return
     a, m, cold = state.arena, state.ledger, state.cold
-    hot = _read_row(a, m, sw.slot)
-    _write_row(a, m, sw.slot, _read_row(cold.arena, cold.ledger, sw.cold_slot))
-    m.brightness[sw.slot], m.attn_sum[sw.slot] = sw.brightness, sw.attn_sum
-    m.changed_step[sw.slot] = step
-    _write_row(cold.arena, cold.ledger, sw.cold_slot, hot)
-    cold.entered[sw.cold_slot] = cold.next_entry
-    cold.next_entry += 1
+    dev = m.uid.device
+    hot = torch.tensor([s.slot for s in swaps], device=dev)
+    rows = torch.tensor([s.cold_slot for s in swaps], device=dev)
+    leaving = _take_rows(a, m, hot)
+    _put_rows(a, m, hot, _take_rows(cold.arena, cold.ledger, rows))
+    m.brightness[hot] = torch.tensor([s.brightness for s in swaps], dtype=torch.float32, device=dev)
+    m.attn_sum[hot] = torch.tensor([s.attn_sum for s in swaps], dtype=torch.float32, device=dev)
+    m.changed_step[hot] = step
+    _put_rows(cold.arena, cold.ledger, rows, leaving)
+    _enter_cold(cold, rows)
 
 
 def _cool(model: Model, state: State, slots: list[int]) -> tuple[list[int], list[int]]:
@@ -405,12 +423,14 @@ def _cool(model: Model, state: State, slots: list[int]) -> tuple[list[int], list
     state.ledger.dropped += len(dropped)
     dropped += _drop_oldest(state, cold.n + len(slots) - cold.capacity)
     _grow(model, cold, cold.n + len(slots))
-    n = cold.n
-    for j, s in enumerate(slots):
-        _write_row(cold.arena, cold.ledger, n + j, _read_row(state.arena, state.ledger, s))
-        cold.entered[n + j] = cold.next_entry
-        cold.next_entry += 1
-    cold.arena.n = cold.ledger.n = n + len(slots)
+    n, k = cold.n, len(slots)
+    if k:
+        dev = state.ledger.uid.device
+        rows = torch.arange(n, n + k, device=dev)
+        _put_rows(cold.arena, cold.ledger, rows,
+                  _take_rows(state.arena, state.ledger, torch.tensor(slots, device=dev)))
+        _enter_cold(cold, rows)
+    cold.arena.n = cold.ledger.n = n + k
     return state.ledger.uid[slots].tolist(), dropped
 
 
@@ -468,8 +488,7 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
         new_uids = [_merge(state, r, step) for r in actions.merges]  # 2) merges
         for f in actions.folds:  # 3) folds
             _fold(state, f)
-        for sw in actions.swaps:  # 4) recalls
-            _swap(state, sw, step)
+        _swap(state, actions.swaps, step)  # 4) recalls
         if state.cold is not None:  # 5) culled tokens go cold, or away for good
             cooled, dropped = _cool(model, state, culls)
         else:
