@@ -104,7 +104,7 @@ class GenerateOut:
 
 
 REPAIRS = ("none", "merge", "fold")
-AGGREGATIONS = ("all-mean", "all-max", "last-mean", "last-max")  # layers-heads over attention
+AGGREGATIONS = ("all-mean", "all-max", "last-mean", "last-max", "max-max")  # layers-heads over attention
 SIGNALS = ("value", "attention")  # what brightness gains from: value-weighted attention or plain
 
 
@@ -129,8 +129,10 @@ class CacheParams:
     ``recall``: a culled token goes to a cold store (at most ``cold_capacity`` tokens, the
     oldest to enter dropped for good past it) instead of away; every ``recall_every`` steps
     the current query scores the cold keys over ``recall_layers`` layers (evenly spread over
-    those brightness reads) and up to ``recall_max`` cold tokens whose would-be attention
-    beats one of the dimmest unprotected hot tokens' swap places with them. It takes no
+    those brightness reads; None: all of them), hot and cold alike ``recall_aggregate``d,
+    and up to ``recall_max`` cold tokens swap places with the dimmest unprotected hot ones
+    they beat: those the query attends to most, each with the cold tokens that follow it
+    within ``recall_span`` positions, and those that follow a hot token it attends to most. It takes no
     ``fold`` repair (a folded token lives on inside its survivor) and no ``turns`` pruning.
     Brightness: new tokens start at ``seeds[source]`` (in SOURCES order); each step
     b <- clamp(b - decay + gain * share, 0, max_brightness), where share is n times the
@@ -162,16 +164,19 @@ class CacheParams:
     recall: bool = False
     cold_capacity: int = 16384
     recall_every: int = 1
-    recall_max: int = 8
-    recall_layers: int = 8
+    recall_max: int = 16
+    recall_layers: int | None = None
+    recall_span: int = 8
+    recall_aggregate: str = "max-max"
 
     def __post_init__(self) -> None:
         require(self.repair in REPAIRS,
                 f"repair must be one of {', '.join(REPAIRS)}, got {self.repair!r}")
         require(self.positions in ("keep", "compact"),
                 f"positions must be keep or compact, got {self.positions!r}")
-        require(self.aggregate in AGGREGATIONS, f"unknown aggregation {self.aggregate!r}; "
-                f"expected one of {', '.join(AGGREGATIONS)}")
+        for how in (self.aggregate, self.recall_aggregate):
+            require(how in AGGREGATIONS, f"unknown aggregation {how!r}; "
+                    f"expected one of {', '.join(AGGREGATIONS)}")
         require(self.signal in SIGNALS, f"signal must be one of {', '.join(SIGNALS)}, "
                 f"got {self.signal!r}")
         require(0 <= self.skip_layers < 1,
@@ -196,8 +201,8 @@ class CacheParams:
                 f"prune must be tokens or turns, got {self.prune!r}")
         require(self.prune == "tokens" or self.repair == "none",
                 "prune turns drops whole turns; it takes no token repairs")
-        for name in ("cold_capacity", "recall_every", "recall_max", "recall_layers"):
-            require(getattr(self, name) >= 1,
+        for name in ("cold_capacity", "recall_every", "recall_max", "recall_layers", "recall_span"):
+            require(getattr(self, name) is None or getattr(self, name) >= 1,
                     f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         if self.recall:
             require(self.budget is not None, "recall brings back culled tokens; it needs a budget")

@@ -11,7 +11,7 @@ from positronic_brain.loop import Session, run
 from positronic_brain.replay import replay
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import apply
-from positronic_brain.stages.decide import decide
+from positronic_brain.stages.decide import decide, recalled
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import recall_query, score
 from positronic_brain.types import CacheParams, SamplerParams, Segment, Totals, UserError
@@ -152,6 +152,7 @@ def test_recall_every_k_steps_scores_only_then(tiny_model, tiny_policy):
     ({"recall": True, "budget": 24, "prune": "turns"}, "no prune turns"),
     ({"cold_capacity": 0}, "cold capacity must be >= 1"),
     ({"recall_every": 0}, "recall every must be >= 1"),
+    ({"recall_span": 0}, "recall span must be >= 1"),
 ])
 def test_bad_recall_parameters_are_one_line_errors(kw, message):
     with pytest.raises(UserError, match=message):
@@ -169,3 +170,20 @@ def test_a_prompt_far_over_the_budget_fills_a_grown_cold_store(tiny_model, tiny_
         s.step()
         s.state.check_valid()
     assert s.state.cold.n == 100 - RECALL.budget + 2
+
+
+def test_a_recalled_token_brings_the_cold_tokens_that_follow_it():
+    """Anchors best first, hot or cold; each brings the cold tokens within ``recall_span``
+    positions after it, in text order, with its signal; ``room`` caps all."""
+    cold_pos = torch.tensor([10, 3, 11, 12, 20, 4, 13])
+    cold_sig = torch.tensor([0.5, 1.0, 0.125, 0.125, 0.25, 0.1875, 0.0])
+    hot_pos, hot_sig = torch.tensor([30, 5, 19]), torch.tensor([0.0, 0.0, 0.75])
+    cold = type("C", (), {"position": cold_pos, "n": 7})
+    view = type("V", (), {"cold": cold, "position": hot_pos})
+    scores = type("S", (), {"cold_signal": cold_sig, "hot_signal": hot_sig})
+    rows = lambda span, room: recalled(view, scores, CacheParams(recall_span=span), room)
+    assert rows(1, 3) == [(1, 1.0), (0, 0.5), (4, 0.25)]  # span 1: the best cold alone
+    # span 3: 3 brings 4 (5 is hot); hot 19 brings 20; 10 brings 11 and 12; then 13 and 12's
+    assert rows(3, 8) == [(1, 1.0), (5, 1.0), (4, 0.75), (0, 0.5), (2, 0.5), (3, 0.5),
+                          (6, 0.125)]
+    assert rows(3, 4) == [(1, 1.0), (5, 1.0), (4, 0.75), (0, 0.5)]

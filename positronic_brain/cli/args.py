@@ -151,7 +151,14 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recall-max", type=int, default=d.recall_max,
                    help="recall: the most tokens swapped in per step")
     g.add_argument("--recall-layers", type=int, default=d.recall_layers,
-                   help="recall: how many layers score the cold keys")
+                   help="recall: how many layers score the cold keys (default: every layer "
+                        "brightness reads)")
+    g.add_argument("--recall-span", type=int, default=d.recall_span,
+                   help="recall: a recalled token comes back with the cold tokens that follow "
+                        "it within this many positions")
+    g.add_argument("--recall-aggregate", default=d.recall_aggregate,
+                   help=f"recall: attention over layers-heads, hot and cold alike: "
+                        f"{'|'.join(AGGREGATIONS)}")
 
 
 def _add_quality_args(p: argparse.ArgumentParser) -> None:
@@ -210,7 +217,9 @@ def cache_params(args) -> CacheParams:
                          skip_layers=args.skip_layers, fold_min_cos=args.fold_min_cos,
                          prune=getattr(args, "prune", CacheParams.prune), recall=args.recall,
                          cold_capacity=args.cold_capacity, recall_every=args.recall_every,
-                         recall_max=args.recall_max, recall_layers=args.recall_layers)
+                         recall_max=args.recall_max, recall_layers=args.recall_layers,
+                         recall_span=args.recall_span,
+                         recall_aggregate=args.recall_aggregate)
     make_scorer(params)
     return params
 

@@ -5,12 +5,12 @@ import torch
 
 
 def aggregate(attention: torch.Tensor, how: str) -> torch.Tensor:
-    """Attention (L, H, n) -> (n,): ``{all|last}-{mean|max}`` = over all layers (mean) or the
-    last layer only, then the head mean or max."""
+    """Attention (L, H, n) -> (n,): ``{all|last|max}-{mean|max}`` = over all layers (mean),
+    the last layer only, or the layer that gives the most, of the head mean or max."""
     layers, heads = how.split("-")
     a = attention[-1:] if layers == "last" else attention  # (L', H, n)
     a = a.amax(1) if heads == "max" else a.mean(1)  # (L', n)
-    return a.mean(0)
+    return a.amax(0) if layers == "max" else a.mean(0)
 
 
 def value_weighted(attention: torch.Tensor, norms: torch.Tensor,

@@ -113,11 +113,41 @@ def cold_kept(limit: int, params: CacheParams) -> int:
     return max(0, limit - limit // 4 - params.budget)
 
 
+def recalled(view: View, scores: ScoreOut, params: CacheParams, room: int) -> list[tuple[int, float]]:
+    """Up to ``room`` cold rows to bring back, best first: [(row, signal)]. The anchors are
+    the tokens, hot or cold, with the highest signal this step; each brings back the cold
+    tokens that follow it in the text within ``recall_span`` positions (a cold anchor itself
+    too), with its signal. What a query attends to in an earlier passage, the next queries
+    tend to read on from (a text repeating one, a fact spread over several tokens): a hot
+    anchor prefetches what comes after it before the query needs it."""
+    cold, span = view.cold, params.recall_span
+    c = cold.n
+    signal = torch.cat((scores.cold_signal, scores.hot_signal))  # cold rows, then hot slots
+    pos = torch.cat((cold.position, view.position))
+    by_pos = torch.argsort(pos)  # cold rows and hot slots in text order
+    rank = torch.empty_like(by_pos)
+    rank[by_pos] = torch.arange(by_pos.numel(), device=by_pos.device)
+    pos, by_pos, rank = pos.tolist(), by_pos.tolist(), rank.tolist()
+    anchors = torch.argsort(signal, descending=True, stable=True)[: room + signal.numel() - c]
+    picked: dict[int, float] = {}
+    for i in anchors.tolist():  # enough for ``room`` cold anchors past every hot one
+        s = float(signal[i])
+        for j in by_pos[rank[i]:rank[i] + span]:
+            if pos[j] - pos[i] >= span:
+                break
+            if j < c:  # a cold row
+                picked.setdefault(j, s)
+                if len(picked) == room:
+                    return list(picked.items())
+    return list(picked.items())
+
+
 def swaps(view: View, scores: ScoreOut, params: CacheParams,
           candidates: torch.Tensor) -> tuple[Swap, ...]:
-    """Recalls: the i-th best cold token (by ``cold_signal``) takes the slot of the i-th
-    dimmest of ``candidates`` (unprotected hot slots that stay this step, ascending score),
-    for i < ``recall_max``, wherever its signal beats that slot's ``hot_signal``.
+    """Recalls: the i-th cold row to bring back (``recalled``: the best by ``cold_signal``,
+    each with its span) takes the slot of the i-th dimmest of ``candidates`` (unprotected hot
+    slots that stay this step, ascending score), for i < ``recall_max``, wherever its signal
+    beats that slot's ``hot_signal``.
 
     A recalled token re-enters as a new token would, so it is not culled again at once: its
     brightness becomes its source's seed, and its ``attn_sum`` its signal times the queries
@@ -128,10 +158,8 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
         return ()
     cold = view.cold
     victims = candidates[: params.recall_max].tolist()
-    best = torch.argsort(scores.cold_signal, descending=True, stable=True)[: len(victims)]
     out = []
-    for slot, row in zip(victims, best.tolist()):
-        signal = float(scores.cold_signal[row])
+    for slot, (row, signal) in zip(victims, recalled(view, scores, params, len(victims))):
         if signal <= float(scores.hot_signal[slot]):
             continue
         queries = view.step + 1 - int(cold.born_step[row]) + 1

@@ -23,10 +23,9 @@ from ..types import CacheParams, GenerateOut, RecallQuery, ScoreOut
 
 def recall_layers(params: CacheParams, n_layers: int) -> tuple[int, ...]:
     """``recall_layers`` layers spread evenly over those brightness reads (all but the first
-    ``skip_layers`` fraction): exact scores over every layer would read as many cold bytes
-    as a third of SmolLM2's weights per step at 8,000 cold tokens."""
+    ``skip_layers`` fraction), or all of them (None)."""
     first = min(round(params.skip_layers * n_layers), n_layers - 1)
-    count = min(params.recall_layers, n_layers - first)
+    count = min(params.recall_layers or n_layers, n_layers - first)
     return tuple(sorted({round(x) for x in torch.linspace(first, n_layers - 1, count).tolist()}))
 
 
@@ -38,7 +37,7 @@ def recall_query(view: View, gen: GenerateOut, params: CacheParams) -> RecallQue
         return None
     return RecallQuery(query=gen.query, lse=gen.lse,
                        layers=recall_layers(params, gen.query.shape[0]),
-                       signal=params.signal, aggregate=params.aggregate)
+                       signal=params.signal, aggregate=params.recall_aggregate)
 
 
 def recall_signals(view: View, attention: torch.Tensor,
