@@ -152,6 +152,13 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="recall: the most tokens swapped in per step")
     g.add_argument("--recall-layers", type=int, default=d.recall_layers,
                    help="recall: how many layers score the cold keys")
+    g.add_argument("--prefill-scores", action=argparse.BooleanOptionalAction,
+                   default=d.prefill_scores,
+                   help="seed the scorer's per-token values from the prompt's own attention at "
+                        "the prime (brightness, h2o), so the first cull sees the whole prompt")
+    g.add_argument("--prefill-window", type=int, default=d.prefill_window, metavar="W",
+                   help="prefill scores: the prompt's last W queries are brightness's "
+                        "observation window")
 
 
 def _add_quality_args(p: argparse.ArgumentParser) -> None:
@@ -210,7 +217,8 @@ def cache_params(args) -> CacheParams:
                          skip_layers=args.skip_layers, fold_min_cos=args.fold_min_cos,
                          prune=getattr(args, "prune", CacheParams.prune), recall=args.recall,
                          cold_capacity=args.cold_capacity, recall_every=args.recall_every,
-                         recall_max=args.recall_max, recall_layers=args.recall_layers)
+                         recall_max=args.recall_max, recall_layers=args.recall_layers,
+                         prefill_scores=args.prefill_scores, prefill_window=args.prefill_window)
     make_scorer(params)
     return params
 
