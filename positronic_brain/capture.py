@@ -31,7 +31,7 @@ from .plain import atomic_write, from_plain, sha256, to_plain
 from .types import GenerateOut, UserError, require
 from .version import __version__
 
-FORMAT = 4
+FORMAT = 5
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
 EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step
 FILE_KEYS = ("format", "stage", "step", "model", "inputs", "outputs", "cache_len", "arena_version")
@@ -87,9 +87,11 @@ def gen_outputs(gen: GenerateOut) -> dict:
 
 
 def prime_outputs(state, out) -> dict:
-    """What stage 0's prime gave: its logits, its patch and the K/V it wrote."""
+    """What stage 0's prime gave: its logits, its patch, the K/V it wrote and the prompt's
+    attention statistics (None: not gathered)."""
     view = state.view()
-    return {"logits": out.logits, "patch": out.patch, "k": view.k, "v": view.v}
+    return {"logits": out.logits, "patch": out.patch, "k": view.k, "v": view.v,
+            "stats": out.stats}
 
 
 def extend_outputs(state, n_before: int, patch) -> dict:
@@ -116,7 +118,7 @@ class Tape:
 
     dir: Path | None = None
 
-    def primed(self, state, segments, capacity, out) -> None: ...
+    def primed(self, state, segments, capacity, out, prefill) -> None: ...
     def extended(self, state, segments, pending, n_before: int, patch) -> None: ...
     def begin(self, state, generator) -> None: ...
     def generated(self, view, sampler, force, gen) -> None: ...
@@ -160,11 +162,14 @@ class CaptureTape(Tape):
         self._write_manifest()
 
     # the loop's calls, one per stage
-    def primed(self, state, segments, capacity, out) -> None:
+    def primed(self, state, segments, capacity, out, prefill) -> None:
+        """``prefill``: the cache parameters the prime gathered the prompt's statistics
+        with (its window; its scorer, if ``prefill_scores``); None if it gathered none."""
         self._state = state
         self._stage(0, "s0_prime", {"segments": segments, "capacity": capacity,
                                     "pinned": state.pinned, "seeds": state.ledger.seeds,
-                                    "cold_capacity": None if state.cold is None else state.cold.capacity},
+                                    "cold_capacity": None if state.cold is None else state.cold.capacity,
+                                    "prefill": prefill},
                     prime_outputs(state, out))
 
     def extended(self, state, segments, pending, n_before: int, patch) -> None:

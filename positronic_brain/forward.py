@@ -76,7 +76,7 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
             want_attention: bool = False, all_logits: bool = False,
             past_log_mass: torch.Tensor | None = None, kv_only: bool = False,
-            want_query: bool = False) -> ForwardOut:
+            want_query: bool = False, received_from: int | None = None) -> ForwardOut:
     """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
     (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
     every live slot, except where ``past_mask`` (T, n) bool is False. ``past_log_mass``
@@ -90,8 +90,13 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     ``want_query``: also the last query per layer (L, H, head_dim), roped and scaled as its
     scores use it, and the log-sum-exp of its scores (L, H) float32, so a key k that was not
     in the cache would have received exp(q.k - lse) next to the others (recall).
+    ``received_from`` (stage 0's prompt statistics): also the attention each live slot and
+    each new token received, per layer and head, summed over the new queries, each query's
+    weight on its own token left out (as stage 1's row leaves out the pending token's):
+    ``received`` (L, H, n + T) float32 over all of them, ``received_window`` over those from
+    row ``received_from`` on (None if there are none).
     """
-    require(not (kv_only and (want_attention or want_query)),
+    require(not (kv_only and (want_attention or want_query or received_from is not None)),
             "kv_only skips the last layer's attention")
     s = model.spec
     L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
@@ -115,6 +120,11 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
                  else None)
     query = torch.empty(L, H, D, dtype=dtype, device=dev) if want_query else None
     lse = torch.empty(L, H, dtype=torch.float32, device=dev) if want_query else None
+    received = window = None
+    if received_from is not None:
+        received = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
+        if received_from < T:
+            window = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
 
     # Additive bias over the score columns [live slots | new tokens]; None when nothing is masked.
     mask_past = None
@@ -155,6 +165,9 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
             lse[i] = scores.view(KVH, g, T, n + T)[:, :, -1].logsumexp(-1).reshape(H)
         if attention is not None:
             attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
+        if received is not None:
+            _received(p.view(KVH, g, T, n + T), n, received_from, received[i],
+                      None if window is None else window[i])
         p = p.to(dtype)
         out = torch.matmul(p[..., :n], past_v[i]) + torch.matmul(p[..., n:], v)  # (KVH, gT, D)
         out = out.view(H, T, D).transpose(0, 1).reshape(T, H * D)
@@ -169,4 +182,21 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     if attention is not None:
         attention = attention[..., :n]
     return ForwardOut(logits=logits, k=torch.stack(new_k), v=torch.stack(new_v),
-                      attention=attention, query=query, lse=lse)
+                      attention=attention, query=query, lse=lse, received=received,
+                      received_window=window)
+
+
+def _received(p: torch.Tensor, n: int, start: int, out: torch.Tensor,
+              window: torch.Tensor | None) -> None:
+    """One layer's softmax ``p`` (KVH, g, T, n + T): into ``out`` (H, n + T) the weight each
+    column received summed over the T queries, a query's own column (n + t for query t) left
+    out, so a new token counts only what later queries paid it; into ``window`` the same over
+    the queries from row ``start`` on."""
+    KVH, g = p.shape[:2]
+    H = KVH * g
+    earlier = p[..., n:].tril(-1)  # (KVH, g, T, T): the new queries' weights on earlier new tokens
+    out[:, :n] = p[..., :n].sum(2).reshape(H, n)
+    out[:, n:] = earlier.sum(2).reshape(H, -1)
+    if window is not None:
+        window[:, :n] = p[:, :, start:, :n].sum(2).reshape(H, n)
+        window[:, n:] = earlier[:, :, start:].sum(2).reshape(H, -1)

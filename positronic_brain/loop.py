@@ -1,6 +1,6 @@
 """The loop: prime once, then one token per step through the four stages.
 
-    state = stage0.prime(model, segments, capacity)                 # mutation
+    state = stage0.prime(model, segments, capacity)                 # mutation (+ prefill scores)
     repeat:
         gen     = stage1.generate(model, view, sampler)             # read-only
         scores  = stage2.score(view, gen.attention, scorer, recall) # read-only
@@ -19,14 +19,15 @@ from dataclasses import InitVar, asdict, dataclass, field
 from .capture import NO_TAPE, Tape
 from .model import Model
 from .sampler import make_generator
-from .scorers import make_scorer
+from .scorers import make_scorer, prefill_scorer
 from .special_tokens import TextStream, TokenPolicy
-from .stages.apply import add_cold_store, apply, extend, prime
+from .stages.apply import add_cold_store, apply, extend, prime, seed
 from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import recall_query, score
 from .state import State
-from .types import CacheParams, Patch, SamplerParams, Segment, StepRecord, Totals, require
+from .types import (CacheParams, Patch, PrefillStats, SamplerParams, Segment, StepRecord, Totals,
+                    require)
 
 
 def arena_capacity(model: Model, cache_params: CacheParams, n_prompt: int,
@@ -67,22 +68,38 @@ class Session:
         if self.state is not None and self.state.cold is None and self.cache_params.recall:
             add_cold_store(self.model, self.state, self.cache_params.cold_capacity)  # stage 0
 
-    def prime(self, segments: list[Segment], capacity: int | None = None) -> None:
+    def prime(self, segments: list[Segment], capacity: int | None = None,
+              stats: bool = False) -> PrefillStats | None:
         """Stage 0 over the prompt segments (what the special-token policy produced), into
-        an arena of ``capacity`` slots (default: ``arena_capacity``)."""
+        an arena of ``capacity`` slots (default: ``arena_capacity``). With ``prefill_scores``
+        and a scorer that takes them, stage 0 also gathers the prompt's attention statistics
+        and seeds the scorer's columns from them; ``stats`` gathers them whatever the scorer
+        (a copy of the prime is then seeded with ``seed``). Returns them (None: not gathered)."""
+        params = self.cache_params
         n_prompt = sum(len(s.ids) for s in segments)
-        capacity = capacity or arena_capacity(self.model, self.cache_params, n_prompt)
-        budget = self.cache_params.budget
+        capacity = capacity or arena_capacity(self.model, params, n_prompt)
+        budget = params.budget
         require(budget is None or capacity >= budget,
                 f"capacity {capacity} is smaller than the budget {budget}")
-        self.state, out = prime(self.model, segments, capacity,
-                                pinned=frozenset(self.cache_params.pinned),
-                                seeds=self.cache_params.seeds,
-                                cold_capacity=cold_capacity(self.cache_params))
-        self.tape.primed(self.state, segments, capacity, out)
+        scorer = prefill_scorer(self.scorer, params)
+        gather = stats or scorer is not None
+        self.state, out = prime(self.model, segments, capacity, pinned=frozenset(params.pinned),
+                                seeds=params.seeds, cold_capacity=cold_capacity(params),
+                                prefill_window=params.prefill_window if gather else None,
+                                scorer=scorer)
+        self.tape.primed(self.state, segments, capacity, out, params if gather else None)
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []
         self.stop_reason = None
+        return out.stats
+
+    def seed(self, stats: PrefillStats) -> None:
+        """Stage 0: seed the scorer's columns from the statistics of the prime this state is
+        a copy of (``prime(stats=True)``), as a prime with these cache parameters would have
+        (nothing without ``prefill_scores`` or for a scorer that takes none)."""
+        require(self.state is not None and self.state.step == 0,
+                "seed a freshly primed session (before any step)")
+        seed(self.state, prefill_scorer(self.scorer, self.cache_params), stats)
 
     def extend(self, segments: list[Segment], pending: int | None = None) -> Patch:
         """Stage 0 on the live state (a chat turn): prefill the pending token and the new

@@ -27,7 +27,7 @@ from .capture import (EXTEND, LEDGER_COLUMNS, STAGES, CaptureRun, StageFile, Ste
 from .model import Model, load_model, resolve_device
 from .plain import to_plain
 from .sampler import make_generator
-from .scorers import make_scorer
+from .scorers import make_scorer, prefill_scorer
 from .stages.apply import apply, extend, prime
 from .stages.decide import decide
 from .stages.generate import generate
@@ -139,9 +139,12 @@ class _Replay:
         """Stage 0: re-prime from the captured prompt; the K/V it writes must equal the captured."""
         f = self.run.prime()
         inp = f.args
+        params = inp["prefill"]  # the statistics' window and scorer, if it gathered them
         self.state, out = prime(self.model, list(inp["segments"]), inp["capacity"],
                                 pinned=frozenset(inp["pinned"]), seeds=tuple(inp["seeds"]),
-                                cold_capacity=inp["cold_capacity"])
+                                cold_capacity=inp["cold_capacity"],
+                                prefill_window=params and params.prefill_window,
+                                scorer=params and prefill_scorer(make_scorer(params), params))
         if self.wanted(f.stage, 0):
             self.check(f, prime_outputs(self.state, out))
 

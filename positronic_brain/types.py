@@ -76,6 +76,10 @@ class ForwardOut:
     attention: torch.Tensor | None  # (L, heads, n) float32: last new query's weights on live slots
     query: torch.Tensor | None = None  # (L, heads, head_dim): last query, roped and scaled
     lse: torch.Tensor | None = None  # (L, heads) float32: log-sum-exp of its scores (softmax's)
+    # the attention each live slot and new token received from the new queries (L, heads, n + T)
+    # float32, a query's own token left out: from all of them, and from those of a window
+    received: torch.Tensor | None = None
+    received_window: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,10 @@ class CacheParams:
     live one; ``attention``: plain), ``aggregate``d over layers-heads: 1 = a uniform share.
     Brightness leaves out the first ``skip_layers`` fraction of the layers (rounded), whose
     attention is spread broadly and says little about which tokens matter.
+    ``prefill_scores``: stage 0 also gathers the prompt's own attention (``PrefillStats``:
+    what its last ``prefill_window`` queries paid each token, and what every later query
+    did) and seeds the scorer's ledger columns from it (each scorer's ``prefill``), so the
+    first cull of a prompt longer than the budget sees the whole prompt's view.
     """
 
     budget: int | None = None
@@ -168,6 +176,8 @@ class CacheParams:
     recall_layers: int | None = None
     recall_span: int = 8
     recall_aggregate: str = "max-max"
+    prefill_scores: bool = False
+    prefill_window: int = 8
 
     def __post_init__(self) -> None:
         require(self.repair in REPAIRS,
@@ -203,6 +213,8 @@ class CacheParams:
                 "prune turns drops whole turns; it takes no token repairs")
         for name in ("cold_capacity", "recall_every", "recall_max", "recall_layers", "recall_span"):
             require(getattr(self, name) is None or getattr(self, name) >= 1,
+    prefill_scores: bool = False
+    prefill_window: int = 8
                     f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         if self.recall:
             require(self.budget is not None, "recall brings back culled tokens; it needs a budget")
@@ -319,7 +331,8 @@ class Patch:
     previous state, enough to replay it. Stage 4's order: brightness/attn_sum, merges
     (slot ``slots[0]`` rewritten; ``slots[1]`` removed with the culls), folds, swaps (recalls),
     culled tokens into the cold store (with recall), removals (``moves`` fill the holes),
-    re-index (of the cold store too), append."""
+    re-index (of the cold store too), append. A prime's patch (step 0) holds the appended
+    prompt slots and, with prefill scores, the scorer columns seeded after them."""
 
     step: int
     brightness: torch.Tensor | None = None  # (n,) written before anything else
@@ -345,11 +358,30 @@ class Patch:
 
 
 @dataclass(frozen=True)
+class PrefillStats:
+    """Stage 0's statistics of the prompt's own attention over its n prefilled tokens (slot
+    order, which is prompt order at the prime; ``uid`` names them), per layer and head, each
+    query's weight on its own token left out (stage 1's row leaves out the pending token's):
+    ``window``, the mean over the last ``window_queries`` prefilled queries of what each paid
+    to every token (SnapKV's observation window; a token at or after a query gets nothing
+    from it); ``total``, the sum over every prefilled query (the attention H2O would have
+    gathered), of which each token got ``queries``, the n - 1 - i queries after it. The
+    pending token, stage 1's first query, is not among them."""
+
+    uid: torch.Tensor  # (n,) int64
+    window: torch.Tensor  # (L, heads, n) float32
+    window_queries: int
+    total: torch.Tensor  # (L, heads, n) float32
+    queries: torch.Tensor  # (n,) float32
+
+
+@dataclass(frozen=True)
 class PrimeOut:
     """Stage 0 output besides the new state."""
 
     logits: torch.Tensor  # (T', V) float32: every cached prompt token's logits, or the last row
-    patch: Patch
+    patch: Patch  # with prefill scores, the scorer columns it seeded (brightness, attn_sum)
+    stats: PrefillStats | None = None  # the prompt's attention statistics, when gathered
 
 
 @dataclass(frozen=True)

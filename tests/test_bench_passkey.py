@@ -9,7 +9,7 @@ from positronic_brain.bench import passkey
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
 from positronic_brain.scorers import CULLING
-from positronic_brain.types import SamplerParams, UserError
+from positronic_brain.types import CacheParams, SamplerParams, UserError
 
 QUESTION_LAST = "\nWhat is the pass key? The pass key is"
 
@@ -63,6 +63,8 @@ def test_variants_are_one_more_axis():
         passkey.PasskeyConfig(variants=({"no_such_field": True},))
     with pytest.raises(UserError, match="other than budget and scorer"):
         passkey.PasskeyConfig(variants=({"budget": 4},))
+    with pytest.raises(UserError, match="fixed by the shared prime"):
+        passkey.PasskeyConfig(variants=({"prefill_scores": True, "prefill_window": 8},))
 
 
 def test_the_target_waits_for_a_recall_variant():
@@ -95,20 +97,21 @@ def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, tmp_path
         fresh.prime(segs)
         ids = [r.token_id for r in fresh.stream(cfg.max_new_tokens)]
         assert text == tiny_policy.decode(ids) and fresh.state.arena.n == 64
-    assert row["tokens"] <= 400 and len(row["hits"]) == 1 + len(grid) == 5  # plain, recall
+    # plain, recall, prefill scores flipped
+    assert row["tokens"] <= 400 and len(row["hits"]) == 1 + len(grid) == 7
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_smollm2_finds_the_key_in_a_1k_prompt(real_model, real_policy, tmp_path):
     """Hand-checked: trial 0 (key 46398 at 49% of ~1k tokens of filler) is answered
     " 46398." with the full cache, and TOVA at budget 128 answers it too, without recall
-    and with it."""
+    and with it (and with prefill scores flipped, which TOVA does not take)."""
     cfg = passkey.PasskeyConfig(lengths=(1024,), budgets=(128,), policies=("tova",))
     trial = passkey.trials(0, 1, cfg.lengths)[0]
     assert (trial.key, trial.depth) == (46398, 0.493)
     row = passkey.run_trial(real_model, real_policy, cfg, trial, passkey.cells(cfg), tmp_path)
     assert 1000 < row["tokens"] <= 1024
-    assert row["answers"][0].startswith(" 46398.") and row["hits"] == [True, True, True]
+    assert row["answers"][0].startswith(" 46398.") and row["hits"] == [True] * 4
 
 
 def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
@@ -123,19 +126,21 @@ def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
     assert res["benchmark"] == "passkey" and res["quick"] is True
     cfg = res["config"]
     assert cfg["trials"] == 8 and cfg["budgets"] == [128]
-    assert cfg["variants"] == [{}, {"recall": True}]
+    flipped = {"prefill_scores": not CacheParams.prefill_scores}
+    assert cfg["variants"] == [{}, {"recall": True}, flipped]
     assert cfg["lengths"] == [512 - 8 - 1]  # 1024 does not fit the tiny model's positions
-    assert len(res["trials"]) == 8 and all(len(t["hits"]) == 11 for t in res["trials"])
+    assert len(res["trials"]) == 8 and all(len(t["hits"]) == 16 for t in res["trials"])
     ref = res["reference"]
     assert ref["budget"] is None and ref["trials"] == 8 and 0 <= ref["accuracy"] <= 1
     assert [(r["policy"], r["budget"], r["variant_label"]) for r in res["runs"]] == \
-        [(p, 128, v) for v in ("plain", "recall=True") for p in CULLING]
+        [(p, 128, v) for v in ("plain", "recall=True", passkey.variant_label(flipped))
+         for p in CULLING]
     for i, r in enumerate([ref, *res["runs"]]):
         assert r["correct"] == sum(t["hits"][i] for t in res["trials"])
         assert r["accuracy"] == r["correct"] / 8 and r["trials"] == 8
     first = res["targets"][0]
     assert "with recall, brightness (recall=True" in first["what"]
-    assert len(res["targets"]) == 10  # each policy with recall, and drop-only beside it
+    assert len(res["targets"]) == 15  # each policy with recall, and drop-only beside it
     assert res["timing"]["prime_s"] > 0 and res["elapsed_s"] > 0
     report = (out / "report.md").read_text()
     assert report.startswith("# Pass-key retrieval benchmark")

@@ -10,15 +10,19 @@ answer. Measured:
 
 1. the full cache (no budget): the ceiling of the model itself;
 2. every culling scorer at every budget, under each ``variant`` (a dict of CacheParams
-   overrides: one more axis of the grid, labelled in every row).
+   overrides: one more axis of the grid, labelled in every row): by default the plain
+   cache, with recall, and with prefill scores flipped from their default (the first cull
+   seeing the prompt's own attention, or only its last query's).
 
 Trial i (its key, depth and length) depends only on the seed and i, so every cell answers
 the same prompts and a quick run's trials are the first of a full run's. The prime does
 not depend on the policy: each trial is primed once, saved with ``session_io`` and loaded
 into a fresh session for each cell (much cheaper than a prefill of thousands of tokens).
-With a budget below the prompt, the arena holds the whole prompt and the first step culls
-down to the budget on that one step's scores; the first answer token is still computed
-over the whole prompt.
+The prime gathers the prompt's attention statistics when a cell takes prefill scores, and
+each such cell seeds its scorer's columns from them (``Session.seed``), as a prime with the
+cell's parameters would. With a budget below the prompt, the arena holds the whole prompt
+and the first step culls down to the budget on that one step's scores (and, with prefill
+scores, the prompt's); the first answer token is still computed over the whole prompt.
 """
 from __future__ import annotations
 
@@ -148,7 +152,7 @@ def trials(seed: int, n: int, lengths: tuple[int, ...]) -> list[Trial]:
 class PasskeyConfig:
     """What to measure. ``policies`` empty: the full cache only. ``variants``: CacheParams
     overrides, each one more run of the whole policy x budget grid (``{}``: the plain cache;
-    default: plain and with recall)."""
+    default: plain, with recall, and with prefill scores flipped from their default)."""
 
     model: str = "smollm2"
     dtype: str = "float32"
@@ -158,7 +162,8 @@ class PasskeyConfig:
     lengths: tuple[int, ...] = (1024, 2048, 3072, 4096)
     budgets: tuple[int, ...] = (128, 256, 512)
     policies: tuple[str, ...] = CULLING
-    variants: tuple[dict, ...] = ({}, {"recall": True})
+    variants: tuple[dict, ...] = ({}, {"recall": True},
+                                  {"prefill_scores": not CacheParams.prefill_scores})
     framing: str = "raw"  # SmolLM2's full-cache accuracy: raw 50/50, chat 30/50 (METHOD)
     max_new_tokens: int = 8
     seed: int = 0
@@ -182,8 +187,9 @@ class PasskeyConfig:
         for v in self.variants:
             require(isinstance(v, dict) and not {"budget", "scorer"} & set(v),
                     f"a variant overrides cache parameters other than budget and scorer, got {v!r}")
-            require(not {"pinned", "seeds"} & set(v),
-                    f"variant {v!r}: pinned and seeds are fixed by the shared prime")
+            require(not {"pinned", "seeds", "prefill_window"} & set(v),
+                    f"variant {v!r}: pinned, seeds and prefill window are fixed by the "
+                    "shared prime")
             for b in self.budgets:  # fail early: unknown fields, too small for the protections
                 self.cache(b, (self.policies or CULLING)[0], v)
 
@@ -250,7 +256,8 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
     sampler = SamplerParams(greedy=True)
     t0 = time.perf_counter()
     ref = Session(model, policy, sampler, cfg.cache(None, "none"))
-    ref.prime(segs, arena_capacity(model, ref.cache_params, n, cfg.max_new_tokens))
+    stats = ref.prime(segs, arena_capacity(model, ref.cache_params, n, cfg.max_new_tokens),
+                      stats=any(c.cache.prefill_scores for c in grid))
     t1 = time.perf_counter()
     path = tmp / "primed.pbs"
     if grid:
@@ -265,6 +272,8 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
         state = load_session(model, path).state
         t4 = time.perf_counter()
         session = Session(model, policy, sampler, cell.cache, state=state)
+        if stats is not None:
+            session.seed(stats)  # stage 0: the cell's scorer columns, as its own prime's
         answers.append(answer(session, cfg.max_new_tokens))
         copy_s, answer_s = copy_s + t4 - t3, answer_s + time.perf_counter() - t4
         if tick:
@@ -477,9 +486,11 @@ METHOD = """\
 - **Cells**: each trial is primed once without a budget; the primed session is saved
   (`session_io.save_session`) and loaded into a fresh session per cell, with the cell's
   cache parameters. With a budget below the prompt, the arena holds the whole prompt and
-  the first step culls down to the budget on that step's attention alone: the first
-  answer token (a space before the digits, for SmolLM2) is computed over the whole prompt,
-  and the digits over what that step kept.
+  the first step culls down to the budget: on that step's attention alone, or with prefill
+  scores also on the prompt's own (the prime gathers its statistics once; each such cell
+  seeds its scorer's columns from them, as its own prime would). The first answer token (a
+  space before the digits, for SmolLM2) is computed over the whole prompt, and the digits
+  over what that step kept.
 - **Variants**: each is a set of cache-parameter overrides and one more run of the whole
   policy x budget grid; `plain` is the cache as configured."""
 

@@ -159,6 +159,13 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recall-aggregate", default=d.recall_aggregate,
                    help=f"recall: attention over layers-heads, hot and cold alike: "
                         f"{'|'.join(AGGREGATIONS)}")
+    g.add_argument("--prefill-scores", action=argparse.BooleanOptionalAction,
+                   default=d.prefill_scores,
+                   help="seed the scorer's per-token values from the prompt's own attention at "
+                        "the prime (brightness, h2o), so the first cull sees the whole prompt")
+    g.add_argument("--prefill-window", type=int, default=d.prefill_window, metavar="W",
+                   help="prefill scores: the prompt's last W queries are brightness's "
+                        "observation window")
 
 
 def _add_quality_args(p: argparse.ArgumentParser) -> None:
@@ -219,7 +226,8 @@ def cache_params(args) -> CacheParams:
                          cold_capacity=args.cold_capacity, recall_every=args.recall_every,
                          recall_max=args.recall_max, recall_layers=args.recall_layers,
                          recall_span=args.recall_span,
-                         recall_aggregate=args.recall_aggregate)
+                         recall_aggregate=args.recall_aggregate,
+                         prefill_scores=args.prefill_scores, prefill_window=args.prefill_window)
     make_scorer(params)
     return params
 

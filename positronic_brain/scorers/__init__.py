@@ -4,9 +4,12 @@ A scorer is a frozen dataclass whose fields are its hyperparameters, named as in
 ``CacheParams`` (which holds their one default), with one method
 ``score(view, attention) -> ScoreOut``. Per-token state that persists across steps
 (brightness, attn_sum) lives in the ledger: a scorer returns the new values and stage 4
-writes them. ``SCORERS`` is the one registry: the CLI's choices, the benchmarks and the
-tests are derived from it. The hindsight oracle (``scorers.oracle``, bench quality only)
-is not in it: it needs a full-cache pass over the same text, which no parameters give.
+writes them. A scorer that takes stage 0's statistics of the prompt's own attention
+(``CacheParams.prefill_scores``) also has ``prefill(view, stats) -> ScoreOut``: the columns
+the prime seeds (its file says how); the others ignore them. ``SCORERS`` is the one
+registry: the CLI's choices, the benchmarks and the tests are derived from it. The hindsight
+oracle (``scorers.oracle``, bench quality only) is not in it: it needs a full-cache pass over
+the same text, which no parameters give.
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ SCORERS: dict[str, type] = {"brightness": Brightness, "streaming": Streaming, "h
                             "tova": TOVA, "random": RandomScore, "none": NoScore}
 CULLING = tuple(name for name in SCORERS if name != "none")  # the scorers that take a budget
 BASELINES = tuple(name for name in CULLING if name != CacheParams.scorer)
+
+
+def prefill_scorer(scorer: object, params: CacheParams) -> object | None:
+    """``scorer`` if the prime should seed its columns from the prompt's attention
+    (``prefill_scores`` on, and it takes them: a ``prefill`` method), else None."""
+    return scorer if params.prefill_scores and hasattr(scorer, "prefill") else None
 
 
 def make_scorer(params: CacheParams) -> Scorer:

@@ -2,6 +2,12 @@
 
 The sum of the attention each token received since it was born (a ledger column), divided
 by the number of queries that could attend to it, so old tokens are not favoured for age.
+
+Prefill scores (``prefill``): a prompt token's ``attn_sum`` starts at the mean attention the
+prefilled queries after it paid it (stage 0's ``total`` over ``queries``: H2O's score had it
+run through the prompt), so the prompt's queries count as one: the first step weighs their
+view and its own query alike, and a token born later is not outweighed by the prompt's
+many queries.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import torch
 
 from .attention import aggregate
 from ..state import View
-from ..types import ScoreOut
+from ..types import PrefillStats, ScoreOut
 
 
 @dataclass(frozen=True)
@@ -22,3 +28,8 @@ class H2O:
         total = view.attn_sum + aggregate(attention, self.aggregate)  # (n,)
         queries = (view.step - view.born_step + 1).clamp(min=1).float()  # (n,) incl. this one
         return ScoreOut(scores=total / queries, attn_sum=total)
+
+    def prefill(self, view: View, stats: PrefillStats) -> ScoreOut:
+        """The prompt's mean attention per later query, as one query's worth."""
+        mean = aggregate(stats.total, self.aggregate) / stats.queries.clamp(min=1)
+        return ScoreOut(scores=mean, attn_sum=view.attn_sum + mean)

@@ -1,4 +1,7 @@
-"""No scoring: every token scores 0 (used without a budget, when nothing is culled)."""
+"""No scoring: every token scores 0 (used without a budget, when nothing is culled).
+
+Prefill scores: none taken.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

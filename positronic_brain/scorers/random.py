@@ -1,4 +1,7 @@
-"""Random scores: the floor any policy must beat. Seeded by (random_seed, step), so reproducible."""
+"""Random scores: the floor any policy must beat. Seeded by (random_seed, step), so reproducible.
+
+Prefill scores: none taken (it reads no attention).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

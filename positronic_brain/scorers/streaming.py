@@ -1,4 +1,7 @@
-"""StreamingLLM (Xiao et al., 2023): keep the first ``sinks`` tokens and the most recent."""
+"""StreamingLLM (Xiao et al., 2023): keep the first ``sinks`` tokens and the most recent.
+
+Prefill scores: none taken; it keeps by position, whatever the attention.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,8 @@
-"""TOVA (Oren et al., 2024): keep the tokens the current query attends to most."""
+"""TOVA (Oren et al., 2024): keep the tokens the current query attends to most.
+
+Prefill scores: none taken. TOVA keeps no per-token state, and its first step's query is
+already the prompt's last token (the pending one), which sees the whole prompt.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,8 @@
 """Stage 0/4: build and patch the cache — the only code that writes to an arena or a ledger.
 
-- ``prime``: allocate the arena and ledger and prefill a prompt (stage 0).
+- ``prime``: allocate the arena and ledger and prefill a prompt (stage 0), gathering the
+  prompt's attention statistics on request.
+- ``seed``: write a scorer's ledger columns from those statistics (stage 0; prefill scores).
 - ``extend``: prefill new prompt segments onto an existing state (stage 0; chat turns,
   imported sessions).
 - ``apply``: apply one step's actions atomically, in a fixed order: brightness/attn_sum,
@@ -12,6 +14,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -20,8 +23,8 @@ from ..forward import apply_rope, forward, rerotation
 from ..model import Model
 from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Cold, Ledger, State, key_norms,
                      value_norms)
-from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Patch, PrimeOut, Merge, Swap,
-                     Segment, require)
+from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Merge, Patch, PrefillStats,
+                     PrimeOut, ScoreOut, Segment, Swap, require)
 
 PREFILL_CHUNK = 256
 
@@ -45,17 +48,26 @@ def _write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: tor
 
 
 def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Tensor,
-             sources: torch.Tensor, flags: torch.Tensor, chunk: int,
-             all_logits: bool) -> tuple[list[torch.Tensor], list[int], list[int]]:
-    """Append ``ids`` at ``positions`` in causal chunks; each chunk attends to all live slots."""
+             sources: torch.Tensor, flags: torch.Tensor, chunk: int, all_logits: bool,
+             received: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+             ) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """Append ``ids`` at ``positions`` in causal chunks; each chunk attends to all live slots.
+    ``received`` (total, window, first): add into ``total`` (L, H, >= n) what every new
+    query paid each slot and into ``window`` what the queries from the ``first``-th new one
+    on paid (``forward``'s ``received``), without a second forward."""
     a, m = state.arena, state.ledger
     logits, slots, uids = [], [], []
     for start in range(0, ids.shape[0], chunk):
         sl = slice(start, start + chunk)
         n = a.n
         out = forward(model, a.k[:, :, :n], a.v[:, :, :n], ids[sl], positions[sl],
-                      all_logits=all_logits, past_log_mass=a.live_log_mass(n))
+                      all_logits=all_logits, past_log_mass=a.live_log_mass(n),
+                      received_from=None if received is None else max(0, received[2] - start))
         t = out.k.shape[2]
+        if received is not None:
+            received[0][:, :, :n + t] += out.received
+            if out.received_window is not None:
+                received[1][:, :, :n + t] += out.received_window
         a.k[:, :, n:n + t] = out.k  # (L, KVH, t, D)
         a.v[:, :, n:n + t] = out.v
         a.log_mass[:, :, n:n + t] = 0.0
@@ -72,7 +84,8 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
 def prime(model: Model, segments: list[Segment], capacity: int,
           pinned: frozenset[str] = frozenset(), chunk: int = PREFILL_CHUNK,
           all_logits: bool = False, seeds: tuple[float, ...] | None = None,
-          cold_capacity: int | None = None) -> tuple[State, PrimeOut]:
+          cold_capacity: int | None = None, prefill_window: int | None = None,
+          scorer=None) -> tuple[State, PrimeOut]:
     """Stage 0: allocate an arena of ``capacity`` slots and prefill all prompt tokens but
     the last, which becomes the pending token (stage 1 runs it and samples the first
     generated token). Tokens whose source is in ``pinned`` are protected from culls;
@@ -80,6 +93,10 @@ def prime(model: Model, segments: list[Segment], capacity: int,
 
     ``capacity``: the arena's slots (``loop.arena_capacity`` chooses them for a session).
     ``cold_capacity``: with recall, the cold store's (None: no cold store).
+    ``prefill_window``: also gather the prompt's attention statistics (``PrimeOut.stats``,
+    ``PrefillStats``) over its last ``prefill_window`` prefilled queries and all of them,
+    inside the chunked prefill; ``scorer``: then seed its ledger columns from them
+    (``seed``).
     """
     ids_list = [i for s in segments for i in s.ids]
     require(len(ids_list) > 0, "the prompt is empty")
@@ -100,16 +117,52 @@ def prime(model: Model, segments: list[Segment], capacity: int,
                   cold=None if cold_capacity is None else cold_store(model, cold_capacity))
     T = len(ids_list) - 1
     dev = model.device
+    received = None
+    if prefill_window is not None:
+        shape = (model.spec.n_layers, model.spec.n_heads, T)
+        received = (torch.zeros(shape, device=dev), torch.zeros(shape, device=dev),
+                    max(0, T - prefill_window))
     logits, slots, uids = _prefill(
         model, state, torch.tensor(ids_list[:T], device=dev), torch.arange(T, device=dev),
         torch.tensor(src[:T], dtype=torch.int8, device=dev),
-        torch.tensor(flg[:T], dtype=torch.int8, device=dev), chunk, all_logits)
+        torch.tensor(flg[:T], dtype=torch.int8, device=dev), chunk, all_logits, received)
     state.pending_token = ids_list[-1]
     state.pending_source = segments[-1].source
     state.next_position = T
     rows = torch.cat(logits) if logits else torch.empty(0, model.spec.vocab, device=model.device)
     patch = Patch(step=0, appended_slots=tuple(slots), appended_uids=tuple(uids))
-    return state, PrimeOut(logits=rows, patch=patch)
+    stats = None
+    if received is not None:
+        total, window, first = received
+        stats = PrefillStats(uid=state.ledger.live("uid").clone(),
+                             window=window / max(1, T - first), window_queries=T - first,
+                             total=total, queries=torch.arange(T - 1, -1, -1, device=dev).float())
+        seeded = seed(state, scorer, stats)
+        if seeded is not None:
+            patch = dataclasses.replace(patch, brightness=seeded.brightness,
+                                        attn_sum=seeded.attn_sum)
+    return state, PrimeOut(logits=rows, patch=patch, stats=stats)
+
+
+@torch.no_grad()
+def seed(state: State, scorer, stats: PrefillStats) -> ScoreOut | None:
+    """Stage 0: write the ledger columns ``scorer`` seeds from the prompt's statistics
+    ``stats`` (its ``prefill(view, stats)``, read-only; None: a scorer without one ignores
+    them, and nothing changes) into the live slots they are of (a fresh prime's, or a copy
+    of it: bench passkey seeds each cell's). Returns what the scorer gave."""
+    view = state.view()
+    take = getattr(scorer, "prefill", None)
+    if take is None:
+        return None
+    assert torch.equal(view.uid, stats.uid), "the prompt statistics are of other slots"
+    out = take(view, stats)
+    _check_columns(out, view.n)
+    m = state.ledger
+    if out.brightness is not None:
+        m.brightness[: view.n] = out.brightness
+    if out.attn_sum is not None:
+        m.attn_sum[: view.n] = out.attn_sum
+    return out
 
 
 @torch.no_grad()
@@ -157,13 +210,7 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
     assert gen.k.shape == (a.k.shape[0], a.k.shape[1], 1, a.k.shape[3]), \
         f"new K has shape {tuple(gen.k.shape)}"
     assert gen.k.dtype == gen.v.dtype == a.v.dtype, f"new K/V are {gen.k.dtype}, not {a.v.dtype}"
-    for name, top in (("brightness", MAX_BRIGHTNESS), ("attn_sum", float("inf"))):
-        t = getattr(actions, name)
-        assert t is None or t.shape == (n,), f"bad {name} for {n} slots"
-        if t is not None and n:
-            lo, hi = (float(x) for x in t.aminmax())  # a NaN fails the comparisons
-            assert 0 <= lo and hi <= top and math.isfinite(hi), \
-                f"{name} outside [0, {top}]: [{lo}, {hi}]"
+    _check_columns(actions, n)
     slots = list(actions.cull_slots) + [s for r in actions.merges for s in r.slots]
     require(len(set(slots)) == len(slots), f"a slot is culled or repaired twice: {slots}")
     require(all(0 <= s < n for s in slots), f"a cull or repair slot is outside [0, {n})")
@@ -186,6 +233,18 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
     removed = len(actions.cull_slots) + len(actions.merges)
     require(n - removed < a.capacity,
             f"the arena is full ({a.capacity} slots); set a budget to cull")
+
+
+def _check_columns(new, n: int) -> None:
+    """The scorer columns ``new`` writes (``brightness``, ``attn_sum``; None = unchanged)
+    have one value per live slot, in range."""
+    for name, top in (("brightness", MAX_BRIGHTNESS), ("attn_sum", float("inf"))):
+        t = getattr(new, name)
+        assert t is None or t.shape == (n,), f"bad {name} for {n} slots"
+        if t is not None and n:
+            lo, hi = (float(x) for x in t.aminmax())  # a NaN fails the comparisons
+            assert 0 <= lo and hi <= top and math.isfinite(hi), \
+                f"{name} outside [0, {top}]: [{lo}, {hi}]"
 
 
 def _check_swaps(state: State, actions: Actions, changed: set[int]) -> None:

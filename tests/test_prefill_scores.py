@@ -1,0 +1,239 @@
+"""Prefill scores: stage 0's statistics of the prompt's own attention (what its last W
+queries paid each token, what every later query did) equal Hugging Face's own attention
+weights; each scorer seeds its ledger columns from them as its file says; with them off
+every run is what it was; a captured run with them replays bit for bit."""
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from positronic_brain.bench import passkey
+from positronic_brain.capture import CaptureTape, sha256
+from positronic_brain.cli import main as cli
+from positronic_brain.loop import Session, run
+from positronic_brain.replay import replay
+from positronic_brain.scorers import SCORERS
+from positronic_brain.session_io import load_session, save_session
+from positronic_brain.stages.apply import prime
+from positronic_brain.types import CacheParams, SamplerParams, Segment, UserError
+
+PROMPT = ("The quiet harbour town woke slowly; gulls argued over the fishing boats while "
+          "the baker opened her shutters and the first ferry sounded its horn twice.")
+
+
+def _prompt(policy) -> list[Segment]:
+    return policy.raw_prompt(PROMPT)
+
+
+@torch.no_grad()
+def _hf_attention(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's own attention weights over ``ids`` (L, H, T, T) float32, from its eager
+    attention, and its value norms (L, kv_heads, T)."""
+    hf = model.hf
+    hf.set_attn_implementation("eager")
+    try:
+        out = hf(input_ids=torch.tensor([ids], device=model.device), output_attentions=True,
+                 use_cache=True)
+    finally:
+        hf.set_attn_implementation("sdpa")
+    att = torch.stack(out.attentions)[:, 0].float()  # (L, H, T, T)
+    vnorm = torch.stack([layer.values[0] for layer in out.past_key_values.layers]).float().norm(dim=-1)
+    return att, vnorm
+
+
+def test_the_statistics_equal_hf_attention(tiny_model, tiny_policy):
+    """The window mean and the totals, each query's own token left out, gathered over chunks
+    that split the window, equal sums of HF's eager attention weights to 1e-5."""
+    segs = _prompt(tiny_policy)
+    ids = [i for s in segs for i in s.ids]
+    T, W = len(ids) - 1, 12
+    assert T > 3 * 7
+    state, out = prime(tiny_model, segs, capacity=T + 1, chunk=7, prefill_window=W)
+    stats = out.stats
+    att, _ = _hf_attention(tiny_model, ids[:T])
+    earlier = att.tril(-1)  # a query's weights on the tokens before it
+    window = earlier[:, :, T - W:].sum(2) / W  # (L, H, T)
+    total = earlier.sum(2)
+    assert stats.window.device == stats.total.device == tiny_model.device
+    assert stats.window_queries == W and stats.window.shape == (2, 4, T)
+    assert torch.equal(stats.uid, state.view().uid)
+    assert torch.equal(stats.queries, torch.arange(T - 1, -1, -1, device=tiny_model.device).float())
+    assert float((stats.window - window).abs().max()) <= 1e-5
+    assert float((stats.total - total).abs().max()) <= 1e-5
+    assert float(window[:, :, :T - W].sum(-1).min()) > 0.5  # the window looks back, not only at itself
+    # a window longer than the prompt takes every query
+    _, whole = prime(tiny_model, segs, capacity=T + 1, prefill_window=10 * T)
+    assert whole.stats.window_queries == T
+    assert float((whole.stats.window - total / T).abs().max()) <= 1e-5
+
+
+def test_each_scorer_seeds_its_columns_as_its_file_says(tiny_model, tiny_policy):
+    """Brightness: the window's W queries as W steps of its rule (value-weighted share) from
+    0, at most the seed; H2O: attn_sum is the mean attention per later query; the others
+    seed nothing. Hand-computed from HF's attention and value norms."""
+    segs = _prompt(tiny_policy)
+    ids = [i for s in segs for i in s.ids]
+    T, W = len(ids) - 1, 8
+    att, vnorm = _hf_attention(tiny_model, ids[:T])
+    window = att.tril(-1)[:, :, T - W:].sum(2) / W  # (L, H, T)
+    w = vnorm / vnorm.mean(-1, keepdim=True)  # (L, KVH, T): value norm / the mean live one
+    share = T * (window.view(2, 2, 2, T) * w[:, :, None]).view(2, 4, T).mean((0, 1))
+    p = CacheParams(budget=24, prefill_scores=True, prefill_window=W)
+    s = Session(tiny_model, tiny_policy, cache_params=p)
+    s.prime(segs)
+    b = (W * (p.gain * share - p.decay)).clamp(0, 255)  # from 0, at most the seed (255)
+    assert float(b.min()) < float(b.max()) < 255  # told apart, none at the clamp
+    assert float((s.state.ledger.live("brightness") - b).abs().max()) <= 1e-4
+    assert not s.state.ledger.live("attn_sum").any()
+
+    s = Session(tiny_model, tiny_policy, cache_params=dataclasses.replace(p, scorer="h2o"))
+    s.prime(segs)
+    mean = att.tril(-1).sum(2).mean((0, 1)) / torch.arange(T - 1, -1, -1, device=att.device
+                                                           ).clamp(min=1)
+    assert float((s.state.ledger.live("attn_sum") - mean).abs().max()) <= 1e-5
+    assert torch.equal(s.state.ledger.live("brightness"), torch.full((T,), 255.0,
+                                                                     device=tiny_model.device))
+    for name in ("streaming", "tova", "random"):
+        s = Session(tiny_model, tiny_policy, cache_params=dataclasses.replace(p, scorer=name))
+        assert s.prime(segs) is None  # takes none, so none are gathered
+        assert not s.state.ledger.live("attn_sum").any()
+        assert bool((s.state.ledger.live("brightness") == 255).all())
+
+
+def test_off_is_the_run_as_before(tiny_model, tiny_policy, one_thread):
+    """Gathering the statistics leaves the prime's K/V and logits bit for bit as they were,
+    and with prefill scores off (or for a scorer that takes none) a run is bit for bit the
+    run without the statistics."""
+    segs = _prompt(tiny_policy)
+    a, out_a = prime(tiny_model, segs, capacity=200, chunk=5, all_logits=True)
+    b, out_b = prime(tiny_model, segs, capacity=200, chunk=5, all_logits=True, prefill_window=9)
+    assert out_a.stats is None and out_b.stats is not None
+    n = a.arena.n
+    assert torch.equal(out_a.logits, out_b.logits)
+    for x in ("k", "v", "knorm", "vnorm"):
+        assert torch.equal(getattr(a.arena, x)[:, :, :n], getattr(b.arena, x)[:, :, :n])
+    for c in ("brightness", "attn_sum"):
+        assert torch.equal(a.ledger.live(c), b.ledger.live(c))
+    sampler = SamplerParams(temperature=0.9, seed=3)
+    n_prompt = sum(len(s.ids) for s in segs)
+    for scorer in ("brightness", "h2o", "tova"):
+        params = CacheParams(budget=32, scorer=scorer)
+        runs = {on: run(tiny_model, tiny_policy, segs, sampler, 12, True,
+                        cache_params=dataclasses.replace(params, prefill_scores=on))
+                for on in (False, True)}
+        plain = Session(tiny_model, tiny_policy, sampler, params)
+        plain.state, _ = prime(tiny_model, segs, n_prompt)  # stage 0 as before: no statistics
+        records = [r.as_json() for r in plain.stream(12, ignore_eos=True)]
+        culls = [r["culled"] for r in records]
+        assert [s["culled"] for s in runs[False]["steps"]] == culls and culls[0]
+        assert runs[False]["generated_ids"] == plain.generated_ids
+        assert runs[False]["ledger"] == plain.state.ledger.rows()
+        changed = [s["culled"] for s in runs[True]["steps"]] != culls
+        assert changed == (scorer != "tova")  # TOVA takes no prefill scores
+
+
+def test_a_token_the_window_attends_survives_the_first_cull(tiny_model, tiny_policy,
+                                                            one_thread):
+    """A constructed case: the prompt's window pays all its attention to a token that the
+    first step's query alone culls. Seeded from that window, brightness keeps it through
+    the cull down to the budget; unseeded, it goes."""
+    segs = _prompt(tiny_policy)
+    greedy, params = SamplerParams(greedy=True), CacheParams(budget=16, sinks=2, recent=4)
+    off = Session(tiny_model, tiny_policy, greedy, params)
+    stats = off.prime(segs, stats=True)  # gathered, not seeded: prefill scores are off
+    assert bool((off.state.ledger.live("brightness") == 255).all())
+    on = Session(tiny_model, tiny_policy, greedy,
+                 dataclasses.replace(params, prefill_scores=True),
+                 state=prime(tiny_model, segs, off.state.arena.capacity)[0])
+    culled = off.step().culled
+    assert len(culled) > 5
+    uid = culled[len(culled) // 2]  # a prompt token: at the prime, its slot is its uid
+    window = torch.zeros_like(stats.window)
+    window[:, :, uid] = 1.0
+    on.seed(dataclasses.replace(stats, window=window))
+    b = on.state.ledger.live("brightness")
+    assert float(b[uid]) == 255.0 and not torch.cat((b[:uid], b[uid + 1:])).any()
+    rec = on.step()
+    assert len(rec.culled) == len(culled) and uid not in rec.culled
+    assert uid in on.state.ledger.live("uid").tolist() and on.state.arena.n == params.budget
+
+
+def test_smollm2_keeps_the_pass_key_its_question_attends(real_model, real_policy, tmp_path,
+                                                        one_thread):
+    """Trial 1 of the quick pass-key run (key 45208 at depth 78% of ~1k tokens): at budget
+    128 the first cull on one query's brightness loses the key; seeded with the prompt's
+    window it is kept and the answer is right."""
+    cfg = passkey.PasskeyConfig(lengths=(1024,), budgets=(128,), policies=("brightness",),
+                                variants=({"prefill_scores": False}, {"prefill_scores": True}))
+    trial = passkey.trials(0, 2, cfg.lengths)[1]
+    assert trial.key == 45208
+    row = passkey.run_trial(real_model, real_policy, cfg, trial, passkey.cells(cfg), tmp_path)
+    assert row["hits"] == [True, False, True], row["answers"]
+
+
+@pytest.mark.parametrize("scorer", ["brightness", "h2o"])
+def test_a_captured_run_with_prefill_scores_replays_bit_for_bit(tiny_model, tiny_policy,
+                                                                tmp_path, scorer, one_thread):
+    params = CacheParams(budget=32, scorer=scorer, prefill_scores=True, prefill_window=6)
+    tape = CaptureTape(tmp_path, {"model": tiny_model.name, "dtype": "float32",
+                                  "device": str(tiny_model.device),
+                                  "fingerprint": tiny_model.fingerprint}, run_id="run")
+    res = run(tiny_model, tiny_policy, _prompt(tiny_policy), SamplerParams(seed=5), 6, True,
+              cache_params=params, tape=tape)
+    assert res["steps"][0]["culled"]
+    report = replay(tape.dir, model=tiny_model)
+    assert report.ok and report.tolerance is None, [str(m) for m in report.mismatches[:5]]
+    assert report.compared["s0_prime"] == 1 and report.steps == 6
+    # the seeded columns are part of what replay compares: a changed one is reported
+    copy = shutil.copytree(tape.dir, tmp_path / "copy")
+    name = "000000_s0_prime.pt"
+    data = torch.load(copy / name, weights_only=True)
+    column = "brightness" if scorer == "brightness" else "attn_sum"
+    assert data["outputs"]["patch"][column] is not None
+    assert data["inputs"]["prefill"]["prefill_window"] == 6
+    data["outputs"]["patch"][column][3] += 0.25
+    torch.save(data, copy / name)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"][name] = sha256((copy / name).read_bytes())
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    bad = replay(copy, model=tiny_model, stage="s0_prime")
+    assert [m.key for m in bad.mismatches] == [f"patch.{column}"]
+
+
+def test_a_copy_seeded_from_the_statistics_equals_its_own_prime(tiny_model, tiny_policy,
+                                                                 tmp_path):
+    """bench passkey's cells: a saved prime (gathered without a scorer) seeded per cell gives
+    the columns a prime with the cell's parameters gives, bit for bit."""
+    segs = _prompt(tiny_policy)
+    ref = Session(tiny_model, tiny_policy, cache_params=CacheParams(scorer="none"))
+    stats = ref.prime(segs, stats=True)
+    assert stats is not None and bool((ref.state.ledger.live("brightness") == 255).all())
+    save_session(ref, tmp_path / "p.pbs")
+    for scorer in ("brightness", "h2o"):
+        params = CacheParams(budget=32, scorer=scorer, prefill_scores=True)
+        own = Session(tiny_model, tiny_policy, cache_params=params)
+        own.prime(segs)
+        copy = Session(tiny_model, tiny_policy, cache_params=params,
+                       state=load_session(tiny_model, tmp_path / "p.pbs").state)
+        copy.seed(stats)
+        for c in ("brightness", "attn_sum"):
+            assert torch.equal(copy.state.ledger.live(c), own.state.ledger.live(c))
+
+
+def test_the_scorers_that_take_prefill_scores():
+    assert {n for n, c in SCORERS.items() if hasattr(c, "prefill")} == {"brightness", "h2o"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prefill-window", "-3"], "prefill window must be >= 1"),
+    (["--prefill-window", "0"], "prefill window must be >= 1"),
+    (["--prefill-window", "x"], "invalid int value"),
+])
+def test_bad_prefill_options_are_one_line_and_exit_2(capsys, argv, message):
+    assert cli(["run", "--prompt", "hi", "--model", "tiny-random", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    with pytest.raises(UserError, match="prefill window"):
+        CacheParams(prefill_window=-1)
