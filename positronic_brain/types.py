@@ -211,10 +211,9 @@ class CacheParams:
                 f"prune must be tokens or turns, got {self.prune!r}")
         require(self.prune == "tokens" or self.repair == "none",
                 "prune turns drops whole turns; it takes no token repairs")
-        for name in ("cold_capacity", "recall_every", "recall_max", "recall_layers", "recall_span"):
+        for name in ("cold_capacity", "recall_every", "recall_max", "recall_layers", "recall_span",
+                     "prefill_window"):
             require(getattr(self, name) is None or getattr(self, name) >= 1,
-    prefill_scores: bool = False
-    prefill_window: int = 8
                     f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         if self.recall:
             require(self.budget is not None, "recall brings back culled tokens; it needs a budget")
