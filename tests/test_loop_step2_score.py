@@ -85,7 +85,7 @@ def test_brightness_update_rule_by_hand(tiny_model, tiny_policy, signal):
             heads = [[float(attention[li, h, i]) * weight[li][h][i] for h in range(H)]
                      for li in layers]
             per_layer = [max(x) if how.endswith("max") else sum(x) / H for x in heads]
-            share = n * sum(per_layer) / len(per_layer)
+            share = n * (max(per_layer) if how.startswith("max") else sum(per_layer) / len(per_layer))
             want = min(200.0, max(0.0, float(view.brightness[i]) - 1.5 + 0.5 * share))
             assert abs(float(got[i]) - want) < 1e-4, (how, i)
 
