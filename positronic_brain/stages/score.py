@@ -27,7 +27,8 @@ def recall_layers(params: CacheParams, n_layers: int) -> tuple[int, ...]:
     as a third of SmolLM2's weights per step at 8,000 cold tokens."""
     first = min(round(params.skip_layers * n_layers), n_layers - 1)
     count = min(params.recall_layers, n_layers - first)
-    return tuple(sorted({round(x) for x in torch.linspace(first, n_layers - 1, count).tolist()}))
+    spread = torch.linspace(first, n_layers - 1, count, device="cpu")
+    return tuple(sorted({round(x) for x in spread.tolist()}))
 
 
 def recall_query(view: View, gen: GenerateOut, params: CacheParams) -> RecallQuery | None:
