@@ -206,5 +206,6 @@ def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[s
             and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),
             f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]}")
     _check_columns(columns, n)
-    ids = torch.cat((columns["token_id"], torch.tensor([pending_token])))
+    saved = columns["token_id"]
+    ids = torch.cat((saved, torch.tensor([pending_token], device=saved.device)))
     require(bool(((ids >= 0) & (ids < s.vocab)).all()), "a saved token id is outside the vocabulary")

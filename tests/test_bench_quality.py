@@ -1,5 +1,6 @@
 """`bench quality`: streaming perplexity through the real loop with teacher forcing, checked
 against Hugging Face's own full-context forward; the CLI's JSON, report and plots."""
+import gzip
 import json
 import math
 
@@ -26,12 +27,13 @@ def text_ids(real_policy):
 @torch.no_grad()
 def hf_nll(model, ids: list[int]) -> torch.Tensor:
     """(T-1,) NLL of ids[1:] from one HF forward over the whole text (the full context)."""
-    logp = model.hf(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
-    return -logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    logp = model.hf(input_ids=torch.tensor([ids], device=model.device)).logits[0]
+    logp = logp.float().log_softmax(-1).cpu()
+    return -logp[:-1].gather(1, torch.tensor(ids[1:], device="cpu")[:, None])[:, 0]
 
 
 def _assert_equals_hf(s, want):
-    got = torch.tensor(s.nll)
+    got = torch.tensor(s.nll, device="cpu")
     assert s.totals.culled == 0 and s.stop_reason == "max_new_tokens" and got.shape == want.shape
     diff = (got - want).abs()
     assert float(diff.max()) <= 1e-4, f"NLL max abs diff {float(diff.max()):.3g}"
@@ -53,7 +55,7 @@ def test_a_budget_changes_only_what_follows_the_first_cull(real_model, real_poli
                                 CacheParams(budget=40, scorer="streaming", sinks=2, recent=8))
     # Step t runs ids[t-1] over t-1 cached tokens and culls (in stage 4, after its NLL) from
     # t = 41 on: the first 41 NLLs are the full context's, each later one sees a culled one.
-    want, got = hf_nll(real_model, text_ids), torch.tensor(cut.nll)
+    want, got = hf_nll(real_model, text_ids), torch.tensor(cut.nll, device="cpu")
     assert cut.totals.culled == N_TOKENS - 1 - 40
     assert float((got[:41] - want[:41]).abs().max()) <= 1e-4
     assert bool(((got[41:] - want[41:]).abs() > 1e-4).all())
@@ -95,24 +97,61 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
     res = json.loads(stdout)  # exactly one JSON object on stdout
     assert res == json.loads((out / "results.json").read_text())
     assert res["model"] == "tiny-random" and res["quick"] and res["max_positions"] == 512
-    assert res["text"]["slice"] == "eval" and res["text"]["offset"] == 0
+    _check_windows(res)
+    _check_grid(res)
+    _check_long(res)
+    _check_targets(res)
 
-    grid = [(r["budget"], r["policy"], r["repair"]) for r in res["runs"]]
-    assert grid == [(32, p, r) for p in quality.SCORERS for r in quality.REPAIRS]
-    for r in res["runs"]:
-        assert r["scored"] == 64 and r["ppl"] > 1 and math.isfinite(r["ppl"])
-        # every step past the budget removes one: a cull or a merge (a fold is a cull too)
-        removed = r["culled"] + r["merged"]
-        assert removed == 64 - 32
-        assert (r["merged"] + r["folded"] > 0) == (r["repair"] != "none")
-        assert r["repair"] != "fold" or 0 < r["folded"] <= r["culled"]
+    for name in ("ppl_vs_budget.png", "ppl_long.png"):
+        assert (out / name).read_bytes().startswith(PNG)
+    report = (out / "report.md").read_text()
+    assert "bench quality --quick --model tiny-random" in report
+    assert "![ppl_long.png](./ppl_long.png)" in report
+    assert "| brightness with recall | none |" in report
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nspeed section\n")
+    assert "<!-- bench quality: end -->" in text
+    assert "![ppl_vs_budget.png](q/ppl_vs_budget.png)" in text
+
+
+def _check_windows(res):
+    """Two windows (--quick), spread over the eval slice (the text's first half: the tune
+    slice never shares a token), each opening with the largest budget + 1 unscored steps."""
+    t, warmup = res["text"], res["config"]["warmup"]
+    assert t["slice"] == "eval" and t["offset"] == 0 and t["end"] == t["tokens"] // 2
+    assert warmup == 33 and res["config"]["tokens"] == 64
+    (a, b), span = t["windows"], warmup + 64 + 1
+    assert a == 0 and b + span == t["end"] and a + span <= b
+    assert b + span <= quality.slice_range(t["tokens"], "tune").start
+
+
+def _check_grid(res):
+    grid = [(r["budget"], r["policy"], r["repair"], r["recall"]) for r in res["runs"]]
+    assert grid == [(32, p, r, False) for p in quality.SCORERS for r in quality.REPAIRS] + [
+        (32, "brightness", "none", True)]  # the default policy with recall
     (oracle,) = res["oracle"]  # the hindsight oracle, from the reference's attention
     assert (oracle["budget"], oracle["policy"], oracle["repair"]) == (32, "oracle", "none")
-    assert oracle["scored"] == 64 and oracle["culled"] == 64 - 32
+    for r in res["runs"] + [oracle]:
+        assert r["scored"] == 2 * 64 and r["ppl"] > 1 and math.isfinite(r["ppl"])
+        # every scored step removes one: a cull or a merge (a fold is a cull too)
+        assert r["culled"] + r["merged"] == 2 * 64
+        assert (r["merged"] + r["folded"] > 0) == (r["repair"] != "none")
+        assert r["repair"] != "fold" or 0 < r["folded"] <= r["culled"]
+        assert (r["recalled"] > 0) == r["recall"]
+        # every window's cache was full and culling before its first scored token
+        assert [(w["start"], w["first_scored"], w["scored"], w["warm_removed"])
+                for w in r["by_window"]] == [(a, a + 34, 64, 1) for a in res["text"]["windows"]]
+        assert r["ppl"] == pytest.approx(math.exp(sum(
+            math.log(w["ppl"]) for w in r["by_window"]) / 2))
     ref = res["reference"]
-    assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 64
-    assert ref["windows"][-1]["end"] == 512  # the reference streams up to the positions
+    assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 2 * 64
+    assert [w["warm_removed"] for w in ref["by_window"]] == [0, 0]
 
+
+def _check_long(res):
+    ref = res["long_reference"]  # the full cache streams the long run up to the positions
+    assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 512
+    assert ref["windows"][-1]["end"] == 512 and ref["ppl"] > 1
     compact, keep, base, recall = res["long"]
     assert [(r["policy"], r["positions"], r["recall"]) for r in res["long"]] == [
         ("brightness", "compact", False), ("brightness", "keep", False),
@@ -122,7 +161,6 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
         assert r["scored"] == 512 and r["stop_reason"] == "max_positions"
         assert r["reindexed"] == 0 and r["budget"] == 32
     assert recall["recalled"] > 0 and keep["recalled"] == 0
-    assert ref["scored_all"] == 512 and ref["ppl_all"] > 1
     # The runs are one until the re-index (in stage 4 of the step at position 511).
     assert keep["windows"] == compact["windows"][:len(keep["windows"])]
     # The control streams the last 256 tokens from token 304: the 48 past the positions
@@ -132,44 +170,124 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
     assert c["positions_scored"] == [208, 256] and c["reindexed"] == 0
     assert c["ppl_compact"] == pytest.approx(next(w["ppl"] for w in compact["windows"]
                                                   if w["start"] == 512))
+
+
+def _target(res, *words):
+    (t,) = [t for t in res["targets"] if all(w in t["what"] for w in words)]
+    return t
+
+
+def _check_targets(res):
     whats = [t["what"] for t in res["targets"]]
     assert {w.split(":")[0] for w in whats} >= {"budget 32", "compact positions",
                                                   "budget 32, the first 512 tokens"}
-    gap = next(t for t in res["targets"] if "gap between the best baseline" in t["what"])
+    rec = quality.with_recall(res, 32)
+    base = quality.best(res["runs"], 32, quality.BASELINES)
+    assert rec["recall"] and not base["recall"] and base["policy"] in quality.BASELINES
+    vs = _target(res, "budget 32: brightness with recall", "/ the best baseline")
+    assert vs["value"] == pytest.approx(rec["ppl"] / base["ppl"])
+    assert vs["target"] == "–" and vs["met"] is None  # the 0.97 target is at 128 and 256
+    gap = _target(res, "budget 32: brightness with recall", "gap between the best baseline")
+    assert gap["value"] == quality.gap_closed(res, rec)
     assert gap["met"] is None if gap["value"] is None else gap["met"] == (gap["value"] >= 0.5)
-    with_recall = next(t for t in res["targets"] if "with recall" in t["what"])
-    assert with_recall["value"] == pytest.approx(recall["ppl"] / ref["ppl_all"])
-    control = next(t for t in res["targets"] if "control run" in t["what"])
-    assert control["value"] == pytest.approx(c["ppl_compact"] / c["ppl_past"])
-
-    for name in ("ppl_vs_budget.png", "ppl_long.png"):
-        assert (out / name).read_bytes().startswith(PNG)
-    report = (out / "report.md").read_text()
-    assert "bench quality --quick --model tiny-random" in report
-    assert "![ppl_long.png](./ppl_long.png)" in report
-    text = doc.read_text()
-    assert text.startswith("# Benchmarks\n\nspeed section\n")
-    assert "<!-- bench quality: end -->" in text
-    assert "![ppl_vs_budget.png](q/ppl_vs_budget.png)" in text
+    with_recall = _target(res, "the first 512 tokens: brightness with recall")
+    assert with_recall["value"] == pytest.approx(res["long"][3]["ppl"]
+                                                 / res["long_reference"]["ppl"])
+    c = res["control"]
+    assert _target(res, "control run")["value"] == pytest.approx(c["ppl_compact"] / c["ppl_past"])
 
 
-def test_slices_never_overlap():
-    ids = list(range(1000))
-    assert quality.text_slice(ids, "eval", 10) == (0, ids[:10])
-    assert quality.text_slice(ids, "tune", 10) == (500, ids[500:510])
-    assert quality.text_slice(ids, "tune", 10, at=0.875) == (875, ids[875:885])
-    assert quality.text_slice(ids, "tune", 125, at=0.875)[1][-1] == 999
-    for which, need, at in (("eval", 501, 0.5), ("tune", 126, 0.875)):
-        with pytest.raises(UserError, match="slice holds"):
-            quality.text_slice(ids, which, need, at)
+def test_the_recall_targets_read_the_recall_rows():
+    """The default policy with recall against the best drop-only baseline (<= 0.97 at
+    budgets 128 and 256) and against the oracle (>= half the gap, at every budget)."""
+    def run(policy, ppl, budget, recall=False):
+        return {"policy": policy, "repair": "none", "budget": budget, "ppl": ppl,
+                "recall": recall, "scored": 8, "by_window": [{}]}
+
+    res = {"config": {"budgets": (128, 256, 512), "warmup": 513}, "reference": {"ppl": 9.0},
+           "oracle": [run("oracle", 9.0, 128), run("oracle", 9.9, 256)], "long": [],
+           "runs": [run(p, ppl, b, rec) for b in (128, 256, 512) for p, ppl, rec in (
+               ("h2o", 10.0, False), ("brightness", 10.5, False), ("brightness", 9.6, True))]}
+    rows = quality.targets(res)
+    vs = [t for t in rows if "with recall" in t["what"] and "/ the best baseline" in t["what"]]
+    assert [(t["value"], t["target"], t["met"]) for t in vs] == [
+        (pytest.approx(0.96), "<= 0.97", True), (pytest.approx(0.96), "<= 0.97", True),
+        (pytest.approx(0.96), "–", None)]
+    gaps = [t for t in rows if "with recall" in t["what"] and "gap" in t["what"]]
+    # (10.0 - 9.6) / (10.0 - 9.0); past the oracle (9.9); no oracle at 512
+    assert [(t["value"], t["met"]) for t in gaps] == [
+        (pytest.approx(0.4), False), (pytest.approx(4.0), True), (None, None)]
+    drop = [t for t in rows if t["what"].startswith("budget 128: brightness (")]
+    assert [t["value"] for t in drop] == [pytest.approx(1.05)]  # recall is not drop-only
+
+
+def test_windows_never_overlap_the_tune_slice():
+    assert quality.slice_range(1000, "eval") == range(0, 500)
+    assert quality.slice_range(1000, "tune") == range(500, 1000)
+    assert quality.slice_range(1000, "tune", at=0.875) == range(875, 1000)
+    assert quality.window_starts(range(0, 500), 100, 4) == (0, 133, 266, 400)
+    assert quality.window_starts(range(875, 1000), 25, 5) == (875, 900, 925, 950, 975)
+    assert quality.window_starts(range(0, 500), 100, 1) == (0,)
+    for room, span, count in ((range(0, 500), 7, 9), (range(0, 500), 100, 5),
+                              (range(875, 1000), 31, 4), (range(501, 1000), 3, 166)):
+        starts = quality.window_starts(room, span, count)
+        ends = [a + span for a in starts]
+        assert starts[0] == room.start and ends[-1] == room.stop  # spread over the whole slice
+        assert all(e <= a for e, a in zip(ends, starts[1:]))  # none overlapping
+    with pytest.raises(UserError, match="window"):
+        quality.window_starts(range(0, 500), 101, 5)
+
+
+def test_every_grid_run_culls_before_it_scores():
+    """The grid's runs share windows that open with more unscored steps than any budget."""
+    cfg = quality.QualityConfig(model="tiny-random", budgets=(24, 40), windows=3, tokens=20,
+                                long=0)
+    jobs = quality.plan(cfg, 512, range(100, 600))
+    assert cfg.warmup == 41 and {j.kind for j in jobs} == {"reference", "grid", "oracle"}
+    assert {(j.starts, j.skip, j.tokens) for j in jobs} == {((100, 319, 538), 41, 61)}
+    assert [j.record for j in jobs].count(True) == 1 and jobs[0].kind == "reference"
+    assert [j.cache.budget for j in jobs if j.cache.recall] == [24, 40]
+    assert quality.QualityConfig(budgets=(128,), tokens=600).fitted(512).tokens == 512 - 129
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_warm_up_is_streamed_but_not_scored(tiny_model, tiny_policy):
+    ids = tiny_policy.encode(quality.default_text())[:60]
+    cache = CacheParams(budget=24, scorer="h2o", sinks=2, recent=4)
+    whole = quality.streaming_nll(tiny_model, tiny_policy, ids, cache)
+    warm = quality.streaming_nll(tiny_model, tiny_policy, ids, cache, skip=30)
+    assert warm.nll == whole.nll[30:] and warm.warm.steps == 30 and warm.totals.steps == 29
+    assert warm.warm.culled == 30 - 24 and warm.totals.culled == 29
+    assert warm.warm.culled + warm.totals.culled == whole.totals.culled
+
+
+def test_named_texts(tmp_path, monkeypatch, capsys):
+    """``--text jargon`` reads Debian's jargon-text file (here a stand-in); without the
+    package, one line that names it."""
+    fake = tmp_path / "jargon.txt.gz"
+    fake.write_bytes(gzip.compress("The Jargon File\n\u2550\u2550 hack\n".encode()))
+    monkeypatch.setattr(quality, "JARGON", fake)
+    assert quality.read_text("jargon") == "The Jargon File\n\u2550\u2550 hack\n"
+    assert quality.read_text("topics") == quality.default_text()
+    monkeypatch.setattr(quality, "JARGON", tmp_path / "missing.txt.gz")
+    assert main(["bench", "quality", "--model", "tiny-random", "--text", "jargon"]) == 2
+    err = capsys.readouterr().err
+    assert "apt-get install jargon-text" in err and err.count("\n") == 1, err
+    names = {(t, s): quality.section_name(quality.QualityConfig(text=t, slice=s))
+             for t in ("topics", "jargon", "/x/my text.txt") for s in ("eval", "tune")}
+    assert names == {("topics", "eval"): "quality", ("topics", "tune"): "quality-tune",
+                     ("jargon", "eval"): "quality-jargon",
+                     ("jargon", "tune"): "quality-jargon-tune",
+                     ("/x/my text.txt", "eval"): "quality-my_text",
+                     ("/x/my text.txt", "tune"): "quality-my_text-tune"}
 
 
 def test_pool_workers_give_the_inline_result(tiny_model, tiny_policy):
     cfg = quality.QualityConfig(model="tiny-random", budgets=(24,), tokens=40)
     ids = tiny_policy.encode(quality.default_text())[:41]
     jobs = [quality.Job("grid", p, cfg.cache(24, p), 40, 40) for p in ("tova", "h2o")]
-    inline = quality.execute(cfg, jobs, ids, workers=1)
-    pooled = quality.execute(cfg, jobs, ids, workers=2)
+    inline = [s for (s,) in quality.execute(cfg, jobs, ids, workers=1)]
+    pooled = [s for (s,) in quality.execute(cfg, jobs, ids, workers=2)]
     for a, b in zip(inline, pooled):
         assert a.totals.culled == b.totals.culled and max(abs(x - y) for x, y in zip(a.nll, b.nll)) < 1e-4
 
@@ -181,6 +299,7 @@ def test_bad_input_is_one_line(capsys):
                       (["--policies", "none"], "non-culling"),
                       (["--budgets", "8"], "smaller than sinks + recent"),
                       (["--at", "0.7"], "--at places the tune slice"),
+                      (["--windows", "0"], "windows must be >= 1"),
                       (["--slice", "tune", "--at", "0.3"], "--at places the tune slice")):
         assert main(["bench", "quality", "--model", "tiny-random", *argv]) == 2
         err = capsys.readouterr().err

@@ -1,5 +1,7 @@
 """The hindsight oracle (bench quality only): a full-cache pass records the attention every
 token receives, and the oracle culls the token the rest of the text attends to least."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -28,10 +30,10 @@ def tiny_reference(tiny_model, tiny_policy, tiny_ids):
 
 
 def test_suffix_sums_match_a_brute_force_sum():
-    a = torch.rand(7, 7, generator=torch.Generator().manual_seed(0)).tril(-1)
+    a = torch.rand(7, 7, generator=torch.Generator().manual_seed(0), device="cpu").tril(-1)
     s = suffix_sums(a)
     want = torch.tensor([[sum(float(a[t, j]) for t in range(q + 1, 7)) for j in range(7)]
-                         for q in range(7)])
+                         for q in range(7)], device="cpu")
     assert s.dtype == torch.float32 and torch.allclose(s, want, atol=1e-6)
     assert not s[-1].any()  # after the last query, nothing more is paid
 
@@ -42,7 +44,7 @@ def test_the_recorder_holds_each_steps_attention_by_text_index(tiny_model, tiny_
     rec = AttentionRecorder(20, "all-mean", tiny_ids)
     session = Session(tiny_model, tiny_policy, GREEDY, FULL, scorer=rec)
     session.prime([Segment((tiny_ids[0],), "user")], capacity=32)
-    want = torch.zeros(20, 20)
+    want = torch.zeros(20, 20, device="cpu")
     for q in range(24):  # past the recorded size: later rows are left out
         view = session.state.view()
         if q < 20:
@@ -51,7 +53,7 @@ def test_the_recorder_holds_each_steps_attention_by_text_index(tiny_model, tiny_
         session.step(force=tiny_ids[q + 1])
     assert torch.allclose(rec.rows, want, atol=1e-6)
     oracle = rec.oracle()
-    assert torch.equal(oracle.token_ids, torch.tensor(tiny_ids[:20]))
+    assert torch.equal(oracle.token_ids, torch.tensor(tiny_ids[:20], device="cpu"))
     assert torch.allclose(oracle.future, suffix_sums(want), atol=1e-6)
 
 
@@ -118,16 +120,43 @@ def test_gap_closed():
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_pool_workers_run_the_oracle_after_the_reference(tiny_model, tiny_policy, tiny_ids):
-    cfg = quality.QualityConfig(model="tiny-random", budgets=(24,), tokens=48, long=0)
-    jobs = [j for j in quality.plan(cfg, 512) if j.kind in ("reference", "oracle")
+def test_pool_workers_run_the_oracle_after_the_reference(tiny_model, tiny_policy):
+    cfg = quality.QualityConfig(model="tiny-random", budgets=(24,), windows=2, tokens=16, long=0)
+    ids = tiny_policy.encode(quality.default_text())[:200]
+    jobs = [j for j in quality.plan(cfg, 512, range(0, 200)) if j.kind in ("reference", "oracle")
             or j.label == "h2o budget 24, none repair"]
-    assert [j.kind for j in jobs] == ["reference", "grid", "oracle"] and jobs[0].record == 48
-    inline = quality.execute(cfg, jobs[::-1], tiny_ids, workers=1)  # the oracle listed first
-    pooled = quality.execute(cfg, jobs[::-1], tiny_ids, workers=2)
-    for a, b in zip(inline, pooled):
+    assert [j.kind for j in jobs] == ["reference", "grid", "oracle"] and jobs[0].record
+    assert jobs[0].starts == (0, 158) and jobs[0].skip == 25
+    inline = quality.execute(cfg, jobs[::-1], ids, workers=1)  # the oracle listed first
+    pooled = quality.execute(cfg, jobs[::-1], ids, workers=2)
+    for a, b in zip(sum(inline, []), sum(pooled, [])):
         assert a.totals.culled == b.totals.culled and max(abs(x - y) for x, y in zip(a.nll, b.nll)) < 1e-4
-    assert inline[0].totals.culled == 48 - 24 and inline[2].oracle is not None
+    assert [s.totals.culled for s in inline[0]] == [16, 16]
+    assert all(s.oracle is not None for s in inline[2])
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_each_window_has_its_own_oracle(tiny_model, tiny_policy):
+    """The full cache records one oracle per window, indexed from the window's first token;
+    with room for everything the oracle run is that window's full cache, and a culled one
+    runs only on its own window's oracle (the oracle checks every token against it)."""
+    ids = tiny_policy.encode(quality.default_text())[:200]
+    full = quality.Job("reference", "full", FULL, 40, 40, (0, 150), 8, record=True)
+    ref = full.run(tiny_model, tiny_policy, ids)
+    oracles = tuple(s.oracle for s in ref)
+    assert [torch.equal(o.token_ids, torch.tensor(ids[a:a + 40], device="cpu")) for o, a in
+            zip(oracles, (0, 150))] == [True, True]
+    roomy = dataclasses.replace(full, kind="oracle", record=False,
+                                cache=CacheParams(scorer="oracle", budget=64))
+    for r, s in zip(ref, roomy.run(tiny_model, tiny_policy, ids, oracles=oracles)):
+        assert s.totals.culled == s.warm.culled == 0 and len(s.nll) == 32
+        assert max(abs(a - b) for a, b in zip(s.nll, r.nll)) <= 1e-5
+    tight = dataclasses.replace(roomy, cache=CacheParams(scorer="oracle", budget=16, sinks=2,
+                                                         recent=4))
+    assert [s.totals.culled for s in tight.run(tiny_model, tiny_policy, ids,
+                                               oracles=oracles)] == [40 - 16] * 2
+    with pytest.raises(AssertionError, match="not the text's token"):
+        tight.run(tiny_model, tiny_policy, ids, oracles=oracles[::-1])
 
 
 @pytest.mark.usefixtures("one_thread")

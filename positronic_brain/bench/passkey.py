@@ -57,7 +57,8 @@ DEPTH_BINS = ((0.1, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9))
 TARGET_BUDGET = 128
 TARGET_RATIO = 0.95  # pass-key accuracy with recall at TARGET_BUDGET / the full cache
 # bench quality's own options, which this benchmark does not take
-QUALITY_OPTIONS = ("text", "slice", "at", "repairs", "params", "tokens", "long", "jobs")
+QUALITY_OPTIONS = ("text", "slice", "at", "repairs", "params", "windows", "tokens", "long",
+                   "jobs")
 OWN_OPTIONS = ("trials", "lengths")
 
 

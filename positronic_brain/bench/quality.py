@@ -6,29 +6,37 @@ token (teacher forcing: ``Session.stream(force=...)``, so stage 4 stays the only
 mutation), and each step records the negative log-likelihood stage 1's logits give that
 token. Perplexity = exp(mean NLL) over the scored tokens. Measured:
 
-1. the full-cache reference (no budget, nothing culled);
-2. every scorer (brightness, streaming, h2o, tova, random) at every budget, with each
-   repair (none, merge, fold); and the hindsight oracle (``scorers.oracle``) at every
-   budget, which culls the token the full-cache run's later queries attend to least (its
-   runs wait for the reference, which records that attention);
-3. a long run past the model's positions at one budget with ``--positions compact``
+1. the grid: ``--windows`` windows spread evenly over the slice, each streamed from an
+   empty cache: the largest budget + 1 unscored tokens first (so at every budget the
+   cache is full and has culled before the first scored token), then ``--tokens`` scored
+   ones; a cell's perplexity is over every window's scored tokens. Its cells: the full
+   cache (no budget, nothing culled); every scorer (brightness, streaming, h2o, tova,
+   random) at every budget, with each repair (none, merge, fold); the default policy with
+   recall (the cold store) at every budget; and the hindsight oracle
+   (``scorers.oracle``) at every budget, which culls the token the full-cache run's later
+   queries attend to least (its runs wait for the full cache, which records that
+   attention in each window);
+2. a long run past the model's positions at one budget with ``--positions compact``
    (re-index before the limit) and ``keep`` (which has to stop at the limit), as
-   perplexity over windows of tokens; ``keep`` runs of the long baselines over the same
-   tokens (each policy against the full cache over the whole trained range, not only the
-   grid's first tokens); and a control run that scores the tokens past the positions
-   starting later in the text, so that its positions stay below half the limit (the same
-   tokens, the same budget: what crossing the limit costs, apart from the text).
+   perplexity over windows of tokens; ``keep`` runs of the long baselines and of the long
+   policy with recall over the same tokens, and the full cache up to the positions; and a
+   control run that scores the tokens past the positions starting later in the text, so
+   that its positions stay below half the limit (the same tokens, the same budget: what
+   crossing the limit costs, apart from the text).
 
-Default text: Python's own English help topics (``pydoc_data.topics``, sorted by key), so
-the benchmark runs offline. ``--slice eval`` (the default) scores from the text's start;
-``--slice tune`` from its middle, a disjoint part on which scorer parameters are chosen.
+Texts (``--text``): the named ones in ``TEXTS``, each shipped by an offline package
+(``topics``, the default, and ``jargon``), or any UTF-8 file. ``--slice eval`` (the
+default) places the windows and the long run in the text's first half; ``--slice tune`` in
+its second half (from ``--at``), a disjoint part on which scorer parameters are chosen.
 """
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,21 +53,28 @@ from .common import Table, fmt
 SCORERS = CULLING  # the default scorer first, then the baselines
 REPAIRS = ("none", "merge", "fold")
 SLICES = ("eval", "tune")
+DEFAULT = CacheParams()  # the default policy: its scorer and repair, with recall in the grid
 # Targets from the project's issues: reported, never asserted.
 FULL_TARGET = 1.05  # brightness at FULL_TARGET_BUDGET / the full cache
 FULL_TARGET_BUDGET = 512
 FLAT_TARGET = 1.10  # long run: perplexity past the positions / at half the positions
-GAP_TARGET = 0.5  # the default policy closes this much of the best baseline -> oracle gap
+GAP_TARGET = 0.5  # the default policy with recall closes this much of the baseline -> oracle gap
 RECALL_TARGET = 1.05  # the long run with recall over the first positions / the full cache
-DEFAULT_TEXT = "pydoc_data.topics"
+GRID_RECALL_TARGET = 0.97  # the default policy with recall / the best drop-only baseline
+GRID_RECALL_BUDGETS = (128, 256)  # ... at these budgets
+JARGON = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
+TEXTS = {"topics": "Python's English help topics, `pydoc_data.topics` in sorted-key order",
+         "jargon": f"the Jargon File 4.4.7 as Debian's `jargon-text` ships it, `{JARGON}`"}
+DEFAULT_TEXT = "topics"
 
 
 @dataclass(frozen=True)
 class QualityConfig:
-    """What to measure. ``tokens``: scored tokens per configuration; ``long``: scored
-    tokens of the long run (0 = none), at ``long_budget`` with ``long_policy`` (and, up to
-    the positions, with each of ``long_baselines``, and with ``long_recall`` with the long
-    policy and recall on); ``window``: tokens per perplexity window of the long run."""
+    """What to measure. ``windows``: grid windows over the slice, each of ``tokens`` scored
+    tokens after ``warmup`` unscored ones; ``long``: scored tokens of the long run (0 =
+    none), at ``long_budget`` with ``long_policy`` (and, up to the positions, with each of
+    ``long_baselines``, and with ``long_recall`` with the long policy and recall on);
+    ``long_window``: tokens per perplexity window of the long run."""
 
     model: str = "smollm2"
     dtype: str = "float32"
@@ -71,14 +86,15 @@ class QualityConfig:
     budgets: tuple[int, ...] = (128, 256, 512)
     policies: tuple[str, ...] = SCORERS
     repairs: tuple[str, ...] = REPAIRS
-    tokens: int = 1536
+    windows: int = 4
+    tokens: int = 512
     long: int = 10240
     long_budget: int = 512
     long_policy: str = "brightness"
     long_baselines: tuple[str, ...] = ("streaming", "h2o")
     long_repair: str = "none"
     long_recall: bool = True  # the long policy with recall too (positions keep)
-    window: int = 512
+    long_window: int = 512
     base: CacheParams = CacheParams()  # sinks, recent, scorer parameters of every run
 
     def __post_init__(self) -> None:
@@ -97,8 +113,10 @@ class QualityConfig:
                 f"expected some of {', '.join(SCORERS)} (the oracle runs at every budget)")
         require(all(r in REPAIRS for r in self.repairs + (self.long_repair,)),
                 f"repairs must be among {REPAIRS}")
+        require(self.windows >= 1, f"windows must be >= 1, got {self.windows}")
         require(self.tokens >= 2, f"tokens must be >= 2, got {self.tokens}")
-        require(self.long >= 0 and self.window >= 1, "long must be >= 0 and window >= 1")
+        require(self.long >= 0 and self.long_window >= 1,
+                "long must be >= 0 and long_window >= 1")
         for b in self.budgets:  # fail early: too small for the protections
             self.cache(b, self.policies[0])
 
@@ -106,26 +124,37 @@ class QualityConfig:
     def preset(cls, quick: bool, **kw) -> "QualityConfig":
         if not quick:
             return cls(**kw)
-        return cls(quick=True, **{"budgets": (64,), "tokens": 256, "long": 0, "window": 128,
-                                  "long_baselines": ("streaming",), **kw})
+        return cls(quick=True, **{"budgets": (64,), "windows": 2, "tokens": 64, "long": 0,
+                                  "long_window": 128, "long_baselines": ("streaming",), **kw})
+
+    @property
+    def warmup(self) -> int:
+        """Unscored steps that open each grid window: the largest budget + 1, so that at
+        every budget the first scored token's step runs over a cache that has culled."""
+        return self.budgets[-1] + 1
+
+    @property
+    def recall_rows(self) -> bool:
+        """Whether the grid has the default policy with recall (it does with that policy)."""
+        return DEFAULT.scorer in self.policies
 
     def fitted(self, max_positions: int) -> "QualityConfig":
-        """What the model's positions allow: budgets below half of them, a full-cache
-        reference (and arena) within them, windows that split the long run's halves."""
+        """What the model's positions allow: budgets below half of them, grid windows (and
+        their full cache) within them, perplexity windows that split the long run's halves."""
         budgets = tuple(b for b in self.budgets if b <= max_positions // 2)
         require(budgets, f"the model's {max_positions} positions fit none of the budgets "
                 f"{self.budgets} (each must be <= half of them)")
-        return dataclasses.replace(
-            self, budgets=budgets, tokens=min(self.tokens, max_positions),
-            long_budget=min(self.long_budget, budgets[-1]),
-            window=min(self.window, max_positions // 4))
+        fit = dataclasses.replace(self, budgets=budgets,
+                                  long_budget=min(self.long_budget, budgets[-1]),
+                                  long_window=min(self.long_window, max_positions // 4))
+        return dataclasses.replace(fit, tokens=min(self.tokens, max_positions - fit.warmup))
 
     def cache(self, budget: int | None, policy: str, repair: str = "none",
-              positions: str = "compact") -> CacheParams:
+              positions: str = "compact", recall: bool = False) -> CacheParams:
         if budget is None:
             return CacheParams(scorer="none")
         return dataclasses.replace(self.base, budget=budget, scorer=policy, repair=repair,
-                                   positions=positions)
+                                   positions=positions, recall=recall)
 
 
 # --- the text -------------------------------------------------------------------------------
@@ -137,37 +166,63 @@ def default_text() -> str:
     return "\n".join(topics[k] for k in sorted(topics))
 
 
+def jargon_text() -> str:
+    """The Jargon File as Debian's ``jargon-text`` ships it: plain UTF-8 text, gzipped."""
+    try:
+        return gzip.decompress(JARGON.read_bytes()).decode("utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--text jargon needs the Debian package jargon-text (apt-get install "
+                        f"jargon-text): no {JARGON}") from None
+
+
 def read_text(source: str) -> str:
-    if source == DEFAULT_TEXT:
-        return default_text()
+    """A named text (``TEXTS``) or a UTF-8 file."""
+    if source in TEXTS:
+        return default_text() if source == "topics" else jargon_text()
     try:
         return Path(source).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"--text {source!r}: no such file") from None
+        raise UserError(f"--text {source!r}: no such file (or a name: "
+                        f"{', '.join(TEXTS)})") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--text {source!r}: cannot read it as UTF-8 ({e})") from None
 
 
-def text_slice(ids: list[int], which: str, need: int, at: float = 0.5) -> tuple[int, list[int]]:
-    """``need`` token ids from the ``eval`` slice (the text's first half, from its start) or
-    the ``tune`` one (the second half, from ``at`` of the way): the two never overlap.
-    Returns (offset, ids)."""
-    offset = 0 if which == "eval" else int(len(ids) * at)
-    room = len(ids) // 2 if which == "eval" else len(ids) - offset
-    require(need <= room, f"the text has {len(ids)} tokens; the {which} slice holds {room}, "
-            f"{need} are needed (use a longer --text or fewer --tokens)")
-    return offset, ids[offset:offset + need]
+def section_name(cfg: QualityConfig) -> str:
+    """The report's section in the shared document: ``quality``, ``quality-tune``,
+    ``quality-jargon``, ``quality-jargon-tune``, ...: one text or slice never replaces
+    another."""
+    text = "" if cfg.text == DEFAULT_TEXT else "-" + re.sub(
+        r"[^A-Za-z0-9_.]+", "_", cfg.text if cfg.text in TEXTS else Path(cfg.text).stem)
+    return f"quality{text}" + ("-tune" if cfg.slice == "tune" else "")
+
+
+def slice_range(n_tokens: int, which: str, at: float = 0.5) -> range:
+    """The token indices of the ``eval`` slice (the text's first half) or the ``tune`` one
+    (from ``at`` of the way to the end): the two never overlap."""
+    return range(0, n_tokens // 2) if which == "eval" else range(int(n_tokens * at), n_tokens)
+
+
+def window_starts(room: range, span: int, count: int) -> tuple[int, ...]:
+    """The first token of ``count`` windows of ``span`` tokens spread evenly over ``room``:
+    the first at its start, the last ending at its end, none overlapping another."""
+    require(count * span <= len(room), f"the slice holds {len(room)} tokens, {count} "
+            f"window(s) of {span} need {count * span} (use a longer --text, fewer --windows "
+            "or fewer --tokens)")
+    return tuple(room.start + k * (len(room) - span) // max(count - 1, 1) for k in range(count))
 
 
 # --- measurement ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Streamed:
-    """One streaming run: the NLL of every scored token, in text order."""
+    """One streaming run: the NLL of every scored token, in text order; ``totals`` over the
+    scored steps, ``warm`` over the unscored ones before them."""
 
     nll: tuple[float, ...]
     stop_reason: str
     totals: Totals
+    warm: Totals = field(default_factory=Totals)
     oracle: Oracle | None = field(default=None, compare=False, repr=False)  # ``record``'s
 
     @property
@@ -186,14 +241,16 @@ def windows(nll, size: int) -> list[dict]:
 
 
 def streaming_nll(model: Model, policy: TokenPolicy, ids: list[int], cache: CacheParams,
-                  tick=None, record: int = 0, oracle: Oracle | None = None) -> Streamed:
+                  tick=None, record: int = 0, oracle: Oracle | None = None,
+                  skip: int = 0) -> Streamed:
     """Prime ``ids[0]``, then one step per following token through ``Session.step``, each
     forced to the text's next token; the NLL of ``ids[t]`` comes from the step that ran
-    ``ids[t-1]``. Without a budget the arena holds the whole text (within the positions);
-    with ``positions=keep`` the run stops at the model's positions. ``record`` (full cache
-    only): the first ``record`` queries' attention becomes ``Streamed.oracle``; ``oracle``:
-    the scorer of a run with scorer ``oracle``, from such a run over the same text."""
-    require(len(ids) >= 2, "streaming perplexity needs at least 2 tokens")
+    ``ids[t-1]``. The first ``skip`` steps are a warm-up, not scored. Without a budget the
+    arena holds the whole text (within the positions); with ``positions=keep`` the run
+    stops at the model's positions. ``record`` (full cache only): the first ``record``
+    queries' attention becomes ``Streamed.oracle``; ``oracle``: the scorer of a run with
+    scorer ``oracle``, from such a run over the same ``ids``."""
+    require(len(ids) >= skip + 2, "streaming perplexity needs at least 2 tokens past the warm-up")
     require(not record or cache.budget is None, "only a full-cache run records the oracle")
     require((oracle is not None) == (cache.scorer == ORACLE),
             "an oracle run needs the full-cache run's oracle, and only it takes one")
@@ -201,72 +258,89 @@ def streaming_nll(model: Model, policy: TokenPolicy, ids: list[int], cache: Cach
     session = Session(model, policy, SamplerParams(greedy=True), cache,
                       scorer=recorder or oracle)
     session.prime([Segment((ids[0],), "user")], arena_capacity(model, cache, 1, len(ids) - 1))
-    nll, totals = [], Totals()
+    nll, totals, warm = [], Totals(), Totals()
     for rec in session.stream(len(ids) - 1, ignore_eos=True, force=ids[1:]):
-        nll.append(-rec.logprob)
-        totals.add(rec)
+        if warm.steps < skip:
+            warm.add(rec)
+        else:
+            nll.append(-rec.logprob)
+            totals.add(rec)
         if tick:
             tick()
     session.state.check_valid()
-    require(not recorder or len(nll) >= record, f"the full cache scored {len(nll)} tokens, "
-            f"the oracle needs {record}")
-    return Streamed(tuple(nll), session.stop_reason, totals,
+    require(not recorder or warm.steps + len(nll) >= record, f"the full cache ran "
+            f"{warm.steps + len(nll)} steps, the oracle needs {record}")
+    return Streamed(tuple(nll), session.stop_reason, totals, warm,
                     recorder.oracle() if recorder else None)
-
-
-def _row(s: Streamed, **what) -> dict:
-    return {**what, "ppl": s.ppl, "scored": len(s.nll), "stop_reason": s.stop_reason,
-            "culled": s.totals.culled, "merged": s.totals.merged, "folded": s.totals.folded,
-            "reindexed": s.totals.reindexed, "recalled": s.totals.recalled,
-            "ms_per_token": s.totals.ms_per_token}
 
 
 @dataclass(frozen=True)
 class Job:
-    """One streaming run: ``cache`` over the slice's ``tokens`` + 1 ids from ``start``;
-    ``steps`` is how many it can score (``keep`` stops at the model's positions);
-    ``record``: the oracle's queries the run records (the reference)."""
+    """One cell: ``cache`` streamed from each of ``starts`` (text indices), ``skip`` unscored
+    steps then ``tokens - skip`` scored ones; ``steps``: how many it can run per start
+    (``keep`` stops at the model's positions); ``record``: the full cache that records each
+    window's attention for the oracle runs."""
 
-    kind: str  # reference | grid | oracle | long | control
+    kind: str  # reference | grid | oracle | long-reference | long | control
     label: str
     cache: CacheParams
     tokens: int
     steps: int
-    start: int = 0
-    record: int = 0
+    starts: tuple[int, ...] = (0,)
+    skip: int = 0
+    record: bool = False
 
-    def ids(self, ids: list[int]) -> list[int]:
-        return ids[self.start:self.start + self.tokens + 1]
+    def run(self, model: Model, policy: TokenPolicy, ids: list[int], tick=None,
+            oracles: tuple[Oracle, ...] | None = None) -> list[Streamed]:
+        """One ``Streamed`` per start; ``oracles``: the recording job's, one per start."""
+        return [streaming_nll(model, policy, ids[s:s + self.tokens + 1], self.cache, tick,
+                              self.tokens if self.record else 0, o, self.skip)
+                for s, o in zip(self.starts, oracles or (None,) * len(self.starts))]
 
 
-def plan(cfg: QualityConfig, limit: int) -> list[Job]:
-    """The reference, the grid, the oracle, the long runs and the control. The reference
-    streams the long run's tokens too, up to the positions: a causal model's NLL of the
-    first tokens does not depend on what follows, so its prefix is the grid's; it records
-    the grid's attention for the oracle runs. The long run has no oracle (no full cache
-    goes past the positions). The control scores the last ``limit / 2`` tokens of the
-    long run, from ``long - limit / 2``."""
-    ref = min(max(cfg.tokens, cfg.long), limit)
-    jobs = [Job("reference", "full cache", cfg.cache(None, "none"), ref, ref, record=cfg.tokens)]
-    if cfg.long:
-        long = lambda p, positions: cfg.cache(cfg.long_budget, p, cfg.long_repair, positions)  # noqa: E731
-        jobs.append(Job("long", f"long run, {cfg.long_policy}, positions compact",
-                        long(cfg.long_policy, "compact"), cfg.long, cfg.long))
-        for p in (cfg.long_policy, *cfg.long_baselines):
-            jobs.append(Job("long", f"long run, {p}, positions keep", long(p, "keep"),
-                            cfg.long, min(cfg.long, limit)))
-        if cfg.long_recall:
-            jobs.append(Job("long", f"long run, {cfg.long_policy} with recall, positions keep",
-                            dataclasses.replace(long(cfg.long_policy, "keep"), recall=True),
-                            cfg.long, min(cfg.long, limit)))
-        if cfg.long > limit:
-            n = limit // 2
-            jobs.append(Job("control", f"control, from token {cfg.long - n}",
-                            long(cfg.long_policy, "compact"), n, n, cfg.long - n))
-    jobs += [Job("grid", f"{p} budget {b}, {r} repair", cfg.cache(b, p, r), cfg.tokens,
-                 cfg.tokens) for b in cfg.budgets for p in cfg.policies for r in cfg.repairs]
-    jobs += [Job("oracle", f"oracle budget {b}", cfg.cache(b, ORACLE), cfg.tokens, cfg.tokens)
-             for b in cfg.budgets]
+def plan(cfg: QualityConfig, limit: int, room: range) -> list[Job]:
+    """The grid over the windows (the full cache, which records each window's attention for
+    the oracle runs, every scorer x budget x repair, the default policy with recall, the
+    oracle), then the long runs from the slice's start: the full cache up to the positions,
+    the long policy and baselines, and the control, which scores the last ``limit / 2``
+    tokens of the long run from ``long - limit / 2``. The long run has no oracle (no full
+    cache goes past the positions)."""
+    span, w = cfg.warmup + cfg.tokens, cfg.warmup
+    starts = window_starts(room, span + 1, cfg.windows)
+    grid = lambda kind, label, cache, record=False: Job(  # noqa: E731
+        kind, label, cache, span, span, starts, w, record)
+    jobs = [grid("reference", "full cache", cfg.cache(None, "none"), record=True)]
+    jobs += [grid("grid", f"{p} budget {b}, {r} repair", cfg.cache(b, p, r))
+             for b in cfg.budgets for p in cfg.policies for r in cfg.repairs]
+    if cfg.recall_rows:
+        jobs += [grid("grid", f"{DEFAULT.scorer} with recall budget {b}, {DEFAULT.repair} "
+                      "repair", cfg.cache(b, DEFAULT.scorer, DEFAULT.repair, recall=True))
+                 for b in cfg.budgets]
+    jobs += [grid("oracle", f"oracle budget {b}", cfg.cache(b, ORACLE)) for b in cfg.budgets]
+    return jobs + long_plan(cfg, limit, room)
+
+
+def long_plan(cfg: QualityConfig, limit: int, room: range) -> list[Job]:
+    """The long run's jobs (none without ``long``), from the slice's start."""
+    if not cfg.long:
+        return []
+    require(cfg.long + 1 <= len(room), f"the slice holds {len(room)} tokens, the long run "
+            f"needs {cfg.long + 1} (use a longer --text or a smaller --long)")
+    long = lambda p, positions, recall=False: cfg.cache(  # noqa: E731
+        cfg.long_budget, p, cfg.long_repair, positions, recall)
+    at, ref = (room.start,), min(cfg.long, limit)
+    jobs = [Job("long-reference", "long run, full cache", cfg.cache(None, "none"), ref, ref, at),
+            Job("long", f"long run, {cfg.long_policy}, positions compact",
+                long(cfg.long_policy, "compact"), cfg.long, cfg.long, at)]
+    jobs += [Job("long", f"long run, {p}, positions keep", long(p, "keep"), cfg.long, ref, at)
+             for p in (cfg.long_policy, *cfg.long_baselines)]
+    if cfg.long_recall:
+        jobs.append(Job("long", f"long run, {cfg.long_policy} with recall, positions keep",
+                        long(cfg.long_policy, "keep", True), cfg.long, ref, at))
+    if cfg.long > limit:
+        n = limit // 2
+        jobs.append(Job("control", f"control, from token {cfg.long - n}",
+                        long(cfg.long_policy, "compact"), n, n, (room.start + cfg.long - n,)))
     return jobs
 
 
@@ -281,7 +355,7 @@ def _init_worker(model: str, dtype: str, device: str, ids: list[int], queue) -> 
     _WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), ids=ids, queue=queue)
 
 
-def _run_job(i: int, job: Job, oracle: Oracle | None = None) -> Streamed:
+def _run_job(i: int, job: Job, oracles: tuple[Oracle, ...] | None = None) -> list[Streamed]:
     w, count = _WORKER, [0]
 
     def tick() -> None:  # every 16 tokens: the queue is shared by every worker
@@ -289,32 +363,31 @@ def _run_job(i: int, job: Job, oracle: Oracle | None = None) -> Streamed:
         if count[0] % 16 == 0:
             w["queue"].put((i, 16))
 
-    return streaming_nll(w["model"], w["policy"], job.ids(w["ids"]), job.cache, tick,
-                         job.record, oracle)
+    return job.run(w["model"], w["policy"], w["ids"], tick, oracles)
 
 
-def _recorded(jobs: list[Job], results: list) -> Oracle:
-    """The oracle recorded by the one job that records it (run before any oracle job)."""
-    (i,) = [i for i, j in enumerate(jobs) if j.record]
-    return results[i].oracle
+def _oracles(runs: list[Streamed]) -> tuple[Oracle, ...]:
+    """The oracles the recording job recorded, one per window."""
+    return tuple(s.oracle for s in runs)
 
 
-def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], workers: int) -> list[Streamed]:
-    """Run ``jobs`` with a progress bar each: here (``workers`` = 1) or in that many
-    single-thread processes (each loads the model once). Oracle jobs start once the
-    reference (the job that records their oracle) is done."""
+def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int],
+            workers: int) -> list[list[Streamed]]:
+    """Run ``jobs`` (over the text ``ids``) with a progress bar each: here (``workers`` = 1)
+    or in that many single-thread processes (each loads the model once). Oracle jobs start
+    once the full cache that records their oracles is done."""
     first = [i for i, j in enumerate(jobs) if j.kind != "oracle"]
     later = [i for i, j in enumerate(jobs) if j.kind == "oracle"]
+    (rec,) = [i for i in first if jobs[i].record] if later else [None]
     results: list = [None] * len(jobs)
     with common.progress() as task:
-        ticks = [task(j.label, j.steps) for j in jobs]
+        ticks = [task(j.label, j.steps * len(j.starts)) for j in jobs]
         if workers == 1:
             model = load_model(cfg.model, cfg.dtype, cfg.device)
             policy = TokenPolicy(model.tokenizer)
             for i in first + later:
-                j = jobs[i]
-                results[i] = streaming_nll(model, policy, j.ids(ids), j.cache, ticks[i], j.record,
-                                           _recorded(jobs, results) if i in later else None)
+                results[i] = jobs[i].run(model, policy, ids, ticks[i],
+                                         _oracles(results[rec]) if i in later else None)
             return results
         import multiprocessing as mp
         import queue as queue_mod
@@ -325,11 +398,10 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], workers: int) -
         with ProcessPoolExecutor(workers, ctx, _init_worker,
                                  (cfg.model, cfg.dtype, cfg.device, ids, q)) as pool:
             futures = {i: pool.submit(_run_job, i, jobs[i]) for i in first}
-            (rec,) = [i for i in first if jobs[i].record] if later else [None]
             while len(futures) < len(jobs) or not all(f.done() for f in futures.values()):
                 if len(futures) < len(jobs) and futures[rec].done():
-                    oracle = futures[rec].result().oracle
-                    futures.update({i: pool.submit(_run_job, i, jobs[i], oracle) for i in later})
+                    oracles = _oracles(futures[rec].result())
+                    futures.update({i: pool.submit(_run_job, i, jobs[i], oracles) for i in later})
                 try:
                     i, n = q.get(timeout=0.2)
                 except queue_mod.Empty:
@@ -339,54 +411,83 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], workers: int) -
             return [futures[i].result() for i in range(len(jobs))]
 
 
+def _totals(ts) -> Totals:
+    """The sum of several tallies."""
+    ts = list(ts)
+    return Totals(**{f.name: sum(getattr(t, f.name) for t in ts)
+                     for f in dataclasses.fields(Totals)})
+
+
+def _row(job: Job, runs: list[Streamed]) -> dict:
+    """A cell's results: perplexity over every window's scored tokens, each window's own
+    (``by_window``: its first streamed and first scored token, its perplexity, what its
+    warm-up removed), and the counts over the scored steps."""
+    nll, t, c = [x for s in runs for x in s.nll], _totals(s.totals for s in runs), job.cache
+    return {"policy": c.scorer, "repair": c.repair, "budget": c.budget, "recall": c.recall,
+            "positions": c.positions, "ppl": perplexity(nll), "scored": len(nll),
+            "stop_reason": ", ".join(sorted({s.stop_reason for s in runs})),
+            "culled": t.culled, "merged": t.merged, "folded": t.folded,
+            "reindexed": t.reindexed, "recalled": t.recalled, "ms_per_token": t.ms_per_token,
+            "by_window": [{"start": a, "first_scored": a + job.skip + 1, "scored": len(s.nll),
+                           "ppl": s.ppl, "warm_removed": s.warm.culled + s.warm.merged}
+                          for a, s in zip(job.starts, runs)]}
+
+
+def _long_row(cfg: QualityConfig, job: Job, runs: list[Streamed]) -> dict:
+    """A long run's row: ``windows``, perplexity per ``long_window`` scored tokens."""
+    row = {k: v for k, v in _row(job, runs).items() if k != "by_window"}  # one stream
+    return {**row, "windows": windows(runs[0].nll, cfg.long_window)}
+
+
+def _control(done: list, limit: int, offset: int) -> dict | None:
+    """The control run against the compact long run over the same tokens past the positions
+    (token numbers from the slice's start)."""
+    j, s = next(((j, runs[0]) for j, runs in done if j.kind == "control"), (None, None))
+    if j is None:
+        return None
+    start = j.starts[0] - offset
+    compact = next(runs[0] for k, runs in done
+                   if k.kind == "long" and k.cache.positions == "compact")
+    # scored token i of a run from ``start`` is the slice's token start + 1 + i
+    lo, hi = limit - start, len(s.nll)
+    return {**_row(j, [s]), "start": start, "tokens": [limit + 1, start + hi + 1],
+            "positions_scored": [lo, hi], "ppl_past": perplexity(s.nll[lo:hi]),
+            "ppl_compact": perplexity(compact.nll[limit:start + hi])}
+
+
 def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
     """Every measurement, as one JSON-ready dict."""
     t0 = time.perf_counter()
+    text = read_text(cfg.text)
     info = common.machine()
     model = load_model(cfg.model, cfg.dtype, cfg.device)
     limit = model.spec.max_positions
     cfg = cfg.fitted(limit)
-    text = read_text(cfg.text)
     all_ids = TokenPolicy(model.tokenizer).encode(text)
     del model
-    offset, ids = text_slice(all_ids, cfg.slice, max(cfg.tokens, cfg.long) + 1, cfg.at)
+    room = slice_range(len(all_ids), cfg.slice, cfg.at)
+    jobs = plan(cfg, limit, room)
     res = {"benchmark": "quality", "command": command, "model": cfg.model, "dtype": cfg.dtype,
            "quick": cfg.quick, "machine": info, "max_positions": limit, "workers": workers,
-           "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"},
-           "text": {"source": cfg.text, "chars": len(text), "tokens": len(all_ids),
+           "config": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"},
+                      "warmup": cfg.warmup},
+           "text": {"source": cfg.text, "about": TEXTS.get(cfg.text, "a file"),
+                    "chars": len(text), "tokens": len(all_ids),
                     "sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
-                    "slice": cfg.slice, "offset": offset}}
-    jobs = plan(cfg, limit)
+                    "slice": cfg.slice, "offset": room.start, "end": room.stop,
+                    "windows": list(jobs[0].starts)}}
     # Longest first: they pack best into the workers.
-    cost = [j.steps * (2 if j.cache.repair == "merge" else 1) for j in jobs]
+    cost = [j.steps * len(j.starts) * (2 if j.cache.repair == "merge" else 1) for j in jobs]
     order = sorted(range(len(jobs)), key=lambda i: -cost[i])
-    out = execute(cfg, [jobs[i] for i in order], ids, min(workers, len(jobs)))
-    done = [(jobs[i], s) for i, s in sorted(zip(order, out))]
-    ref = next(s for j, s in done if j.kind == "reference")
-    res["reference"] = {**_row(dataclasses.replace(ref, nll=ref.nll[:cfg.tokens]),
-                               policy="none", repair="none", budget=None),
-                        "ppl_all": ref.ppl, "scored_all": len(ref.nll),
-                        "windows": windows(ref.nll, cfg.window)}
-    res["runs"] = [_row(s, policy=j.cache.scorer, repair=j.cache.repair, budget=j.cache.budget)
-                   for j, s in done if j.kind == "grid"]
-    res["oracle"] = [_row(s, policy=j.cache.scorer, repair=j.cache.repair, budget=j.cache.budget)
-                     for j, s in done if j.kind == "oracle"]
-    res["long"] = [{**_row(s, policy=j.cache.scorer, repair=j.cache.repair, budget=j.cache.budget,
-                           positions=j.cache.positions, recall=j.cache.recall),
-                    "windows": windows(s.nll, cfg.window)}
-                   for j, s in done if j.kind == "long"]
-    res["control"] = None
-    for j, s in done:
-        if j.kind == "control":
-            compact = next(c for k, c in done if k.kind == "long" and k.cache.positions == "compact")
-            # scored token i of a run from ``start`` is the text's token start + 1 + i
-            lo, hi = limit - j.start, len(s.nll)
-            res["control"] = {**_row(s, policy=j.cache.scorer, repair=j.cache.repair,
-                                     budget=j.cache.budget, positions=j.cache.positions),
-                              "start": j.start, "tokens": [limit + 1, j.start + hi + 1],
-                              "positions_scored": [lo, hi],
-                              "ppl_past": perplexity(s.nll[lo:hi]),
-                              "ppl_compact": perplexity(compact.nll[limit:j.start + hi])}
+    out = execute(cfg, [jobs[i] for i in order], all_ids, min(workers, len(jobs)))
+    done = [(jobs[i], s) for i, s in sorted(zip(order, out), key=lambda x: x[0])]
+    rows = {kind: [_row(j, s) for j, s in done if j.kind == kind]
+            for kind in ("reference", "grid", "oracle")}
+    res["reference"], res["runs"], res["oracle"] = rows["reference"][0], rows["grid"], rows["oracle"]
+    res["long_reference"] = next((_long_row(cfg, j, s) for j, s in done
+                                  if j.kind == "long-reference"), None)
+    res["long"] = [_long_row(cfg, j, s) for j, s in done if j.kind == "long"]
+    res["control"] = _control(done, limit, room.start)
     res["targets"] = targets(res)
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     res["elapsed_s"] = time.perf_counter() - t0
@@ -396,13 +497,20 @@ def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
 # --- analysis -------------------------------------------------------------------------------
 
 def best(runs: list[dict], budget: int, policies) -> dict | None:
-    """The lowest-perplexity run at ``budget`` among ``policies`` (any repair setting)."""
-    rows = [r for r in runs if r["budget"] == budget and r["policy"] in policies]
+    """The lowest-perplexity drop-only run (no recall) at ``budget`` among ``policies`` (any
+    repair setting)."""
+    rows = [r for r in runs if r["budget"] == budget and r["policy"] in policies
+            and not r.get("recall")]
     return min(rows, key=lambda r: r["ppl"]) if rows else None
 
 
+def with_recall(res: dict, budget: int) -> dict | None:
+    """The grid's run of the default policy with recall at ``budget``, if any."""
+    return next((r for r in res["runs"] if r.get("recall") and r["budget"] == budget), None)
+
+
 def _label(r: dict) -> str:
-    return f"{r['policy']} ({r['repair']} repair)"
+    return f"{r['policy']}{' with recall' if r.get('recall') else ''} ({r['repair']} repair)"
 
 
 def gap(res: dict, budget: int) -> tuple[dict, dict] | None:
@@ -438,179 +546,229 @@ def long_flatness(res: dict) -> dict | None:
             "ratio": worst["ppl"] / at_half["ppl"]}
 
 
-def targets(res: dict) -> list[dict]:
+def _target(what: str, value: float | None, target: float | None, at_most: bool = True) -> dict:
+    """A target row; ``met`` is None without a value or a target."""
+    met = None if value is None or target is None else (
+        value <= target if at_most else value >= target)
+    return {"what": what, "value": value, "met": met,
+            "target": "–" if target is None else f"{'<=' if at_most else '>='} {target:.2f}"}
+
+
+def _grid_targets(res: dict) -> list[dict]:
+    """Per budget: brightness (drop-only, its best repair) / the best baseline; the default
+    policy with recall / the best baseline; the share of the baseline -> oracle gap the
+    default policy with recall closes."""
     out = []
-    runs = res["runs"]
     for b in res["config"]["budgets"]:
-        ours, base = best(runs, b, ("brightness",)), best(runs, b, BASELINES)
-        if ours and base:
-            out.append({"what": f"budget {b}: brightness ({ours['repair']} repair, "
-                                f"{ours['ppl']:.3f}) / the best baseline, {_label(base)[:-1]}, "
-                                f"{base['ppl']:.3f})",
-                        "value": ours["ppl"] / base["ppl"], "target": "<= 1.00",
-                        "met": ours["ppl"] <= base["ppl"]})
-    default = CacheParams()
-    for b in res["config"]["budgets"]:  # no recall exists yet: the default policy without it
-        ours = next((r for r in runs if (r["budget"], r["policy"], r["repair"])
-                     == (b, default.scorer, default.repair)), None)
-        base = best(runs, b, BASELINES)
-        oracle = next((r for r in res.get("oracle", ()) if r["budget"] == b), None)
-        if not (ours and base and oracle):
+        base, rec = best(res["runs"], b, BASELINES), with_recall(res, b)
+        ours = best(res["runs"], b, ("brightness",))
+        if not base:
             continue
-        what = (f"budget {b}: {default.scorer} ({default.repair} repair, no recall yet, "
-                f"{ours['ppl']:.3f}) closes this fraction of the gap between the best baseline, "
-                f"{_label(base)[:-1]}, {base['ppl']:.3f}) and the oracle ({oracle['ppl']:.3f})")
-        value = gap_closed(res, ours)  # None (met: None) where the oracle is no better
-        out.append({"what": what + ("" if value is not None else ": the oracle does not beat "
-                                    "the best baseline, no gap"),
-                    "value": value, "target": f">= {GAP_TARGET:.2f}",
-                    "met": None if value is None else value >= GAP_TARGET})
-    ours = best(runs, FULL_TARGET_BUDGET, ("brightness",))
-    ref = res["reference"]
-    if ours:
-        ratio = ours["ppl"] / ref["ppl"]
-        out.append({"what": f"budget {FULL_TARGET_BUDGET}: brightness ({ours['repair']} repair, "
-                            f"{ours['ppl']:.3f}) / the full cache ({ref['ppl']:.3f}), the first "
-                            f"{ours['scored']} tokens ({FULL_TARGET_BUDGET} before any cull)",
-                    "value": ratio,
-                    "target": f"<= {FULL_TARGET:.2f}", "met": ratio <= FULL_TARGET})
-    keep = {r["policy"]: r for r in res["long"]
-            if r["positions"] == "keep" and not r.get("recall")}
-    first = next(iter(keep.values()), None)
-    if first and first["scored"] == ref.get("scored_all"):
-        lead, rest = keep.get("brightness"), [r for p, r in keep.items() if p != "brightness"]
-        n, b = first["scored"], first["budget"]
-        if lead and rest:
-            base = min(rest, key=lambda r: r["ppl"])
-            out.append({"what": f"budget {b}, the first {n} tokens: brightness "
-                                f"({lead['ppl']:.3f}) / the best long baseline, "
-                                f"{base['policy']} ({base['ppl']:.3f})",
-                        "value": lead["ppl"] / base["ppl"], "target": "<= 1.00",
-                        "met": lead["ppl"] <= base["ppl"]})
-        if lead and b == FULL_TARGET_BUDGET:
-            ratio = lead["ppl"] / ref["ppl_all"]
-            out.append({"what": f"budget {b}, the first {n} tokens: brightness "
-                                f"({lead['ppl']:.3f}) / the full cache ({ref['ppl_all']:.3f})",
-                        "value": ratio, "target": f"<= {FULL_TARGET:.2f}",
-                        "met": ratio <= FULL_TARGET})
-    for r in res["long"]:
-        if r.get("recall") and r["scored"] == ref.get("scored_all"):
-            ratio = r["ppl"] / ref["ppl_all"]
-            out.append({"what": f"budget {r['budget']}, the first {r['scored']} tokens: "
-                                f"{r['policy']} with recall ({r['ppl']:.3f}, {r['recalled']} "
-                                f"recalled) / the full cache ({ref['ppl_all']:.3f})",
-                        "value": ratio, "target": f"<= {RECALL_TARGET:.2f}",
-                        "met": ratio <= RECALL_TARGET})
-    flat = long_flatness(res)
-    if flat:
-        out.append({"what": f"compact positions: the worst window past {flat['limit']} "
-                            f"({flat['ppl_past']:.3f}) / the window at {flat['half']} "
-                            f"({flat['ppl_half']:.3f}), different text", "value": flat["ratio"],
-                    "target": f"<= {FLAT_TARGET:.2f}", "met": flat["ratio"] <= FLAT_TARGET})
-    c = res.get("control")
-    if c:
-        ratio = c["ppl_compact"] / c["ppl_past"]
-        a, z = c["tokens"]
-        out.append({"what": f"compact positions: tokens {a}-{z - 1}, past the positions "
-                            f"({c['ppl_compact']:.3f}) / the same tokens at positions "
-                            f"{c['positions_scored'][0]}-{c['positions_scored'][1] - 1} "
-                            f"(control run from token {c['start']}, {c['ppl_past']:.3f})",
-                    "value": ratio, "target": f"<= {FLAT_TARGET:.2f}",
-                    "met": ratio <= FLAT_TARGET})
+        vs = f"the best baseline, {_label(base)[:-1]}, {base['ppl']:.3f})"
+        if ours:
+            out.append(_target(f"budget {b}: brightness ({ours['repair']} repair, "
+                               f"{ours['ppl']:.3f}) / {vs}", ours["ppl"] / base["ppl"], 1.0))
+        if rec:
+            out.append(_target(f"budget {b}: {_label(rec)[:-1]}, {rec['ppl']:.3f}) / {vs}",
+                               rec["ppl"] / base["ppl"],
+                               GRID_RECALL_TARGET if b in GRID_RECALL_BUDGETS else None))
+            out.append(_gap_target(res, rec))
     return out
+
+
+def _gap_target(res: dict, run: dict) -> dict:
+    b, g = run["budget"], gap(res, run["budget"])
+    what = f"budget {b}: {_label(run)[:-1]}, {run['ppl']:.3f}) closes this fraction of the gap "
+    if g is None:
+        return _target(what + "between the best baseline and the oracle: the oracle does not "
+                       "beat the best baseline, no gap", None, GAP_TARGET, at_most=False)
+    return _target(what + f"between the best baseline, {_label(g[0])[:-1]}, {g[0]['ppl']:.3f}) "
+                   f"and the oracle ({g[1]['ppl']:.3f})", gap_closed(res, run), GAP_TARGET,
+                   at_most=False)
+
+
+def _full_target(res: dict) -> list[dict]:
+    ours, ref = best(res["runs"], FULL_TARGET_BUDGET, ("brightness",)), res["reference"]
+    if not ours:
+        return []
+    return [_target(f"budget {FULL_TARGET_BUDGET}: brightness ({ours['repair']} repair, "
+                    f"{ours['ppl']:.3f}) / the full cache ({ref['ppl']:.3f}), {ours['scored']} "
+                    f"tokens in {len(ours['by_window'])} window(s), each after "
+                    f"{res['config']['warmup']} unscored", ours["ppl"] / ref["ppl"], FULL_TARGET)]
+
+
+def _long_targets(res: dict) -> list[dict]:
+    """The long run over the positions (``keep``): brightness / the best long baseline and /
+    the full cache; with recall / the full cache."""
+    out, ref = [], res.get("long_reference")
+    if not ref:
+        return out
+    keep = {r["policy"]: r for r in res["long"]
+            if r["positions"] == "keep" and not r["recall"] and r["scored"] == ref["scored"]}
+    lead, rest = keep.get("brightness"), [r for p, r in keep.items() if p != "brightness"]
+    first = f"budget {res['config']['long_budget']}, the first {ref['scored']} tokens: "
+    if lead and rest:
+        base = min(rest, key=lambda r: r["ppl"])
+        out.append(_target(first + f"brightness ({lead['ppl']:.3f}) / the best long baseline, "
+                           f"{base['policy']} ({base['ppl']:.3f})", lead["ppl"] / base["ppl"], 1.0))
+    if lead and lead["budget"] == FULL_TARGET_BUDGET:
+        out.append(_target(first + f"brightness ({lead['ppl']:.3f}) / the full cache "
+                           f"({ref['ppl']:.3f})", lead["ppl"] / ref["ppl"], FULL_TARGET))
+    for r in res["long"]:
+        if r["recall"] and r["scored"] == ref["scored"]:
+            out.append(_target(first + f"{r['policy']} with recall ({r['ppl']:.3f}, "
+                               f"{r['recalled']} recalled) / the full cache ({ref['ppl']:.3f})",
+                               r["ppl"] / ref["ppl"], RECALL_TARGET))
+    return out
+
+
+def _position_targets(res: dict) -> list[dict]:
+    """Compact positions: past the limit vs half of it, and vs the control run."""
+    out, flat, c = [], long_flatness(res), res.get("control")
+    if flat:
+        out.append(_target(f"compact positions: the worst window past {flat['limit']} "
+                           f"({flat['ppl_past']:.3f}) / the window at {flat['half']} "
+                           f"({flat['ppl_half']:.3f}), different text", flat["ratio"],
+                           FLAT_TARGET))
+    if c:
+        a, z = c["tokens"]
+        out.append(_target(f"compact positions: tokens {a}-{z - 1}, past the positions "
+                           f"({c['ppl_compact']:.3f}) / the same tokens at positions "
+                           f"{c['positions_scored'][0]}-{c['positions_scored'][1] - 1} "
+                           f"(control run from token {c['start']}, {c['ppl_past']:.3f})",
+                           c["ppl_compact"] / c["ppl_past"], FLAT_TARGET))
+    return out
+
+
+def targets(res: dict) -> list[dict]:
+    """Every target row: what, value, target, met (None: no value or no target)."""
+    return _grid_targets(res) + _full_target(res) + _long_targets(res) + _position_targets(res)
 
 
 # --- output ---------------------------------------------------------------------------------
 
-def tables(res: dict) -> list[Table]:
+def _name(r: dict) -> str:
+    """``brightness``, ``brightness with recall``: a run's policy as the tables name it."""
+    return r["policy"] + (" with recall" if r.get("recall") else "")
+
+
+def grid_lines(res: dict) -> list[tuple[str, str, list[dict | None]]]:
+    """The grid's lines: (policy, repair, its run at each budget or None), every scorer x
+    repair, then the default policy with recall."""
+    cells = {(_name(r), r["repair"], r["budget"]): r for r in res["runs"]}
+    keys = [(p, rep) for p in res["config"]["policies"] for rep in res["config"]["repairs"]]
+    keys += sorted({(_name(r), r["repair"]) for r in res["runs"] if r.get("recall")})
+    return [(p, rep, [cells.get((p, rep, b)) for b in res["config"]["budgets"]])
+            for p, rep in keys]
+
+
+def _grid_facts(res: dict) -> str:
+    c = res["config"]
+    return (f"{len(res['text']['windows'])} window(s) x {c['tokens']} scored tokens, each "
+            f"after {c['warmup']} unscored")
+
+
+def _ppl_table(res: dict) -> Table:
     ref = res["reference"]["ppl"]
-    budgets = res["config"]["budgets"]
-    cells = {(r["policy"], r["repair"], r["budget"]): r for r in res["runs"]}
-    rows = []
-    for p in res["config"]["policies"]:
-        for rep in res["config"]["repairs"]:
-            rs = [cells.get((p, rep, b)) for b in budgets]
-            rows.append((p, rep, *(f"{r['ppl']:.3f} ({r['ppl'] / ref:.3f}x)" if r else "–"
-                                   for r in rs)))
-    oracle = {r["budget"]: r for r in res.get("oracle", ())}
-    if oracle:
-        rows.append(("oracle (hindsight)", "none",
-                     *(f"{oracle[b]['ppl']:.3f} ({oracle[b]['ppl'] / ref:.3f}x)" if b in oracle
-                       else "–" for b in budgets)))
-    ppl = Table(
-        f"Streaming perplexity by budget ({res['config']['tokens']} scored tokens; "
-        "x = / full cache)",
-        ("policy", "repair", *(f"budget {b}" for b in budgets)), tuple(rows),
+    cell = lambda r: f"{r['ppl']:.3f} ({r['ppl'] / ref:.3f}x)" if r else "–"  # noqa: E731
+    oracle = {r["budget"]: r for r in res["oracle"]}
+    rows = [(p, rep, *map(cell, rs)) for p, rep, rs in grid_lines(res)]
+    rows.append(("oracle (hindsight)", "none", *(cell(oracle.get(b))
+                                                 for b in res["config"]["budgets"])))
+    return Table(
+        f"Streaming perplexity by budget ({_grid_facts(res)}; x = / full cache)",
+        ("policy", "repair", *(f"budget {b}" for b in res["config"]["budgets"])), tuple(rows),
         f"Full cache (no budget): {ref:.3f}. Lower is better. The oracle culls the token the "
         "full-cache run's later queries attend to least (it knows the future: a reference "
         "point, not a policy, and no strict bound: a culled cache is attended differently).")
+
+
+def _gap_table(res: dict) -> Table:
+    budgets = res["config"]["budgets"]
     bases = [best(res["runs"], b, BASELINES) for b in budgets]
-    closed = Table(
+    oracle = {r["budget"]: r["ppl"] for r in res["oracle"]}
+    ran = ", ".join(p for p in res["config"]["policies"] if p in BASELINES) or "none run"
+    return Table(
         "Gap closed: (best baseline - policy) / (best baseline - oracle), by budget",
         ("policy", "repair", *(f"budget {b}" for b in budgets)),
         (("best baseline", "", *(f"{_label(r)} {r['ppl']:.3f}" if r else "–" for r in bases)),
-         ("oracle (hindsight)", "none", *(fmt(oracle[b]["ppl"] if b in oracle else None, 3)
-                                          for b in budgets)),
-         *((p, rep, *(fmt(None if r is None else gap_closed(res, r), 2)
-                      for r in (cells.get((p, rep, b)) for b in budgets)))
-           for p in res["config"]["policies"] for rep in res["config"]["repairs"])),
-        "1 = as good as the oracle, 0 = as the best baseline (the best of "
-        f"{', '.join(BASELINES)}, any repair), below 0 = worse. – : no run, or the oracle "
-        "does not beat the best baseline there.")
-    target = Table(
+         ("oracle (hindsight)", "none", *(fmt(oracle.get(b), 3) for b in budgets)),
+         *((p, rep, *(fmt(None if r is None else gap_closed(res, r), 2) for r in rs))
+           for p, rep, rs in grid_lines(res))),
+        f"1 = as good as the oracle, 0 = as the best baseline (the best of {ran}, any "
+        "repair, no recall), below 0 = worse. – : no run, or the oracle does not beat the "
+        "best baseline there.")
+
+
+def _target_table(res: dict) -> Table:
+    return Table(
         "Targets (reported, not asserted)", ("what", "value", "target", "met"),
         tuple((t["what"], fmt(t["value"], 4), t["target"],
                "–" if t["met"] is None else "yes" if t["met"] else "NO")
               for t in res["targets"]))
-    cost = Table(
-        "Per run: ms per token (whole loop step), culls (and how many folded), merges",
-        ("policy", "repair", "budget", "ms/token", "culled", "folded", "merged", "stop"),
-        tuple((r["policy"], r["repair"], str(r["budget"]), fmt(r["ms_per_token"], 1),
-               str(r["culled"]), str(r["folded"]), str(r["merged"]), r["stop_reason"])
-              for r in [res["reference"], *res["runs"], *res.get("oracle", ())]))
-    out = [target, ppl, closed] if oracle else [target, ppl]
-    if res["long"]:
-        ws = {_long_label(r): {w["end"]: w["ppl"] for w in r["windows"]} for r in res["long"]}
-        ws["full cache"] = {w["end"]: w["ppl"] for w in res["reference"]["windows"]}
-        ends = sorted(set().union(*ws.values()))
-        first = res["long"][0]
-        out.append(Table(
-            f"Long run: perplexity per window of {res['config']['window']} tokens "
-            f"(budget {first['budget']}, {first['repair']} repair)",
-            ("tokens up to", *ws), tuple((str(e), *(fmt(ws[p].get(e), 3) for p in ws))
-                                         for e in ends)
-            + (("all", *(fmt(r["ppl"], 3) for r in res["long"]),
-                fmt(res["reference"]["ppl_all"], 3)),),
-            " ".join(f"{_long_label(r)}: {r['scored']} tokens scored, stopped by "
-                     f"{r['stop_reason']}, {r['reindexed']} re-index(es)"
-                     + (f", {r['recalled']} recalled" if r.get("recall") else "") + "."
-                     for r in res["long"])
-            + f" The model has {res['max_positions']} positions: `keep` and the full cache "
-              "stop there. No oracle here: it needs a full-cache pass, which cannot go past "
-              "the positions."))
-    out.append(cost)
-    return out
+
+
+def _cost_table(res: dict) -> Table:
+    return Table(
+        "Per run: ms per token (whole loop step), culls (and how many folded), merges, "
+        "recalls, over the scored steps",
+        ("policy", "repair", "budget", "ms/token", "culled", "folded", "merged", "recalled",
+         "stop"),
+        tuple((_name(r), r["repair"], str(r["budget"]), fmt(r["ms_per_token"], 1),
+               str(r["culled"]), str(r["folded"]), str(r["merged"]), str(r["recalled"]),
+               r["stop_reason"]) for r in [res["reference"], *res["runs"], *res["oracle"]]))
+
+
+def _long_table(res: dict) -> Table:
+    ref = res["long_reference"]
+    ws = {_long_label(r): {w["end"]: w["ppl"] for w in r["windows"]} for r in res["long"]}
+    ws["full cache"] = {w["end"]: w["ppl"] for w in ref["windows"]}
+    ends = sorted(set().union(*ws.values()))
+    first = res["long"][0]
+    return Table(
+        f"Long run: perplexity per window of {res['config']['long_window']} tokens "
+        f"(budget {first['budget']}, {first['repair']} repair)",
+        ("tokens up to", *ws), tuple((str(e), *(fmt(ws[p].get(e), 3) for p in ws))
+                                     for e in ends)
+        + (("all", *(fmt(r["ppl"], 3) for r in [*res["long"], ref])),),
+        " ".join(f"{_long_label(r)}: {r['scored']} tokens scored, stopped by "
+                 f"{r['stop_reason']}, {r['reindexed']} re-index(es)"
+                 + (f", {r['recalled']} recalled" if r["recall"] else "") + "."
+                 for r in res["long"])
+        + f" The model has {res['max_positions']} positions: `keep` and the full cache "
+          "stop there. No oracle here: it needs a full-cache pass, which cannot go past "
+          "the positions.")
+
+
+def tables(res: dict) -> list[Table]:
+    out = [_target_table(res), _ppl_table(res)]
+    out += [_gap_table(res)] if res["oracle"] else []
+    out += [_long_table(res)] if res["long"] else []
+    return out + [_cost_table(res)]
 
 
 def plots(res: dict, out: Path) -> list[str]:
     """PNG plots into ``out``; returns their file names."""
     series = {}
     budgets = res["config"]["budgets"]
-    for i, p in enumerate(res["config"]["policies"]):  # colour: policy; line: repair
-        for rep in res["config"]["repairs"]:
-            rs = [r for r in res["runs"] if r["policy"] == p and r["repair"] == rep]
+    colour = {p: f"C{i}" for i, p in enumerate(res["config"]["policies"])}
+    for p, rep, rs in grid_lines(res):  # colour: policy; line: repair (dotted: recall)
+        rs = [r for r in rs if r]
+        if rs:
             series[f"{p}{'' if rep == 'none' else ' + ' + rep}"] = (
                 [r["budget"] for r in rs], [r["ppl"] for r in rs],
-                {"color": f"C{i}", "linestyle": {"none": "-", "merge": "--"}.get(rep, "-.")})
+                {"color": colour[rs[0]["policy"]], "linestyle": (0, (1, 1)) if rs[0]["recall"]
+                 else {"none": "-", "merge": "--"}.get(rep, "-.")})
     ref = res["reference"]["ppl"]
-    oracle = res.get("oracle", ())
+    oracle = res["oracle"]
     if oracle:
         series["oracle (hindsight)"] = ([r["budget"] for r in oracle], [r["ppl"] for r in oracle],
                                         {"linestyle": "-", "color": "black"})
     series["full cache"] = (budgets, [ref] * len(budgets), {"linestyle": ":", "color": "gray"})
     common.line_plot(out / "ppl_vs_budget.png",
-                     f"Streaming perplexity vs budget, {res['model']} {res['dtype']}",
-                     "budget (live cache slots)", "perplexity", series)
+                     f"Streaming perplexity vs budget, {res['model']} {res['dtype']}, "
+                     f"text {res['text']['source']}", "budget (live cache slots)", "perplexity",
+                     series)
     images = ["ppl_vs_budget.png"]
     if res["long"]:
         _long_plot(res, out / "ppl_long.png")
@@ -628,13 +786,13 @@ def _long_plot(res: dict, path: Path) -> None:
     for r in res["long"]:
         ax.step([w["end"] for w in r["windows"]], [w["ppl"] for w in r["windows"]], where="pre",
                 label=f"{r['policy']} budget {r['budget']}, positions {r['positions']}"
-                + (", recall" if r.get("recall") else ""),
+                + (", recall" if r["recall"] else ""),
                 linestyle="-" if r["positions"] == "compact" else "--")
-    ref = res["reference"]
+    ref = res["long_reference"]
     ax.step([w["end"] for w in ref["windows"]], [w["ppl"] for w in ref["windows"]], where="pre",
             label="full cache", linestyle=":", color="gray")
     ax.axvline(res["max_positions"], color="red", alpha=0.5, label="the model's positions")
-    ax.set_title(f"Perplexity per {res['config']['window']}-token window, {res['model']}")
+    ax.set_title(f"Perplexity per {res['config']['long_window']}-token window, {res['model']}")
     ax.set_xlabel("tokens streamed")
     ax.set_ylabel("perplexity")
     ax.grid(True, alpha=0.3)
@@ -651,26 +809,31 @@ def missed_notes(res: dict) -> list[str]:
 
 def _long_label(r: dict) -> str:
     """``brightness keep``, ``brightness keep recall``: a long run's column."""
-    return f"{r['policy']} {r['positions']}" + (" recall" if r.get("recall") else "")
+    return f"{r['policy']} {r['positions']}" + (" recall" if r["recall"] else "")
 
 
 def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
     """The markdown report; ``level`` is the heading level of its title."""
     h = "#" * level
     m, t = res["machine"], res["text"]
-    sp = res["config"]["base"]
+    sp, c = res["config"]["base"], res["config"]
+    what = [f"text `{t['source']}`"] * (t["source"] != DEFAULT_TEXT) + ["tune slice"] * (
+        t["slice"] == "tune")
     lines = [
-        f"{h} Quality benchmark: streaming perplexity"
-        + (" (tune slice)" if t["slice"] == "tune" else ""),
+        f"{h} Quality benchmark: streaming perplexity" + (f" ({', '.join(what)})" if what else ""),
         "",
         common.regenerate(res),
         "",
-        f"{common.model_facts(res)}; text `{t['source']}` ({t['tokens']:,} tokens, sha256 "
-        f"{t['sha256']}…), slice `{t['slice']}` from token {t['offset']:,}; "
+        f"{common.model_facts(res)}; text `{t['source']}`: {t['about']} ({t['tokens']:,} "
+        f"tokens, sha256 {t['sha256']}…), slice `{t['slice']}`: tokens {t['offset']:,}-"
+        f"{t['end'] - 1:,}; grid windows from tokens {', '.join(f'{a:,}' for a in t['windows'])}, "
+        f"each {c['warmup']} unscored tokens then {c['tokens']} scored; "
         f"{common.machine_facts(m)}. Protected from culls: {sp['sinks']} sinks, "
         f"{sp['recent']} recent tokens. Brightness: decay {sp['decay']}, gain {sp['gain']}, "
         f"signal {sp['signal']}, aggregation {sp['aggregate']}, "
-        f"skip layers {sp.get('skip_layers', 0.0)}, max {sp['max_brightness']}.",
+        f"skip layers {sp.get('skip_layers', 0.0)}, max {sp['max_brightness']}. Recall: at "
+        f"most {sp['recall_max']} swaps every {sp['recall_every']} step(s), cold keys scored "
+        f"over {sp['recall_layers']} layers.",
         "",
     ]
     for tb in tables(res):
@@ -684,61 +847,65 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
 
 
 METHOD = """\
-- **Streaming perplexity**: the slice's first token is primed; every step runs the pending
+- **Streaming perplexity**: a run primes its first token; every step runs the pending
   token through stages 1-4 (`Session.stream(force=...)`): stage 1's logits give the NLL of
   the text's next token, which becomes the pending token (teacher forcing; nothing is
   sampled), stage 2 scores, stage 3 culls to the budget (and merges a dim pair with merge
   repair, or folds each culled token's K/V into its most alike survivor with fold repair),
-  stage 4 applies. Perplexity = exp(mean NLL) over every scored token, so the first
-  `budget` tokens (before any cull) are the same for every policy.
+  stage 4 applies. Perplexity = exp(mean NLL) over the scored tokens.
+- **Grid windows**: every grid run (the full cache, each policy x budget x repair, the
+  default policy with recall, the oracle) streams the same windows, spread evenly over the
+  slice (the first at its start, the last ending at its end, none overlapping), each from
+  an empty cache: first the largest budget + 1 tokens, unscored, so that at every budget
+  the cache is full and has culled before the first scored token, then the scored ones.
+  A cell's perplexity is over every window's scored tokens; `results.json` also holds
+  each window's (`by_window`).
+- **Recall**: the default policy (brightness, no repair) with `recall`: a culled token
+  goes to a cold store and comes back when the query attends to it more than to one of
+  the dimmest hot tokens (docs/DESIGN.md, Recall tier); the cache holds the budget at
+  every step, as without it. The baselines and the oracle it is compared with drop.
 - **Full cache**: the same loop without a budget; it checks against Hugging Face's own
   forward over the whole text in `tests/test_bench_quality.py` (NLL equal to 1e-4).
-- **Oracle** (hindsight, a reference point, not a policy): the full-cache run records each
-  step's attention row by token (aggregated as the scorers do, `all-mean` by default); the
-  oracle runs at each budget (no repair, the same sinks and recent tokens protected) score
-  a live token by the attention the text's later queries paid it in the full cache, so the
-  token the future needs least goes first (Belady-style). *Gap closed* = (best baseline -
-  policy) / (best baseline - oracle) in perplexity, the best baseline being the lowest of
-  the non-default scorers (any repair) at that budget. The oracle is no strict bound (the
-  queries of a culled cache attend differently from the full cache's); where it does not
-  beat the best baseline there is no gap, and the fractions read `–`. The long run has no
-  oracle.
-- **Long run**: one configuration streamed past the model's positions. `compact` re-indexes
-  the live cache to positions 0..n-1 (keys re-rotated exactly) when the next position
-  would leave the trained range; `keep` never does, so it stops at the limit. The long
-  baselines run `keep` over the same tokens, so every long policy meets the full cache
-  over the whole trained range, not only over the grid's first tokens (where the first
-  `budget` tokens are shared by all). The control run streams the tokens past the limit
-  again from later in the text, so they are scored at positions below half the limit with
-  the same budget: the text is the same, only the positions differ.
-- **Slices**: `eval` scores from the text's start, `tune` from its middle; scorer defaults
-  are chosen on `tune` only (`--slice tune`), never on `eval`."""
+- **Oracle** (hindsight, a reference point, not a policy): in each window the full-cache
+  run records each step's attention row by token (aggregated as the scorers do, `all-mean`
+  by default); the oracle runs at each budget (no repair, the same sinks and recent tokens
+  protected) score a live token by the attention that window's later queries paid it in
+  the full cache, so the token the future needs least goes first (Belady-style). *Gap
+  closed* = (best baseline - policy) / (best baseline - oracle) in perplexity, the best
+  baseline being the lowest of the non-default scorers (any repair, no recall) at that
+  budget. The oracle is no strict bound (the queries of a culled cache attend differently
+  from the full cache's); where it does not beat the best baseline there is no gap, and
+  the fractions read `–`. The long run has no oracle.
+- **Long run**: one configuration streamed from the slice's start past the model's
+  positions. `compact` re-indexes the live cache to positions 0..n-1 (keys re-rotated
+  exactly) when the next position would leave the trained range; `keep` never does, so it
+  stops at the limit. The long baselines and the long policy with recall run `keep` over
+  the same tokens, so each meets the full cache over the whole trained range. The control
+  run streams the tokens past the limit again from later in the text, so they are scored
+  at positions below half the limit with the same budget: the text is the same, only the
+  positions differ.
+- **Slices**: `eval` is the text's first half, `tune` its second (from `--at`, default
+  halfway); the windows and the long run lie inside the slice, so the two share no token.
+  Scorer defaults are chosen on `tune` only (`--slice tune`), never on `eval`."""
 
 
 def command_line(args) -> str:
     return common.command_line("quality", args, (
-        ("model", "smollm2"), ("dtype", None), ("device", "cpu"), ("text", None), ("slice", None), ("at", None),
-        ("budgets", None), ("policies", None), ("repairs", None), ("params", None),
-        ("tokens", None), ("long", None), ("out", None), ("report", None)))
+        ("model", "smollm2"), ("dtype", None), ("device", "cpu"), ("text", None),
+        ("slice", None), ("at", None), ("budgets", None), ("policies", None),
+        ("repairs", None), ("params", None), ("windows", None), ("tokens", None),
+        ("long", None), ("out", None), ("report", None)))
 
 
 def config_from_args(args) -> QualityConfig:
     kw = {"model": args.model, "dtype": args.dtype or "float32",
           "device": str(resolve_device(args.device))}
-    if args.text is not None:
-        kw["text"] = args.text
-    if args.slice is not None:
-        kw["slice"] = args.slice
-    if args.at is not None:
-        kw["at"] = args.at
+    kw |= {k: getattr(args, k) for k in ("text", "slice", "at", "windows", "tokens", "long")
+           if getattr(args, k) is not None}
     if args.budgets is not None:
         kw["budgets"] = common.ints(args.budgets, "budgets")
     if args.policies is not None:
         kw["policies"] = tuple(p.strip() for p in args.policies.split(","))
-    if args.tokens is not None:
-        kw["tokens"] = args.tokens
-    if args.long is not None:
-        kw["long"] = args.long
     if args.repairs is not None:
         kw["repairs"] = tuple(r.strip() for r in args.repairs.split(","))
     if args.params is not None:
@@ -748,14 +915,15 @@ def config_from_args(args) -> QualityConfig:
 
 def base_params(text: str) -> CacheParams:
     """``--params decay=1,gain=200,seeds=128:128:128:128`` -> CacheParams with those fields
-    (tuples take ``:``-separated values); budget, policy, repair and positions are the
-    benchmark's own axes."""
+    (tuples take ``:``-separated values); budget, policy, repair, positions and recall are
+    the benchmark's own axes."""
     fields = {f.name: f for f in dataclasses.fields(CacheParams)}
     kw = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
         name = name.strip().replace("-", "_")
-        require(name in fields and name not in ("budget", "scorer", "repair", "positions"),
+        require(name in fields and name not in ("budget", "scorer", "repair", "positions",
+                                                     "recall"),
                 f"--params: unknown or fixed field {name!r}")
         default = getattr(CacheParams(), name)
         try:
@@ -778,7 +946,5 @@ def main(args) -> int:
     jobs = args.jobs if args.jobs is not None else os.cpu_count() or 1
     require(jobs >= 1, f"--jobs must be >= 1, got {jobs}")
     res = run(cfg, command_line(args), jobs)
-    # the tune slice's report is a section of its own: it never replaces the eval one
-    common.emit(res, args, out, "quality" if cfg.slice == "eval" else "quality-tune", plots,
-                report_md, tables)
+    common.emit(res, args, out, section_name(cfg), plots, report_md, tables)
     return 0

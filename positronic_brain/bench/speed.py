@@ -106,7 +106,7 @@ class SpeedConfig:
 def random_prompt(model: Model, n: int, seed: int = 0) -> list[int]:
     """``n`` token ids (speed does not depend on which tokens)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.spec.vocab, (n,), generator=g).tolist()
+    return torch.randint(0, model.spec.vocab, (n,), generator=g, device="cpu").tolist()
 
 
 def prefix_view(view: View, n: int, pending_token: int) -> View:

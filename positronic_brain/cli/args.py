@@ -172,9 +172,11 @@ def _add_quality_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bench quality (streaming perplexity; see docs/BENCHMARKS.md)")
     g.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                    help="default float32")
-    g.add_argument("--text", default=None, help="a UTF-8 file (default: Python's help topics)")
+    g.add_argument("--text", default=None,
+                   help="topics (default: Python's help topics), jargon (the Jargon File, "
+                        "Debian package jargon-text) or a UTF-8 file")
     g.add_argument("--slice", default=None, choices=("eval", "tune"),
-                   help="eval (default): from the text's start; tune: from its middle")
+                   help="eval (default): the text's first half; tune: its second")
     g.add_argument("--at", type=float, default=None, metavar="F",
                    help="the tune slice starts F of the way into the text (0.5 <= F < 1; "
                         "default 0.5)")
@@ -184,7 +186,10 @@ def _add_quality_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repairs", default=None, help="comma-separated (default: none,merge,fold)")
     g.add_argument("--params", default=None, metavar="K=V,...",
                    help="cache parameters of every run, e.g. decay=1,gain=200,sinks=4")
-    g.add_argument("--tokens", type=int, default=None, help="scored tokens per configuration")
+    g.add_argument("--windows", type=int, default=None,
+                   help="grid windows spread over the slice (default 4; --quick 2)")
+    g.add_argument("--tokens", type=int, default=None,
+                   help="scored tokens per grid window (default 512; --quick 64)")
     g.add_argument("--long", type=int, default=None,
                    help="scored tokens of the run past the model's positions (0 = none)")
     g.add_argument("--jobs", type=int, default=None,
@@ -211,8 +216,8 @@ def _add_chat_args(sub) -> None:
     _add_capture_args(ch)
 
 
-QUALITY_ONLY = ("dtype", "text", "slice", "at", "budgets", "policies", "repairs", "params", "tokens",
-                "long", "jobs")
+QUALITY_ONLY = ("dtype", "text", "slice", "at", "budgets", "policies", "repairs", "params",
+                "windows", "tokens", "long", "jobs")
 
 
 def cache_params(args) -> CacheParams:

@@ -9,9 +9,11 @@ cannot be built from ``CacheParams``: ``make_scorer`` refuses it, the benchmark 
 to ``Session(scorer=...)``. It is no strict bound on perplexity: the full cache's attention is
 not what a culled cache's queries would pay, nor is attention mass all a token is worth.
 
-Tokens are indexed by their text index. In a teacher-forced run primed with the text's
-first token and nothing merged, a token's uid is its text index and the pending token at
-step ``view.step`` is the text's token ``view.step``; both are checked against the text.
+Tokens are indexed by their index in the streamed text: bench quality streams each grid
+window on its own, from an empty cache, with a recorder and an oracle of its own, so there
+"the text" is the window. In a teacher-forced run primed with the text's first token and
+nothing merged, a token's uid is its text index and the pending token at step
+``view.step`` is the text's token ``view.step``; both are checked against the text.
 """
 from __future__ import annotations
 
@@ -61,15 +63,18 @@ class AttentionRecorder:
 
     def __init__(self, size: int, how: str, token_ids) -> None:
         self.how = how
-        self.rows = torch.zeros(size, size)  # (query, key): 9 MiB at 1536, 256 MiB at 8192
-        self.token_ids = torch.as_tensor(list(token_ids)[:size], dtype=torch.int64)
+        # (query, key), in host memory: 9 MiB at 1536, 256 MiB at 8192
+        self.rows = torch.zeros(size, size, device="cpu")
+        self.token_ids = torch.as_tensor(list(token_ids)[:size], dtype=torch.int64,
+                                         device="cpu")
         assert self.token_ids.numel() == size, f"the text has fewer than {size} tokens"
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         q, size = view.step, self.rows.shape[0]
         if q < size:
-            assert torch.equal(view.uid.cpu(), torch.arange(q)) and view.pending_token == \
-                int(self.token_ids[q]), f"step {q}: not a full cache over the text"
+            assert torch.equal(view.uid.cpu(), torch.arange(q, device="cpu")) and \
+                view.pending_token == int(self.token_ids[q]), \
+                f"step {q}: not a full cache over the text"
             self.rows[q, :q] = aggregate(attention, self.how)
         return ScoreOut(scores=torch.zeros(view.n, device=view.uid.device))
 

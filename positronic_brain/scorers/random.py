@@ -19,4 +19,4 @@ class RandomScore:
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         g = torch.Generator().manual_seed(self.random_seed * 1_000_003 + view.step)
         # drawn on the CPU: the same scores on every device
-        return ScoreOut(scores=torch.rand(view.n, generator=g).to(view.uid.device))
+        return ScoreOut(scores=torch.rand(view.n, generator=g, device="cpu").to(view.uid.device))

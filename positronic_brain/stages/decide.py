@@ -166,7 +166,8 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
         out.append(Swap(slot=slot, uid=int(view.uid[slot]), cold_slot=row,
                         cold_uid=int(cold.uid[row]),
                         brightness=float(params.seeds[int(cold.source[row])]),
-                        attn_sum=float(torch.tensor(signal * queries, dtype=torch.float32))))
+                        attn_sum=float(torch.tensor(signal * queries, dtype=torch.float32,
+                                                    device="cpu"))))
     return tuple(out)
 
 

@@ -26,7 +26,8 @@ def recall_layers(params: CacheParams, n_layers: int) -> tuple[int, ...]:
     ``skip_layers`` fraction), or all of them (None)."""
     first = min(round(params.skip_layers * n_layers), n_layers - 1)
     count = min(params.recall_layers or n_layers, n_layers - first)
-    return tuple(sorted({round(x) for x in torch.linspace(first, n_layers - 1, count).tolist()}))
+    spread = torch.linspace(first, n_layers - 1, count, device="cpu")
+    return tuple(sorted({round(x) for x in spread.tolist()}))
 
 
 def recall_query(view: View, gen: GenerateOut, params: CacheParams) -> RecallQuery | None:
