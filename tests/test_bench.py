@@ -56,7 +56,10 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
 
     # the loop runs at its budget (half the tiny model's positions); edits at every context
     assert [(r["dtype"], r["repair"], r["context"]) for r in res["loop"]] == \
-        [(d, m, 256) for d in ("float32", "bfloat16") for m in ("none", "merge", "fold")]
+        [(d, m, 256) for d in ("float32", "bfloat16")
+         for m in ("none", "merge", "fold", "none + recall")]
+    assert [r["cold"] > res["config"]["recall_cold"] // 2 for r in res["loop"]] == \
+        [False, False, False, True] * 2  # with recall, over the prompt's culled tokens
     assert all(r["stage1_ms"] > 0 and r["step_ms"] > 0 and r["overhead"] > 0 for r in res["loop"])
     assert [(r["dtype"], r["context"]) for r in res["edits"]] == \
         [(d, c) for d in ("float32", "bfloat16") for c in contexts]
