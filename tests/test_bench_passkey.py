@@ -83,14 +83,14 @@ def test_the_target_waits_for_a_recall_variant():
     assert "not measured" in waiting["what"] and waiting["met"] is None
 
 
-def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, tmp_path, one_thread):
-    """Each cell starts from a saved and loaded copy of the trial's prime: the same tokens
+def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, one_thread):
+    """Each cell starts from a deep copy of the trial's prime: the same tokens
     and the same culls as a session primed for that cell alone."""
     cfg = passkey.PasskeyConfig(model="tiny-random", lengths=(400,), budgets=(64,),
                                 policies=("h2o", "random"))
     trial = passkey.trials(0, 1, cfg.lengths)[0]
     grid = passkey.cells(cfg)
-    row = passkey.run_trial(tiny_model, tiny_policy, cfg, trial, grid, tmp_path)
+    row = passkey.run_trial(tiny_model, tiny_policy, cfg, trial, grid)
     _, segs = passkey.fit(tiny_policy, trial.key, trial.depth, trial.length, cfg.framing)
     for cell, text in zip(grid, row["answers"][1:]):
         fresh = Session(tiny_model, tiny_policy, SamplerParams(greedy=True), cell.cache)
@@ -102,14 +102,14 @@ def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, tmp_path
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_smollm2_finds_the_key_in_a_1k_prompt(real_model, real_policy, tmp_path):
+def test_smollm2_finds_the_key_in_a_1k_prompt(real_model, real_policy):
     """Hand-checked: trial 0 (key 46398 at 49% of ~1k tokens of filler) is answered
     " 46398." with the full cache, and TOVA at budget 128 answers it too, without recall
     and with it (and with prefill scores flipped, which TOVA does not take)."""
     cfg = passkey.PasskeyConfig(lengths=(1024,), budgets=(128,), policies=("tova",))
     trial = passkey.trials(0, 1, cfg.lengths)[0]
     assert (trial.key, trial.depth) == (46398, 0.493)
-    row = passkey.run_trial(real_model, real_policy, cfg, trial, passkey.cells(cfg), tmp_path)
+    row = passkey.run_trial(real_model, real_policy, cfg, trial, passkey.cells(cfg))
     assert 1000 < row["tokens"] <= 1024
     assert row["answers"][0].startswith(" 46398.") and row["hits"] == [True] * 4
 
@@ -170,6 +170,7 @@ def test_policies_none_measures_the_full_cache_only(capsys, one_thread):
     (["--policies", "h2o,bogus"], "non-culling"),
     (["--text", "x.txt"], "not an option of bench passkey"),
     (["--lengths", "40", "--trials", "1"], "cannot hold the pass-key task"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
 ])
 def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
     assert main(["bench", "passkey", "--model", "tiny-random", *argv]) == 2
@@ -180,3 +181,16 @@ def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
 def test_its_options_are_its_own(capsys):
     assert main(["bench", "speed", "--trials", "3"]) == 2
     assert "for bench passkey only" in capsys.readouterr().err
+    assert main(["bench", "speed", "--jobs", "2"]) == 2
+    assert "for bench quality and bench passkey only" in capsys.readouterr().err
+
+
+def test_trials_in_worker_processes_answer_as_here(one_thread):
+    """--jobs 2: the same trials, in order, with the same answers as in one process."""
+    cfg = passkey.PasskeyConfig(model="tiny-random", trials=3, lengths=(300, 400),
+                                budgets=(64,), policies=("h2o",), variants=({}, {"recall": True}))
+    here, there = passkey.run(cfg, "here"), passkey.run(cfg, "there", workers=2)
+    assert there["workers"] == 2 and here["workers"] == 1
+    assert [t["answers"] for t in there["trials"]] == [t["answers"] for t in here["trials"]]
+    assert [t["key"] for t in there["trials"]] == [t["key"] for t in here["trials"]]
+    assert "trials in 2 single-thread processes" in passkey.report_md(there, [], ".")

@@ -160,8 +160,7 @@ def test_a_token_the_window_attends_survives_the_first_cull(tiny_model, tiny_pol
     assert uid in on.state.ledger.live("uid").tolist() and on.state.arena.n == params.budget
 
 
-def test_smollm2_keeps_the_pass_key_its_question_attends(real_model, real_policy, tmp_path,
-                                                        one_thread):
+def test_smollm2_keeps_the_pass_key_its_question_attends(real_model, real_policy, one_thread):
     """Trial 1 of the quick pass-key run (key 45208 at depth 78% of ~1k tokens): at budget
     128 the first cull on one query's brightness loses the key; seeded with the prompt's
     window it is kept and the answer is right."""
@@ -169,7 +168,7 @@ def test_smollm2_keeps_the_pass_key_its_question_attends(real_model, real_policy
                                 variants=({"prefill_scores": False}, {"prefill_scores": True}))
     trial = passkey.trials(0, 2, cfg.lengths)[1]
     assert trial.key == 45208
-    row = passkey.run_trial(real_model, real_policy, cfg, trial, passkey.cells(cfg), tmp_path)
+    row = passkey.run_trial(real_model, real_policy, cfg, trial, passkey.cells(cfg))
     assert row["hits"] == [True, False, True], row["answers"]
 
 
@@ -205,7 +204,9 @@ def test_a_captured_run_with_prefill_scores_replays_bit_for_bit(tiny_model, tiny
 def test_a_copy_seeded_from_the_statistics_equals_its_own_prime(tiny_model, tiny_policy,
                                                                  tmp_path):
     """bench passkey's cells: a saved prime (gathered without a scorer) seeded per cell gives
-    the columns a prime with the cell's parameters gives, bit for bit."""
+    the columns a prime with the cell's parameters gives: bit for bit on the CPU; on CUDA the
+    two primes' arenas differ in size, so their attention reductions may round differently
+    (within 1e-5)."""
     segs = _prompt(tiny_policy)
     ref = Session(tiny_model, tiny_policy, cache_params=CacheParams(scorer="none"))
     stats = ref.prime(segs, stats=True)
@@ -219,7 +220,11 @@ def test_a_copy_seeded_from_the_statistics_equals_its_own_prime(tiny_model, tiny
                        state=load_session(tiny_model, tmp_path / "p.pbs").state)
         copy.seed(stats)
         for c in ("brightness", "attn_sum"):
-            assert torch.equal(copy.state.ledger.live(c), own.state.ledger.live(c))
+            got, want = copy.state.ledger.live(c), own.state.ledger.live(c)
+            if got.device.type == "cpu":
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_scorers_that_take_prefill_scores():

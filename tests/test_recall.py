@@ -33,11 +33,11 @@ def _hf_key(model, token_id: int, position: int) -> torch.Tensor:
     """The key (L, kv_heads, head_dim) HF's own layers give ``token_id`` at ``position``
     after a forward of nothing else before it: its first layer's only (no past needed)."""
     hf = model.hf.model
-    x = hf.embed_tokens(torch.tensor([[token_id]]))
+    x = hf.embed_tokens(torch.tensor([[token_id]], device=model.device))
     layer = hf.layers[0]
     h = layer.input_layernorm(x)
     k = layer.self_attn.k_proj(h).view(1, 1, -1, model.spec.head_dim).transpose(1, 2)
-    cos, sin = rope_cos_sin(model, torch.tensor([position]), torch.float32)
+    cos, sin = rope_cos_sin(model, torch.tensor([position], device=model.device), torch.float32)
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     _, k = apply_rotary_pos_emb(k, k, cos[None], sin[None])
     return k[0, :, 0]  # (kv_heads, head_dim)

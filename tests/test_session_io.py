@@ -35,14 +35,16 @@ SAVER = textwrap.dedent("""
     from positronic_brain import Session, TokenPolicy, load_model
     from positronic_brain.session_io import save_session
     from positronic_brain.types import SamplerParams
+    import torch
     out, tiny_prompt, real_prompt, fact = sys.argv[1:5]
-    tiny = load_model("tiny-random")
-    policy = TokenPolicy(tiny.tokenizer)
-    s = Session(tiny, policy, SamplerParams(temperature=1.0, top_k=40, seed=11))
-    s.prime(policy.raw_prompt(tiny_prompt), 96)
-    for _ in range(5):
-        s.step()  # the generator has moved on: its state must travel too
-    save_session(s, out + "/tiny.pbs")
+    for device in ["cpu"] + ["cuda"] * torch.cuda.is_available():  # one file per device type
+        tiny = load_model("tiny-random", device=device)
+        policy = TokenPolicy(tiny.tokenizer)
+        s = Session(tiny, policy, SamplerParams(temperature=1.0, top_k=40, seed=11))
+        s.prime(policy.raw_prompt(tiny_prompt), 96)
+        for _ in range(5):
+            s.step()  # the generator has moved on: its state must travel too
+        save_session(s, f"{out}/tiny-{device}.pbs")
     real = load_model("smollm2")
     policy = TokenPolicy(real.tokenizer)
     s = Session(real, policy, SamplerParams(greedy=True))
@@ -71,11 +73,12 @@ def _tokens(session: Session, n: int) -> list[int]:
 
 
 def test_tiny_session_continues_in_another_process(saved, tiny_model, tiny_policy):
-    """Sampled run: the K/V, ledger and generator state all travel."""
+    """Sampled run: the K/V, ledger and generator state all travel (saved on the same device
+    type: a generator's state does not carry over to another)."""
     uninterrupted = Session(tiny_model, tiny_policy, SAMPLED)
     uninterrupted.prime(tiny_policy.raw_prompt(TINY_PROMPT), 96)
     first = _tokens(uninterrupted, 5)
-    loaded = load_session(tiny_model, saved / "tiny.pbs")
+    loaded = load_session(tiny_model, saved / f"tiny-{tiny_model.device.type}.pbs")
     assert loaded.generated_ids == first and loaded.sampler == SAMPLED
     assert loaded.state.arena.capacity == 96 and loaded.state.step == 5
     assert _tokens(loaded, 20) == _tokens(uninterrupted, 20)

@@ -283,6 +283,13 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def jobs(args) -> int:
+    """``--jobs``: processes that measure in parallel (default: the CPU's cores)."""
+    n = args.jobs if args.jobs is not None else os.cpu_count() or 1
+    require(n >= 1, f"--jobs must be >= 1, got {n}")
+    return n
+
+
 def ints(text: str, name: str) -> tuple[int, ...]:
     """``--name 1,2,3`` -> (1, 2, 3); anything else is a one-line UserError."""
     try:

@@ -16,8 +16,8 @@ answer. Measured:
 
 Trial i (its key, depth and length) depends only on the seed and i, so every cell answers
 the same prompts and a quick run's trials are the first of a full run's. The prime does
-not depend on the policy: each trial is primed once, saved with ``session_io`` and loaded
-into a fresh session for each cell (much cheaper than a prefill of thousands of tokens).
+not depend on the policy: each trial is primed once and each cell answers from its own deep
+copy of the primed state (much cheaper than a prefill of thousands of tokens).
 The prime gathers the prompt's attention statistics when a cell takes prefill scores, and
 each such cell seeds its scorer's columns from them (``Session.seed``), as a prime with the
 cell's parameters would. With a budget below the prompt, the arena holds the whole prompt
@@ -26,10 +26,10 @@ scores, the prompt's); the first answer token is still computed over the whole p
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,6 @@ from pathlib import Path
 from ..loop import Session, arena_capacity
 from ..model import Model, load_model, resolve_device
 from ..scorers import CULLING
-from ..session_io import load_session, save_session
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, UserError, require
 from . import common
@@ -57,8 +56,7 @@ DEPTH_BINS = ((0.1, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9))
 TARGET_BUDGET = 128
 TARGET_RATIO = 0.95  # pass-key accuracy with recall at TARGET_BUDGET / the full cache
 # bench quality's own options, which this benchmark does not take
-QUALITY_OPTIONS = ("text", "slice", "at", "repairs", "params", "windows", "tokens", "long",
-                   "jobs")
+QUALITY_OPTIONS = ("text", "slice", "at", "repairs", "params", "windows", "tokens", "long")
 OWN_OPTIONS = ("trials", "lengths")
 
 
@@ -248,7 +246,7 @@ def answer(session: Session, n: int) -> list[int]:
 
 
 def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Trial,
-              grid: list[Cell], tmp: Path, tick=None) -> dict:
+              grid: list[Cell], tick=None) -> dict:
     """One prompt, primed once, answered with the full cache and in every cell (each from
     a copy of the primed session). Returns the trial's row: prompt facts, the answers, the
     seconds spent priming, copying and answering."""
@@ -260,9 +258,7 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
     stats = ref.prime(segs, arena_capacity(model, ref.cache_params, n, cfg.max_new_tokens),
                       stats=any(c.cache.prefill_scores for c in grid))
     t1 = time.perf_counter()
-    path = tmp / "primed.pbs"
-    if grid:
-        save_session(ref, path)
+    primed = copy.deepcopy(ref.state) if grid else None
     t2 = time.perf_counter()
     answers = [answer(ref, cfg.max_new_tokens)]
     if tick:
@@ -270,7 +266,7 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
     copy_s, answer_s = t2 - t1, time.perf_counter() - t2
     for cell in grid:
         t3 = time.perf_counter()
-        state = load_session(model, path).state
+        state = copy.deepcopy(primed)
         t4 = time.perf_counter()
         session = Session(model, policy, sampler, cell.cache, state=state)
         if stats is not None:
@@ -285,8 +281,47 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
             "prime_s": t1 - t0, "copy_s": copy_s, "answer_s": answer_s}
 
 
-def run(cfg: PasskeyConfig, command: str) -> dict:
-    """Every measurement, as one JSON-ready dict."""
+_WORKER: dict = {}  # a pool worker's model, policy, config and grid
+
+
+def _init_worker(cfg: PasskeyConfig) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one thread per worker: parallel trials, not parallel matmuls
+    m = load_model(cfg.model, cfg.dtype, cfg.device)
+    _WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), cfg=cfg, grid=cells(cfg))
+
+
+def _run_trial(trial: Trial) -> dict:
+    w = _WORKER
+    return run_trial(w["model"], w["policy"], w["cfg"], trial, w["grid"])
+
+
+def run_trials(cfg: PasskeyConfig, model: Model, policy: TokenPolicy, todo: list[Trial],
+               workers: int = 1) -> list[dict]:
+    """Every trial's row, in ``todo``'s order: here (``workers`` = 1) or in that many
+    single-thread processes (each loads the model once); a trial's row does not depend on
+    where it ran."""
+    grid = cells(cfg)
+    with common.progress() as task:
+        tick = task(f"pass key: {len(todo)} trials x {1 + len(grid)} cells",
+                    len(todo) * (1 + len(grid)))
+        if workers == 1:
+            return [run_trial(model, policy, cfg, t, grid, tick) for t in todo]
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
+        with ProcessPoolExecutor(workers, ctx, _init_worker, (cfg,)) as pool:
+            futures = [pool.submit(_run_trial, t) for t in todo]
+            for _ in as_completed(futures):
+                for _ in range(1 + len(grid)):
+                    tick()
+            return [f.result() for f in futures]
+
+
+def run(cfg: PasskeyConfig, command: str, workers: int = 1) -> dict:
+    """Every measurement, as one JSON-ready dict (trials in ``workers`` processes)."""
     t0 = time.perf_counter()
     info = common.machine()
     model = load_model(cfg.model, cfg.dtype, cfg.device)
@@ -296,14 +331,10 @@ def run(cfg: PasskeyConfig, command: str) -> dict:
         fit(policy, 10000, 0.5, n, cfg.framing)
     grid = cells(cfg)
     todo = trials(cfg.seed, cfg.trials, cfg.lengths)
-    rows = []
-    with common.progress() as task, tempfile.TemporaryDirectory(prefix="passkey-") as tmp:
-        tick = task(f"pass key: {len(todo)} trials x {1 + len(grid)} cells",
-                    len(todo) * (1 + len(grid)))
-        for trial in todo:
-            rows.append(run_trial(model, policy, cfg, trial, grid, Path(tmp), tick))
+    rows = run_trials(cfg, model, policy, todo, min(workers, len(todo)))
     res = {"benchmark": "passkey", "command": command, "model": cfg.model, "dtype": cfg.dtype,
            "quick": cfg.quick, "machine": info, "max_positions": model.spec.max_positions,
+           "workers": min(workers, len(todo)),
            "config": dataclasses.asdict(cfg), "trials": rows}
     res["reference"] = _cell_row(rows, 0, policy="none", budget=None, variant={})
     ref = res["reference"]["accuracy"]
@@ -414,7 +445,7 @@ def tables(res: dict) -> list[Table]:
     tm = res["timing"]
     n = len(res["trials"])
     cost = Table(
-        "Time (seconds, whole run)", ("prime (once per trial)", "copy (save + loads)",
+        "Time (seconds, summed over the trials; elapsed: the whole run)", ("prime (once per trial)", "copy (deep copies)",
                                       "answers", "mean prompt tokens", "elapsed"),
         ((fmt(tm["prime_s"], 1), fmt(tm["copy_s"], 1), fmt(tm["answer_s"], 1),
           fmt(sum(t["tokens"] for t in res["trials"]) / n, 0), fmt(res["elapsed_s"], 1)),))
@@ -456,7 +487,10 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
         f"{common.model_facts(res)}; {len(res['trials'])} trials (seed {cfg['seed']}), "
         f"prompt lengths {', '.join(map(str, cfg['lengths']))} tokens, `{cfg['framing']}` "
         f"framing, up to {cfg['max_new_tokens']} greedy new tokens; "
-        f"{common.machine_facts(m, threads=True)}. Full-cache accuracy: "
+        f"{common.machine_facts(m, threads=res.get('workers', 1) == 1)}"
+        + (f"; trials in {res['workers']} single-thread processes"
+           if res.get("workers", 1) > 1 else "")
+        + ". Full-cache accuracy: "
         f"**{_pct(ref['correct'], ref['trials'])}**. Protected from culls: {sp['sinks']} "
         f"sinks, {sp['recent']} recent tokens.",
         "",
@@ -484,9 +518,9 @@ METHOD = """\
   i only; lengths are taken in turn. Every cell answers the same trials.
 - **Answer**: up to `max_new_tokens` greedy tokens through the real loop (stages 1-4), the
   budget enforced at every step; correct if the key's five digits appear in the answer.
-- **Cells**: each trial is primed once without a budget; the primed session is saved
-  (`session_io.save_session`) and loaded into a fresh session per cell, with the cell's
-  cache parameters. With a budget below the prompt, the arena holds the whole prompt and
+- **Cells**: each trial is primed once without a budget; each cell answers in a fresh
+  session over its own deep copy of the primed state, with the cell's cache parameters.
+  With a budget below the prompt, the arena holds the whole prompt and
   the first step culls down to the budget: on that step's attention alone, or with prefill
   scores also on the prompt's own (the prime gathers its statistics once; each such cell
   seeds its scorer's columns from them, as its own prime would). The first answer token (a
@@ -501,7 +535,7 @@ METHOD = """\
 def add_args(p) -> None:
     """This benchmark's own options (it also takes --budgets, --policies and --dtype)."""
     g = p.add_argument_group("bench passkey (pass-key retrieval; also takes --budgets, "
-                             "--policies (none: the full cache only) and --dtype)")
+                             "--policies (none: the full cache only), --dtype and --jobs)")
     g.add_argument("--trials", type=int, default=None,
                    help="prompts per cell (default 50; --quick 8)")
     g.add_argument("--lengths", default=None,
@@ -537,13 +571,13 @@ def command_line(args) -> str:
     return common.command_line("passkey", args, (
         ("model", "smollm2"), ("dtype", None), ("device", "cpu"), ("budgets", None),
         ("policies", None),
-        ("trials", None), ("lengths", None), ("out", None), ("report", None)))
+        ("trials", None), ("lengths", None), ("jobs", None), ("out", None), ("report", None)))
 
 
 def main(args) -> int:
     """The CLI entry: measure, then print tables (or one JSON object) and write files."""
     cfg = config_from_args(args)  # validate before the slow part
     out = common.out_dir(args)
-    res = run(cfg, command_line(args))
+    res = run(cfg, command_line(args), common.jobs(args))
     common.emit(res, args, out, "passkey", plots, report_md, tables)
     return 0

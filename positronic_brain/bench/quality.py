@@ -943,8 +943,6 @@ def main(args) -> int:
     """The CLI entry: measure, then print tables (or one JSON object) and write files."""
     cfg = config_from_args(args)  # validate before the slow part
     out = common.out_dir(args)
-    jobs = args.jobs if args.jobs is not None else os.cpu_count() or 1
-    require(jobs >= 1, f"--jobs must be >= 1, got {jobs}")
-    res = run(cfg, command_line(args), jobs)
+    res = run(cfg, command_line(args), common.jobs(args))
     common.emit(res, args, out, section_name(cfg), plots, report_md, tables)
     return 0

@@ -193,7 +193,8 @@ def _add_quality_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long", type=int, default=None,
                    help="scored tokens of the run past the model's positions (0 = none)")
     g.add_argument("--jobs", type=int, default=None,
-                   help="runs in parallel, one single-thread process each (default: CPU cores)")
+                   help="runs (bench passkey: trials) in parallel, one single-thread process "
+                     "each (default: CPU cores)")
 
 
 def _add_chat_args(sub) -> None:
@@ -217,7 +218,7 @@ def _add_chat_args(sub) -> None:
 
 
 QUALITY_ONLY = ("dtype", "text", "slice", "at", "budgets", "policies", "repairs", "params",
-                "windows", "tokens", "long", "jobs")
+                "windows", "tokens", "long")
 
 
 def cache_params(args) -> CacheParams:

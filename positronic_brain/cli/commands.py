@@ -59,6 +59,8 @@ def cmd_bench(args) -> int:
     only = [f"--{f}" for f in QUALITY_ONLY if getattr(args, f) is not None]
     if args.kind != "quality" and only:
         raise UserError(f"{', '.join(only)}: for bench quality only")
+    if args.kind == "speed" and args.jobs is not None:
+        raise UserError("--jobs: for bench quality and bench passkey only")
     return BENCHES[args.kind](args)
 
 
