@@ -27,7 +27,7 @@ from .capture import (EXTEND, LEDGER_COLUMNS, STAGES, CaptureRun, StageFile, Ste
 from .model import Model, load_model, resolve_device
 from .plain import to_plain
 from .sampler import make_generator
-from .scorers import make_scorer, prefill_scorer
+from .scorers import make_scorer, prefill_scorer, user
 from .stages.apply import apply, extend, prime
 from .stages.decide import decide
 from .stages.generate import generate
@@ -203,6 +203,8 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
             f"one of {', '.join((*STAGES, EXTEND))}")
     run = CaptureRun(run_dir)
     manifest, steps = run.manifest, run.steps
+    scorer = manifest.get("params", {}).get("cache_params", {}).get("scorer", "")
+    user.check_unchanged(scorer, manifest.get("scorer_sha256"))  # your own scorer's file
     if model is None and device is None:
         captured = torch.device(manifest.get("device", "cpu"))
         here = captured.type == "cpu" or (torch.cuda.is_available()

@@ -151,7 +151,7 @@ class CacheParams:
     """
 
     budget: int | None = None
-    scorer: str = "brightness"  # a name in scorers.SCORERS (the CLI's --policy)
+    scorer: str = "brightness"  # a name in scorers.SCORERS or a user scorer (scorers.user)
     repair: str = "none"
     positions: str = "compact"
     sinks: int = 4
@@ -178,8 +178,17 @@ class CacheParams:
     recall_aggregate: str = "max-max"
     prefill_scores: bool = False
     prefill_window: int = 8
+    scorer_params: str = ""  # a user scorer's own fields: "name=value,..." (the CLI's --param)
+
+    def param_dict(self) -> dict[str, str]:
+        """``scorer_params`` as {name: value text}."""
+        items = [i.strip() for i in self.scorer_params.split(",") if i.strip()]
+        return dict(i.split("=", 1) for i in items)
 
     def __post_init__(self) -> None:
+        items = [i for i in self.scorer_params.split(",") if i.strip()]
+        bad = [i for i in items if "=" not in i or not i.split("=", 1)[0].strip().isidentifier()]
+        require(not bad, f"--param takes NAME=VALUE (no commas in values), got {bad[:1]}")
         require(self.repair in REPAIRS,
                 f"repair must be one of {', '.join(REPAIRS)}, got {self.repair!r}")
         require(self.positions in ("keep", "compact"),

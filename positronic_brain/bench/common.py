@@ -308,8 +308,9 @@ def command_line(bench: str, args, flags: tuple[tuple[str, object], ...]) -> str
     parts = [f"positronic-brain bench {bench}"] + (["--quick"] if args.quick else [])
     for flag, default in flags:
         value = getattr(args, flag, None)
-        if value is not None and value != default:
-            parts += [f"--{flag}", str(value)]
+        for v in value if isinstance(value, list) else [value]:  # a repeatable flag: each
+            if v is not None and v != default:
+                parts += [f"--{flag}", str(v)]
     return " ".join(parts)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ..loop import Session, arena_capacity
 from ..model import Model, load_model, resolve_device
-from ..scorers import CULLING
+from ..scorers import CULLING, culling, user
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, UserError, require
 from . import common
@@ -56,7 +56,8 @@ DEPTH_BINS = ((0.1, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9))
 TARGET_BUDGET = 128
 TARGET_RATIO = 0.95  # pass-key accuracy with recall at TARGET_BUDGET / the full cache
 # bench quality's own options, which this benchmark does not take
-QUALITY_OPTIONS = ("text", "slice", "at", "repairs", "params", "windows", "tokens", "long")
+QUALITY_OPTIONS = ("text", "slice", "at", "repairs", "params", "param", "windows", "tokens",
+                   "long")
 OWN_OPTIONS = ("trials", "lengths")
 
 
@@ -176,7 +177,7 @@ class PasskeyConfig:
                 f"budgets must be >= 1, got {self.budgets}")
         require(tuple(sorted(set(self.budgets))) == self.budgets,
                 f"budgets must be increasing, got {self.budgets}")
-        bad = [p for p in self.policies if p not in CULLING]
+        bad = [p for p in self.policies if not culling(p)]
         require(not bad, f"unknown or non-culling policies {bad}; expected some of "
                 f"{', '.join(CULLING)} (or none: the full cache only)")
         require(self.framing in FRAMINGS,
@@ -563,7 +564,7 @@ def config_from_args(args) -> PasskeyConfig:
         kw["budgets"] = common.ints(args.budgets, "budgets")
     if args.policies is not None:
         names = tuple(p.strip() for p in args.policies.split(","))
-        kw["policies"] = tuple(p for p in names if p != "none")  # none: the full cache only
+        kw["policies"] = tuple(user.absolute(p) for p in names if p != "none")  # none: full only
     return PasskeyConfig.preset(args.quick, **kw)
 
 

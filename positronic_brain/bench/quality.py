@@ -44,7 +44,7 @@ from pathlib import Path
 from ..loop import Session, arena_capacity
 from ..model import Model, load_model, resolve_device
 from ..special_tokens import TokenPolicy
-from ..scorers import BASELINES, CULLING
+from ..scorers import BASELINES, CULLING, culling, user
 from ..scorers.oracle import NAME as ORACLE, AttentionRecorder, Oracle
 from ..types import CacheParams, SamplerParams, Segment, Totals, UserError, require
 from . import common
@@ -108,7 +108,7 @@ class QualityConfig:
         require(tuple(sorted(set(self.budgets))) == self.budgets,
                 f"budgets must be increasing, got {self.budgets}")
         bad = [p for p in self.policies + (self.long_policy, *self.long_baselines)
-               if p not in CULLING]
+               if not culling(p)]
         require(not bad and len(self.policies) > 0, f"unknown or non-culling policies {bad}; "
                 f"expected some of {', '.join(SCORERS)} (the oracle runs at every budget)")
         require(all(r in REPAIRS for r in self.repairs + (self.long_repair,)),
@@ -153,8 +153,9 @@ class QualityConfig:
               positions: str = "compact", recall: bool = False) -> CacheParams:
         if budget is None:
             return CacheParams(scorer="none")
+        own = self.base.scorer_params if user.is_user(policy) else ""  # --param: yours only
         return dataclasses.replace(self.base, budget=budget, scorer=policy, repair=repair,
-                                   positions=positions, recall=recall)
+                                   positions=positions, recall=recall, scorer_params=own)
 
 
 # --- the text -------------------------------------------------------------------------------
@@ -893,7 +894,8 @@ def command_line(args) -> str:
     return common.command_line("quality", args, (
         ("model", "smollm2"), ("dtype", None), ("device", "cpu"), ("text", None),
         ("slice", None), ("at", None), ("budgets", None), ("policies", None),
-        ("repairs", None), ("params", None), ("windows", None), ("tokens", None),
+        ("repairs", None), ("params", None), ("param", None), ("windows", None),
+        ("tokens", None),
         ("long", None), ("out", None), ("report", None)))
 
 
@@ -905,11 +907,15 @@ def config_from_args(args) -> QualityConfig:
     if args.budgets is not None:
         kw["budgets"] = common.ints(args.budgets, "budgets")
     if args.policies is not None:
-        kw["policies"] = tuple(p.strip() for p in args.policies.split(","))
+        kw["policies"] = tuple(user.absolute(p.strip()) for p in args.policies.split(","))
+    if args.param:
+        kw["base"] = dataclasses.replace(kw.get("base", CacheParams()),
+                                         scorer_params=",".join(args.param))
     if args.repairs is not None:
         kw["repairs"] = tuple(r.strip() for r in args.repairs.split(","))
     if args.params is not None:
-        kw["base"] = base_params(args.params)
+        kw["base"] = dataclasses.replace(base_params(args.params),
+                                         scorer_params=kw.get("base", CacheParams()).scorer_params)
     return QualityConfig.preset(args.quick, **kw)
 
 

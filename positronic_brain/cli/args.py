@@ -10,7 +10,7 @@ from dataclasses import asdict
 from ..bench import passkey
 from ..capture import NO_TAPE, CaptureTape, Tape
 from ..model import DTYPES
-from ..scorers import SCORERS, make_scorer
+from ..scorers import SCORERS, make_scorer, user
 from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
 
 PROG = "positronic-brain"
@@ -119,7 +119,10 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget", type=int, default=None,
                    help="live cache slots after each step (default: no culling)")
     g.add_argument("--policy", dest="scorer", default=d.scorer,
-                   help=f"the stage-2 scorer: {'|'.join(SCORERS)}")
+                   help=f"the stage-2 scorer: {'|'.join(SCORERS)}, or your own: "
+                        "path/to/file.py:ClassName, module:ClassName or an installed entry "
+                        "point (README: bring your own scorer)")
+    _add_param_arg(g)
     g.add_argument("--repair", default=d.repair,
                    help="none|merge|fold: merge dim adjacent pairs; fold culled K/V into the "
                         "most alike survivor")
@@ -168,8 +171,14 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                         "observation window")
 
 
+def _add_param_arg(g) -> None:
+    g.add_argument("--param", action="append", default=None, metavar="NAME=VALUE",
+                   help="a field of your own scorer (repeatable; its default otherwise)")
+
+
 def _add_quality_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bench quality (streaming perplexity; see docs/BENCHMARKS.md)")
+    _add_param_arg(g)
     g.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                    help="default float32")
     g.add_argument("--text", default=None,
@@ -218,12 +227,13 @@ def _add_chat_args(sub) -> None:
 
 
 QUALITY_ONLY = ("dtype", "text", "slice", "at", "budgets", "policies", "repairs", "params",
-                "windows", "tokens", "long")
+                "param", "windows", "tokens", "long")
 
 
 def cache_params(args) -> CacheParams:
     """The cache parameters of ``run``/``chat``, checked (the scorer too) before any model loads."""
-    params = CacheParams(budget=args.budget, scorer=args.scorer, repair=args.repair,
+    params = CacheParams(budget=args.budget, scorer=user.absolute(args.scorer),
+                         scorer_params=",".join(args.param or ()), repair=args.repair,
                          positions=args.positions, reindex_at=args.reindex_at, sinks=args.sinks,
                          recent=args.recent, decay=args.decay, gain=args.gain,
                          aggregate=args.aggregate, signal=args.signal,
@@ -254,4 +264,5 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
         "device": str(model.device), "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
         "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},
                    "sampler": asdict(sampler), "cache_params": asdict(params)},
+        "scorer_sha256": user.file_sha256(params.scorer),
         "prompt_ids": prompt_ids}, level=args.capture_level)

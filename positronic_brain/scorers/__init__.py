@@ -7,7 +7,8 @@ A scorer is a frozen dataclass whose fields are its hyperparameters, named as in
 writes them. A scorer that takes stage 0's statistics of the prompt's own attention
 (``CacheParams.prefill_scores``) also has ``prefill(view, stats) -> ScoreOut``: the columns
 the prime seeds (its file says how); the others ignore them. ``SCORERS`` is the one
-registry: the CLI's choices, the benchmarks and the tests are derived from it. The hindsight
+registry: the CLI's choices, the benchmarks and the tests are derived from it; a user's
+own scorer is named by its file or module (``scorers.user``) wherever a name goes. The hindsight
 oracle (``scorers.oracle``, bench quality only) is not in it: it needs a full-cache pass over
 the same text, which no parameters give.
 """
@@ -27,6 +28,7 @@ from .oracle import NAME as ORACLE, ONLY_BENCH
 from .random import RandomScore
 from .streaming import Streaming
 from .tova import TOVA
+from . import user
 
 
 class Scorer(Protocol):
@@ -45,10 +47,20 @@ def prefill_scorer(scorer: object, params: CacheParams) -> object | None:
     return scorer if params.prefill_scores and hasattr(scorer, "prefill") else None
 
 
+def culling(name: str) -> bool:
+    """Whether ``name`` is a scorer that takes a budget: a built-in but none, or a user's."""
+    return name in CULLING or user.is_user(name)
+
+
 def make_scorer(params: CacheParams) -> Scorer:
-    """The scorer ``params.scorer`` with its hyperparameters taken from ``params``."""
+    """The scorer ``params.scorer`` with its hyperparameters taken from ``params`` (a user
+    scorer's: ``scorers.user``)."""
     require(params.scorer != ORACLE, ONLY_BENCH)
+    if user.is_user(params.scorer):
+        return user.build(params)
     require(params.scorer in SCORERS, f"unknown policy {params.scorer!r}; expected one of "
-            f"{', '.join(SCORERS)}")
+            f"{', '.join(SCORERS)} or a scorer of your own (path/to/file.py:ClassName)")
+    require(not params.scorer_params, f"--param is for a scorer of your own; {params.scorer}"
+            " takes the cache options")
     cls = SCORERS[params.scorer]
     return cls(**{f.name: getattr(params, f.name) for f in fields(cls)})

@@ -1,0 +1,200 @@
+"""A user's own scorer, named where a built-in's name goes (``--policy``, ``--policies``):
+
+- ``path/to/file.py:ClassName``: loaded from that file (the CLI makes the path absolute; a
+  capture records the file's sha256 and replay refuses a file that changed since);
+- ``package.module:ClassName``: imported;
+- an installed package's entry point in the group ``positronic_brain.scorers`` (its name).
+
+The class is a dataclass with ``score(view, attention) -> ScoreOut`` (and optionally
+``prefill(view, stats) -> ScoreOut``), like the built-ins. Its fields are its options: one
+named as a ``CacheParams`` field takes that value; any other one takes ``--param NAME=VALUE``
+(``CacheParams.scorer_params``) or its default. ``Guarded`` runs it in stage 2: a scorer that
+raises, returns the wrong type or shape, non-finite values, or writes to what it reads is
+one line naming it and the problem, before stage 4 could write anything. It reads copies of
+the view's ledger columns, so a write there loses nothing; a write to the K/V or the
+attention (views of the arena and of stage 1's output, not copied) is detected, not undone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import math
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import torch
+
+from ..types import CacheParams, ScoreOut, UserError, require
+
+GROUP = "positronic_brain.scorers"
+_CLASSES: dict[tuple[str, str], type] = {}  # (spec, file sha256 or "") -> class
+# the view's ledger columns, which a user scorer gets copies of: a write to them loses nothing
+COLUMNS = ("uid", "token_id", "position", "source", "brightness", "flags", "born_step",
+           "attn_sum")
+
+
+def is_user(name: str) -> bool:
+    """Whether ``name`` names a user scorer (not a built-in)."""
+    return ":" in name or name in entry_points(group=GROUP).names
+
+
+def file_of(name: str) -> Path | None:
+    """The file of a ``path.py:Class`` spec (None for the other kinds)."""
+    target = name.rsplit(":", 1)[0] if ":" in name else ""
+    return Path(target) if target.endswith(".py") else None
+
+
+def absolute(name: str) -> str:
+    """``name`` with a file spec's path made absolute (a capture replays from anywhere)."""
+    path = file_of(name)
+    return name if path is None else f"{path.resolve()}:{name.rsplit(':', 1)[1]}"
+
+
+def file_sha256(name: str) -> str | None:
+    """The sha256 of a file spec's file (None for the other kinds)."""
+    path = file_of(name)
+    if path is None:
+        return None
+    require(path.is_file(), f"scorer {name}: no such file {path}")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_unchanged(name: str, sha256: str | None) -> None:
+    """Refuse (one line) a scorer file whose sha256 is not the one a capture recorded."""
+    if sha256 is not None:
+        now = file_sha256(name)
+        require(now == sha256, f"scorer {name}: the file changed since the capture "
+                f"(sha256 {now[:12]}..., recorded {sha256[:12]}...)")
+
+
+def load(name: str) -> type:
+    """The scorer class ``name`` names (file, module or entry point), checked."""
+    sha = file_sha256(name) or ""
+    if (name, sha) in _CLASSES:
+        return _CLASSES[(name, sha)]
+    try:
+        if ":" in name:
+            target, attr = name.rsplit(":", 1)
+            path = file_of(name)
+            if path is not None:
+                spec = importlib.util.spec_from_file_location(f"positronic_user_{sha[:16]}", path)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = module  # dataclasses look their module up
+                spec.loader.exec_module(module)
+            else:
+                module = importlib.import_module(target)
+            cls = getattr(module, attr, None)
+            require(cls is not None, f"scorer {name}: {target} has no {attr!r}")
+        else:
+            (ep,) = [e for e in entry_points(group=GROUP) if e.name == name]
+            cls = ep.load()
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the user's code: any error is one line
+        raise UserError(f"scorer {name}: cannot load it: {type(e).__name__}: {e}") from None
+    require(isinstance(cls, type) and dataclasses.is_dataclass(cls)
+            and callable(getattr(cls, "score", None)),
+            f"scorer {name}: not a dataclass with a score(view, attention) method")
+    _CLASSES[(name, sha)] = cls
+    return cls
+
+
+def _convert(name: str, field: dataclasses.Field, text: str):
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    if field.default is not dataclasses.MISSING and field.default is not None:
+        kind = type(field.default).__name__
+    try:
+        if kind == "bool":
+            require(text.lower() in ("true", "false", "1", "0"), "")
+            return text.lower() in ("true", "1")
+        if kind in ("int", "float"):
+            value = (int if kind == "int" else float)(text)
+            require(math.isfinite(value), "")
+            return value
+    except (UserError, ValueError):
+        raise UserError(f"scorer {name}: --param {field.name}={text}: not a {kind}") from None
+    return text
+
+
+def build(params: CacheParams) -> Guarded:
+    """The user scorer ``params.scorer``, its fields from ``params`` (guarded)."""
+    name = params.scorer
+    cls = load(name)
+    given = params.param_dict()
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in given:
+            kw[f.name] = _convert(name, f, given.pop(f.name))
+        elif f.name in CacheParams.__dataclass_fields__:
+            kw[f.name] = getattr(params, f.name)
+        else:
+            require(f.default is not dataclasses.MISSING
+                    or f.default_factory is not dataclasses.MISSING,
+                    f"scorer {name}: its field {f.name!r} needs --param {f.name}=VALUE")
+    require(not given, f"scorer {name} has no field {', '.join(map(repr, given))} "
+            f"(its fields: {', '.join(f.name for f in dataclasses.fields(cls))})")
+    try:
+        return Guarded(name, cls(**kw))
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"scorer {name}: {type(e).__name__}: {e}") from None
+
+
+def _tensors(*objs) -> list[torch.Tensor]:
+    out = []
+    for o in objs:
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif dataclasses.is_dataclass(o):
+            out += _tensors(*(getattr(o, f.name) for f in dataclasses.fields(o)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Guarded:
+    """A user scorer run so that its failures are one line (``UserError``) naming it."""
+
+    name: str
+    inner: object
+
+    def __getattr__(self, attr):  # its own fields and methods (``prefill``, if it has one)
+        if attr == "prefill" and not hasattr(self.inner, "prefill"):
+            raise AttributeError(attr)
+        if attr == "prefill":
+            return lambda view, stats: self._call("prefill", view.n, view, stats)
+        return getattr(self.inner, attr)
+
+    def score(self, view, attention: torch.Tensor) -> ScoreOut:
+        return self._call("score", view.n, view, attention)
+
+    def _call(self, method: str, n: int, view, *args) -> ScoreOut:
+        view = dataclasses.replace(view, **{c: getattr(view, c).clone() for c in COLUMNS})
+        read = _tensors(view, *args)
+        versions = [t._version for t in read]
+        try:
+            out = getattr(self.inner, method)(view, *args)
+        except Exception as e:  # noqa: BLE001 -- the user's code: any error is one line
+            raise UserError(f"scorer {self.name}: {method} raised {type(e).__name__}: {e}") \
+                from None
+        bad = self._problem(out, n) or (
+            "it wrote to its input (the view or the attention are read-only)"
+            if [t._version for t in read] != versions else None)
+        require(bad is None, f"scorer {self.name}: {method}: {bad}")
+        return out
+
+    @staticmethod
+    def _problem(out, n: int) -> str | None:
+        if not isinstance(out, ScoreOut):
+            return f"returned {type(out).__name__}, not a ScoreOut"
+        for col in ("scores", "brightness", "attn_sum"):
+            t = getattr(out, col)
+            if t is None and col != "scores":
+                continue
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                return f"{col} has shape {shape}, not ({n},)"
+            if not bool(torch.isfinite(t).all()):
+                return f"{col} holds NaN or infinite values"
+        return None
