@@ -39,6 +39,7 @@ MANIFEST_EVERY = 50  # past this many files the manifest is rewritten every N sa
 LEDGER_COLUMNS = ("uid", "token_id", "position", "source", "brightness", "flags", "born_step",
                   "attn_sum")  # what a file keeps of the view's ledger (what scorers read)
 _NAME = re.compile(r"(\d{6})_(s\d_\w+)\.pt")
+_STATE = re.compile(r"state_(\d{6})\.pt")
 
 
 def file_name(step: int, stage: str) -> str:
@@ -159,6 +160,17 @@ class CaptureTape(Tape):
         self.level = level
         self._unsaved = 0
         self._state = None  # the state the current step records
+        self._write_manifest()
+
+    def copy_from(self, run: "CaptureRun", before: int) -> None:
+        """Take ``run``'s files of what happened before step ``before`` (its prime, chat
+        turns and steps; ``fork``), byte for byte: they replay as they did there."""
+        for name in run.manifest["files"]:
+            parsed = parse_name(name)
+            snap = _STATE.fullmatch(name)
+            step = parsed[0] if parsed else int(snap[1]) if snap else None
+            if step is not None and step < before:
+                self._add(name, (run.dir / name).read_bytes(), step)
         self._write_manifest()
 
     # the loop's calls, one per stage

@@ -167,9 +167,19 @@ def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: Sam
     n_prompt = sum(len(s.ids) for s in segments)
     capacity = capacity or arena_capacity(model, cache_params, n_prompt, max_new_tokens)
     session = Session(model, policy, sampler, cache_params, tape=tape)
+    return drive(session, max_new_tokens, ignore_eos, on_text,
+                 lambda: session.prime(segments, capacity))
+
+
+def drive(session: Session, max_new_tokens: int, ignore_eos: bool = False, on_text=None,
+          start=None) -> dict:
+    """``run``'s generation on a session (after ``start()``, its prime, if given): the run
+    as plain JSON-ready values; the session's tape is closed when it ends."""
+    model, policy, tape = session.model, session.policy, session.tape
     text, steps, totals = TextStream(policy), [], Totals()
     try:
-        session.prime(segments, capacity)
+        if start is not None:
+            start()
         for rec in session.stream(max_new_tokens, ignore_eos):
             steps.append(rec.as_json())
             totals.add(rec)

@@ -192,17 +192,13 @@ class _Replay:
             self.check(files.apply, {"out": patch})
 
 
-def replay(run_dir: str | Path, stage: str | None = None, step: int | None = None,
-           model: Model | None = None, progress: Callable[[int, int], None] | None = None,
-           device: str | None = None) -> ReplayReport:
-    """Replay a run folder; ``stage``/``step`` restrict which files are compared (the state
-    is still rebuilt from every patch before them). The model loads onto ``device``
-    (default: the capture's, if this machine has it, else the CPU). Bad files raise
-    ``UserError``."""
-    require(stage is None or stage in (*STAGES, EXTEND), f"unknown stage {stage!r}; expected "
-            f"one of {', '.join((*STAGES, EXTEND))}")
+def open_run(run_dir: str | Path, model: Model | None = None,
+             device: str | None = None) -> tuple[CaptureRun, Model]:
+    """A capture run folder and its model, checked: loaded onto ``device`` (default: the
+    capture's, if this machine has it, else the CPU) unless given; a user scorer's file must
+    be the one captured."""
     run = CaptureRun(run_dir)
-    manifest, steps = run.manifest, run.steps
+    manifest = run.manifest
     scorer = manifest.get("params", {}).get("cache_params", {}).get("scorer", "")
     user.check_unchanged(scorer, manifest.get("scorer_sha256"))  # your own scorer's file
     if model is None and device is None:
@@ -212,15 +208,49 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
         device = str(captured) if here else "cpu"
     model = model or load_model(manifest["model"], manifest["dtype"], device)
     run.device = model.device  # the captured tensors load there
+    require(json.loads(json.dumps(model.fingerprint)) == run.fingerprint,
+            f"the capture is of model {manifest.get('model')!r} {manifest.get('dtype')}, which "
+            f"does not match the loaded {model.name!r}")
+    return run, model
+
+
+def rebuild(run: CaptureRun, model: Model, before: int) -> tuple[State, list[int]]:
+    """The state a captured run had before step ``before``: its prime, chat turns and stage-4
+    patches re-applied from the event log (nothing re-run or compared), and the tokens its
+    steps before then produced."""
+    r = _Replay(run, model, ReplayReport(str(run.dir)), stage="", step=None)  # compares none
+    r.prime()
+    r.extend(0)
+    tokens = []
+    for t in run.steps:
+        if t >= before:
+            break
+        files = run.step(t)
+        require(files is not None, f"step {t} was not captured whole; nothing after it can be "
+                "rebuilt")
+        r.step(files)
+        r.extend(t)
+        tokens.append(files.gen.token_id)
+    return r.state, tokens
+
+
+def replay(run_dir: str | Path, stage: str | None = None, step: int | None = None,
+           model: Model | None = None, progress: Callable[[int, int], None] | None = None,
+           device: str | None = None) -> ReplayReport:
+    """Replay a run folder; ``stage``/``step`` restrict which files are compared (the state
+    is still rebuilt from every patch before them). The model loads onto ``device``
+    (default: the capture's, if this machine has it, else the CPU). Bad files raise
+    ``UserError``."""
+    require(stage is None or stage in (*STAGES, EXTEND), f"unknown stage {stage!r}; expected "
+            f"one of {', '.join((*STAGES, EXTEND))}")
+    run, model = open_run(run_dir, model, device)
+    manifest, steps = run.manifest, run.steps
     report = ReplayReport(str(run.dir))
     require(step is None or step == 0 or step in steps, f"step {step} is not in this capture "
             f"(steps 1..{steps[-1] if steps else 0})")
     if not manifest.get("complete"):
         report.notes.append(f"the run did not complete (stopped: {manifest.get('stop_reason')}, "
                             f"last file {manifest.get('last_file')})")
-    require(json.loads(json.dumps(model.fingerprint)) == run.fingerprint,
-            f"the capture is of model {manifest.get('model')!r} {manifest.get('dtype')}, which "
-            f"does not match the loaded {model.name!r}")
     r = _Replay(run, model, report, stage, step)
     r.prime()
     r.extend(0)
@@ -278,4 +308,4 @@ def main(run_dir: str, stage: str | None, step: int | None, out=None,
     return 1
 
 
-__all__ = ["Mismatch", "ReplayReport", "diff", "main", "replay"]
+__all__ = ["Mismatch", "ReplayReport", "diff", "main", "open_run", "rebuild", "replay"]

@@ -106,6 +106,21 @@ def _add_inspect_args(sub) -> None:
     rp.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the "
                     "capture's device if this machine has it, else the CPU; on another device "
                     "than the capture's, outputs are compared with a tolerance)")
+    fk = sub.add_parser("fork", help="continue a captured run from step T with other cache or "
+                        "sampler options (those not given stay the run's)")
+    fk.add_argument("run_dir", metavar="DIR", help="a capture run folder (or a root with one run)")
+    fk.add_argument("--step", type=int, required=True, metavar="T",
+                    help="the step the fork takes over at (the parent's steps before it stay)")
+    fk.add_argument("--max-new-tokens", type=int, default=None,
+                    help="tokens from step T on (default: what the parent had left)")
+    fk.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    fk.add_argument("--device", default=None, help="as for replay")
+    _add_sampler_args(fk)
+    add_cache_args(fk)
+    _add_capture_args(fk)
+    keep = {"run_dir", "step", "max_new_tokens", "json", "device", "capture", "capture_level",
+            "help"}
+    fk.set_defaults(**{a.dest: None for a in fk._actions if a.dest not in keep})
     ip = sub.add_parser("inspect", help="show a captured run (or one capture file)")
     ip.add_argument("path", metavar="PATH")
     ip.add_argument("--step", type=int, default=None, help="the step whose context to show "

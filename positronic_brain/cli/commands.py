@@ -64,6 +64,27 @@ def cmd_bench(args) -> int:
     return BENCHES[args.kind](args)
 
 
+def cmd_fork(args) -> int:
+    from .. import fork
+
+    def echo(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    result = fork.fork(args.run_dir, args.step, fork.cache_overrides(args),
+                       fork.sampler_overrides(args), args.max_new_tokens, args.capture,
+                       args.capture_level, args.command, args.device,
+                       None if args.json else echo)
+    if args.json:
+        json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+    print(f"[fork of {result['parent']['run']} at step {args.step}: {len(result['steps'])} "
+          f"tokens, {Totals(**result['totals']).edits()}, stop: {result['stop_reason']}"
+          + (f", capture {result['capture']}" if "capture" in result else "") + "]",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_replay(args) -> int:
     return replay.main(args.run_dir, args.stage, args.step, device=args.device)
 

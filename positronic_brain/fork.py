@@ -1,0 +1,103 @@
+"""Fork a captured run at step T: what if these options had been in charge from there?
+
+The state the run had before step T is rebuilt from its event log (the prime, chat turns and
+stage-4 patches, as replay rebuilds it); then generation goes on with the run's own cache
+and sampler parameters, each replaced by any given here. With none given, the fork
+reproduces the parent to its end bit for bit (the sampler's generator takes the state it
+had before step T, unless the seed changes). A fork's capture holds the parent's files of
+the steps before T, byte for byte, then its own, and names its parent run and step: it
+replays like any capture. Forced tokens (teacher forcing) are not carried on: a fork
+samples. A fork keeps the parent's arena (its capacity) and cold store: recall cannot be
+switched on where the parent had none.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .capture import NO_TAPE, CaptureTape
+from .loop import Session, drive
+from .replay import open_run, rebuild
+from .scorers import make_scorer, user
+from .special_tokens import TokenPolicy
+from .types import CacheParams, SamplerParams, require
+
+# the parent's manifest keys a fork's capture does not inherit (its own run's)
+OWN = ("format", "run_id", "level", "created", "versions", "complete", "stop_reason",
+       "last_step", "last_file", "files", "parent", "scorer_sha256")
+
+
+def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dict | None = None,
+         max_new_tokens: int | None = None, capture: str | None = None,
+         level: str = "light", command: str = "", device: str | None = None,
+         on_text=None) -> dict:
+    """Fork the capture ``run_dir`` before its step ``step`` with ``cache`` and ``sampler``
+    overrides (CacheParams / SamplerParams fields); ``max_new_tokens`` defaults to what the
+    parent had left from there. Returns the fork's run as ``loop.run`` does, plus its
+    parent."""
+    run, model = open_run(run_dir, device=device)
+    manifest, steps = run.manifest, run.steps
+    require(step in steps, f"step {step} is not in this capture (steps "
+            f"{f'1..{steps[-1]}' if steps else 'none'})")
+    params = manifest["params"]
+    was = CacheParams(**_tuples(params["cache_params"]))
+    cache = dict(cache or {})
+    if "scorer" in cache:
+        cache["scorer"] = user.absolute(cache["scorer"])
+    cache_params = dataclasses.replace(was, **cache)
+    make_scorer(cache_params)  # refuse a bad scorer before the rebuild
+    old_sampler = SamplerParams(**_tuples(params["sampler"]))
+    new_sampler = dataclasses.replace(old_sampler, **(sampler or {}))
+    args = params.get("args", {})
+    left = args.get("max_new_tokens", step) - (step - 1)
+    max_new_tokens = left if max_new_tokens is None else max_new_tokens
+    require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
+    state, tokens = rebuild(run, model, step)
+    require(not cache_params.recall or state.cold is not None,
+            "the parent run has no cold store: a fork cannot switch recall on")
+    require(cache_params.budget is None or cache_params.budget <= state.arena.capacity,
+            f"budget {cache_params.budget} is more than the parent's arena of "
+            f"{state.arena.capacity} slots")
+    tape = NO_TAPE
+    if capture is not None:
+        own = {k: v for k, v in manifest.items() if k not in OWN}
+        tape = CaptureTape(capture, {
+            **own, "command": command,
+            "params": {**params, "cache_params": dataclasses.asdict(cache_params),
+                       "sampler": dataclasses.asdict(new_sampler)},
+            "scorer_sha256": user.file_sha256(cache_params.scorer),
+            "parent": {"run": str(run.dir.resolve()), "run_id": manifest.get("run_id"),
+                       "step": step}},
+            level=level)
+        tape.copy_from(run, step)
+    session = Session(model, TokenPolicy(model.tokenizer), new_sampler, cache_params,
+                      state=state, tape=tape)
+    if new_sampler.seed == old_sampler.seed:  # the generator as it was before step T
+        session.generator.set_state(run.step(step).generate.args["generator_state"].cpu())
+    session.prompt_ids = list(manifest.get("prompt_ids", []))
+    session.generated_ids = list(tokens)
+    out = drive(session, max_new_tokens, bool(args.get("ignore_eos", False)), on_text)
+    return {**out, "parent": {"run": str(run.dir.resolve()), "step": step}}
+
+
+def _tuples(d: dict) -> dict:
+    """A manifest's parameters (JSON lists) as the dataclasses hold them (tuples)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+def overrides(args, fields) -> dict:
+    """The options given on the command line among ``fields`` (the fork parser's defaults
+    are None: a missing one keeps the parent's)."""
+    return {f.name: getattr(args, f.name) for f in fields
+            if getattr(args, f.name, None) is not None}
+
+
+def cache_overrides(args) -> dict:
+    given = overrides(args, dataclasses.fields(CacheParams))
+    if args.param:
+        given["scorer_params"] = ",".join(args.param)
+    return given
+
+
+def sampler_overrides(args) -> dict:
+    return overrides(args, dataclasses.fields(SamplerParams))
