@@ -425,8 +425,8 @@ class StepRecord:
 
     def as_json(self) -> dict:
         """The ``--json`` step object."""
-        return {"step": self.step, "token_id": self.token_id, "cache_len": self.cache_len,
-                "ms": self.ms, "top": [[i, p] for i, p in zip(self.top_ids, self.top_probs)],
+        return {"step": self.step, "token_id": self.token_id, "logprob": self.logprob,
+                "cache_len": self.cache_len, "ms": self.ms, "top": [[i, p] for i, p in zip(self.top_ids, self.top_probs)],
                 "culled": list(self.culled),
                 "merged": [{"uids": list(u), "token_id": t, "uid": new}
                            for u, t, new in self.merged],

@@ -121,6 +121,14 @@ def _add_inspect_args(sub) -> None:
     keep = {"run_dir", "step", "max_new_tokens", "json", "device", "capture", "capture_level",
             "help"}
     fk.set_defaults(**{a.dest: None for a in fk._actions if a.dest not in keep})
+    cp = sub.add_parser("compare", help="where captured runs of one prompt part, and what "
+                        "each had forgotten where its loss jumped")
+    cp.add_argument("run_dirs", metavar="DIR", nargs="+", help="two or more capture run folders")
+    cp.add_argument("--jump", type=float, default=1.0,
+                    help="a jump: NLL at least this many nats above the best run's (default 1)")
+    cp.add_argument("--top", type=int, default=5, help="forgotten tokens listed per jump")
+    cp.add_argument("--last", type=int, default=20, help="steps the NLL table shows")
+    cp.add_argument("--json", action="store_true", help="print one JSON object instead")
     ip = sub.add_parser("inspect", help="show a captured run (or one capture file)")
     ip.add_argument("path", metavar="PATH")
     ip.add_argument("--step", type=int, default=None, help="the step whose context to show "

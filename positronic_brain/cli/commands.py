@@ -85,6 +85,12 @@ def cmd_fork(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from .. import compare
+
+    return compare.main(args.run_dirs, args.jump, args.top, args.json, args.last)
+
+
 def cmd_replay(args) -> int:
     return replay.main(args.run_dir, args.stage, args.step, device=args.device)
 

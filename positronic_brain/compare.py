@@ -1,0 +1,164 @@
+"""``compare RUN_A RUN_B [...]``: where captured runs of the same prompt part, and what each
+one had forgotten where its loss jumped.
+
+Read from each capture's stage-1 files: step t's token (the one it generated), its NLL under
+that run's logits (-log p; teacher-forced runs of one text share their tokens, so their NLLs
+compare token for token), the live cache the query read (uids) and the attention it paid.
+A jump: a step where a run's NLL is at least ``jump`` nats above the lowest run's there.
+For each jump, what was forgotten: the tokens the best run still held and the jumping run
+no longer did, those the best run's query attended to most first (attention averaged over
+layers and heads). Uids name the same token in every run while the streams agree (the same
+prompt, the same tokens appended in the same order); after the first divergence they may
+not, so jumps are reported up to it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .capture import CaptureRun
+from .types import require
+
+JUMP = 1.0  # nats above the best run at that step
+TOP = 5  # forgotten tokens listed per jump
+
+
+@dataclass
+class Run:
+    """One capture's steps: tokens, NLLs, the cache each query read and its attention."""
+
+    dir: str
+    label: str
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    nll: list[float] = field(default_factory=list)
+    uids: list[torch.Tensor] = field(default_factory=list)  # per step: (n,) the cache read
+    token_ids: list[torch.Tensor] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+    attention: list[torch.Tensor] = field(default_factory=list)  # per step: (n,) mean
+
+
+def label(run: CaptureRun) -> str:
+    p = run.manifest.get("params", {}).get("cache_params", {})
+    what = [p.get("scorer", "?"), f"budget {p.get('budget')}"]
+    what += [f"repair {p['repair']}"] if p.get("repair", "none") != "none" else []
+    what += ["recall"] if p.get("recall") else []
+    parent = run.manifest.get("parent")
+    what += [f"fork at step {parent['step']}"] if parent else []
+    return f"{run.dir.name} ({', '.join(what)})"
+
+
+def load(path: str) -> Run:
+    run = CaptureRun(path)
+    r = Run(str(run.dir), label(run), list(run.manifest.get("prompt_ids", [])))
+    for t in run.steps:
+        f = run.stage(t, "s1_generate")
+        out, view = f.outputs, f.inputs["view"]
+        token = int(out["token_id"])
+        r.tokens.append(token)
+        r.nll.append(-float(out["logits"].float().log_softmax(-1)[token]))
+        r.uids.append(view["uid"])
+        r.token_ids.append(view["token_id"])
+        r.positions.append(view["position"])
+        r.attention.append(out["attention"].float().mean(dim=(0, 1)))
+    return r
+
+
+def first_divergence(runs: list[Run]) -> int | None:
+    """The first step at which the runs' tokens differ (None: never, over their common
+    length; a shorter run parts where it ends)."""
+    n = min(len(r.tokens) for r in runs)
+    for i in range(n):
+        if len({r.tokens[i] for r in runs}) > 1:
+            return i + 1
+    return n + 1 if any(len(r.tokens) != n for r in runs) else None
+
+
+def forgotten(lost: Run, kept: Run, i: int, top: int, decode) -> list[dict]:
+    """At step index ``i``: what ``kept`` read and ``lost`` no longer held, most attended
+    first."""
+    gone = ~torch.isin(kept.uids[i], lost.uids[i])
+    idx = gone.nonzero()[:, 0]
+    att = kept.attention[i][idx]
+    order = idx[torch.argsort(att, descending=True, stable=True)][:top]
+    return [{"uid": int(kept.uids[i][j]), "token_id": int(kept.token_ids[i][j]),
+             "text": decode([int(kept.token_ids[i][j])]),
+             "position": int(kept.positions[i][j]), "attention": float(kept.attention[i][j])}
+            for j in order.tolist()]
+
+
+def compare(paths: list[str], jump: float = JUMP, top: int = TOP, decode=None) -> dict:
+    require(len(paths) >= 2, "compare needs at least two runs")
+    require(jump >= 0 and top >= 1, f"--jump must be >= 0 and --top >= 1, got {jump}, {top}")
+    runs = [load(p) for p in paths]
+    require(all(r.prompt_ids == runs[0].prompt_ids for r in runs),
+            "the runs are not of the same prompt (their prompt ids differ)")
+    decode = decode or (lambda ids: str(ids[0]))
+    parted = first_divergence(runs)
+    n = min(len(r.tokens) for r in runs)
+    steps, jumps = [], []
+    for i in range(n):
+        nll = [r.nll[i] for r in runs]
+        steps.append({"step": i + 1, "tokens": [r.tokens[i] for r in runs], "nll": nll})
+        if parted is not None and i + 1 > parted:
+            continue  # uids no longer name the same tokens
+        best = min(range(len(runs)), key=lambda k: nll[k])
+        for k, r in enumerate(runs):
+            if k != best and nll[k] - nll[best] >= jump:
+                jumps.append({"step": i + 1, "run": k, "nll": nll[k], "other": best,
+                              "other_nll": nll[best],
+                              "forgotten": forgotten(r, runs[best], i, top, decode)})
+    return {"runs": [{"dir": r.dir, "label": r.label, "steps": len(r.tokens),
+                      "mean_nll": sum(r.nll) / max(1, len(r.nll))} for r in runs],
+            "first_divergence": parted, "jump": jump, "steps": steps, "jumps": jumps}
+
+
+def main(paths: list[str], jump: float = JUMP, top: int = TOP, as_json: bool = False,
+         last: int = 20) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .model import load_model
+    from .special_tokens import TokenPolicy
+
+    require(len(paths) >= 2, "compare needs at least two runs")
+    manifest = CaptureRun(paths[0]).manifest
+    decode = TokenPolicy(load_model(manifest["model"], manifest["dtype"]).tokenizer).decode
+    res = compare(paths, jump, top, decode)
+    if as_json:
+        json.dump(res, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    console = Console(highlight=False)
+    runs = res["runs"]
+    for k, r in enumerate(runs):
+        console.print(f"run {k}: {r['label']}: {r['steps']} steps, mean NLL {r['mean_nll']:.3f}")
+    parted = res["first_divergence"]
+    console.print("the token streams never part" if parted is None
+                  else f"the token streams part at step {parted}")
+    t = Table(title=f"NLL per step (the last {last})", title_justify="left")
+    t.add_column("step", justify="right")
+    for k in range(len(runs)):
+        t.add_column(f"run {k} token")
+        t.add_column(f"run {k} NLL", justify="right")
+    for s in res["steps"][-last:]:
+        t.add_row(str(s["step"]), *[x for tok, v in zip(s["tokens"], s["nll"])
+                                    for x in (repr(decode([tok])), f"{v:.3f}")])
+    console.print(t)
+    j = Table(title=f"Jumps (NLL >= {jump} nats above the best run), up to the parting",
+              title_justify="left")
+    for c in ("step", "run", "NLL", "best run", "its NLL", "forgotten (most attended first)"):
+        j.add_column(c)
+    for x in res["jumps"]:
+        lost = ", ".join(f"{f['text']!r}@{f['position']} ({f['attention']:.3f})"
+                         for f in x["forgotten"]) or "nothing: it held all the best run did"
+        j.add_row(str(x["step"]), str(x["run"]), f"{x['nll']:.3f}", str(x["other"]),
+                  f"{x['other_nll']:.3f}", lost)
+    console.print(j)
+    return 0
+
+
+__all__ = ["Run", "compare", "first_divergence", "forgotten", "main"]
