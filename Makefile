@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 PROMPT ?= The three most important inventions in human history are
 ARGS   ?=
 
-.PHONY: install run test lint bench bench-report clean
+.PHONY: install run test lint browser bench bench-report clean
 
 install: $(STAMP)
 
@@ -27,8 +27,15 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(BIN)/positronic-brain run --prompt "$(PROMPT)" --max-new-tokens 48 --greedy $(ARGS)
 
-test: install lint
+test: install lint browser
 	$(BIN)/python -m pytest -q -ra $(ARGS)
+
+# A real browser for the HTML page's test (Debian's chromium), where it is missing and the
+# machine can install it; elsewhere that test skips with the reason.
+browser:
+	@command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 \
+	    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) \
+	    || echo "no chromium could be installed: the HTML page's browser test skips"
 
 # No block of six or more lines repeated inside the package (pylint's duplicate-code alone).
 lint: install

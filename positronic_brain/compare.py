@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
+from . import page
 from .capture import CaptureRun
+from .model import load_model
+from .special_tokens import TokenPolicy
 from .types import require
 
 JUMP = 1.0  # nats above the best run at that step
@@ -117,17 +123,20 @@ def compare(paths: list[str], jump: float = JUMP, top: int = TOP, decode=None) -
 
 
 def main(paths: list[str], jump: float = JUMP, top: int = TOP, as_json: bool = False,
-         last: int = 20) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from .model import load_model
-    from .special_tokens import TokenPolicy
-
+         last: int | None = None, html: str | None = None) -> int:
     require(len(paths) >= 2, "compare needs at least two runs")
+    require(not (as_json and html), "--json and --html: one at a time")
     manifest = CaptureRun(paths[0]).manifest
-    decode = TokenPolicy(load_model(manifest["model"], manifest["dtype"]).tokenizer).decode
+    policy = TokenPolicy(load_model(manifest["model"], manifest["dtype"]).tokenizer)
+    decode = policy.decode
     res = compare(paths, jump, top, decode)
+    if html is not None:
+        runs = [page.run_data(CaptureRun(p), policy.token_text, last) for p in paths]
+        written = page.write(html, "positronic-brain compare " + " vs ".join(
+            Path(r["dir"]).name for r in runs), runs, res)
+        print(f"wrote {written}", file=sys.stderr)
+        return 0
+    last = 20 if last is None else last
     if as_json:
         json.dump(res, sys.stdout)
         sys.stdout.write("\n")

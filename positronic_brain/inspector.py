@@ -3,10 +3,12 @@
 For a run folder: the manifest; per step the chosen token and its top alternatives with
 the step's culls, merges and re-index; the context at a step as text coloured by
 brightness, culled tokens struck through and merged tokens marked; cache length over
-steps. For one file: its keys with shapes, dtypes and small values.
+steps. With ``--html OUT``: the same as one self-contained page (``page``). For one file:
+its keys with shapes, dtypes and small values.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from . import page
 from .capture import CaptureRun, file_name, load_file
 from .model import load_model
 from .render import context_text, sparkline, steps_table
@@ -114,12 +117,26 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
                               f"{len(patch.culled_uids)} culled, {len(patch.merges)} merged)"))
 
 
-def main(path: str, step: int | None = None, last: int = 30, out=None) -> int:
+def write_page(run: CaptureRun, out: str, last: int | None = None) -> Path:
+    """``inspect RUN --html OUT``: the run's page (``page``)."""
+    manifest = run.manifest
+    policy = TokenPolicy(load_model(manifest["model"], manifest["dtype"]).tokenizer)
+    data = page.run_data(run, policy.token_text, last)
+    return page.write(out, f"positronic-brain run {run.dir.name}", [data])
+
+
+def main(path: str, step: int | None = None, last: int | None = None, out=None,
+         html: str | None = None) -> int:
     console = Console(file=out, highlight=False)
     p = Path(path)
     require(p.exists(), f"{p}: no such file or folder")
-    if p.is_file():
+    if html is not None:
+        require(p.is_dir(), f"{p}: --html draws a capture run folder, not one file")
+        require(step is None, "--step: the page has a slider over every step (or #step=T)")
+        written = write_page(CaptureRun(p), html, last)
+        print(f"wrote {written}", file=sys.stderr)
+    elif p.is_file():
         inspect_file(p, console)
     else:
-        inspect_run(CaptureRun(p), console, step, last)
+        inspect_run(CaptureRun(p), console, step, 30 if last is None else last)
     return 0

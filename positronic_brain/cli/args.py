@@ -127,13 +127,20 @@ def _add_inspect_args(sub) -> None:
     cp.add_argument("--jump", type=float, default=1.0,
                     help="a jump: NLL at least this many nats above the best run's (default 1)")
     cp.add_argument("--top", type=int, default=5, help="forgotten tokens listed per jump")
-    cp.add_argument("--last", type=int, default=20, help="steps the NLL table shows")
+    cp.add_argument("--last", type=int, default=None, help="steps the NLL table shows (default "
+                    "20) or the page holds (default 400)")
     cp.add_argument("--json", action="store_true", help="print one JSON object instead")
+    cp.add_argument("--html", default=None, metavar="OUT.html", help="write one self-contained "
+                    "page instead: the runs side by side at a step slider, NLL curves, jumps")
     ip = sub.add_parser("inspect", help="show a captured run (or one capture file)")
     ip.add_argument("path", metavar="PATH")
     ip.add_argument("--step", type=int, default=None, help="the step whose context to show "
                     "(default: the last)")
-    ip.add_argument("--last", type=int, default=30, help="how many steps the table shows")
+    ip.add_argument("--last", type=int, default=None, help="how many steps the table shows "
+                    "(default 30) or the page holds (default 400)")
+    ip.add_argument("--html", default=None, metavar="OUT.html", help="write one self-contained "
+                    "page instead: the text coloured by brightness at a step slider, edits "
+                    "marked, cache-length and NLL curves, each token's ledger row on hover")
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,10 @@
-"""The one-shot commands: ``run``, ``bench``, ``replay``, ``inspect``."""
+"""The one-shot commands: ``run``, ``bench``, ``fork``, ``compare``, ``replay``, ``inspect``."""
 from __future__ import annotations
 
 import json
 import sys
 
-from .. import inspector, replay
+from .. import compare, fork, inspector, replay
 from ..bench import passkey, quality, speed
 from ..loop import run
 from ..model import load_model
@@ -65,8 +65,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_fork(args) -> int:
-    from .. import fork
-
     def echo(delta: str) -> None:
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -86,9 +84,7 @@ def cmd_fork(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .. import compare
-
-    return compare.main(args.run_dirs, args.jump, args.top, args.json, args.last)
+    return compare.main(args.run_dirs, args.jump, args.top, args.json, args.last, args.html)
 
 
 def cmd_replay(args) -> int:
@@ -96,4 +92,4 @@ def cmd_replay(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    return inspector.main(args.path, args.step, args.last)
+    return inspector.main(args.path, args.step, args.last, html=args.html)

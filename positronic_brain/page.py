@@ -1,0 +1,110 @@
+"""One self-contained HTML page of captured runs: ``inspect RUN --html`` and ``compare RUN_A
+RUN_B --html``.
+
+The page holds its data as JSON in a ``<script type="application/json">`` tag and draws it
+with plain JS and inline SVG (``page.html`` beside this module): nothing is fetched, nothing
+serves it. Per step ``t`` it shows the cache the step's query read (the ledger before the
+step, in text order), coloured by the brightness stage 2 gave it, the step's culls, folds and
+merges, the tokens recalled at the step before, the cache length after each step and the NLL
+of each step's token; hovering a token shows its ledger row and the attention the step's
+query paid it (mean over layers and heads). A slider (or ``#step=T`` in the address) picks
+the step. Two runs (``compare``) are drawn side by side at the same step, the tokens one run
+held and the other did not outlined, with the NLL of both and the jumps ``compare`` found.
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+from importlib import resources
+from pathlib import Path
+
+from .capture import CaptureRun, file_name
+from .plain import atomic_write
+from .types import SOURCES, require
+
+DEFAULT_STEPS = 400  # steps a page holds unless told (the last ones)
+
+
+def _r(x: float, digits: int) -> float:
+    return round(float(x), digits)
+
+
+def run_data(run: CaptureRun, token_text, last: int | None = None) -> dict:
+    """A captured run as the page draws it: per step (the last ``last``, default
+    ``DEFAULT_STEPS``) the live ledger the step's query read in position order, the
+    attention it paid each token, the step's edits, its token and NLL, the cache length
+    after it; ``vocab`` maps the token ids shown to their text."""
+    last = DEFAULT_STEPS if last is None else last
+    require(last >= 1, f"--last must be >= 1, got {last}")
+    done = [t for t in run.steps if run.has(file_name(t, "s4_apply"))]
+    require(done, f"{run.dir}: no complete step captured: nothing to draw")
+    shown = done[-last:]
+    # A row's changed step (not kept in captures): its born step, or the step it was last
+    # recalled at (stage 4 rewrites the row then); recalls before the shown steps count too.
+    params = dataclasses.asdict(run.step(shown[0]).cache_params)  # as stage 2 took them
+    recalled_at: dict[int, int] = {}
+    prev_recalled: list[int] = []  # the uids the step before recalled: live now
+    for t in done[:len(done) - len(shown)] if params.get("recall") else ():
+        prev_recalled = [sw.cold_uid for sw in run.stage(t, "s4_apply").out.swaps]
+        recalled_at.update((u, t) for u in prev_recalled)
+    vocab: dict[int, str] = {}
+    steps = []
+    for t in shown:
+        f = run.step(t)
+        view, gen, patch = f.view, f.gen, f.patch
+        bright = f.scores.brightness if f.scores.brightness is not None else view["brightness"]
+        att = gen.attention.float().mean(dim=(0, 1))  # (n,) slot order
+        order = sorted(range(len(view["uid"])), key=lambda j: int(view["position"][j]))
+        col = lambda name: [view[name][j] for j in order]  # noqa: E731
+        for tok in col("token_id") + [gen.token_id]:
+            vocab.setdefault(int(tok), token_text(int(tok)))
+        folded = {fo.uid for fo in patch.folds}
+        logp = gen.logits.float().log_softmax(-1)[gen.token_id]
+        steps.append({
+            "step": t, "token": gen.token_id, "nll": _r(-logp, 4),
+            "cache_len": int(f.apply.data["cache_len"]),
+            "uid": [int(u) for u in col("uid")], "token_id": [int(x) for x in col("token_id")],
+            "position": [int(x) for x in col("position")],
+            "source": [SOURCES[int(x)] for x in col("source")],
+            "born": [int(x) for x in col("born_step")],
+            "changed": [max(int(b), recalled_at.get(int(u), -1))
+                        for u, b in zip(col("uid"), col("born_step"))],
+            "brightness": [_r(bright[j], 2) for j in order],
+            "attention": [_r(att[j], 5) for j in order],
+            "culled": [u for u in patch.culled_uids if u not in folded],
+            "folded": sorted(folded),
+            "merged": [[m.uids[0], m.uids[1], m.token_id, new]
+                       for m, new in zip(patch.merges, patch.merged_uids)],
+            "recalled": [s.cold_uid for s in patch.swaps],
+            "recalled_before": prev_recalled,
+            "reindexed": patch.reindex_to is not None,
+        })
+        prev_recalled = [s.cold_uid for s in patch.swaps]
+        recalled_at.update((u, t) for u in prev_recalled)
+    m = run.manifest
+    return {"dir": str(run.dir), "run_id": m.get("run_id"), "model": m.get("model"),
+            "dtype": m.get("dtype"), "params": {k: v for k, v in params.items()
+                                                if isinstance(v, (int, float, str, bool))
+                                                or v is None},
+            "parent": m.get("parent"), "steps_in_run": len(done),
+            "max_brightness": float(params.get("max_brightness", 255.0)),
+            "vocab": {str(k): v for k, v in vocab.items()}, "steps": steps}
+
+
+def write(out: str | Path, title: str, runs: list[dict], comparison: dict | None = None) -> Path:
+    """The page for ``runs`` (one: inspect; several: compare, with ``comparison`` from
+    ``compare.compare``) written to ``out``."""
+    out = Path(out)
+    require(out.suffix.lower() in (".html", ".htm"), f"{out}: the page's file must end in .html")
+    require(out.parent.is_dir(), f"{out.parent}: no such folder for the page")
+    data = {"title": title, "runs": runs, "compare": comparison}
+    # Inside <script> only "</" can end the element early; JSON lets it be written "<\/".
+    blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    template = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+    text = template.replace("{{TITLE}}", html.escape(title)).replace("{{DATA}}", blob)
+    atomic_write(out, text.encode("utf-8"))
+    return out
+
+
+__all__ = ["DEFAULT_STEPS", "run_data", "write"]
