@@ -131,7 +131,11 @@ def main(paths: list[str], jump: float = JUMP, top: int = TOP, as_json: bool = F
     decode = policy.decode
     res = compare(paths, jump, top, decode)
     if html is not None:
-        runs = [page.run_data(CaptureRun(p), policy.token_text, last) for p in paths]
+        captures = [CaptureRun(p) for p in paths]
+        common = sorted(set.intersection(*(set(page.done_steps(c)) for c in captures)))
+        require(common, "the runs share no captured step to draw side by side")
+        common = common[-(page.DEFAULT_STEPS if last is None else max(last, 1)):]
+        runs = [page.run_data(c, policy.token_text, last, steps=common) for c in captures]
         written = page.write(html, "positronic-brain compare " + " vs ".join(
             Path(r["dir"]).name for r in runs), runs, res)
         print(f"wrote {written}", file=sys.stderr)

@@ -16,9 +16,15 @@ from .model import Model
 from .types import ForwardOut, require
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without launching an operator when it already is (a no-op ``to`` still
+    goes through the dispatcher: dozens of them per token in float32)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama RMSNorm: normalise in float32 (one fused kernel), cast back, then scale."""
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return w * as_dtype(F.rms_norm(as_dtype(x, torch.float32), (x.shape[-1],), eps=eps), x.dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,9 +121,11 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     heads = torch.tensor([scale] * H + [1.0] * KVH, dtype=dtype, device=dev).view(H + KVH, 1, 1)
     cos_qk, sin_qk = cos * heads, sin * heads  # (H + KVH, T, D)
     new_k, new_v = [], []
-    # the last query's whole softmax row per layer (a contiguous copy); live slots returned
-    attention = (torch.empty(L, H, n + T, dtype=torch.float32, device=dev) if want_attention
-                 else None)
+    # the last query's whole softmax row per layer (a contiguous copy); live slots returned.
+    # One new token: each layer's softmax is that row already, stacked after the loop.
+    attention = (torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
+                 if want_attention and T > 1 else None)
+    rows = [] if want_attention and T == 1 else None
     query = torch.empty(L, H, D, dtype=dtype, device=dev) if want_query else None
     lse = torch.empty(L, H, dtype=torch.float32, device=dev) if want_query else None
     received = window = None
@@ -134,26 +142,31 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     if T > 1:
         mask_new = torch.full((T, T), float("-inf"), device=dev).triu_(1)  # causal among the new
 
+    # one operator each instead of a select per layer; an arena's keys are stored
+    # transposed, so each (KVH, D, n) block has each key dimension as one contiguous run of
+    # slots: the fast layout for q K^T
+    past_kt = past_k.transpose(2, 3).unbind(0)
+    past_vs = past_v.unbind(0)
+    log_mass = past_log_mass.unbind(0) if past_log_mass is not None else None
+    qkv_split = ((H + KVH) * D, KVH * D)
     for i, w in enumerate(model.layers):
         h = rms_norm(x, w.ln1, s.rms_eps)
-        qkv = linear(h, w.qkv_w, w.qkv_b)  # (T, (H + 2 KVH) D)
-        qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D).transpose(0, 1)  # (H + KVH, T, D)
+        qk, v = linear(h, w.qkv_w, w.qkv_b).split(qkv_split, dim=1)  # (T, (H + 2 KVH) D)
+        qk = qk.view(T, H + KVH, D).transpose(0, 1)  # (H + KVH, T, D)
         qk = qk * cos_qk + qk.roll(D // 2, -1) * sin_qk
-        k = qk[H:]  # (KVH, T, D)
-        v = qkv[:, (H + KVH) * D:].view(T, KVH, D).transpose(0, 1)  # (KVH, T, D)
+        q, k = qk.split((H, KVH))  # (H, T, D), (KVH, T, D)
+        v = v.view(T, KVH, D).transpose(0, 1)  # (KVH, T, D)
         new_k.append(k)
         new_v.append(v)
         if kv_only and i == L - 1:
             return ForwardOut(logits=None, k=torch.stack(new_k), v=torch.stack(new_v),
                               attention=None)
 
-        qg = qk[:H].reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
-        # an arena's keys are stored transposed, so past_k[i].transpose(1, 2) is (KVH, D, n)
-        # with each key dimension one contiguous run of slots: the fast layout for q K^T
-        s_past = torch.matmul(qg, past_k[i].transpose(1, 2)).float()  # (KVH, gT, n)
-        s_new = torch.matmul(qg, k.transpose(1, 2)).float()  # (KVH, gT, T)
-        if past_log_mass is not None:
-            s_past += past_log_mass[i].unsqueeze(1)  # (KVH, 1, n) over the group's queries
+        qg = q.reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
+        s_past = as_dtype(torch.matmul(qg, past_kt[i]), torch.float32)  # (KVH, gT, n)
+        s_new = as_dtype(torch.matmul(qg, k.transpose(1, 2)), torch.float32)  # (KVH, gT, T)
+        if log_mass is not None:
+            s_past += log_mass[i].unsqueeze(1)  # (KVH, 1, n) over the group's queries
         if mask_past is not None:
             s_past = (s_past.view(KVH, g, T, n) + mask_past).view(KVH, g * T, n)
         if mask_new is not None:
@@ -163,14 +176,17 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
         if query is not None:
             query[i] = qk[:H, -1]
             lse[i] = scores.view(KVH, g, T, n + T)[:, :, -1].logsumexp(-1).reshape(H)
-        if attention is not None:
+        if rows is not None:
+            rows.append(p)  # (KVH, g, n + 1): the one query's row
+        elif attention is not None:
             attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
         if received is not None:
             _received(p.view(KVH, g, T, n + T), n, received_from, received[i],
                       None if window is None else window[i])
-        p = p.to(dtype)
-        out = torch.matmul(p[..., :n], past_v[i]) + torch.matmul(p[..., n:], v)  # (KVH, gT, D)
-        out = out.view(H, T, D).transpose(0, 1).reshape(T, H * D)
+        p_past, p_new = as_dtype(p, dtype).split((n, T), dim=-1)
+        out = torch.matmul(p_past, past_vs[i]) + torch.matmul(p_new, v)  # (KVH, gT, D)
+        # (H, T, D) -> (T, H * D); with one token the transpose moves nothing
+        out = out.reshape(T, H * D) if T == 1 else out.view(H, T, D).transpose(0, 1).reshape(T, H * D)
         x = x + linear(out, w.o_w, w.o_b)
 
         h = rms_norm(x, w.ln2, s.rms_eps)
@@ -179,7 +195,9 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
 
     h = rms_norm(x if all_logits else x[-1:], model.final_norm, s.rms_eps)
     logits = linear(h, model.lm_head).float()
-    if attention is not None:
+    if rows is not None:
+        attention = torch.stack(rows).view(L, H, n + 1)[..., :n]
+    elif attention is not None:
         attention = attention[..., :n]
     return ForwardOut(logits=logits, k=torch.stack(new_k), v=torch.stack(new_v),
                       attention=attention, query=query, lse=lse, received=received,

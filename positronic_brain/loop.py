@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import InitVar, asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field, replace
 
 from .capture import NO_TAPE, Tape
 from .model import Model
 from .sampler import make_generator
-from .scorers import make_scorer, prefill_scorer
+from .scorers import make_scorer, prefill_scorer, takes_prefill_scores
 from .special_tokens import TextStream, TokenPolicy
 from .stages.apply import add_cold_store, apply, extend, prime, seed
 from .stages.decide import decide
@@ -71,12 +71,13 @@ class Session:
     def prime(self, segments: list[Segment], capacity: int | None = None,
               stats: bool = False) -> PrefillStats | None:
         """Stage 0 over the prompt segments (what the special-token policy produced), into
-        an arena of ``capacity`` slots (default: ``arena_capacity``). With ``prefill_scores``
-        and a scorer that takes them, stage 0 also gathers the prompt's attention statistics
-        and seeds the scorer's columns from them; ``stats`` gathers them whatever the scorer
+        an arena of ``capacity`` slots (default: ``arena_capacity``). Where
+        ``scorers.takes_prefill_scores`` says so (the resolved value is kept in
+        ``cache_params``), stage 0 also gathers the prompt's attention statistics and seeds
+        the scorer's columns from them; ``stats`` gathers them whatever the scorer
         (a copy of the prime is then seeded with ``seed``). Returns them (None: not gathered)."""
-        params = self.cache_params
         n_prompt = sum(len(s.ids) for s in segments)
+        params = self._resolve_prefill(n_prompt)
         capacity = capacity or arena_capacity(self.model, params, n_prompt)
         budget = params.budget
         require(budget is None or capacity >= budget,
@@ -96,10 +97,20 @@ class Session:
     def seed(self, stats: PrefillStats) -> None:
         """Stage 0: seed the scorer's columns from the statistics of the prime this state is
         a copy of (``prime(stats=True)``), as a prime with these cache parameters would have
-        (nothing without ``prefill_scores`` or for a scorer that takes none)."""
+        (nothing where ``scorers.takes_prefill_scores`` says no)."""
         require(self.state is not None and self.state.step == 0,
                 "seed a freshly primed session (before any step)")
-        seed(self.state, prefill_scorer(self.scorer, self.cache_params), stats)
+        params = self._resolve_prefill(self.state.arena.n)
+        seed(self.state, prefill_scorer(self.scorer, params), stats)
+
+    def _resolve_prefill(self, n_prompt: int) -> CacheParams:
+        """The cache parameters with ``prefill_scores`` as this prime of ``n_prompt`` tokens
+        takes it (unset: the scorer's default), kept: captures, sessions and forks record
+        what ran, not what a later default would make of it."""
+        if self.cache_params.prefill_scores is None:
+            self.cache_params = replace(self.cache_params, prefill_scores=(
+                takes_prefill_scores(self.scorer, self.cache_params, n_prompt)))
+        return self.cache_params
 
     def extend(self, segments: list[Segment], pending: int | None = None) -> Patch:
         """Stage 0 on the live state (a chat turn): prefill the pending token and the new

@@ -30,22 +30,28 @@ def _r(x: float, digits: int) -> float:
     return round(float(x), digits)
 
 
-def run_data(run: CaptureRun, token_text, last: int | None = None) -> dict:
-    """A captured run as the page draws it: per step (the last ``last``, default
-    ``DEFAULT_STEPS``) the live ledger the step's query read in position order, the
+def done_steps(run: CaptureRun) -> list[int]:
+    """The steps whose four stage files were all captured."""
+    return [t for t in run.steps if run.has(file_name(t, "s4_apply"))]
+
+
+def run_data(run: CaptureRun, token_text, last: int | None = None,
+             steps: list[int] | None = None) -> dict:
+    """A captured run as the page draws it: per step (``steps``, or the last ``last``,
+    default ``DEFAULT_STEPS``) the live ledger the step's query read in position order, the
     attention it paid each token, the step's edits, its token and NLL, the cache length
     after it; ``vocab`` maps the token ids shown to their text."""
     last = DEFAULT_STEPS if last is None else last
     require(last >= 1, f"--last must be >= 1, got {last}")
-    done = [t for t in run.steps if run.has(file_name(t, "s4_apply"))]
+    done = done_steps(run)
     require(done, f"{run.dir}: no complete step captured: nothing to draw")
-    shown = done[-last:]
+    shown = done[-last:] if steps is None else [t for t in done if t in set(steps)]
+    require(shown, f"{run.dir}: none of the steps to draw was captured")
     # A row's changed step (not kept in captures): its born step, or the step it was last
     # recalled at (stage 4 rewrites the row then); recalls before the shown steps count too.
-    params = dataclasses.asdict(run.step(shown[0]).cache_params)  # as stage 2 took them
     recalled_at: dict[int, int] = {}
     prev_recalled: list[int] = []  # the uids the step before recalled: live now
-    for t in done[:len(done) - len(shown)] if params.get("recall") else ():
+    for t in (t for t in done if t < shown[0]):
         prev_recalled = [sw.cold_uid for sw in run.stage(t, "s4_apply").out.swaps]
         recalled_at.update((u, t) for u in prev_recalled)
     vocab: dict[int, str] = {}
@@ -83,6 +89,9 @@ def run_data(run: CaptureRun, token_text, last: int | None = None) -> dict:
         prev_recalled = [s.cold_uid for s in patch.swaps]
         recalled_at.update((u, t) for u in prev_recalled)
     m = run.manifest
+    # what the run was asked for (a fork's own options), else what its last step ran with
+    params = ((m.get("params") or {}).get("cache_params")
+              or dataclasses.asdict(run.step(shown[-1]).cache_params))
     return {"dir": str(run.dir), "run_id": m.get("run_id"), "model": m.get("model"),
             "dtype": m.get("dtype"), "params": {k: v for k, v in params.items()
                                                 if isinstance(v, (int, float, str, bool))
@@ -99,12 +108,16 @@ def write(out: str | Path, title: str, runs: list[dict], comparison: dict | None
     require(out.suffix.lower() in (".html", ".htm"), f"{out}: the page's file must end in .html")
     require(out.parent.is_dir(), f"{out.parent}: no such folder for the page")
     data = {"title": title, "runs": runs, "compare": comparison}
-    # Inside <script> only "</" can end the element early; JSON lets it be written "<\/".
-    blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
-    template = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
-    text = template.replace("{{TITLE}}", html.escape(title)).replace("{{DATA}}", blob)
+    # No "<", ">" or "&" inside the <script> element, whatever the token texts hold ("</script>",
+    # "<!--" before "<script" would end or hide it): JSON writes them as \u escapes.
+    blob = json.dumps(data, separators=(",", ":"))
+    for c in "<>&":
+        blob = blob.replace(c, f"\\u{ord(c):04x}")
+    head, tail = resources.files(__package__).joinpath("page.html").read_text(
+        encoding="utf-8").split("{{DATA}}")
+    text = head.replace("{{TITLE}}", html.escape(title)) + blob + tail
     atomic_write(out, text.encode("utf-8"))
     return out
 
 
-__all__ = ["DEFAULT_STEPS", "run_data", "write"]
+__all__ = ["DEFAULT_STEPS", "done_steps", "run_data", "write"]

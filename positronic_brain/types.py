@@ -147,7 +147,9 @@ class CacheParams:
     ``prefill_scores``: stage 0 also gathers the prompt's own attention (``PrefillStats``:
     what its last ``prefill_window`` queries paid each token, and what every later query
     did) and seeds the scorer's ledger columns from it (each scorer's ``prefill``), so the
-    first cull of a prompt longer than the budget sees the whole prompt's view.
+    first cull of a prompt longer than the budget sees the whole prompt's view. None (the
+    default): the scorer's own ``prefill_default``, for a prompt longer than the budget
+    (``scorers.takes_prefill_scores``; a session records the value it resolved to at the prime).
     """
 
     budget: int | None = None
@@ -176,7 +178,7 @@ class CacheParams:
     recall_layers: int | None = None
     recall_span: int = 8
     recall_aggregate: str = "max-max"
-    prefill_scores: bool = False
+    prefill_scores: bool | None = None  # None: the scorer's own default
     prefill_window: int = 8
     scorer_params: str = ""  # a user scorer's own fields: "name=value,..." (the CLI's --param)
 
@@ -202,6 +204,8 @@ class CacheParams:
                 f"skip layers must be a fraction in [0, 1), got {self.skip_layers}")
         require(-1 <= self.fold_min_cos <= 1,
                 f"fold min cos must be a cosine in [-1, 1], got {self.fold_min_cos}")
+        require(self.prefill_scores is None or isinstance(self.prefill_scores, bool),
+                f"prefill scores must be on, off or unset (None), got {self.prefill_scores!r}")
         require(self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}")
         require(self.recent >= 0, f"recent must be >= 0, got {self.recent}")
         require(all(s in SOURCES for s in self.pinned), f"pinned sources must be among {SOURCES}")

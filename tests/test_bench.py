@@ -73,6 +73,14 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     fold = edits[("float32", "one fold, stage 4: ms at context 256 / at 128 (O(1))")]
     assert fold["value"] == pytest.approx(hi["fold_apply_ms"] / lo["fold_apply_ms"])
 
+    # the operators one stage-1 call launches, counted by the profiler (one per layer at least)
+    assert [(r["dtype"], r["context"]) for r in res["ops"]] == [(d, 256) for d in
+                                                                 ("float32", "bfloat16")]
+    for r in res["ops"]:
+        assert r["ops"] >= 2 * 10 and sum(k for _, k in r["top"]) <= r["ops"]
+        assert any(name.endswith("matmul") for name, _ in r["top"]), r["top"]
+    assert "Operators launched per token (stage 1)" in (out / "report.md").read_text()
+
     for name in ("decode_ms.png", "alloc_bytes.png", "edits_ms.png"):
         assert (out / name).read_bytes().startswith(PNG)
     report = (out / "report.md").read_text()

@@ -9,7 +9,7 @@ from positronic_brain.bench import passkey
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
 from positronic_brain.scorers import CULLING
-from positronic_brain.types import CacheParams, SamplerParams, UserError
+from positronic_brain.types import SamplerParams, UserError
 
 QUESTION_LAST = "\nWhat is the pass key? The pass key is"
 
@@ -126,14 +126,13 @@ def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
     assert res["benchmark"] == "passkey" and res["quick"] is True
     cfg = res["config"]
     assert cfg["trials"] == 8 and cfg["budgets"] == [128]
-    flipped = {"prefill_scores": not CacheParams.prefill_scores}
-    assert cfg["variants"] == [{}, {"recall": True}, flipped]
+    assert cfg["variants"] == [{}, {"recall": True}, {"prefill_scores": "flipped"}]
     assert cfg["lengths"] == [512 - 8 - 1]  # 1024 does not fit the tiny model's positions
     assert len(res["trials"]) == 8 and all(len(t["hits"]) == 16 for t in res["trials"])
     ref = res["reference"]
     assert ref["budget"] is None and ref["trials"] == 8 and 0 <= ref["accuracy"] <= 1
     assert [(r["policy"], r["budget"], r["variant_label"]) for r in res["runs"]] == \
-        [(p, 128, v) for v in ("plain", "recall=True", passkey.variant_label(flipped))
+        [(p, 128, v) for v in ("plain", "recall=True", "prefill_scores=flipped")
          for p in CULLING]
     for i, r in enumerate([ref, *res["runs"]]):
         assert r["correct"] == sum(t["hits"][i] for t in res["trials"])

@@ -37,7 +37,8 @@ class LedgerTape(CaptureTape):
 def _page_data(path) -> dict:
     text = path.read_text(encoding="utf-8")
     blob = re.search(r'<script type="application/json" id="data">(.*?)</script>', text, re.S)
-    return json.loads(blob.group(1).replace("<\\/", "</"))
+    assert not re.search(r"[<>&]", blob.group(1)), "markup characters in the data"
+    return json.loads(blob.group(1))
 
 
 EDITS = {"recall": {"recall": True}, "fold": {"repair": "fold", "fold_min_cos": -1.0}}
@@ -111,6 +112,13 @@ def test_inspect_and_compare_write_pages_and_refuse_bad_input(tmp_path, capsys, 
     assert [r["params"]["scorer"] for r in data["runs"]] == ["brightness", "h2o"]
     assert main(["compare", caps["brightness"], caps["h2o"], "--json"]) == 0
     assert data["compare"] == json.loads(capsys.readouterr().out)
+    assert main(["run", "--model", "tiny-random", "--prompt", PROMPT, "--max-new-tokens", "30",
+                 "--budget", "24", "--greedy", "--json", "--capture", str(tmp_path / "long")]) == 0
+    longer = json.loads(capsys.readouterr().out)["capture"]
+    assert main(["compare", caps["h2o"], longer, "--html", str(pair), "--last", "5"]) == 0
+    data = _page_data(pair)  # the last 5 of the 12 steps both runs have, in each run
+    assert [[s["step"] for s in r["steps"]] for r in data["runs"]] == [list(range(8, 13))] * 2
+    capsys.readouterr()
     for argv, message in (
             (["inspect", caps["brightness"], "--html", str(tmp_path / "page.txt")], "end in .html"),
             (["inspect", caps["brightness"], "--html", str(tmp_path / "no" / "p.html")],
@@ -138,8 +146,14 @@ def test_a_browser_draws_the_page_and_its_slider_moves_the_text(edited_run, tiny
                                                                 tmp_path):
     tape, _ = edited_run
     run = CaptureRun(tape.dir)
-    out = page.write(tmp_path / "run.html", "test", [page.run_data(run, tiny_policy.token_text)])
-    data = _page_data(out)["runs"][0]
+    data = page.run_data(run, tiny_policy.token_text)
+    hostile = "<!-- <script>x = 1</script> & --> <b>"  # what a model writing HTML may say
+    first = str(data["steps"][0]["token_id"][0])
+    data["vocab"][first] = hostile
+    out = page.write(tmp_path / "run.html", "a title with {{DATA}} & <b>", [data])
+    assert _page_data(out)["runs"][0] == data
+    html_text = out.read_text()
+    assert "<title>a title with {{DATA}} &amp; &lt;b&gt;</title>" in html_text
     shown = {}
     for t in (run.steps[4], run.steps[-1]):
         # #step=T sets the slider and fires its input event: the slider's own handler draws
@@ -149,6 +163,7 @@ def test_a_browser_draws_the_page_and_its_slider_moves_the_text(edited_run, tiny
         assert f'data-step="{t}"' in dom.stdout
         assert '<pre id="errors" hidden="">' in dom.stdout, "the page caught an error"
         pane = dom.stdout.split('id="text0"', 1)[1].split("</div>", 1)[0]
+        assert "&lt;!-- &lt;script&gt;x = 1&lt;/script&gt; &amp; --&gt; &lt;b&gt;" in pane
         uids = [int(u) for u in re.findall(r'data-uid="(\d+)"', pane)]
         step = next(s for s in data["steps"] if s["step"] == t)
         assert uids == step["uid"] == tape.ledgers[t]["uid"]  # the ledger at that step

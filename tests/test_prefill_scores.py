@@ -14,7 +14,7 @@ from positronic_brain.capture import CaptureTape, sha256
 from positronic_brain.cli import main as cli
 from positronic_brain.loop import Session, run
 from positronic_brain.replay import replay
-from positronic_brain.scorers import SCORERS
+from positronic_brain.scorers import SCORERS, make_scorer, prefill_scorer, takes_prefill_scores
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import prime
 from positronic_brain.types import CacheParams, SamplerParams, Segment, UserError
@@ -140,7 +140,8 @@ def test_a_token_the_window_attends_survives_the_first_cull(tiny_model, tiny_pol
     first step's query alone culls. Seeded from that window, brightness keeps it through
     the cull down to the budget; unseeded, it goes."""
     segs = _prompt(tiny_policy)
-    greedy, params = SamplerParams(greedy=True), CacheParams(budget=16, sinks=2, recent=4)
+    greedy = SamplerParams(greedy=True)
+    params = CacheParams(budget=16, sinks=2, recent=4, prefill_scores=False)
     off = Session(tiny_model, tiny_policy, greedy, params)
     stats = off.prime(segs, stats=True)  # gathered, not seeded: prefill scores are off
     assert bool((off.state.ledger.live("brightness") == 255).all())
@@ -229,6 +230,15 @@ def test_a_copy_seeded_from_the_statistics_equals_its_own_prime(tiny_model, tiny
 
 def test_the_scorers_that_take_prefill_scores():
     assert {n for n, c in SCORERS.items() if hasattr(c, "prefill")} == {"brightness", "h2o"}
+
+
+@pytest.mark.parametrize("scorer, default", [("brightness", True), ("h2o", False),
+                                             ("tova", False), ("streaming", False)])
+def test_each_scorer_has_its_own_default_and_the_option_overrides_it(scorer, default):
+    for given, want in ((None, default), (True, scorer in ("brightness", "h2o")), (False, False)):
+        params = CacheParams(budget=32, scorer=scorer, prefill_scores=given)
+        assert takes_prefill_scores(make_scorer(params), params) is want, (scorer, given)
+        assert (prefill_scorer(make_scorer(params), params) is not None) is want
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from positronic_brain.capture import STAGES, load_file, read_manifest, sha256
+from positronic_brain.capture import STAGES, CaptureRun, load_file, read_manifest, sha256
 from positronic_brain.cli import main as cli
 from positronic_brain.replay import replay
 from positronic_brain.types import UserError
@@ -96,11 +96,14 @@ def test_files_are_plain_data_and_stage_outputs_have_the_promised_keys(captured_
                                          "appended_k"}
 
 
-def test_inspect_renders_a_run_and_a_file(captured_run, capsys):
+def test_inspect_renders_a_run_and_a_file(captured_run, real_policy, capsys):
     run_dir = captured_run[0]
     assert cli(["inspect", str(run_dir), "--step", "20"]) == 0
     out = capsys.readouterr().out
-    assert "context at step 20" in out and "steps (24 in all)" in out and "tides" in out
+    assert "context at step 20" in out and "steps (24 in all)" in out
+    live = CaptureRun(run_dir).step(20).view["token_id"].tolist()  # the cache step 20 read
+    words = [w for w in (real_policy.decode([t]).strip() for t in live) if w.isalpha()]
+    assert words and all(w in out for w in words), words
     assert cli(["inspect", str(run_dir / "000020_s4_apply.pt")]) == 0
     assert "culled_uids" in capsys.readouterr().out
     assert cli(["inspect", str(run_dir), "--step", "99"]) == 2

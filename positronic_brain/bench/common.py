@@ -6,6 +6,7 @@ between the contenders inside one repetition so every contender sees the same lo
 """
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
@@ -82,6 +83,16 @@ def bytes_allocated(fn: Callable[[], object]) -> int:
         fn()
     return sum(e.self_cpu_memory_usage for e in prof.key_averages()
                if e.self_cpu_memory_usage > 0)
+
+
+def operators(fn: Callable[[], object], most: int = 8) -> tuple[int, list[tuple[str, int]]]:
+    """The operators one call of ``fn`` launches from Python (the profiler's top-level CPU
+    events: each goes through torch's dispatcher, a fixed cost however small its work) and
+    the ``most`` frequent names with their counts."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    top = [e.name for e in prof.events() if e.cpu_parent is None]
+    return len(top), collections.Counter(top).most_common(most)
 
 
 # --- the machine ------------------------------------------------------------------------------

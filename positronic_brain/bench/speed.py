@@ -388,6 +388,17 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
     return rows[::-1]
 
 
+def measure_ops(model: Model, full: View, ids: list[int], cfg: SpeedConfig) -> dict:
+    """The operators one stage-1 call launches, at the context nearest 1024."""
+    n = min(cfg.contexts, key=lambda c: abs(c - 1024))
+    view = prefix_view(full, n, ids[n])
+    gen = make_generator(0, model.device)
+    generate(model, view, GREEDY, gen)  # warm: first calls may launch set-up operators
+    count, top = common.operators(lambda: generate(model, view, GREEDY, gen))
+    return {"dtype": str(model.dtype).removeprefix("torch."), "context": n, "ops": count,
+            "top": top}
+
+
 def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     model = load_model(cfg.model, dtype, cfg.device)
     cfg = cfg.fitted(model.spec.max_positions)
@@ -400,6 +411,7 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     del states
     view = primed.view()
     decode = measure_decode(model, hf, view, ids, cfg, task)
+    ops = measure_ops(model, view, ids, cfg)
     # the profiler's memory events count host allocations: on a GPU, nothing to compare
     alloc = measure_alloc(model, hf, view, ids, cfg, task) if cfg.device == "cpu" else []
     del hf
@@ -413,7 +425,7 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     memory = {"dtype": dtype, "weight_bytes": wb, "kv_bytes_per_token": kvb,
               "floor_ms": wb / (bandwidth * 1e9) * 1e3}
     return {"cfg": cfg, "prefill": prefill, "decode": decode, "alloc": alloc, "memory": memory,
-            "loop": loop, "edits": edits}
+            "loop": loop, "edits": edits, "ops": ops}
 
 
 def run(cfg: SpeedConfig, command: str) -> dict:
@@ -435,6 +447,7 @@ def run(cfg: SpeedConfig, command: str) -> dict:
     for key in ("prefill", "decode", "alloc", "loop", "edits"):
         res[key] = [r for p in parts for r in p[key]]
     res["memory"] = [p["memory"] for p in parts]
+    res["ops"] = [p["ops"] for p in parts]
     res["decode_fit"] = decode_fit(res)
     res["alloc_fit"] = alloc_fit(res)
     res["targets"] = targets(res)
@@ -645,6 +658,14 @@ def tables(res: dict) -> list[Table]:
         "Stage 4 of an edit is O(1) in the context; the decisions in stage 3 are not: a merge "
         "runs two one-token forwards over the context, and a fold's target search reads "
         "every live key once.")
+    ops = Table(
+        "Operators launched per token (stage 1)",
+        ("dtype", "context", "operators", "most frequent"),
+        tuple((r["dtype"], str(r["context"]), f"{r['ops']:,}",
+               ", ".join(f"{name} {k}" for name, k in r["top"]))
+              for r in res.get("ops", ())),
+        "Top-level operators of one stage-1 call (the profiler's CPU events with no parent): "
+        "each passes through torch's dispatcher, a fixed cost however little it computes.")
     memory = Table(
         "Memory",
         ("dtype", "weights read per token", "K/V per token", "floor ms/token (weights only)"),
@@ -663,7 +684,7 @@ def tables(res: dict) -> list[Table]:
         "1.10 = 10% over stage 1); the edit rows divide the cost at the longest context by "
         "the cost at the shortest (1 = flat).")
     # on a GPU no allocations are counted (the profiler's events are the host allocator's)
-    return [t for t in (target, decode, fit, alloc, loop, edits, prefill, memory) if t.rows]
+    return [t for t in (target, decode, fit, ops, alloc, loop, edits, prefill, memory) if t.rows]
 
 
 def plots(res: dict, out: Path) -> list[str]:

@@ -195,7 +195,8 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-scores", action=argparse.BooleanOptionalAction,
                    default=d.prefill_scores,
                    help="seed the scorer's per-token values from the prompt's own attention at "
-                        "the prime (brightness, h2o), so the first cull sees the whole prompt")
+                        "the prime (brightness, h2o), so the first cull sees the whole prompt "
+                        "(unset: the scorer's own default, for a prompt longer than the budget)")
     g.add_argument("--prefill-window", type=int, default=d.prefill_window, metavar="W",
                    help="prefill scores: the prompt's last W queries are brightness's "
                         "observation window")

@@ -41,10 +41,22 @@ CULLING = tuple(name for name in SCORERS if name != "none")  # the scorers that 
 BASELINES = tuple(name for name in CULLING if name != CacheParams.scorer)
 
 
+def takes_prefill_scores(scorer: object, params: CacheParams,
+                         n_prompt: int | None = None) -> bool:
+    """Whether the prime of ``n_prompt`` tokens (None: any longer than the budget) seeds
+    ``scorer``'s columns from the prompt's attention: it takes them (a ``prefill`` method)
+    and ``prefill_scores`` is on; or it is None (unset), the scorer's ``prefill_default`` is
+    true and the prompt is longer than the budget, so the first cull compresses it."""
+    on = params.prefill_scores
+    if on is None:
+        on = (bool(getattr(scorer, "prefill_default", False)) and params.budget is not None
+              and (n_prompt is None or n_prompt > params.budget))
+    return on and hasattr(scorer, "prefill")
+
+
 def prefill_scorer(scorer: object, params: CacheParams) -> object | None:
-    """``scorer`` if the prime should seed its columns from the prompt's attention
-    (``prefill_scores`` on, and it takes them: a ``prefill`` method), else None."""
-    return scorer if params.prefill_scores and hasattr(scorer, "prefill") else None
+    """``scorer`` if the prime should seed its columns (``takes_prefill_scores``), else None."""
+    return scorer if takes_prefill_scores(scorer, params) else None
 
 
 def culling(name: str) -> bool:

@@ -18,6 +18,7 @@ a little would stay at the clamp, and the first cull would keep the most recent 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -28,6 +29,10 @@ from ..types import PrefillStats, ScoreOut
 
 @dataclass(frozen=True)
 class Brightness:
+    # Prefill scores unless told otherwise: without them every prompt token sits at its seed
+    # (the clamp) at the first cull, which then keeps the most recent (docs/BENCHMARKS.md,
+    # pass-key retrieval).
+    prefill_default: ClassVar[bool] = True
     decay: float
     gain: float
     max_brightness: float

@@ -12,6 +12,7 @@ many queries.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -22,6 +23,10 @@ from ..types import PrefillStats, ScoreOut
 
 @dataclass(frozen=True)
 class H2O:
+    # No prefill scores unless told: the prompt's accumulated attention favours what the
+    # filler attends to, while the first step's query (the question) finds what matters
+    # (docs/BENCHMARKS.md, pass-key retrieval).
+    prefill_default: ClassVar[bool] = False
     aggregate: str
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:

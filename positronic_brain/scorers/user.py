@@ -6,7 +6,8 @@
 - an installed package's entry point in the group ``positronic_brain.scorers`` (its name).
 
 The class is a dataclass with ``score(view, attention) -> ScoreOut`` (and optionally
-``prefill(view, stats) -> ScoreOut``), like the built-ins. Its fields are its options: one
+``prefill(view, stats) -> ScoreOut``, taken when ``--prefill-scores`` is on, or unset and
+a class attribute ``prefill_default`` is true), like the built-ins. Its fields are its options: one
 named as a ``CacheParams`` field takes that value; any other one takes ``--param NAME=VALUE``
 (``CacheParams.scorer_params``) or its default. ``Guarded`` runs it in stage 2: a scorer that
 raises, returns the wrong type or shape, non-finite values, or writes to what it reads is
