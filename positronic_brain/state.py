@@ -219,6 +219,15 @@ class Cold:
     def n(self) -> int:
         return self.ledger.n
 
+    @property
+    def bytes_per_token(self) -> float:
+        """Memory per row of the store, from its tensors' storage: K/V (keys padded as the
+        arena's), their norms and log-mass, the ledger row and the entry order."""
+        a = self.arena
+        tensors = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm, self.entered) + tuple(
+            getattr(self.ledger, c) for c in Ledger.COLUMNS)
+        return sum(t.untyped_storage().nbytes() for t in tensors) / self.entered.shape[0]
+
     def view(self) -> "ColdView":
         n, m = self.n, self.ledger
         return ColdView(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n],

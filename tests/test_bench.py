@@ -73,6 +73,12 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     fold = edits[("float32", "one fold, stage 4: ms at context 256 / at 128 (O(1))")]
     assert fold["value"] == pytest.approx(hi["fold_apply_ms"] / lo["fold_apply_ms"])
 
+    # the cold store's memory per token: at least the K/V and a ledger row
+    for m in res["memory"]:
+        assert m["cold_bytes_per_token"] > m["kv_bytes_per_token"]
+    assert [r["cold_bytes_per_token"] is not None for r in res["loop"]] == \
+        [False, False, False, True] * 2
+
     # the operators one stage-1 call launches, counted by the profiler (one per layer at least)
     assert [(r["dtype"], r["context"]) for r in res["ops"]] == [(d, 256) for d in
                                                                  ("float32", "bfloat16")]

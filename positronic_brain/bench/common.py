@@ -286,7 +286,9 @@ def fmt(x: float | None, digits: int = 1) -> str:
     return "–" if x is None else f"{x:,.{digits}f}"
 
 
-def fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "–"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"

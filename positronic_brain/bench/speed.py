@@ -299,6 +299,7 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
         ms = {k: common.median(v) for k, v in t.items()}
         rows.append({"dtype": dt, "repair": what, "context": cfg.budget,
                      "cold": session.state.cold.n if cold else 0,
+                     "cold_bytes_per_token": session.state.cold.bytes_per_token if cold else None,
                      "stage1_ms": ms["stage 1"], "score_ms": ms["stage 2"],
                      "decide_ms": ms["stage 3"], "step_ms": ms["loop step"],
                      "overhead": common.median_ratio(t["loop step"], t["stage 1"])})
@@ -423,7 +424,9 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     for r in decode:  # the physical floor: weights + live K/V read once per token
         r["floor_ms"] = (wb + r["context"] * kvb) / (bandwidth * 1e9) * 1e3
     memory = {"dtype": dtype, "weight_bytes": wb, "kv_bytes_per_token": kvb,
-              "floor_ms": wb / (bandwidth * 1e9) * 1e3}
+              "floor_ms": wb / (bandwidth * 1e9) * 1e3,
+              "cold_bytes_per_token": next((r["cold_bytes_per_token"] for r in loop
+                                            if r["cold"]), None)}
     return {"cfg": cfg, "prefill": prefill, "decode": decode, "alloc": alloc, "memory": memory,
             "loop": loop, "edits": edits, "ops": ops}
 
@@ -668,9 +671,11 @@ def tables(res: dict) -> list[Table]:
         "each passes through torch's dispatcher, a fixed cost however little it computes.")
     memory = Table(
         "Memory",
-        ("dtype", "weights read per token", "K/V per token", "floor ms/token (weights only)"),
+        ("dtype", "weights read per token", "K/V per token", "cold store per token (recall)",
+         "floor ms/token (weights only)"),
         tuple((m["dtype"], fmt_bytes(m["weight_bytes"]), fmt_bytes(m["kv_bytes_per_token"]),
-               fmt(m["floor_ms"], 2)) for m in res["memory"]),
+               fmt_bytes(m.get("cold_bytes_per_token")), fmt(m["floor_ms"], 2))
+              for m in res["memory"]),
         f"Copy bandwidth {res['bandwidth_gb_s']:.1f} GB/s; peak RSS of the whole run "
         f"{res['peak_rss_mb']:,.0f} MiB (the process: both dtypes' models and arenas and "
         "HF's copies and caches, not the loop alone).")
