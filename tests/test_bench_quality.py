@@ -292,6 +292,13 @@ def test_pool_workers_give_the_inline_result(tiny_model, tiny_policy):
         assert a.totals.culled == b.totals.culled and max(abs(x - y) for x, y in zip(a.nll, b.nll)) < 1e-4
 
 
+def test_params_take_true_and_false_for_yes_no_fields():
+    assert quality.base_params("prefill_scores=false").prefill_scores is False
+    assert quality.base_params("prefill_scores=On,decay=1").prefill_scores is True
+    with pytest.raises(UserError, match=r"bad value for prefill_scores: 'maybe' \(true or false\)"):
+        quality.base_params("prefill_scores=maybe")
+
+
 def test_bad_input_is_one_line(capsys):
     for argv, msg in ((["--budgets", "1,a"], "comma-separated integers"),
                       (["--params", "gain=x"], "bad value for gain"),

@@ -919,6 +919,9 @@ def config_from_args(args) -> QualityConfig:
     return QualityConfig.preset(args.quick, **kw)
 
 
+BOOLS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
+
+
 def base_params(text: str) -> CacheParams:
     """``--params decay=1,gain=200,seeds=128:128:128:128`` -> CacheParams with those fields
     (tuples take ``:``-separated values); budget, policy, repair, positions and recall are
@@ -933,7 +936,11 @@ def base_params(text: str) -> CacheParams:
                 f"--params: unknown or fixed field {name!r}")
         default = getattr(CacheParams(), name)
         try:
-            if isinstance(default, tuple):
+            if "bool" in str(fields[name].type):  # bool, or bool | None (prefill_scores)
+                if value.lower() not in BOOLS:
+                    raise ValueError(value)
+                kw[name] = BOOLS[value.lower()]
+            elif isinstance(default, tuple):
                 kind = float if name == "seeds" else str
                 kw[name] = tuple(kind(v) for v in value.split(":")) if value else ()
             elif isinstance(default, str):
@@ -941,7 +948,8 @@ def base_params(text: str) -> CacheParams:
             else:
                 kw[name] = type(default)(value) if default is not None else int(value)
         except ValueError:
-            raise UserError(f"--params: bad value for {name}: {value!r}") from None
+            raise UserError(f"--params: bad value for {name}: {value!r}"
+                            + (" (true or false)" if "bool" in str(fields[name].type) else "")) from None
     return CacheParams(**kw)
 
 
