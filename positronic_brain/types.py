@@ -136,7 +136,9 @@ class CacheParams:
     those brightness reads; None: all of them), hot and cold alike ``recall_aggregate``d,
     and up to ``recall_max`` cold tokens swap places with the dimmest unprotected hot ones
     they beat: those the query attends to most, each with the cold tokens that follow it
-    within ``recall_span`` positions, and those that follow a hot token it attends to most. It takes no
+    within ``recall_span`` positions, and those that follow a hot token it attends to most,
+    where their signal beats the hot one's by more than ``recall_margin`` uniform shares
+    (1/n of the live slots' attention). It takes no
     ``fold`` repair (a folded token lives on inside its survivor) and no ``turns`` pruning.
     Brightness: new tokens start at ``seeds[source]`` (in SOURCES order); each step
     b <- clamp(b - decay + gain * share, 0, max_brightness), where share is n times the
@@ -173,11 +175,12 @@ class CacheParams:
     prune: str = "tokens"
     recall: bool = False
     cold_capacity: int = 16384
-    recall_every: int = 1
+    recall_every: int = 4
     recall_max: int = 16
     recall_layers: int | None = None
     recall_span: int = 8
     recall_aggregate: str = "max-max"
+    recall_margin: float = 0.0
     prefill_scores: bool | None = None  # None: the scorer's own default
     prefill_window: int = 8
     scorer_params: str = ""  # a user scorer's own fields: "name=value,..." (the CLI's --param)
@@ -228,6 +231,7 @@ class CacheParams:
                      "prefill_window"):
             require(getattr(self, name) is None or getattr(self, name) >= 1,
                     f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
+        require(self.recall_margin >= 0, f"recall margin must be >= 0, got {self.recall_margin}")
         if self.recall:
             require(self.budget is not None, "recall brings back culled tokens; it needs a budget")
             require(self.repair != "fold", "recall keeps culled tokens whole; it takes no fold "
@@ -263,23 +267,26 @@ class ScoreOut:
     scores: torch.Tensor  # (n,) float32
     brightness: torch.Tensor | None = None  # (n,) float32 in [0, max]
     attn_sum: torch.Tensor | None = None  # (n,) float32, attention received since born
-    # on a recall step: the attention signal each hot slot got (n,) and each cold row would
-    # have got (c,), aggregated alike over the recall layers (stage 3 compares them)
+    # with recall: the attention signal each hot slot got (n,) and, on a step that scans the
+    # cold store, each cold row would have got (c,), aggregated alike over the recall layers
+    # (stage 3 compares them)
     hot_signal: torch.Tensor | None = None
     cold_signal: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class RecallQuery:
-    """Stage 2's input on a recall step: stage 1's query (L, heads, head_dim) and its
-    softmax's log-sum-exp (L, heads), the ``layers`` that score the cold keys, and how their
-    attention becomes one value per token (CacheParams' ``signal`` and ``aggregate``)."""
+    """Stage 2's recall input: stage 1's query (L, heads, head_dim) and its softmax's
+    log-sum-exp (L, heads), the ``layers`` whose attention gives the signals, how it becomes
+    one value per token (CacheParams' ``signal`` and ``aggregate``), and whether this step
+    ``scan``s the cold keys too (every ``recall_every``-th step; else the hot signals only)."""
 
     query: torch.Tensor
     lse: torch.Tensor
     layers: tuple[int, ...]
     signal: str
     aggregate: str
+    scan: bool = True
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from positronic_brain.loop import Session, run
 from positronic_brain.replay import replay
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import apply
-from positronic_brain.stages.decide import decide, recalled
+from positronic_brain.stages.decide import decide, recalled, swaps
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import recall_query, score
 from positronic_brain.types import CacheParams, SamplerParams, Segment, Totals, UserError
@@ -143,6 +143,7 @@ def test_recall_every_k_steps_scores_only_then(tiny_model, tiny_policy):
         rq = recall_query(view, gen, params)
         scores = score(view, gen.attention, s.scorer, rq)
         assert (scores.cold_signal is not None) == (view.cold.n > 0 and (view.step + 1) % 3 == 0)
+        assert (scores.hot_signal is not None) == (view.cold.n > 0)  # hot anchors every step
         apply(tiny_model, s.state, gen, decide(tiny_model, view, scores, params))
 
 
@@ -153,6 +154,7 @@ def test_recall_every_k_steps_scores_only_then(tiny_model, tiny_policy):
     ({"cold_capacity": 0}, "cold capacity must be >= 1"),
     ({"recall_every": 0}, "recall every must be >= 1"),
     ({"recall_span": 0}, "recall span must be >= 1"),
+    ({"recall_margin": -0.5}, "recall margin must be >= 0"),
 ])
 def test_bad_recall_parameters_are_one_line_errors(kw, message):
     with pytest.raises(UserError, match=message):
@@ -187,3 +189,87 @@ def test_a_recalled_token_brings_the_cold_tokens_that_follow_it():
     assert rows(3, 8) == [(1, 1.0), (5, 1.0), (4, 0.75), (0, 0.5), (2, 0.5), (3, 0.5),
                           (6, 0.125)]
     assert rows(3, 4) == [(1, 1.0), (5, 1.0), (4, 0.75), (0, 0.5)]
+
+
+def test_a_cold_token_swaps_in_only_past_the_margin():
+    """``recall_margin`` m: a cold token takes a hot slot only if its signal beats the hot
+    one's by more than m / n (n live slots)."""
+    cold = type("C", (), {"position": torch.tensor([10, 3]), "n": 2, "uid": torch.tensor([7, 8]),
+                          "source": torch.tensor([0, 0]), "born_step": torch.tensor([0, 0])})
+    view = type("V", (), {"cold": cold, "position": torch.tensor([30, 5, 19, 40]), "n": 4,
+                          "uid": torch.tensor([1, 2, 3, 4]), "step": 5})
+    scores = type("S", (), {"cold_signal": torch.tensor([0.5, 0.375]),
+                            "hot_signal": torch.tensor([0.0, 0.125, 0.75, 0.25])})
+    dim = torch.tensor([0, 1])  # the dimmest hot slots, ascending score
+    got = lambda m: [(s.slot, s.cold_uid) for s in swaps(  # noqa: E731
+        view, scores, CacheParams(recall_span=1, recall_margin=m), dim)]
+    assert got(0.0) == [(0, 7), (1, 8)]
+    assert got(1.0) == [(0, 7)]  # 0.375 does not beat 0.125 + 1 / 4
+    assert not got(2.0)  # 0.5 does not beat 0.0 + 2 / 4
+
+
+def _recalled_by_hand(cold_pos, cold_sig, hot_pos, hot_sig, span, room):
+    """``recalled`` as a loop: anchors best first (stable), each taking the cold rows within
+    ``span`` positions after it in text order, a row keeping its first anchor."""
+    c, signal = len(cold_pos), cold_sig + hot_sig
+    pos = cold_pos + hot_pos
+    by_pos = sorted(range(len(pos)), key=pos.__getitem__)
+    rank = {j: r for r, j in enumerate(by_pos)}
+    picked = {}
+    for i in sorted(range(len(pos)), key=lambda i: -signal[i])[: room + len(hot_pos)]:
+        if signal[i] == float("-inf"):
+            break
+        for j in by_pos[rank[i]:rank[i] + span]:
+            if pos[j] - pos[i] >= span:
+                break
+            if j < c:
+                picked.setdefault(j, signal[i])
+                if len(picked) == room:
+                    return list(picked.items())
+    return list(picked.items())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_recalled_equals_the_loop_by_hand(seed):
+    g = torch.Generator().manual_seed(seed)
+    n, c = int(torch.randint(1, 30, (1,), generator=g)), int(torch.randint(1, 60, (1,), generator=g))
+    pos = torch.randperm(3 * (n + c), generator=g)[: n + c]
+    sig = (torch.randint(0, 6, (n + c,), generator=g) / 8).tolist()  # ties on purpose
+    scan = seed % 3 != 0  # else the hot anchors alone
+    cold_sig = sig[:c] if scan else [float("-inf")] * c
+    span, room = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 20, (1,), generator=g))
+    cold = type("C", (), {"position": pos[:c], "n": c})
+    view = type("V", (), {"cold": cold, "position": pos[c:]})
+    scores = type("S", (), {"cold_signal": torch.tensor(sig[:c]) if scan else None,
+                            "hot_signal": torch.tensor(sig[c:])})
+    want = _recalled_by_hand(pos[:c].tolist(), cold_sig, pos[c:].tolist(), sig[c:], span, room)
+    assert recalled(view, scores, CacheParams(recall_span=span), room) == want
+
+
+@pytest.mark.parametrize("how, signal, layers", [  # the tiny models have 2 layers
+    ("max-max", "value", (0, 1)), ("all-mean", "value", (0, 1)),
+    ("max-max", "attention", (1,)), ("last-max", "attention", (0,))])
+def test_a_cold_copy_of_the_live_keys_gets_their_signals(tiny_model, tiny_policy, how, signal,
+                                                         layers):
+    """The cold scan (one product per run of consecutive layers; for max-max, the value
+    weight as a log and one exp per row) gives a cold store holding the live tokens' own K/V
+    the signals those tokens got as hot ones."""
+    from positronic_brain.state import ColdView
+    from positronic_brain.types import RecallQuery
+    from positronic_brain.stages.score import recall_signals
+    s = _session(tiny_model, tiny_policy)
+    view = s.state.view()
+    gen = generate(tiny_model, view, GREEDY, s.generator)
+    twin = ColdView(k=view.k, v=view.v, vnorm=view.vnorm, uid=view.uid, position=view.position,
+                    source=view.source, born_step=view.born_step)
+    rq = RecallQuery(query=gen.query, lse=gen.lse, layers=layers, signal=signal, aggregate=how)
+    hot, cold = recall_signals(dataclasses.replace(view, cold=twin), gen.attention, rq)
+    assert_close(cold, hot, 1e-5, f"{how} {signal} {layers}")
+    hot_only, none = recall_signals(view, gen.attention, dataclasses.replace(rq, scan=False))
+    assert none is None and torch.equal(hot_only, hot)
+
+
+def test_the_scan_takes_consecutive_layers_as_runs():
+    from positronic_brain.stages.score import _runs
+    assert _runs((0, 1, 3, 5, 6, 7)) == [(0, 2), (3, 4), (5, 8)]
+    assert _runs((4,)) == [(4, 5)]

@@ -832,9 +832,10 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
         f"{common.machine_facts(m)}. Protected from culls: {sp['sinks']} sinks, "
         f"{sp['recent']} recent tokens. Brightness: decay {sp['decay']}, gain {sp['gain']}, "
         f"signal {sp['signal']}, aggregation {sp['aggregate']}, "
-        f"skip layers {sp.get('skip_layers', 0.0)}, max {sp['max_brightness']}. Recall: at "
-        f"most {sp['recall_max']} swaps every {sp['recall_every']} step(s), cold keys scored "
-        f"over {sp['recall_layers']} layers.",
+        f"skip layers {sp.get('skip_layers', 0.0)}, max {sp['max_brightness']}. Recall: the "
+        f"cold store scanned every {sp['recall_every']} step(s) over "
+        f"{sp['recall_layers'] or 'all the brightness'} layers, at most {sp['recall_max']} "
+        f"swaps a step, span {sp['recall_span']}, margin {sp.get('recall_margin', 0.0)}.",
         "",
     ]
     for tb in tables(res):

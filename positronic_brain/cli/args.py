@@ -189,6 +189,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recall-span", type=int, default=d.recall_span,
                    help="recall: a recalled token comes back with the cold tokens that follow "
                         "it within this many positions")
+    g.add_argument("--recall-margin", type=float, default=d.recall_margin, metavar="M",
+                   help="recall: a cold token swaps in only if it beats the hot one by more "
+                        "than M uniform shares (1/n of the attention)")
     g.add_argument("--recall-aggregate", default=d.recall_aggregate,
                    help=f"recall: attention over layers-heads, hot and cold alike: "
                         f"{'|'.join(AGGREGATIONS)}")
@@ -274,6 +277,7 @@ def cache_params(args) -> CacheParams:
                          recall_max=args.recall_max, recall_layers=args.recall_layers,
                          recall_span=args.recall_span,
                          recall_aggregate=args.recall_aggregate,
+                         recall_margin=args.recall_margin,
                          prefill_scores=args.prefill_scores, prefill_window=args.prefill_window)
     make_scorer(params)
     return params

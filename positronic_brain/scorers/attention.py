@@ -20,8 +20,14 @@ def value_weighted(attention: torch.Tensor, norms: torch.Tensor,
     slot whose value is small moves the attention output little, however much attention it
     gets (the attention sinks are the usual case). ``live``: the live norms the mean is
     taken over, when ``norms`` are others' (cold tokens, weighed as if they were live)."""
-    live = norms if live is None else live
-    w = norms / live.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    w = value_weights(norms, live)
     L, H, n = attention.shape
     kvh = norms.shape[1]  # the heads of one KV group share its values (GQA)
     return (attention.reshape(L, kvh, H // kvh, n) * w[:, :, None]).reshape(L, H, n)
+
+
+def value_weights(norms: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    """Value norms (L, kv_heads, n) relative to the mean ``live`` norm (default: their own)
+    of each layer and KV head: ``value_weighted``'s factors."""
+    live = norms if live is None else live
+    return norms / live.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)

@@ -11,9 +11,9 @@ right-hand slots masked out, the second of which yields the new token's K/V. Wit
 ``fold``, every culled token's K/V fold into the surviving slot whose key is most alike
 (cosine, per layer and KV head; ``fold_targets``); stage 4 does the arithmetic.
 With prune ``turns``, the removals are instead the oldest whole chat turns (``oldest_turns``).
-With recall, on a step whose scores carry the hot and cold signals, the best cold tokens
-swap places with the dimmest hot ones left after the culls when their signal is the higher
-(``swaps``).
+With recall, on a step whose scores carry the hot signals (and, on a step that scans the
+cold store, the cold ones), the best cold tokens swap places with the dimmest hot ones left
+after the culls when their signal is the higher by the margin (``swaps``).
 """
 from __future__ import annotations
 
@@ -115,31 +115,38 @@ def cold_kept(limit: int, params: CacheParams) -> int:
 
 def recalled(view: View, scores: ScoreOut, params: CacheParams, room: int) -> list[tuple[int, float]]:
     """Up to ``room`` cold rows to bring back, best first: [(row, signal)]. The anchors are
-    the tokens, hot or cold, with the highest signal this step; each brings back the cold
-    tokens that follow it in the text within ``recall_span`` positions (a cold anchor itself
-    too), with its signal. What a query attends to in an earlier passage, the next queries
-    tend to read on from (a text repeating one, a fact spread over several tokens): a hot
-    anchor prefetches what comes after it before the query needs it."""
+    the tokens, hot or cold, with the highest signal this step (hot ones only on a step that
+    does not scan the cold store: ``cold_signal`` None); each brings back the cold tokens
+    that follow it in the text within ``recall_span`` positions (a cold anchor itself too),
+    with its signal. What a query attends to in an earlier passage, the next queries tend to
+    read on from (a text repeating one, a fact spread over several tokens): a hot anchor
+    prefetches what comes after it before the query needs it. A cold row taken by several
+    anchors goes with the best; rows come in the anchors' order, then in text order."""
     cold, span = view.cold, params.recall_span
     c = cold.n
-    signal = torch.cat((scores.cold_signal, scores.hot_signal))  # cold rows, then hot slots
+    cold_signal = scores.cold_signal
+    if cold_signal is None:
+        cold_signal = scores.hot_signal.new_full((c,), float("-inf"))
+    signal = torch.cat((cold_signal, scores.hot_signal))  # cold rows, then hot slots
+    N, dev = signal.numel(), signal.device
     pos = torch.cat((cold.position, view.position))
     by_pos = torch.argsort(pos)  # cold rows and hot slots in text order
     rank = torch.empty_like(by_pos)
-    rank[by_pos] = torch.arange(by_pos.numel(), device=by_pos.device)
-    pos, by_pos, rank = pos.tolist(), by_pos.tolist(), rank.tolist()
-    anchors = torch.argsort(signal, descending=True, stable=True)[: room + signal.numel() - c]
-    picked: dict[int, float] = {}
-    for i in anchors.tolist():  # enough for ``room`` cold anchors past every hot one
-        s = float(signal[i])
-        for j in by_pos[rank[i]:rank[i] + span]:
-            if pos[j] - pos[i] >= span:
-                break
-            if j < c:  # a cold row
-                picked.setdefault(j, s)
-                if len(picked) == room:
-                    return list(picked.items())
-    return list(picked.items())
+    rank[by_pos] = torch.arange(N, device=dev)
+    order = torch.argsort(signal, descending=True, stable=True)  # anchors, best first
+    place = torch.empty_like(order)
+    place[order] = torch.arange(N, device=dev)
+    # enough anchors for ``room`` cold ones past every hot one
+    usable = (place < room + N - c) & torch.isfinite(signal)
+    best = torch.full((c,), N, dtype=place.dtype, device=dev)  # (c,) the best anchor's place
+    for back in range(span):  # the entry ``back`` places before each cold row in text order
+        behind = rank[:c] - back
+        anchor = by_pos[behind.clamp_min(0)]
+        ok = (behind >= 0) & (pos[:c] - pos[anchor] < span) & usable[anchor]
+        best = torch.minimum(best, torch.where(ok, place[anchor], N))
+    rows = (best < N).nonzero()[:, 0]
+    rows = rows[torch.argsort(best[rows] * N + rank[rows])][:room]
+    return list(zip(rows.tolist(), signal[order[best[rows]]].tolist()))
 
 
 def swaps(view: View, scores: ScoreOut, params: CacheParams,
@@ -147,25 +154,35 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
     """Recalls: the i-th cold row to bring back (``recalled``: the best by ``cold_signal``,
     each with its span) takes the slot of the i-th dimmest of ``candidates`` (unprotected hot
     slots that stay this step, ascending score), for i < ``recall_max``, wherever its signal
-    beats that slot's ``hot_signal``.
+    beats that slot's ``hot_signal`` by more than ``recall_margin`` / n (uniform shares of
+    the n live slots): a margin keeps a token that is about as useful as the one it would
+    replace from trading places with it step after step.
 
     A recalled token re-enters as a new token would, so it is not culled again at once: its
     brightness becomes its source's seed, and its ``attn_sum`` its signal times the queries
     since it was born (so H2O's average starts at the attention it would get now). TOVA
     scores this step's attention, so it keeps what it recalled while the query attends to it;
     streaming keeps the most recent tokens and so culls a recalled one again first."""
-    if scores.cold_signal is None or not scores.cold_signal.numel():
+    if scores.hot_signal is None or view.cold is None or not view.cold.n:
         return ()
     cold = view.cold
-    victims = candidates[: params.recall_max].tolist()
+    victims = candidates[: params.recall_max]
+    picks = recalled(view, scores, params, victims.numel())
+    if not picks:
+        return ()
+    victims = victims[: len(picks)]
+    rows = torch.tensor([r for r, _ in picks], device=victims.device)
+    margin = params.recall_margin / view.n
     out = []
-    for slot, (row, signal) in zip(victims, recalled(view, scores, params, len(victims))):
-        if signal <= float(scores.hot_signal[slot]):
+    for slot, uid, hot, (row, signal), cold_uid, source, born in zip(  # host values, read once
+            victims.tolist(), view.uid[victims].tolist(), scores.hot_signal[victims].tolist(),
+            picks, cold.uid[rows].tolist(), cold.source[rows].tolist(),
+            cold.born_step[rows].tolist()):
+        if signal <= hot + margin:
             continue
-        queries = view.step + 1 - int(cold.born_step[row]) + 1
-        out.append(Swap(slot=slot, uid=int(view.uid[slot]), cold_slot=row,
-                        cold_uid=int(cold.uid[row]),
-                        brightness=float(params.seeds[int(cold.source[row])]),
+        queries = view.step + 1 - born + 1
+        out.append(Swap(slot=slot, uid=uid, cold_slot=row, cold_uid=cold_uid,
+                        brightness=float(params.seeds[source]),
                         attn_sum=float(torch.tensor(signal * queries, dtype=torch.float32,
                                                     device="cpu"))))
     return tuple(out)

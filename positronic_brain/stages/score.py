@@ -4,10 +4,10 @@ The scorer (``positronic_brain.scorers``) maps the view and the attention the pe
 token paid to each live slot to scores, plus the new values of its persistent per-token
 columns (brightness, attn_sum) for stage 4 to write.
 
-With recall, on every ``recall_every``-th step, the same query also scores the cold
-store's keys, exactly as the attention they would have received next to the hot ones,
-exp(q.k - lse) with stage 1's log-sum-exp, over ``recall_layers`` layers; hot and cold
-tokens get one signal each, aggregated alike, for stage 3 to compare.
+With recall, the hot tokens get one signal each from this step's attention over
+``recall_layers`` layers, and on every ``recall_every``-th step the same query also scores
+the cold store's keys, exactly as the attention they would have received next to the hot
+ones, exp(q.k - lse) with stage 1's log-sum-exp, aggregated alike, for stage 3 to compare.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import dataclasses
 import torch
 
 from ..scorers import Scorer
-from ..scorers.attention import aggregate, value_weighted
-from ..state import View
+from ..scorers.attention import aggregate, value_weighted, value_weights
+from ..state import ColdView, View
 from ..types import CacheParams, GenerateOut, RecallQuery, ScoreOut
 
 
@@ -31,33 +31,63 @@ def recall_layers(params: CacheParams, n_layers: int) -> tuple[int, ...]:
 
 
 def recall_query(view: View, gen: GenerateOut, params: CacheParams) -> RecallQuery | None:
-    """Stage 2's recall input for this step, or None (no recall, an empty cold store, or not
-    a ``recall_every``-th step)."""
-    if (not params.recall or view.cold is None or view.cold.n == 0 or gen.query is None
-            or (view.step + 1) % params.recall_every):
+    """Stage 2's recall input for this step, or None (no recall or an empty cold store); it
+    scans the cold keys on every ``recall_every``-th step."""
+    if not params.recall or view.cold is None or view.cold.n == 0 or gen.query is None:
         return None
     return RecallQuery(query=gen.query, lse=gen.lse,
                        layers=recall_layers(params, gen.query.shape[0]),
-                       signal=params.signal, aggregate=params.recall_aggregate)
+                       signal=params.signal, aggregate=params.recall_aggregate,
+                       scan=(view.step + 1) % params.recall_every == 0)
 
 
 def recall_signals(view: View, attention: torch.Tensor,
-                   recall: RecallQuery) -> tuple[torch.Tensor, torch.Tensor]:
+                   recall: RecallQuery) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The signal (n,) each hot slot got and (c,) each cold row would have got from this
-    query over the recall layers: attention, value-weighted if ``signal`` is value (a cold
-    value's norm relative to the live ones'), then ``aggregate``d."""
-    cold, layers = view.cold, list(recall.layers)
-    KVH, c = cold.k.shape[1], cold.n
-    H, D = recall.query.shape[1:]
-    p = torch.empty(len(layers), H, c, device=recall.query.device)
-    for j, i in enumerate(layers):  # one layer at a time: no copy of the strided cold keys
-        s = torch.matmul(recall.query[i].view(KVH, H // KVH, D), cold.k[i].transpose(1, 2))
-        p[j] = (s.float().view(H, c) - recall.lse[i].unsqueeze(-1)).exp()
+    query over the recall layers (None unless the step scans the cold store): attention,
+    value-weighted if ``signal`` is value (a cold value's norm relative to the live ones'),
+    then ``aggregate``d."""
+    layers = list(recall.layers)
     hot = attention[layers]  # (l, H, n)
-    if recall.signal == "value":
-        live = view.vnorm[layers]
-        hot, p = value_weighted(hot, live), value_weighted(p, cold.vnorm[layers], live)
+    live = view.vnorm[layers] if recall.signal == "value" else None
+    if live is not None:
+        hot = value_weighted(hot, live)
+    if not recall.scan:
+        return aggregate(hot, recall.aggregate), None
+    logits = cold_logits(view.cold, recall)  # (l, KVH, G, c) float32: q.k - lse
+    if live is not None:
+        logits += value_weights(view.cold.vnorm[layers], live).log()[:, :, None]
+    if recall.aggregate == "max-max":  # exp(max) = max(exp): one exp per cold row
+        return aggregate(hot, recall.aggregate), logits.amax((0, 1, 2)).exp()
+    p = logits.exp().flatten(1, 2)  # (l, H, c)
     return aggregate(hot, recall.aggregate), aggregate(p, recall.aggregate)
+
+
+def cold_logits(cold: ColdView, recall: RecallQuery) -> torch.Tensor:
+    """q.k - lse (l, kv_heads, group, c) float32 of every cold key for the recall layers'
+    query heads: one batched product per run of consecutive layers, over the cold keys'
+    stored layout (kv_heads, head_dim, c) without a copy (the scan's bytes are the cost)."""
+    layers, (KVH, c), (H, D) = recall.layers, cold.k.shape[1:3], recall.query.shape[1:]
+    out, at = torch.empty(len(layers), KVH, H // KVH, c, device=recall.query.device), 0
+    for first, last in _runs(layers):
+        n = last - first
+        q = recall.query[first:last].reshape(n * KVH, H // KVH, D)
+        kt = cold.k[first:last].transpose(2, 3).reshape(n * KVH, D, c)  # a view: no copy
+        s = torch.bmm(q, kt).view(n, KVH, H // KVH, c)
+        out[at:at + n] = s.float() - recall.lse[first:last].view(n, KVH, H // KVH, 1)
+        at += n
+    return out
+
+
+def _runs(layers: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Increasing ``layers`` as runs of consecutive ones, [first, last + 1) each."""
+    runs = []
+    for i in layers:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def score(view: View, attention: torch.Tensor, scorer: Scorer,
