@@ -585,9 +585,8 @@ def missed_notes(res: dict) -> list[str]:
         if r.get("cold") and r.get("recall_every", 1) > 1:
             notes.append(
                 f"- **{r['dtype']}, loop step with {r['repair']} repair: {r['overhead']:.2f}x "
-                f"stage 1 (the mean of {r['recall_every']} steps, one of which scans the cold store), "
-                f"target"
-                f" <= {loop_target(r)}.** Stage 1 {r['stage1_ms']:.1f} ms; on the recall step "
+                f"stage 1 (the mean of {r['recall_every']} steps, one of which scans the cold "
+                f"store), target <= {loop_target(r)}.** Stage 1 {r['stage1_ms']:.1f} ms; on the recall step "
                 f"stage 2 {r['score_ms']:.2f} ms and stage 3 {r['decide_ms']:.1f} ms." + why)
             continue
         notes.append(

@@ -12,6 +12,7 @@ ones, exp(q.k - lse) with stage 1's log-sum-exp, aggregated alike, for stage 3 t
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -24,8 +25,13 @@ from ..types import CacheParams, GenerateOut, RecallQuery, ScoreOut
 def recall_layers(params: CacheParams, n_layers: int) -> tuple[int, ...]:
     """``recall_layers`` layers spread evenly over those brightness reads (all but the first
     ``skip_layers`` fraction), or all of them (None)."""
-    first = min(round(params.skip_layers * n_layers), n_layers - 1)
-    count = min(params.recall_layers or n_layers, n_layers - first)
+    return _spread(params.skip_layers, params.recall_layers, n_layers)
+
+
+@functools.lru_cache(maxsize=64)  # asked on every recall step: computed once per setting
+def _spread(skip_layers: float, wanted: int | None, n_layers: int) -> tuple[int, ...]:
+    first = min(round(skip_layers * n_layers), n_layers - 1)
+    count = min(wanted or n_layers, n_layers - first)
     spread = torch.linspace(first, n_layers - 1, count, device="cpu")
     return tuple(sorted({round(x) for x in spread.tolist()}))
 
