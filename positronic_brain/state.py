@@ -74,13 +74,21 @@ class Arena:
 
     @classmethod
     def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> "Arena":
-        # Each key row is padded by one cache line: a slot's key is one element per row, and
-        # rows a power of two apart would all fall into the same few cache sets.
-        pad = 64 // dtype.itemsize
+                 device: torch.device | str = "cpu", key_rows: bool = False) -> "Arena":
+        """``key_rows``: ``kt`` is a view of keys stored a slot per row (L, kv_heads,
+        capacity, head_dim), as the cold store keeps them: nothing decodes over them, and
+        moving a slot then copies one contiguous row per layer and head instead of
+        head_dim scattered elements."""
         shape = (spec.n_layers, spec.n_kv_heads)
-        kt = torch.zeros(*shape, spec.head_dim, capacity + pad, dtype=dtype,
-                         device=device)[..., :capacity]
+        if key_rows:
+            kt = torch.zeros(*shape, capacity, spec.head_dim, dtype=dtype,
+                             device=device).transpose(2, 3)
+        else:
+            # Each key row is padded by one cache line: a slot's key is one element per
+            # row, and rows a power of two apart would all fall into the same few cache sets.
+            pad = 64 // dtype.itemsize
+            kt = torch.zeros(*shape, spec.head_dim, capacity + pad, dtype=dtype,
+                             device=device)[..., :capacity]
         v = torch.zeros(*shape, capacity, spec.head_dim, dtype=dtype, device=device)
         zeros = lambda: torch.zeros(*shape, capacity, device=device)  # noqa: E731
         return cls(kt, v, zeros(), zeros(), zeros())
@@ -204,10 +212,11 @@ class Ledger:
 class Cold:
     """The recall tier's cold store, in host memory: culled tokens' K/V (an ``Arena`` whose
     keys sit rotated at the token's current logical position, so a recalled key is the key
-    RoPE gives there), their ledger rows (a ``Ledger``, same columns) and ``entered``, each
-    row's order of entry (the oldest to enter is dropped first past ``capacity``). Rows
-    ``[0, n)`` are live, dense like the arena's. Stage 4 grows the storage by doubling up
-    to ``capacity``, so a short run never holds a large block."""
+    RoPE gives there, stored a slot per row: ``Arena.allocate``'s ``key_rows``), their
+    ledger rows (a ``Ledger``, same columns) and ``entered``, each row's order of entry
+    (the oldest to enter is dropped first past ``capacity``). Rows ``[0, n)`` are live,
+    dense like the arena's. Stage 4 grows the storage by doubling up to ``capacity``, so a
+    short run never holds a large block."""
 
     arena: Arena
     ledger: Ledger
@@ -221,8 +230,8 @@ class Cold:
 
     @property
     def bytes_per_token(self) -> float:
-        """Memory per row of the store, from its tensors' storage: K/V (keys padded as the
-        arena's), their norms and log-mass, the ledger row and the entry order."""
+        """Memory per row of the store, from its tensors' storage: K/V, their norms and
+        log-mass, the ledger row and the entry order."""
         a = self.arena
         tensors = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm, self.entered) + tuple(
             getattr(self.ledger, c) for c in Ledger.COLUMNS)

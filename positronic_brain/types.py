@@ -176,7 +176,7 @@ class CacheParams:
     recall: bool = False
     cold_capacity: int = 16384
     recall_every: int = 4
-    recall_max: int = 16
+    recall_max: int = 4
     recall_layers: int | None = None
     recall_span: int = 8
     recall_aggregate: str = "max-max"

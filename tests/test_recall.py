@@ -134,6 +134,39 @@ def test_a_saved_session_with_a_cold_store_continues_bit_exact(tmp_path, tiny_mo
     assert torch.equal(a.state.view().k, b.state.view().k)
 
 
+@pytest.mark.parametrize("bad", ["hot uid", "cold uid", "protected", "row", "twice"])
+def test_a_bad_recall_is_refused_before_anything_changes(tiny_model, tiny_policy, bad):
+    """Stage 4 checks every swap against the live ledgers first: a stale uid (hot or
+    cold), a protected victim, a row past the cold store or a slot swapped twice raises,
+    and the arena, the ledger and the cold store are as they were."""
+    from positronic_brain.state import FLAG_PROTECTED
+    from positronic_brain.types import NO_ACTIONS, Swap
+    s = _session(tiny_model, tiny_policy, dataclasses.replace(RECALL, reindex_at=None))
+    for _ in range(12):
+        s.step()
+    state = s.state
+    view = state.view()
+    assert view.cold.n >= 2
+    slot, row = view.n // 2, 0
+    swap = Swap(slot=slot, uid=int(view.uid[slot]), cold_slot=row,
+                cold_uid=int(view.cold.uid[row]), brightness=1.0, attn_sum=0.0)
+    swaps = {"hot uid": (dataclasses.replace(swap, uid=swap.uid + 1000),),
+             "cold uid": (dataclasses.replace(swap, cold_uid=swap.cold_uid + 1000),),
+             "protected": (swap,), "row": (dataclasses.replace(swap, cold_slot=view.cold.n),),
+             "twice": (swap, dataclasses.replace(swap, cold_slot=1,
+                                                 cold_uid=int(view.cold.uid[1])))}[bad]
+    if bad == "protected":
+        state.ledger.flags[slot] = FLAG_PROTECTED
+    before = (state.view().k.clone(), state.ledger.live("uid").clone(),
+              state.cold.ledger.live("uid").clone(), state.cold.view().k.clone())
+    gen = generate(tiny_model, view, GREEDY, s.generator)
+    with pytest.raises(AssertionError):
+        apply(tiny_model, state, gen, dataclasses.replace(NO_ACTIONS, swaps=swaps))
+    after = (state.view().k, state.ledger.live("uid"), state.cold.ledger.live("uid"),
+             state.cold.view().k)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
 def test_recall_every_k_steps_scores_only_then(tiny_model, tiny_policy):
     params = dataclasses.replace(RECALL, recall_every=3, reindex_at=None)
     s = _session(tiny_model, tiny_policy, params)

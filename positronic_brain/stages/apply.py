@@ -257,14 +257,15 @@ def _check_swaps(state: State, actions: Actions, changed: set[int]) -> None:
     hot = [s.slot for s in actions.swaps]
     rows = [s.cold_slot for s in actions.swaps]
     assert len(set(hot)) == len(hot) and len(set(rows)) == len(rows), "a slot swapped twice"
-    for s in actions.swaps:
-        assert 0 <= s.slot < m.n and s.slot not in changed, "a recall into a slot that changes"
-        assert int(m.uid[s.slot]) == s.uid, "stale recall (hot uid)"
-        assert not int(m.flags[s.slot]) & FLAG_PROTECTED, "a recall replaces a protected slot"
-        assert 0 <= s.cold_slot < cold.n and int(cold.ledger.uid[s.cold_slot]) == s.cold_uid, \
-            "stale recall (cold uid)"
-        assert 0 <= s.brightness <= MAX_BRIGHTNESS and 0 <= s.attn_sum < float("inf"), \
-            "a recalled token's brightness or attn_sum out of range"
+    assert all(0 <= s < m.n and s not in changed for s in hot), "a recall into a slot that changes"
+    assert all(0 <= r < cold.n for r in rows), "a recall of a row that is not live"
+    assert all(0 <= s.brightness <= MAX_BRIGHTNESS and 0 <= s.attn_sum < float("inf")
+               for s in actions.swaps), "a recalled token's brightness or attn_sum out of range"
+    at = torch.tensor(hot, device=m.device)  # one read of each column, not one per swap
+    assert m.uid[at].tolist() == [s.uid for s in actions.swaps], "stale recall (hot uid)"
+    assert not bool((m.flags[at] & FLAG_PROTECTED).any()), "a recall replaces a protected slot"
+    assert cold.ledger.uid[torch.tensor(rows, device=m.device)].tolist() == \
+        [s.cold_uid for s in actions.swaps], "stale recall (cold uid)"
 
 
 def _merge(state: State, r: Merge, step: int) -> int:
@@ -388,7 +389,8 @@ def cold_store(model: Model, capacity: int, rows: int | None = None) -> Cold:
     (default ``COLD_ROWS``)."""
     rows = min(capacity, rows or COLD_ROWS)
     dev = model.device
-    return Cold(Arena.allocate(model.spec, rows, model.dtype, dev), Ledger.allocate(rows, device=dev),
+    return Cold(Arena.allocate(model.spec, rows, model.dtype, dev, key_rows=True),
+                Ledger.allocate(rows, device=dev),
                 torch.zeros(rows, dtype=torch.int64, device=dev), capacity)
 
 
@@ -407,7 +409,7 @@ def _grow(model: Model, cold: Cold, rows: int) -> None:
     size = min(cold.capacity, max(rows, 2 * cold.arena.capacity))
     new = cold_store(model, cold.capacity, size)
     a, m, n = new.arena, new.ledger, cold.n
-    a.kt[..., :n] = cold.arena.kt[..., :n]
+    a.k[:, :, :n] = cold.arena.k[:, :, :n]  # a slot per row: contiguous
     for name in ("v", "knorm", "vnorm"):
         getattr(a, name)[:, :, :n] = getattr(cold.arena, name)[:, :, :n]
     for c in Ledger.COLUMNS:
@@ -429,10 +431,30 @@ def _drop_oldest(state: State, count: int) -> list[int]:
     return uids
 
 
+def _take_keys(a: Arena, slots: torch.Tensor) -> torch.Tensor:
+    """The keys of ``slots`` (k,) as (L, kv_heads, k, head_dim), a copy. Keys stored
+    transposed come by ``gather`` over the rows of one key dimension each (a third faster
+    than ``index_select`` along the strided slot dimension when the rows are not cached,
+    4x when they are; same bits)."""
+    if a.kt.stride(-1) != 1:  # a slot per row (the cold store)
+        return a.k.index_select(2, slots)
+    rows = a.kt.flatten(0, 2)  # (L * kv_heads * head_dim, capacity), a view
+    out = torch.gather(rows, 1, slots.expand(rows.shape[0], slots.numel()))
+    return out.view(*a.kt.shape[:3], slots.numel()).transpose(2, 3)
+
+
+def _put_keys(a: Arena, slots: torch.Tensor, k: torch.Tensor) -> None:
+    """Write keys ``k`` (L, kv_heads, k, head_dim) into ``slots`` (k,). (``scatter_``
+    would be no faster on uncached rows, and in bfloat16 it copies the whole block twice.)"""
+    if a.kt.stride(-1) != 1:
+        a.k.index_copy_(2, slots, k)
+    else:
+        a.kt.index_copy_(3, slots, k.transpose(2, 3))
+
+
 def _take_rows(a: Arena, m: Ledger, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Slots ``slots`` (k,): their ledger rows, K, V and norms, as copies (``index_select``:
-    a gather along the keys' strided slot dimension costs a third less than an index)."""
-    return {**{c: getattr(m, c)[slots] for c in Ledger.COLUMNS}, "kt": a.kt.index_select(-1, slots),
+    """Slots ``slots`` (k,): their ledger rows, K, V and norms, as copies."""
+    return {**{c: getattr(m, c)[slots] for c in Ledger.COLUMNS}, "k": _take_keys(a, slots),
             **{name: getattr(a, name).index_select(2, slots) for name in ("v", "knorm", "vnorm")}}
 
 
@@ -441,7 +463,7 @@ def _put_rows(a: Arena, m: Ledger, slots: torch.Tensor, rows: dict[str, torch.Te
     token (log-mass 0)."""
     for c in Ledger.COLUMNS:
         getattr(m, c)[slots] = rows[c]
-    a.kt.index_copy_(-1, slots, rows["kt"])
+    _put_keys(a, slots, rows["k"])
     for name in ("v", "knorm", "vnorm"):
         getattr(a, name).index_copy_(2, slots, rows[name])
     a.log_mass[:, :, slots] = 0.0

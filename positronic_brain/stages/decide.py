@@ -124,29 +124,30 @@ def recalled(view: View, scores: ScoreOut, params: CacheParams, room: int) -> li
     anchors goes with the best; rows come in the anchors' order, then in text order."""
     cold, span = view.cold, params.recall_span
     c = cold.n
-    cold_signal = scores.cold_signal
-    if cold_signal is None:
-        cold_signal = scores.hot_signal.new_full((c,), float("-inf"))
-    signal = torch.cat((cold_signal, scores.hot_signal))  # cold rows, then hot slots
-    N, dev = signal.numel(), signal.device
-    pos = torch.cat((cold.position, view.position))
-    by_pos = torch.argsort(pos)  # cold rows and hot slots in text order
-    rank = torch.empty_like(by_pos)
-    rank[by_pos] = torch.arange(N, device=dev)
-    order = torch.argsort(signal, descending=True, stable=True)  # anchors, best first
-    place = torch.empty_like(order)
-    place[order] = torch.arange(N, device=dev)
-    # enough anchors for ``room`` cold ones past every hot one
-    usable = (place < room + N - c) & torch.isfinite(signal)
-    best = torch.full((c,), N, dtype=place.dtype, device=dev)  # (c,) the best anchor's place
-    for back in range(span):  # the entry ``back`` places before each cold row in text order
-        behind = rank[:c] - back
-        anchor = by_pos[behind.clamp_min(0)]
-        ok = (behind >= 0) & (pos[:c] - pos[anchor] < span) & usable[anchor]
-        best = torch.minimum(best, torch.where(ok, place[anchor], N))
-    rows = (best < N).nonzero()[:, 0]
-    rows = rows[torch.argsort(best[rows] * N + rank[rows])][:room]
-    return list(zip(rows.tolist(), signal[order[best[rows]]].tolist()))
+    if scores.cold_signal is None:  # hot slots only
+        signal, position = scores.hot_signal, view.position
+    else:  # cold rows, then hot slots
+        signal = torch.cat((scores.cold_signal, scores.hot_signal))
+        position = torch.cat((cold.position, view.position))
+    N = signal.numel()
+    finite = torch.isfinite(signal).nonzero()[:, 0]
+    # the anchors, best first: enough for ``room`` cold ones past every hot one
+    anchors = finite[torch.argsort(signal[finite], descending=True, stable=True)]
+    anchors = anchors[: room + scores.hot_signal.numel()]
+    # A cold row follows an anchor within the span when 0 <= its position - the anchor's <
+    # span (positions are unique, so it is then fewer than ``span`` places on in text order)
+    text, by_pos = torch.sort(cold.position)  # (c,) cold positions in text order, their rows
+    start = position[anchors]  # (m,)
+    at = torch.searchsorted(text, start)[:, None] + torch.arange(span, device=start.device)
+    inside = at < c
+    at = at.clamp_max(c - 1)  # (m, span) places in text order
+    ok = inside & (text[at] - start[:, None] < span)
+    place = torch.arange(anchors.numel(), device=start.device)[:, None].expand_as(at)
+    best = torch.full((c,), N, dtype=place.dtype, device=place.device)  # the best anchor's place
+    best.scatter_reduce_(0, by_pos[at[ok]], place[ok], reduce="amin")
+    rows = by_pos[best[by_pos] < N]  # in text order
+    rows = rows[torch.argsort(best[rows], stable=True)][:room]
+    return list(zip(rows.tolist(), signal[anchors[best[rows]]].tolist()))
 
 
 def swaps(view: View, scores: ScoreOut, params: CacheParams,
