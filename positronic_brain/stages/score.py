@@ -60,32 +60,35 @@ def recall_signals(view: View, attention: torch.Tensor,
         hot = value_weighted(hot, live)
     if not recall.scan:
         return aggregate(hot, recall.aggregate), None
-    logits = cold_logits(view.cold, recall)  # (l, KVH, G, c) float32: q.k - lse
+    most = recall.aggregate == "max-max"
+    logits = cold_logits(view.cold, recall, most)  # (l, KVH, G or 1, c) float32: q.k - lse
     if live is not None:
         logits += value_weights(view.cold.vnorm[layers], live).log()[:, :, None]
-    if recall.aggregate == "max-max":  # exp(max) = max(exp): one exp per cold row
+    if most:  # exp(max) = max(exp): one exp per cold row
         return aggregate(hot, recall.aggregate), logits.amax((0, 1, 2)).exp()
     p = logits.exp().flatten(1, 2)  # (l, H, c)
     return aggregate(hot, recall.aggregate), aggregate(p, recall.aggregate)
 
 
-def cold_logits(cold: ColdView, recall: RecallQuery) -> torch.Tensor:
+def cold_logits(cold: ColdView, recall: RecallQuery, group_max: bool = False) -> torch.Tensor:
     """q.k - lse (l, kv_heads, group, c) float32 of every cold key for the recall layers'
-    query heads: one batched product K q^T per run of consecutive layers, over the cold
-    keys as they are stored (a slot per row), without a copy (the scan's bytes are the
-    cost). K q^T, not q K^T: measured at 7,672 cold keys over 24 layers, 6.7 vs 7.3 ms in
-    float32, and in bfloat16 6.6 vs 30 ms (one layer at a time there: oneDNN's batched
-    bfloat16 product is slower, 30 ms)."""
+    query heads, or with ``group_max`` its max over each KV head's group (l, kv_heads, 1,
+    c; the same bits as the max taken later, since rounding is monotonic): one batched
+    product K q^T per run of consecutive layers, over the cold keys as they are stored (a
+    slot per row), without a copy (the scan's bytes are the cost). K q^T, not q K^T:
+    measured at 7,672 cold keys over 24 layers, 6.7 vs 7.3 ms in float32, and in bfloat16
+    6.6 vs 30 ms (one layer at a time there: oneDNN's batched bfloat16 product is slower)."""
     layers, (KVH, c), (H, D) = recall.layers, cold.k.shape[1:3], recall.query.shape[1:]
     G = H // KVH
-    out, at = torch.empty(len(layers), KVH, G, c, device=recall.query.device), 0
-    one_by_one = cold.k.device.type == "cpu" and cold.k.dtype != torch.float32
+    out = torch.empty(len(layers), KVH, 1 if group_max else G, c, device=recall.query.device)
+    one_by_one, at = cold.k.device.type == "cpu" and cold.k.dtype != torch.float32, 0
     for first, last in ([(i, i + 1) for i in layers] if one_by_one else _runs(layers)):
         n = last - first
         q = recall.query[first:last].reshape(n * KVH, G, D)
         k = cold.k[first:last].reshape(n * KVH, c, D)  # a view: no copy
-        s = torch.bmm(k, q.transpose(1, 2)).view(n, KVH, c, G).transpose(2, 3)
-        out[at:at + n] = s.float() - recall.lse[first:last].view(n, KVH, G, 1)
+        s = torch.bmm(k, q.transpose(1, 2)).view(n, KVH, c, G).float()
+        s -= recall.lse[first:last].view(n, KVH, 1, G)
+        out[at:at + n] = (s.amax(-1, keepdim=True) if group_max else s).transpose(2, 3)
         at += n
     return out
 
