@@ -126,6 +126,11 @@ class Arena:
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def key_rows(self) -> bool:
+        """Keys stored a slot per row (``allocate``'s ``key_rows``), not transposed."""
+        return self.kt.stride(-1) != 1
+
 
 @dataclass(eq=False)
 class Ledger:

@@ -436,7 +436,7 @@ def _take_keys(a: Arena, slots: torch.Tensor) -> torch.Tensor:
     transposed come by ``gather`` over the rows of one key dimension each (a third faster
     than ``index_select`` along the strided slot dimension when the rows are not cached,
     4x when they are; same bits)."""
-    if a.kt.stride(-1) != 1:  # a slot per row (the cold store)
+    if a.key_rows:  # the cold store
         return a.k.index_select(2, slots)
     rows = a.kt.flatten(0, 2)  # (L * kv_heads * head_dim, capacity), a view
     out = torch.gather(rows, 1, slots.expand(rows.shape[0], slots.numel()))
@@ -446,7 +446,7 @@ def _take_keys(a: Arena, slots: torch.Tensor) -> torch.Tensor:
 def _put_keys(a: Arena, slots: torch.Tensor, k: torch.Tensor) -> None:
     """Write keys ``k`` (L, kv_heads, k, head_dim) into ``slots`` (k,). (``scatter_``
     would be no faster on uncached rows, and in bfloat16 it copies the whole block twice.)"""
-    if a.kt.stride(-1) != 1:
+    if a.key_rows:
         a.k.index_copy_(2, slots, k)
     else:
         a.kt.index_copy_(3, slots, k.transpose(2, 3))
