@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 PROMPT ?= The three most important inventions in human history are
 ARGS   ?=
 
-.PHONY: install run test lint browser bench bench-report clean
+.PHONY: install run test lint browser bench bench-llamacpp bench-report clean
 
 install: $(STAMP)
 
@@ -45,6 +45,21 @@ bench: install
 	$(BIN)/positronic-brain bench speed --quick $(ARGS)
 	$(BIN)/positronic-brain bench quality --quick $(ARGS)
 	$(BIN)/positronic-brain bench passkey --quick $(ARGS)
+
+# llama.cpp as a contender in bench speed (optional; never needed by make test): the
+# bindings, compiled for this CPU (~6 minutes), and llama.cpp's HF-to-GGUF converter from
+# the same release's source, unpacked into $(VENV)/llama.cpp where the bench looks for it.
+LLAMACPP := 0.3.36
+bench-llamacpp: install
+	CMAKE_ARGS=-DGGML_NATIVE=ON $(BIN)/pip install -q 'llama-cpp-python==$(LLAMACPP)' sentencepiece
+	test -f $(VENV)/llama.cpp/convert_hf_to_gguf.py || ( \
+	    $(BIN)/pip download -q --no-deps --no-binary :all: -d $(VENV)/llama.cpp-src \
+	        'llama-cpp-python==$(LLAMACPP)' \
+	    && mkdir -p $(VENV)/llama.cpp \
+	    && tar xzf $(VENV)/llama.cpp-src/llama_cpp_python-$(LLAMACPP).tar.gz -C $(VENV)/llama.cpp \
+	        --strip-components=3 $(foreach f,convert_hf_to_gguf.py conversion gguf-py, \
+	        llama_cpp_python-$(LLAMACPP)/vendor/llama.cpp/$(f)) \
+	    && rm -rf $(VENV)/llama.cpp-src )
 
 # The second quality text (bench quality --text jargon): Debian's jargon-text package.
 JARGON := /usr/share/doc/jargon-text/jargon.txt.gz

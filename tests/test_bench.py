@@ -93,6 +93,11 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     assert report.startswith("# Speed benchmark")
     assert "bench speed --quick --model tiny-random --out" in report
     assert "![decode_ms.png](./decode_ms.png)" in report
+    # llama.cpp is not measured on a model built in memory, and the report says why
+    assert [(x["dtype"], x["measured"]) for x in res["llamacpp"]] == \
+        [("float32", False), ("bfloat16", False)]
+    assert all(x["why_not"] and x["why_not"] in report for x in res["llamacpp"])
+    assert "llama.cpp in bfloat16 was not measured: " in report
 
 
 def test_report_sections_share_one_document(tmp_path):

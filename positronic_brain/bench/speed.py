@@ -38,7 +38,7 @@ from ..stages.generate import generate
 from ..stages.score import recall_query, score
 from ..state import State, View
 from ..types import Actions, CacheParams, SamplerParams, Segment, require
-from . import common
+from . import common, llamacpp
 from .common import Table, fmt, fmt_bytes
 
 GREEDY = SamplerParams(greedy=True)
@@ -48,6 +48,12 @@ GPU_DECODE_TARGET = 1.0  # on a GPU, at every context
 LOOP_TARGET = 1.10  # a full loop step / stage 1 alone
 RECALL_LOOP_TARGET = 1.15  # ... with recall, over the cold store's ``recall_cold`` tokens
 EDIT_TARGET = 1.5  # an edit's stage 4 at the longest context / at the shortest (O(1))
+# stage 1 / llama.cpp ms per token at equal precision, at these contexts (None: every one)
+LLAMACPP_TARGETS = {"bfloat16": (1.0, (1024, 2048, 4096)), "float32": (0.9, None)}
+YARDSTICK_TARGETS = {1024: 0.25, 4096: 0.20}  # bfloat16 stage 1 / HF, where llama.cpp is not measured
+BANDWIDTH_TARGET = 0.60  # bfloat16 at 1024: the floor / stage 1 (the share of the bandwidth limit)
+PREFILL_TARGET = 1.0  # stage 0 / HF prefill tokens/s, both dtypes ...
+PREFILL_TARGET_TOKENS = (1024, 4096)  # ... at these prompt lengths
 
 
 @dataclass(frozen=True)
@@ -227,8 +233,9 @@ def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[dict
 
 
 def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig,
-                   task) -> list[dict]:
-    """Stage 1 vs HF decode, ms per token, at each context (prefixes of ``full``)."""
+                   task, llama: llamacpp.Contender | None = None) -> list[dict]:
+    """Stage 1 vs HF decode (and llama.cpp's, if ``llama``), ms per token, at each context
+    (prefixes of ``full``; llama.cpp's context is evaluated up to each in turn)."""
     dt = str(model.dtype).removeprefix("torch.")
     tick = task(f"{dt} decode", len(cfg.contexts) * cfg.reps)
     rows = []
@@ -236,13 +243,21 @@ def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfi
         view = prefix_view(full, n, ids[n])
         cache = hf_cache(view)
         gen = make_generator(0, model.device)
-        t = common.interleaved_ms(
-            {"ours": lambda: generate(model, view, GREEDY, gen),
-             "hf": lambda: hf_decode(hf, cache, ids[n], n)},
-            cfg.reps, warmup=2, after={"hf": lambda: cache.crop(-1)}, tick=tick)
-        rows.append({"dtype": dt, "context": n, "ours_ms": common.median(t["ours"]),
-                     "hf_ms": common.median(t["hf"]),
-                     "ratio": common.median_ratio(t["ours"], t["hf"])})
+        contenders = {"ours": lambda: generate(model, view, GREEDY, gen),
+                      "hf": lambda: hf_decode(hf, cache, ids[n], n)}
+        if llama is not None:
+            llama.prefill(ids[:n])
+            contenders["llama.cpp"] = lambda: llama.decode(ids[n])
+        t = common.interleaved_ms(contenders, cfg.reps, warmup=2,
+                                  after={"hf": lambda: cache.crop(-1)}, tick=tick)
+        row = {"dtype": dt, "context": n, "ours_ms": common.median(t["ours"]),
+               "hf_ms": common.median(t["hf"]), "ratio": common.median_ratio(t["ours"], t["hf"])}
+        if llama is not None:  # the same next token: the same model at both ends
+            row.update(llamacpp_ms=common.median(t["llama.cpp"]),
+                       llamacpp_ratio=common.median_ratio(t["ours"], t["llama.cpp"]),
+                       llamacpp_agrees=llama.decode(ids[n]) == generate(
+                           model, view, GREEDY, gen).token_id)
+        rows.append(row)
         del cache
     return rows
 
@@ -418,7 +433,11 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
         model, [Segment(tuple(ids), "user")], capacity=longest + headroom(cfg))[0]
     del states
     view = primed.view()
-    decode = measure_decode(model, hf, view, ids, cfg, task)
+    why_not = llamacpp.unavailable(model, dtype)
+    llama = None if why_not else llamacpp.Contender(model, dtype, cfg.contexts[-1] + 8)
+    decode = measure_decode(model, hf, view, ids, cfg, task, llama)
+    if llama is not None:
+        llama.close()
     ops = measure_ops(model, view, ids, cfg)
     # the profiler's memory events count host allocations: on a GPU, nothing to compare
     alloc = measure_alloc(model, hf, view, ids, cfg, task) if cfg.device == "cpu" else []
@@ -435,7 +454,9 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
               "cold_bytes_per_token": next((r["cold_bytes_per_token"] for r in loop
                                             if r["cold"]), None)}
     return {"cfg": cfg, "prefill": prefill, "decode": decode, "alloc": alloc, "memory": memory,
-            "loop": loop, "edits": edits, "ops": ops}
+            "loop": loop, "edits": edits, "ops": ops,
+            "llamacpp": {"dtype": dtype, "measured": llama is not None, "why_not": why_not,
+                         "gguf": llama and llama.path.name}}
 
 
 def run(cfg: SpeedConfig, command: str) -> dict:
@@ -458,6 +479,7 @@ def run(cfg: SpeedConfig, command: str) -> dict:
         res[key] = [r for p in parts for r in p[key]]
     res["memory"] = [p["memory"] for p in parts]
     res["ops"] = [p["ops"] for p in parts]
+    res["llamacpp"] = [p["llamacpp"] for p in parts]
     res["decode_fit"] = decode_fit(res)
     res["alloc_fit"] = alloc_fit(res)
     res["targets"] = targets(res)
@@ -513,6 +535,30 @@ def targets(res: dict) -> list[dict]:
             t = GPU_DECODE_TARGET if gpu else DECODE_TARGETS[r["context"]]
             out.append({"what": f"stage 1 / HF decode at {r['context']}", "dtype": r["dtype"],
                         "value": r["ratio"], "target": f"<= {t}", "met": r["ratio"] <= t})
+    llama = {x["dtype"] for x in res.get("llamacpp", ()) if x["measured"]}
+    for r in res["decode"]:
+        if gpu:
+            continue
+        limit, contexts = LLAMACPP_TARGETS.get(r["dtype"], (None, ()))
+        if r["dtype"] in llama and (contexts is None or r["context"] in contexts):
+            out.append({"what": f"stage 1 / llama.cpp decode at {r['context']} (same precision)",
+                        "dtype": r["dtype"], "value": r["llamacpp_ratio"],
+                        "target": f"<= {limit}", "met": r["llamacpp_ratio"] <= limit})
+        elif r["dtype"] == "bfloat16" and r["dtype"] not in llama and r["context"] in YARDSTICK_TARGETS:
+            t = YARDSTICK_TARGETS[r["context"]]
+            out.append({"what": f"stage 1 / HF decode at {r['context']} (the yardstick where "
+                                "llama.cpp is not measured)", "dtype": r["dtype"],
+                        "value": r["ratio"], "target": f"<= {t}", "met": r["ratio"] <= t})
+        if r["dtype"] == "bfloat16" and r["context"] == 1024:
+            share = r["floor_ms"] / r["ours_ms"]
+            out.append({"what": "share of the bandwidth limit at 1024 (floor / stage 1)",
+                        "dtype": r["dtype"], "value": share, "target": f">= {BANDWIDTH_TARGET}",
+                        "met": share >= BANDWIDTH_TARGET})
+    for r in res["prefill"]:
+        if not gpu and r["tokens"] in PREFILL_TARGET_TOKENS:
+            out.append({"what": f"stage 0 / HF prefill tokens/s at {r['tokens']}",
+                        "dtype": r["dtype"], "value": r["ratio"], "target": f">= {PREFILL_TARGET}",
+                        "met": r["ratio"] >= PREFILL_TARGET})
     for r in res["loop"]:
         t = loop_target(r)
         out.append({"what": f"loop step / stage 1 at budget {r['context']} ({r['repair']} repair"
@@ -620,14 +666,38 @@ def missed_notes(res: dict) -> list[str]:
 
 # --- output -------------------------------------------------------------------------------
 
+def llamacpp_note(llama) -> str:
+    """What the run says about llama.cpp: measured (which GGUF, which K/V), or why not."""
+    notes = []
+    for x in llama:
+        if x["measured"]:
+            weights, kv = llamacpp.PRECISIONS[x["dtype"]]
+            notes.append(f"llama.cpp in {x['dtype']}: `{x['gguf']}` ({weights.upper()} weights "
+                         f"written by llama.cpp's converter from the same folder, {kv} K/V "
+                         "cache), same threads, alternating with the others.")
+        else:
+            notes.append(f"llama.cpp in {x['dtype']} was not measured: {x['why_not']}.")
+    return " ".join(notes) + (" " if notes else "")
+
+
+
 def tables(res: dict) -> list[Table]:
+    llama = res.get("llamacpp", ())
+    measured = any(x["measured"] for x in llama)
     decode = Table(
-        "Decode: ms per token (median), stage 1 vs HF model() + DynamicCache",
-        ("dtype", "context", "stage 1 ms", "HF ms", "stage 1 / HF", "floor ms", "floor / stage 1"),
+        "Decode: ms per token (median), stage 1 vs HF model() + DynamicCache"
+        + (" and llama.cpp" if measured else ""),
+        ("dtype", "context", "stage 1 ms", "HF ms", "stage 1 / HF")
+        + (("llama.cpp ms", "stage 1 / llama.cpp", "same next token") if measured else ())
+        + ("floor ms", "floor / stage 1"),
         tuple((r["dtype"], str(r["context"]), fmt(r["ours_ms"], 2), fmt(r["hf_ms"], 2),
-               fmt(r["ratio"], 2), fmt(r["floor_ms"], 2), f"{r['floor_ms'] / r['ours_ms']:.0%}")
+               fmt(r["ratio"], 2))
+              + ((fmt(r.get("llamacpp_ms"), 2), fmt(r.get("llamacpp_ratio"), 2),
+                  {True: "yes", False: "no", None: "–"}[r.get("llamacpp_agrees")])
+                 if measured else ())
+              + (fmt(r["floor_ms"], 2), f"{r['floor_ms'] / r['ours_ms']:.0%}")
               for r in res["decode"]),
-        "stage 1 / HF below 1: stage 1 is faster. "
+        llamacpp_note(llama) + "stage 1 / HF below 1: stage 1 is faster. "
         "floor: weights + live K/V read once per token at the measured copy bandwidth "
         f"({res['bandwidth_gb_s']:.1f} GB/s). HF runs a copy of the model with its weights "
         "row-major, as its own loader leaves them; stage 1 reads float32 weights stored "
@@ -700,9 +770,10 @@ def tables(res: dict) -> list[Table]:
         tuple((t["what"], t["dtype"],
                f"{t['value']:,.0f} B" if t.get("unit") == "B" else fmt(t["value"], 2),
                t["target"], "yes" if t["met"] else "NO") for t in res["targets"]),
-        "Ratios: stage 1 / HF and loop step / stage 1 are times (below 1 = faster than HF; "
-        "1.10 = 10% over stage 1); the edit rows divide the cost at the longest context by "
-        "the cost at the shortest (1 = flat).")
+        "Ratios: stage 1 / HF, stage 1 / llama.cpp and loop step / stage 1 are times (below "
+        "1 = faster than the other; 1.10 = 10% over stage 1); stage 0 / HF prefill is a "
+        "speed (above 1 = faster than HF); the edit rows divide the cost at the longest "
+        "context by the cost at the shortest (1 = flat).")
     # on a GPU no allocations are counted (the profiler's events are the host allocator's)
     return [t for t in (target, decode, fit, ops, alloc, loop, edits, prefill, memory) if t.rows]
 
@@ -715,6 +786,8 @@ def plots(res: dict, out: Path) -> list[str]:
         decode[f"stage 1 {dt}"] = (xs, [r["ours_ms"] for r in rows], "-")
         decode[f"HF {dt}"] = (xs, [r["hf_ms"] for r in rows], "--")
         decode[f"floor {dt}"] = (xs, [r["floor_ms"] for r in rows], ":")
+        if "llamacpp_ms" in rows[0]:
+            decode[f"llama.cpp {dt}"] = (xs, [r["llamacpp_ms"] for r in rows], "-.")
     for dt, rows in _by_dtype(res["alloc"]).items():
         xs = [r["context"] for r in rows]
         alloc[f"stage 1 {dt}"] = (xs, [r["ours_bytes"] / 2 ** 20 for r in rows], "-")

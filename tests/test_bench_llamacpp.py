@@ -1,0 +1,91 @@
+"""llama.cpp as bench speed's contender: why it is not measured where it cannot be, the
+targets it brings, and (where llama_cpp and its converter are installed: make
+bench-llamacpp) that it decodes the same model at a fixed context."""
+import importlib.util
+
+import pytest
+
+from positronic_brain.bench import llamacpp
+from positronic_brain.bench.speed import targets
+
+
+def test_without_llama_cpp_the_reason_is_given(monkeypatch, tiny_model):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    assert "llama_cpp is not installed" in llamacpp.unavailable(tiny_model, "float32")
+
+
+def test_without_the_converter_the_reason_is_given(monkeypatch, tmp_path, tiny_model):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path))
+    monkeypatch.setattr(llamacpp.sys, "prefix", str(tmp_path))
+    assert "convert_hf_to_gguf.py was not found" in llamacpp.unavailable(tiny_model, "float32")
+    (tmp_path / "convert_hf_to_gguf.py").write_text("")
+    assert llamacpp.converter() == tmp_path / "convert_hf_to_gguf.py"
+    # a model built in memory has no folder for the converter to read
+    assert "no Hugging Face folder" in llamacpp.unavailable(tiny_model, "float32")
+    assert "no llama.cpp counterpart" in llamacpp.unavailable(tiny_model, "float16")
+
+
+def _decode(dtype, n, ours, hf, llama=None):
+    row = {"dtype": dtype, "context": n, "ours_ms": ours, "hf_ms": hf, "ratio": ours / hf,
+           "floor_ms": 0.5 * ours}
+    if llama:
+        row.update(llamacpp_ms=llama, llamacpp_ratio=ours / llama, llamacpp_agrees=True)
+    return row
+
+
+def test_targets_compare_with_llama_cpp_where_measured_else_with_the_yardstick():
+    res = {"config": {"device": "cpu"}, "loop": [], "alloc_fit": [], "edits": [],
+           "prefill": [{"dtype": d, "tokens": t, "ratio": 0.9 if d == "float32" else 1.1}
+                       for d in ("float32", "bfloat16") for t in (256, 1024, 4096)],
+           "decode": [_decode("float32", n, 10.0, 20.0, 12.0) for n in (256, 1024)]
+           + [_decode("bfloat16", n, 10.0, 50.0) for n in (256, 1024, 2048, 4096)],
+           "llamacpp": [{"dtype": "float32", "measured": True},
+                        {"dtype": "bfloat16", "measured": False, "why_not": "not installed"}]}
+    got = {(t["dtype"], t["what"]): (round(t["value"], 3), t["target"], t["met"])
+           for t in targets(res)}
+    # float32: every context against llama.cpp F32 (10 / 12 = 0.83 <= 0.9)
+    assert got[("float32", "stage 1 / llama.cpp decode at 256 (same precision)")] == (0.833, "<= 0.9", True)
+    assert ("float32", "stage 1 / llama.cpp decode at 1024 (same precision)") in got
+    # bfloat16 without llama.cpp: the in-run yardstick at 1024 and 4096 (10 / 50 = 0.2)
+    yard = "(the yardstick where llama.cpp is not measured)"
+    assert got[("bfloat16", f"stage 1 / HF decode at 1024 {yard}")] == (0.2, "<= 0.25", True)
+    assert got[("bfloat16", f"stage 1 / HF decode at 4096 {yard}")] == (0.2, "<= 0.2", True)
+    assert not any("2048" in what and "yardstick" in what for _, what in got)
+    assert got[("bfloat16", "share of the bandwidth limit at 1024 (floor / stage 1)")] == \
+        (0.5, ">= 0.6", False)
+    assert got[("float32", "stage 0 / HF prefill tokens/s at 1024")] == (0.9, ">= 1.0", False)
+    assert got[("bfloat16", "stage 0 / HF prefill tokens/s at 4096")] == (1.1, ">= 1.0", True)
+    assert not any("prefill tokens/s at 256" in what for _, what in got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_cpp_decodes_the_same_model_at_a_fixed_context(dtype):
+    from positronic_brain.model import load_model
+    from positronic_brain.sampler import make_generator
+    from positronic_brain.special_tokens import TokenPolicy
+    from positronic_brain.stages.apply import prime
+    from positronic_brain.stages.generate import generate
+    from positronic_brain.types import SamplerParams, Segment
+
+    model = load_model("smollm2", dtype)
+    why = llamacpp.unavailable(model, dtype)
+    if why:
+        pytest.skip(why)
+    ids = TokenPolicy(model.tokenizer).encode(
+        "The capital of France is Paris. The capital of Italy is Rome. The capital of "
+        "Spain is Madrid. The capital of Germany is")
+    state, _ = prime(model, [Segment(tuple(ids), "user")], capacity=len(ids) + 4)
+    ours = generate(model, state.view(), SamplerParams(greedy=True), make_generator(0)).token_id
+    llama = llamacpp.Contender(model, dtype, n_ctx=64)
+    try:
+        llama.prefill(ids[:-1])
+        first = llama.decode(ids[-1])
+        assert llama.decode(ids[-1]) == first  # the context stayed at len(ids) - 1
+        assert llama.llm.n_tokens == len(ids)
+        assert first == ours, model.tokenizer.decode([first, ours])
+    finally:
+        llama.close()
