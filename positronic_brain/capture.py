@@ -28,6 +28,7 @@ import torch
 import transformers
 
 from .plain import atomic_write, from_plain, sha256, to_plain
+from .state import gathered
 from .types import GenerateOut, UserError, require
 from .version import __version__
 
@@ -65,7 +66,8 @@ def arena_version(state) -> int:
     """A number that changes whenever the arena's or the ledger's contents change: the
     tensors' in-place version counters plus the live counts (reads never bump them)."""
     a, m, cold = state.arena, state.ledger, state.cold
-    tensors = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm) + tuple(getattr(m, c) for c in m.COLUMNS)
+    tensors = tuple(t for b in a.blocks for t in (b.kt, b.v, b.log_mass, b.knorm, b.vnorm)) + tuple(
+        getattr(m, c) for c in m.COLUMNS)
     counts = (a.n, m.n, m.next_uid)
     if cold is not None:
         c = cold.arena
@@ -90,22 +92,24 @@ def gen_outputs(gen: GenerateOut) -> dict:
 def prime_outputs(state, out) -> dict:
     """What stage 0's prime gave: its logits, its patch, the K/V it wrote and the prompt's
     attention statistics (None: not gathered)."""
-    view = state.view()
-    return {"logits": out.logits, "patch": out.patch, "k": view.k, "v": view.v,
-            "stats": out.stats}
+    a = state.arena
+    return {"logits": out.logits, "patch": out.patch, "k": gathered(a, "k", a.n),
+            "v": gathered(a, "v", a.n), "stats": out.stats}
 
 
 def extend_outputs(state, n_before: int, patch) -> dict:
     """What stage 0's extend gave: its patch and the K/V of the slots it added."""
-    view = state.view()
-    return {"patch": patch, "k": view.k[:, :, n_before:], "v": view.v[:, :, n_before:]}
+    a = state.arena
+    return {"patch": patch, "k": gathered(a, "k", a.n)[:, :, n_before:],
+            "v": gathered(a, "v", a.n)[:, :, n_before:]}
 
 
 def _snapshot(state) -> dict:
     """The whole live state (level ``full``): K/V, log-mass and ledger of the live slots."""
-    view = state.view()
-    return {"arena_k": view.k, "arena_v": view.v,  # (L, kv_heads, n, head_dim), slot order
-            "arena_log_mass": state.arena.log_mass[:, :, :view.n],  # (L, kv_heads, n)
+    view, a = state.view(), state.arena
+    return {"arena_k": gathered(a, "k", a.n),  # (L, kv_heads, n, head_dim), slot order
+            "arena_v": gathered(a, "v", a.n),
+            "arena_log_mass": gathered(a, "log_mass", a.n),  # (L, kv_heads, n)
             "ledger": {c: getattr(view, c) for c in LEDGER_COLUMNS},
             "pending_token": state.pending_token, "next_position": state.next_position,
             "step": state.step}

@@ -77,17 +77,34 @@ def rerotation(model: Model, old: torch.Tensor, new: torch.Tensor):
     return cos_n * cos_o + sin_n * sin_o, sin_n * cos_o - cos_n * sin_o
 
 
+Past = torch.Tensor | tuple[torch.Tensor, ...]  # (L, ...), or one (L_b, ...) per block of layers
+
+
+def _layers(past: Past) -> tuple[torch.Tensor, ...]:
+    """One tensor per layer of an arena tensor (L, ...), or of a split arena's blocks."""
+    return past.unbind(0) if isinstance(past, torch.Tensor) else tuple(
+        t for block in past for t in block.unbind(0))
+
+
+def _gather(ts: list[torch.Tensor], device: torch.device, split: bool) -> torch.Tensor:
+    """Per-layer outputs stacked (L, ...) on ``device`` (from the layers' devices if split)."""
+    return torch.stack([t.to(device) for t in ts] if split else ts)
+
+
 @torch.no_grad()
-def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.Tensor,
+def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
             want_attention: bool = False, all_logits: bool = False,
-            past_log_mass: torch.Tensor | None = None, kv_only: bool = False,
+            past_log_mass: Past | None = None, kv_only: bool = False,
             want_query: bool = False, received_from: int | None = None) -> ForwardOut:
     """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
     (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
     every live slot, except where ``past_mask`` (T, n) bool is False. ``past_log_mass``
     (L, kv_heads, n) float32 is added to every query's scores on the live slots (a folded
-    slot's log-mass).
+    slot's log-mass). On a model split over devices (``Model.split``), each of these is a
+    tuple of one tensor per block of layers, on the block's device; the hidden state moves
+    from device to device between layers (``Model.moves``), and every output is on the
+    model's main device.
 
     Returns logits (T or 1, V) float32, the new K/V (L, kv_heads, T, head_dim) with RoPE
     applied, and optionally the last new query's attention on the live slots (L, H, n).
@@ -107,7 +124,7 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     s = model.spec
     L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
     g = H // KVH
-    T, n = ids.shape[0], past_k.shape[2]
+    T, n = ids.shape[0], (past_k if isinstance(past_k, torch.Tensor) else past_k[0]).shape[2]
     dtype = model.dtype
     scale = D ** -0.5
 
@@ -145,11 +162,18 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
     # one operator each instead of a select per layer; an arena's keys are stored
     # transposed, so each (KVH, D, n) block has each key dimension as one contiguous run of
     # slots: the fast layout for q K^T
-    past_kt = past_k.transpose(2, 3).unbind(0)
-    past_vs = past_v.unbind(0)
-    log_mass = past_log_mass.unbind(0) if past_log_mass is not None else None
+    if isinstance(past_k, torch.Tensor):
+        past_kt = past_k.transpose(2, 3).unbind(0)
+    else:
+        past_kt = tuple(t for block in past_k for t in block.transpose(2, 3).unbind(0))
+    past_vs = _layers(past_v)
+    log_mass = _layers(past_log_mass) if past_log_mass is not None else None
     qkv_split = ((H + KVH) * D, KVH * D)
+    moves = model.moves  # empty on one device
     for i, w in enumerate(model.layers):
+        if moves and i in moves:  # this layer runs on another device: take what it reads there
+            x, cos_qk, sin_qk, mask_past, mask_new = (
+                t if t is None else t.to(moves[i]) for t in (x, cos_qk, sin_qk, mask_past, mask_new))
         h = rms_norm(x, w.ln1, s.rms_eps)
         qk, v = linear(h, w.qkv_w, w.qkv_b).split(qkv_split, dim=1)  # (T, (H + 2 KVH) D)
         qk = qk.view(T, H + KVH, D).transpose(0, 1)  # (H + KVH, T, D)
@@ -159,8 +183,8 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
         new_k.append(k)
         new_v.append(v)
         if kv_only and i == L - 1:
-            return ForwardOut(logits=None, k=torch.stack(new_k), v=torch.stack(new_v),
-                              attention=None)
+            return ForwardOut(logits=None, k=_gather(new_k, dev, bool(moves)),
+                              v=_gather(new_v, dev, bool(moves)), attention=None)
 
         qg = q.reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
         s_past = as_dtype(torch.matmul(qg, past_kt[i]), torch.float32)  # (KVH, gT, n)
@@ -193,13 +217,16 @@ def forward(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch
         gate, up = linear(h, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
         x = x + linear(w.act(gate) * up, w.down_w, w.down_b)
 
+    if moves:
+        x = x.to(dev)
     h = rms_norm(x if all_logits else x[-1:], model.final_norm, s.rms_eps)
     logits = linear(h, model.lm_head).float()
     if rows is not None:
-        attention = torch.stack(rows).view(L, H, n + 1)[..., :n]
+        attention = _gather(rows, dev, bool(moves)).view(L, H, n + 1)[..., :n]
     elif attention is not None:
         attention = attention[..., :n]
-    return ForwardOut(logits=logits, k=torch.stack(new_k), v=torch.stack(new_v),
+    return ForwardOut(logits=logits, k=_gather(new_k, dev, bool(moves)),
+                      v=_gather(new_v, dev, bool(moves)),
                       attention=attention, query=query, lse=lse, received=received,
                       received_window=window)
 

@@ -9,6 +9,10 @@
 - ``tiny-random`` / ``tiny-random-qwen2``: small random models from a config, with a
   byte-level tokenizer, for tests that need no weights.
 
+Any of them onto one device (``device``), or with its decoder layers split over several by a
+device map (``device_map``: accelerate's ``auto``/``balanced``, or a JSON file; see
+``layer_devices``).
+
 The stages never call a decoder layer's ``forward``: they read the per-layer weights
 collected here in ``LayerWeights`` and call only small submodules (rotary embedding).
 """
@@ -18,7 +22,9 @@ import dataclasses
 
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -99,7 +105,38 @@ class Model:
     lm_head: torch.Tensor  # (V, hidden)
     rotary: nn.Module  # the model's own rotary embedding (gives cos/sin)
     dtype: torch.dtype
-    device: torch.device  # where the weights live; the arena, ledger and generator too
+    device: torch.device  # the embedding, final norm and lm_head; the ledger and generator
+    layer_devices: tuple[torch.device, ...]  # each decoder layer's weights and arena slice
+
+    @cached_property
+    def blocks(self) -> tuple[tuple[slice, torch.device], ...]:
+        """Runs of consecutive layers on one device: (layers, device) each."""
+        runs: list[list] = []
+        for i, dev in enumerate(self.layer_devices):
+            if runs and runs[-1][1] == dev:
+                runs[-1][0] = slice(runs[-1][0].start, i + 1)
+            else:
+                runs.append([slice(i, i + 1), dev])
+        return tuple((sl, dev) for sl, dev in runs)
+
+    @cached_property
+    def split(self) -> bool:
+        """Whether any layer runs elsewhere than ``device`` (a device map): then the arena is
+        one block per run of layers (``state.SplitArena``)."""
+        return any(d != self.device for d in self.layer_devices)
+
+    @cached_property
+    def moves(self) -> dict[int, torch.device]:
+        """Where the forward moves the hidden state to another device: before layer i (to
+        its device) and before the final norm (index ``n_layers``, back to ``device``).
+        Empty on one device."""
+        if not self.split:
+            return {}
+        out, at = {}, self.device
+        for i, dev in enumerate(self.layer_devices + (self.device,)):
+            if dev != at:
+                out[i], at = dev, dev
+        return out
 
     @property
     def fingerprint(self) -> dict:
@@ -161,11 +198,15 @@ def check_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(name: str = "smollm2", dtype: str = "float32", device: str = "cpu") -> Model:
+def load_model(name: str = "smollm2", dtype: str = "float32", device: str | None = None,
+               device_map: str | dict | None = None, max_memory: dict | None = None) -> Model:
     """Load a model by name (``smollm2`` or one of ``TINY_CONFIGS``), a ``.gguf`` file
     (converted once into ``cache_dir()``; see ``_gguf_folder``) or a Hugging Face folder,
-    onto ``device`` (``resolve_device``)."""
-    dev = resolve_device(device)
+    onto ``device`` (``resolve_device``; default the CPU), or with its layers placed by
+    ``device_map`` (``place_layers``; ``max_memory`` goes to accelerate's ``auto`` and
+    ``balanced``). Not both."""
+    require(device is None or device_map is None, "give a device or a device map, not both")
+    dev = resolve_device(device or "cpu") if device_map is None else torch.device("cpu")
     torch_dtype = check_dtype(dtype, dev)
     if name == "smollm2":
         hf, tok = _load_folder(_gguf_folder(smollm2_gguf()), torch_dtype, dev)
@@ -175,7 +216,115 @@ def load_model(name: str = "smollm2", dtype: str = "float32", device: str = "cpu
         hf, tok = _tiny_random(name, torch_dtype)
     else:
         hf, tok = _load_folder(Path(name), torch_dtype, dev)
-    return _wrap(name, hf.to(dev), tok, torch_dtype, dev)
+    if device_map is None:
+        return _wrap(name, hf.to(dev), tok, torch_dtype, dev, (dev,) * hf.config.num_hidden_layers)
+    dev, layer_devices = place_layers(hf, device_map, max_memory)
+    for d in {dev, *layer_devices}:
+        check_dtype(dtype, d)
+    return _wrap(name, hf, tok, torch_dtype, dev, layer_devices)
+
+
+DEVICE_MAPS = ("auto", "balanced")
+_LAYERS = re.compile(r"(\d+)(?:-(\d+))?")  # a device map's layer key: "3" or "0-11"
+
+
+def read_device_map(hf: nn.Module, device_map: str | dict,
+                    max_memory: dict | None = None) -> dict:
+    """The device map as given: ``auto``/``balanced`` ask accelerate's
+    ``infer_auto_device_map`` (``balanced``: over ``get_balanced_memory``; decoder layers
+    are never split), a dict is itself, anything else names a JSON file of one object."""
+    if isinstance(device_map, dict):
+        return device_map
+    if device_map in DEVICE_MAPS:
+        from accelerate import infer_auto_device_map
+        from accelerate.utils import get_balanced_memory
+
+        no_split = sorted(getattr(hf, "_no_split_modules", None) or ())
+        if device_map == "balanced":
+            max_memory = get_balanced_memory(hf, max_memory, no_split_module_classes=no_split,
+                                             dtype=hf.dtype)
+        return dict(infer_auto_device_map(hf, max_memory, no_split_module_classes=no_split,
+                                          dtype=hf.dtype))
+    path = Path(device_map).expanduser()
+    require(path.is_file(), f"device map not found: {device_map!r} is neither "
+            f"{' nor '.join(DEVICE_MAPS)} nor a JSON file")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise UserError(f"cannot read the device map {path}: {_first_line(e)}") from None
+    require(isinstance(raw, dict) and raw, f"the device map {path} is not a JSON object of "
+            "module or layer -> device")
+    return raw
+
+
+def map_layers(device_map: dict, hf: nn.Module) -> tuple[object, list[object]]:
+    """A device map (accelerate's form: module name -> device, a module covering everything
+    in it, ``""`` the whole model; here also a layer index ``"3"`` or range ``"0-11"``) as
+    the device it gives the embedding (by default the first layer's) and each decoder
+    layer, the values as written. The most specific key wins."""
+    n_layers = hf.config.num_hidden_layers
+    names = {name for name, _ in hf.named_modules()}
+    keyed = {}
+    for key, value in device_map.items():
+        m = _LAYERS.fullmatch(str(key))
+        if m:
+            lo, hi = int(m[1]), int(m[2] or m[1])
+            require(lo <= hi < n_layers, f"device map: no layer {key!r} in this model "
+                    f"(layers 0..{n_layers - 1})")
+            keyed.update({f"model.layers.{i}": value for i in range(lo, hi + 1)})
+        else:
+            require(key in names, f"device map: no module {key!r} in this model (expected "
+                    "a layer index, a range such as 0-3, or a module name such as model.layers.0)")
+            keyed[key] = value
+
+    def lookup(module: str, default=None):
+        within = [k for k in keyed if k in ("", module) or module.startswith(k + ".")]
+        require(within or default is not None, f"device map: nothing places {module}")
+        return keyed[max(within, key=len)] if within else default
+
+    layers = [lookup(f"model.layers.{i}") for i in range(n_layers)]
+    return lookup("model.embed_tokens", layers[0]), layers
+
+
+def placement(value, what: str) -> torch.device:
+    """A device map's device for ``what``: an integer is that CUDA device (accelerate's
+    spelling), ``cpu:N`` a CPU placement of its own (the same memory, but a block of the
+    arena of its own), else as ``resolve_device``. ``disk`` and ``meta`` are refused: the
+    loop computes each layer where its weights and its arena slice are."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = f"cuda:{value}"
+    require(isinstance(value, str) and value != "auto",
+            f"device map: {what} has no device ({value!r})")
+    require(value not in ("disk", "meta"), f"device map: {what} is mapped to {value!r}, but "
+            "the loop computes every layer on a device (cpu, cuda, cuda:N)")
+    m = re.fullmatch(r"cpu:(\d+)", value)
+    return torch.device("cpu", int(m[1])) if m else resolve_device(value)
+
+
+def place_layers(hf: nn.Module, device_map: str | dict,
+                 max_memory: dict | None = None) -> tuple[torch.device, tuple[torch.device, ...]]:
+    """Place ``hf`` (on the CPU) by ``device_map`` (``read_device_map``, ``map_layers``):
+    each decoder layer on its device, the embedding, final norm and lm_head on the
+    embedding's (the main device), moved by accelerate's ``dispatch_model``, whose hooks
+    keep Hugging Face's own forward working. Returns the main device and the layers'."""
+    main_value, values = map_layers(read_device_map(hf, device_map, max_memory), hf)
+    main = placement(main_value, "model.embed_tokens")
+    if main.type == "cpu":  # the ledger's device: the CPU whichever CPU placement
+        main = torch.device("cpu")
+    layers = tuple(placement(v, f"layer {i}") for i, v in enumerate(values))
+    from accelerate import dispatch_model
+
+    def plain(d: torch.device) -> str:  # accelerate's name of the device
+        return "cpu" if d.type == "cpu" else str(d)
+
+    modules = {f"model.{name}": plain(main) for name, _ in hf.model.named_children()
+               if name != "layers"}
+    modules |= {name: plain(main) for name, _ in hf.named_children() if name != "model"}
+    modules |= {f"model.layers.{i}": plain(d) for i, d in enumerate(layers)}
+    # main_device "cpu": accelerate then runs a CPU module on the CPU, not offloaded to a GPU
+    cpu = "cpu" in modules.values()
+    dispatch_model(hf, modules, main_device="cpu" if cpu else plain(main))
+    return main, layers
 
 
 def _check_arch(config) -> None:
@@ -410,7 +559,8 @@ def _check_rope(rotary: nn.Module) -> None:
     require(scale == 1.0, f"unsupported rope scaling {kind!r}: it scales cos/sin by {scale:.4g}")
 
 
-def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype, device: torch.device) -> Model:
+def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype, device: torch.device,
+          layer_devices: tuple[torch.device, ...]) -> Model:
     _check_arch(hf.config)
     _check_rope(hf.model.rotary_emb)
     hf.eval().requires_grad_(False)
@@ -418,37 +568,44 @@ def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype, device: torch.devic
     # float32 weights on the CPU are stored input-major, where a one-token matrix-vector
     # product is fastest (forward.linear); Hugging Face's modules hold views of the same
     # storage. On a GPU the weights keep their layout: cuBLAS products take them as they are.
-    cpu = device.type == "cpu"
-    input_major = cpu and dtype == torch.float32
+    def input_major(dev: torch.device) -> bool:
+        return dev.type == "cpu" and dtype == torch.float32
+
+    def packed(dev: torch.device) -> bool:
+        return dev.type == "cpu" and dtype == torch.bfloat16 and packable()
+
     for layer in hf.model.layers:
         att = layer.self_attn
         for needed in ("q_proj", "k_proj", "v_proj", "o_proj"):
             require(hasattr(att, needed), f"unsupported attention layout: no {needed}")
         require(not hasattr(att, "q_norm"), "unsupported architecture: per-head q/k norms")
-    if input_major:
+    if any(input_major(d) for d in (device,) + layer_devices):
         _copy_the_rest(hf)
     layers = []
-    for layer in hf.model.layers:
+    for layer, dev in zip(hf.model.layers, layer_devices):
         att, mlp = layer.self_attn, layer.mlp
-        qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj], input_major)
-        o_w, o_b = _fuse([att.o_proj], input_major)
-        gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj], input_major)
-        down_w, down_b = _fuse([mlp.down_proj], input_major)
-        layers.append(LayerWeights(
+        im = input_major(dev)
+        qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj], im)
+        o_w, o_b = _fuse([att.o_proj], im)
+        gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj], im)
+        down_w, down_b = _fuse([mlp.down_proj], im)
+        w = LayerWeights(
             ln1=layer.input_layernorm.weight, qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, o_b=o_b,
             ln2=layer.post_attention_layernorm.weight, gate_up_w=gate_up_w,
-            gate_up_b=gate_up_b, down_w=down_w, down_b=down_b, act=mlp.act_fn))
+            gate_up_b=gate_up_b, down_w=down_w, down_b=down_b, act=mlp.act_fn)
+        if packed(dev):
+            w = dataclasses.replace(w, **{f: pack(getattr(w, f)) for f in MATRICES})
+        layers.append(w)
     tied = hf.lm_head.weight is hf.model.embed_tokens.weight
-    lm_head, _ = _fuse([hf.lm_head], input_major)
+    lm_head, _ = _fuse([hf.lm_head], input_major(device))
     if tied:
         hf.model.embed_tokens.weight = hf.lm_head.weight
-    if cpu and dtype == torch.bfloat16 and packable():
-        layers = [dataclasses.replace(w, **{f: pack(getattr(w, f)) for f in MATRICES})
-                  for w in layers]
+    if packed(device):
         lm_head = pack(lm_head)
     return Model(name=name, hf=hf, tokenizer=tok, spec=spec, layers=tuple(layers),
                  embed=hf.model.embed_tokens.weight, final_norm=hf.model.norm.weight,
-                 lm_head=lm_head, rotary=hf.model.rotary_emb, dtype=dtype, device=device)
+                 lm_head=lm_head, rotary=hf.model.rotary_emb, dtype=dtype, device=device,
+                 layer_devices=layer_devices)
 
 
 MATRICES = ("qkv_w", "o_w", "gate_up_w", "down_w")

@@ -32,7 +32,7 @@ from .stages.apply import apply, extend, prime
 from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import recall_query, score
-from .state import State
+from .state import State, gathered
 from .types import require
 
 
@@ -275,11 +275,11 @@ def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
     view = state.view()
     ours_order = torch.argsort(view.uid)
     theirs_order = torch.argsort(snap["ledger"]["uid"])
-    ours = {"arena_k": view.k[:, :, ours_order], "arena_v": view.v[:, :, ours_order],
-            "arena_log_mass": state.arena.log_mass[:, :, :view.n][:, :, ours_order],
-            "ledger": {c: getattr(view, c)[ours_order] for c in LEDGER_COLUMNS},
-            "pending_token": state.pending_token, "next_position": state.next_position,
-            "step": state.step}
+    ours = {f"arena_{name}": gathered(state.arena, name, view.n)[:, :, ours_order]
+            for name in ("k", "v", "log_mass")}
+    ours |= {"ledger": {c: getattr(view, c)[ours_order] for c in LEDGER_COLUMNS},
+             "pending_token": state.pending_token, "next_position": state.next_position,
+             "step": state.step}
     theirs = {**snap, **{k: snap[k][:, :, theirs_order]
                          for k in ("arena_k", "arena_v", "arena_log_mass")},
               "ledger": {c: col[theirs_order] for c, col in snap["ledger"].items()}}

@@ -33,7 +33,7 @@ from .model import Model
 from .plain import atomic_write, from_plain, to_plain
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
-from .state import Ledger, State
+from .state import Ledger, State, gathered
 from .types import UserError, require
 
 FORMAT = "positronic-brain-session/4"
@@ -85,8 +85,7 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
     state = session.state
     require(state is not None, "prime the session before saving it")
     a, m = state.arena, state.ledger
-    tensors = {"arena.k": a.k[:, :, :a.n], "arena.v": a.v[:, :, :a.n],
-               "arena.log_mass": a.log_mass[:, :, :a.n],
+    tensors = {**{f"arena.{name}": gathered(a, name, a.n) for name in ("k", "v", "log_mass")},
                **{f"ledger.{c}": m.live(c) for c in Ledger.COLUMNS},
                "generator": session.generator.get_state(), **_cold_tensors(state)}
     tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}

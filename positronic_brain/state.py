@@ -74,12 +74,13 @@ class Arena:
 
     @classmethod
     def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", key_rows: bool = False) -> "Arena":
+                 device: torch.device | str = "cpu", key_rows: bool = False,
+                 layers: int | None = None) -> "Arena":
         """``key_rows``: ``kt`` is a view of keys stored a slot per row (L, kv_heads,
         capacity, head_dim), as the cold store keeps them: nothing decodes over them, and
         moving a slot then copies one contiguous row per layer and head instead of
-        head_dim scattered elements."""
-        shape = (spec.n_layers, spec.n_kv_heads)
+        head_dim scattered elements. ``layers``: a block of that many layers (default all)."""
+        shape = (layers or spec.n_layers, spec.n_kv_heads)
         if key_rows:
             kt = torch.zeros(*shape, capacity, spec.head_dim, dtype=dtype,
                              device=device).transpose(2, 3)
@@ -117,6 +118,23 @@ class Arena:
         while nothing is folded."""
         return self.log_mass[:, :, :n] if self.folded else None
 
+    def past(self, n: int) -> tuple:
+        """What ``forward`` reads of the first ``n`` slots: K, V and log-mass, as views."""
+        return self.k[:, :, :n], self.v[:, :, :n], self.live_log_mass(n)
+
+    def norms(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` slots' key and value norms (L, kv_heads, n), as views."""
+        return self.knorm[:, :, :n], self.vnorm[:, :, :n]
+
+    @property
+    def blocks(self) -> tuple["Arena", ...]:
+        """The arena's blocks of layers, each on one device: itself."""
+        return (self,)
+
+    @property
+    def device(self) -> torch.device:
+        return self.v.device
+
     @property
     def k(self) -> torch.Tensor:
         """Keys (L, kv_heads, capacity, head_dim): a strided view of ``kt``."""
@@ -130,6 +148,69 @@ class Arena:
     def key_rows(self) -> bool:
         """Keys stored a slot per row (``allocate``'s ``key_rows``), not transposed."""
         return self.kt.stride(-1) != 1
+
+
+@dataclass(eq=False)
+class SplitArena:
+    """The arena of a model whose layers a device map splits over devices
+    (``Model.blocks``): one ``Arena`` per run of consecutive layers on one device, holding
+    those layers' K/V, log-mass and norms where they run; the live count is the same in all.
+    Stage 4 writes each block where it lives; ``past`` gives ``forward`` one tensor per
+    block, and only the norms stages 2-3 read for every layer at once (L x kv_heads floats
+    a slot) are gathered onto the main device."""
+
+    blocks: tuple[Arena, ...]
+    layers: tuple[slice, ...]  # each block's layers
+    device: torch.device  # the main device: the ledger's
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype,
+                 blocks: tuple[tuple[slice, torch.device], ...],
+                 device: torch.device) -> "SplitArena":
+        return cls(tuple(Arena.allocate(spec, capacity, dtype, dev, layers=sl.stop - sl.start)
+                         for sl, dev in blocks), tuple(sl for sl, _ in blocks), device)
+
+    @property
+    def n(self) -> int:
+        return self.blocks[0].n
+
+    @n.setter
+    def n(self, n: int) -> None:
+        for b in self.blocks:
+            b.n = n
+
+    @property
+    def folded(self) -> bool:
+        return any(b.folded for b in self.blocks)
+
+    @folded.setter
+    def folded(self, folded: bool) -> None:
+        for b in self.blocks:
+            b.folded = folded
+
+    @property
+    def capacity(self) -> int:
+        return self.blocks[0].capacity
+
+    key_rows = False
+
+    def past(self, n: int) -> tuple:
+        folded = self.folded  # all blocks' log-mass or none, as in one arena
+        return (tuple(b.k[:, :, :n] for b in self.blocks),
+                tuple(b.v[:, :, :n] for b in self.blocks),
+                tuple(b.log_mass[:, :, :n] for b in self.blocks) if folded else None)
+
+    def norms(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return gathered(self, "knorm", n), gathered(self, "vnorm", n)
+
+
+def gathered(a: Arena | SplitArena, name: str, n: int) -> torch.Tensor:
+    """The first ``n`` slots of the arena tensor ``name`` (``k``, ``v``, ``log_mass``,
+    ``knorm``, ``vnorm``) for every layer, (L, kv_heads, n, ...): a view of a one-device
+    arena; of a split one, a copy on its main device."""
+    if isinstance(a, Arena):
+        return getattr(a, name)[:, :, :n]
+    return torch.cat([getattr(b, name)[:, :, :n].to(a.device) for b in a.blocks])
 
 
 @dataclass(eq=False)
@@ -288,11 +369,13 @@ class ColdView:
 
 @dataclass(frozen=True)
 class View:
-    """What stages 1-3 see: views of the live prefix, never copies, never to be written."""
+    """What stages 1-3 see: views of the live prefix, never copies, never to be written.
+    Of a ``SplitArena``, ``k``, ``v`` and ``log_mass`` are tuples of one such view per block
+    of layers (on its device), and the norms copies on the main device."""
 
-    k: torch.Tensor  # (L, kv_heads, n, head_dim)
-    v: torch.Tensor  # (L, kv_heads, n, head_dim)
-    log_mass: torch.Tensor | None  # (L, kv_heads, n) added to scores; None: nothing folded
+    k: torch.Tensor | tuple  # (L, kv_heads, n, head_dim)
+    v: torch.Tensor | tuple  # (L, kv_heads, n, head_dim)
+    log_mass: torch.Tensor | tuple | None  # (L, kv_heads, n) added to scores; None: nothing folded
     knorm: torch.Tensor  # (L, kv_heads, n) float32 key norms
     vnorm: torch.Tensor  # (L, kv_heads, n) float32 value norms
     uid: torch.Tensor  # (n,)
@@ -311,14 +394,14 @@ class View:
 
     @property
     def n(self) -> int:
-        return self.k.shape[2]
+        return self.uid.shape[0]
 
 
 @dataclass(eq=False)
 class State:
     """Arena + ledger + the pending token (sampled, not yet in the cache)."""
 
-    arena: Arena
+    arena: Arena | SplitArena
     ledger: Ledger
     pending_token: int = -1
     pending_source: str = "user"
@@ -329,9 +412,9 @@ class State:
 
     def view(self) -> View:
         n, m = self.arena.n, self.ledger
-        return View(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n], log_mass=self.arena.live_log_mass(n),
-                    knorm=self.arena.knorm[:, :, :n], vnorm=self.arena.vnorm[:, :, :n],
-                    uid=m.live("uid"),
+        k, v, log_mass = self.arena.past(n)
+        knorm, vnorm = self.arena.norms(n)
+        return View(k=k, v=v, log_mass=log_mass, knorm=knorm, vnorm=vnorm, uid=m.live("uid"),
                     token_id=m.live("token_id"), position=m.live("position"),
                     source=m.live("source"), brightness=m.live("brightness"),
                     flags=m.live("flags"), born_step=m.live("born_step"),
@@ -344,12 +427,12 @@ class State:
         assert self.arena.n == self.ledger.n, \
             f"arena holds {self.arena.n} live slots, ledger {self.ledger.n}"
         assert self.pending_source in SOURCES, f"unknown pending source {self.pending_source!r}"
-        a = self.arena
-        norms = a.k[:, :, :a.n].float().norm(dim=-1)
-        assert torch.allclose(a.knorm[:, :, :a.n], norms, rtol=1e-5, atol=1e-6), \
-            "the key-norm column does not match the keys"
-        assert torch.equal(a.vnorm[:, :, :a.n], value_norms(a.v[:, :, :a.n])), \
-            "the value-norm column does not match the values"
+        for a in self.arena.blocks:
+            norms = a.k[:, :, :a.n].float().norm(dim=-1)
+            assert torch.allclose(a.knorm[:, :, :a.n], norms, rtol=1e-5, atol=1e-6), \
+                "the key-norm column does not match the keys"
+            assert torch.equal(a.vnorm[:, :, :a.n], value_norms(a.v[:, :, :a.n])), \
+                "the value-norm column does not match the values"
         self.ledger.check_valid(step=self.step, next_position=self.next_position)
         self.check_accounts()
 

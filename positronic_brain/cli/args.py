@@ -28,13 +28,26 @@ class _Parser(argparse.ArgumentParser):
 
 
 DEVICE_HELP = "cpu, cuda, cuda:N or auto (default: CUDA when available, else the CPU)"
+DEVICE_MAP_HELP = ("instead of --device, the decoder layers over several devices: auto or "
+                   "balanced (accelerate's infer_auto_device_map) or a JSON file "
+                   "{\"layer index, range 0-3 or module name\": \"cuda:N|cpu\"}")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help=MODEL_HELP)
     p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--device", default="auto", help=DEVICE_HELP)
+    where.add_argument("--device-map", default=None, metavar="auto|balanced|PATH.json",
+                       help=DEVICE_MAP_HELP)
+
+
+def model_placement(args) -> dict:
+    """``load_model``'s placement arguments from ``--device`` / ``--device-map``."""
+    if args.device_map is not None:
+        return {"device_map": args.device_map}
+    return {"device": args.device}
 
 
 def _add_sampler_args(p: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ from ..render import context_text, sparkline
 from ..session_io import load_session, save_session
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError
-from .args import PROG, cache_params, open_tape, sampler_params
+from .args import PROG, cache_params, model_placement, open_tape, sampler_params
 
 CHAT_HELP = "/context  /stats  /save PATH  /load PATH  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
 
@@ -167,7 +167,7 @@ def cmd_chat(args) -> int:
         except OSError as e:
             raise UserError(f"cannot read the script {args.script}: {e.strerror}") from None
         lines = lines.splitlines()
-    model = load_model(args.model, args.dtype, args.device)
+    model = load_model(args.model, args.dtype, **model_placement(args))
     policy = TokenPolicy(model.tokenizer, bos=args.bos)
     chat = Chat(model, policy, args.system, sampler, params, args.max_new_tokens,
                 open_tape(args, model, sampler, params, []))

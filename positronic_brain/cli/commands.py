@@ -10,7 +10,8 @@ from ..loop import run
 from ..model import load_model
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError
-from .args import BENCH_KINDS, QUALITY_ONLY, cache_params, open_tape, sampler_params
+from .args import (BENCH_KINDS, QUALITY_ONLY, cache_params, model_placement, open_tape,
+                   sampler_params)
 
 BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main)))
 
@@ -23,7 +24,7 @@ def cmd_run(args) -> int:
         raise UserError(f"max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.capacity is not None and args.capacity < 1:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
-    model = load_model(args.model, args.dtype, args.device)
+    model = load_model(args.model, args.dtype, **model_placement(args))
     policy = TokenPolicy(model.tokenizer, bos=args.bos)
     if args.system is not None or args.chat:
         turns = ([("system", args.system)] if args.system is not None else []) \

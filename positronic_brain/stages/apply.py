@@ -21,12 +21,45 @@ import torch
 
 from ..forward import apply_rope, forward, rerotation
 from ..model import Model
-from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Cold, Ledger, State, key_norms,
-                     value_norms)
+from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Cold, Ledger, SplitArena, State,
+                     key_norms, value_norms)
 from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Merge, Patch, PrefillStats,
                      PrimeOut, ScoreOut, Segment, Swap, require)
 
 PREFILL_CHUNK = 256
+
+
+def arena(model: Model, capacity: int) -> Arena | SplitArena:
+    """An empty arena of ``capacity`` slots for ``model``: one block per run of layers on
+    one device when a device map splits it (``Model.blocks``)."""
+    if model.split:
+        return SplitArena.allocate(model.spec, capacity, model.dtype, model.blocks, model.device)
+    return Arena.allocate(model.spec, capacity, model.dtype, model.device)
+
+
+def _parts(a: Arena | SplitArena, *xs: torch.Tensor | None):
+    """Each block of ``a`` with its layers' part of each (L, ...) tensor in ``xs`` (None
+    stays None), on the block's device: on one device, the arena and ``xs`` themselves."""
+    if isinstance(a, Arena):
+        return ((a, xs),)
+    return tuple((b, tuple(None if x is None else x[sl].to(b.device) for x in xs))
+                 for b, sl in zip(a.blocks, a.layers))
+
+
+def _write(a: Arena | SplitArena, lo: int, k: torch.Tensor, v: torch.Tensor,
+           norms_of_kv: bool = True) -> None:
+    """Write K/V ``k``/``v`` (L, kv_heads, t, head_dim) into slots [lo, lo + t) of each
+    block, each slot holding one token (log-mass 0), and their norms: from ``k``/``v`` at
+    once, or (not ``norms_of_kv``) from the arena one layer at a time (same bits)."""
+    hi = lo + k.shape[2]
+    for b, (kb, vb) in _parts(a, k, v):
+        b.k[:, :, lo:hi] = kb
+        b.v[:, :, lo:hi] = vb
+        b.log_mass[:, :, lo:hi] = 0.0
+        if norms_of_kv:
+            b.renorm(lo, hi, kb, vb)
+        else:
+            b.renorm(lo, hi)
 
 
 def _write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: torch.Tensor,
@@ -60,18 +93,16 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
     for start in range(0, ids.shape[0], chunk):
         sl = slice(start, start + chunk)
         n = a.n
-        out = forward(model, a.k[:, :, :n], a.v[:, :, :n], ids[sl], positions[sl],
-                      all_logits=all_logits, past_log_mass=a.live_log_mass(n),
+        past_k, past_v, log_mass = a.past(n)
+        out = forward(model, past_k, past_v, ids[sl], positions[sl], all_logits=all_logits,
+                      past_log_mass=log_mass,
                       received_from=None if received is None else max(0, received[2] - start))
         t = out.k.shape[2]
         if received is not None:
             received[0][:, :, :n + t] += out.received
             if out.received_window is not None:
                 received[1][:, :, :n + t] += out.received_window
-        a.k[:, :, n:n + t] = out.k  # (L, KVH, t, D)
-        a.v[:, :, n:n + t] = out.v
-        a.log_mass[:, :, n:n + t] = 0.0
-        a.renorm(n, n + t)
+        _write(a, n, out.k, out.v, norms_of_kv=False)  # (L, KVH, t, D)
         uids += _write_rows(m, slice(n, n + t), ids[sl], positions[sl], sources[sl],
                             state.step, flags[sl])
         slots += range(n, n + t)
@@ -112,8 +143,8 @@ def prime(model: Model, segments: list[Segment], capacity: int,
 
     src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
     flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
-    state = State(Arena.allocate(model.spec, capacity, model.dtype, model.device),
-                  Ledger.allocate(capacity, seeds, model.device), pinned=tuple(sorted(pinned)),
+    state = State(arena(model, capacity), Ledger.allocate(capacity, seeds, model.device),
+                  pinned=tuple(sorted(pinned)),
                   cold=None if cold_capacity is None else cold_store(model, cold_capacity))
     T = len(ids_list) - 1
     dev = model.device
@@ -201,15 +232,15 @@ def extend(model: Model, state: State, segments: list[Segment], chunk: int = PRE
     return Patch(step=state.step, appended_slots=tuple(slots), appended_uids=tuple(uids))
 
 
-def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
+def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> None:
     """Refuse bad actions before anything changes (stale slots, protected slots, shapes)."""
-    a, m = state.arena, state.ledger
+    a, m, spec, dtype = state.arena, state.ledger, model.spec, model.dtype
     n = m.n
     assert gen.position == state.next_position and gen.input_token == state.pending_token, \
         "the generate output is not for this state's pending token"
-    assert gen.k.shape == (a.k.shape[0], a.k.shape[1], 1, a.k.shape[3]), \
+    assert gen.k.shape == (spec.n_layers, spec.n_kv_heads, 1, spec.head_dim), \
         f"new K has shape {tuple(gen.k.shape)}"
-    assert gen.k.dtype == gen.v.dtype == a.v.dtype, f"new K/V are {gen.k.dtype}, not {a.v.dtype}"
+    assert gen.k.dtype == gen.v.dtype == dtype, f"new K/V are {gen.k.dtype}, not {dtype}"
     _check_columns(actions, n)
     slots = list(actions.cull_slots) + [s for r in actions.merges for s in r.slots]
     require(len(set(slots)) == len(slots), f"a slot is culled or repaired twice: {slots}")
@@ -218,14 +249,15 @@ def _check(state: State, gen: GenerateOut, actions: Actions) -> None:
     require(not protected, f"slots {protected} are protected and cannot be culled")
     for r in actions.merges:
         assert r.k.shape == gen.k.shape and r.v.shape == gen.v.shape, "repair K/V shape"
-        assert r.k.dtype == r.v.dtype == a.v.dtype, "repair K/V dtype"
+        assert r.k.dtype == r.v.dtype == dtype, "repair K/V dtype"
         assert (int(m.uid[r.slots[0]]), int(m.uid[r.slots[1]])) == r.uids, "stale repair"
         assert int(m.position[r.slots[0]]) == r.position, "repair position"
     culled = set(actions.cull_slots)
     changed = culled | {s for r in actions.merges for s in r.slots}
     for f in actions.folds:
         assert f.slot in culled and int(m.uid[f.slot]) == f.uid, "a fold of a slot not culled"
-        assert f.into.shape == a.log_mass.shape[:2], f"fold targets have shape {tuple(f.into.shape)}"
+        assert f.into.shape == (spec.n_layers, spec.n_kv_heads), \
+            f"fold targets have shape {tuple(f.into.shape)}"
         into = set(f.into.flatten().tolist()) - {-1}
         assert all(0 <= s < n for s in into) and not into & changed, \
             "a fold into a slot that goes or is repaired"
@@ -271,7 +303,7 @@ def _check_swaps(state: State, actions: Actions, changed: set[int]) -> None:
 def _merge(state: State, r: Merge, step: int) -> int:
     """Rewrite slot ``r.slots[0]`` as the merged token (a fresh uid; source kept; brightness
     the pair's max); its partner is removed with the culls. Returns the new uid."""
-    a, m = state.arena, state.ledger
+    m = state.ledger
     s, t = r.slots
     uid = m.next_uid
     m.next_uid += 1
@@ -280,10 +312,7 @@ def _merge(state: State, r: Merge, step: int) -> int:
     m.uid[s], m.token_id[s], m.position[s] = uid, r.token_id, r.position
     m.born_step[s] = m.changed_step[s] = step
     m.flags[s], m.attn_sum[s] = 0, 0.0
-    a.k[:, :, s:s + 1] = r.k
-    a.v[:, :, s:s + 1] = r.v
-    a.log_mass[:, :, s] = 0.0
-    a.renorm(s, s + 1, r.k, r.v)
+    _write(state.arena, s, r.k, r.v)
     return uid
 
 
@@ -292,23 +321,28 @@ def _fold(state: State, f: Fold) -> None:
     none there): there K and V become the mass-weighted mean of both, and the log-mass
     their log-sum-exp, so a query that scores both keys alike gives the pair the attention
     it gave them apart."""
-    a = state.arena
-    li, hi = (f.into >= 0).nonzero(as_tuple=True)  # the (layer, KV head) pairs that fold
+    for a, (into,) in _parts(state.arena, f.into):
+        _fold_block(a, f.slot, into)
+
+
+def _fold_block(a: Arena, slot: int, into: torch.Tensor) -> None:
+    """``_fold`` in one block of layers: ``into`` (layers, kv_heads)."""
+    li, hi = (into >= 0).nonzero(as_tuple=True)  # the (layer, KV head) pairs that fold
     if len(li) == 0:
         return
-    into = f.into[li, hi]
-    lm_i, lm_j = a.log_mass[li, hi, into], a.log_mass[li, hi, f.slot]  # (p,)
+    into = into[li, hi]
+    lm_i, lm_j = a.log_mass[li, hi, into], a.log_mass[li, hi, slot]  # (p,)
     w = torch.sigmoid(lm_j - lm_i).unsqueeze(-1)  # m_j / (m_i + m_j), (p, 1)
     for t, norm, rows in ((a.k, a.knorm, key_norms), (a.v, a.vnorm, value_norms)):
         x = t[li, hi, into].float()  # (p, D)
-        folded = (x + w * (t[li, hi, f.slot].float() - x)).to(t.dtype)
+        folded = (x + w * (t[li, hi, slot].float() - x)).to(t.dtype)
         t[li, hi, into] = folded
         norm[li, hi, into] = rows(folded)
     a.log_mass[li, hi, into] = torch.logaddexp(lm_i, lm_j)
     a.folded = True
 
 
-def _remove(a: Arena, m: Ledger, slots: list[int],
+def _remove(a: Arena | SplitArena, m: Ledger, slots: list[int],
             extra: tuple[torch.Tensor, ...] = ()) -> list[tuple[int, int]]:
     """Remove live slots of ``a``/``m`` (the arena and ledger, or the cold store's); the
     survivors among the last ``len(slots)`` slots fill the holes below them (O(1) per token),
@@ -324,16 +358,16 @@ def _remove(a: Arena, m: Ledger, slots: list[int],
         for col in [getattr(m, c) for c in Ledger.COLUMNS] + list(extra):  # ledger first
             col[dst] = col[src]
     m.n = n
-    if moves:
+    for b in a.blocks if moves else ():
         for f, t in moves:  # slot by slot: slice copies beat index copies for a few slots
-            a.kt[..., t] = a.kt[..., f]
-            for x in (a.v, a.log_mass, a.knorm, a.vnorm):
+            b.kt[..., t] = b.kt[..., f]
+            for x in (b.v, b.log_mass, b.knorm, b.vnorm):
                 x[:, :, t] = x[:, :, f]
     a.n = n
     return moves
 
 
-def _rotate(model: Model, a: Arena, old: torch.Tensor, new: torch.Tensor) -> None:
+def _rotate(model: Model, a: Arena | SplitArena, old: torch.Tensor, new: torch.Tensor) -> None:
     """Re-rotate the keys of live slots [0, n) from positions ``old`` (n,) to ``new`` (n,)
     by the exact rotation old -> new; unmoved slots keep their exact bits."""
     n = old.shape[0]
@@ -349,11 +383,14 @@ def _rotate(model: Model, a: Arena, old: torch.Tensor, new: torch.Tensor) -> Non
     c[moved], s[moved] = cos, sin
     c, s = c.t().contiguous(), s.t().contiguous()  # (D, n)
     is_moved = old != new  # (n,)
-    for i in range(a.kt.shape[0]):  # per layer: a float32 temporary
-        x = a.kt[i, :, :, :n].float()  # (KVH, D, n)
-        rot = torch.cat((-x[:, d // 2:], x[:, : d // 2]), dim=1)  # rotate_half over D
-        a.kt[i, :, :, :n] = torch.where(is_moved, x * c + rot * s, x)
-    a.renorm(0, n, values=False)
+    for b in a.blocks:
+        if b.device != c.device:
+            c, s, is_moved = c.to(b.device), s.to(b.device), is_moved.to(b.device)
+        for i in range(b.kt.shape[0]):  # per layer: a float32 temporary
+            x = b.kt[i, :, :, :n].float()  # (KVH, D, n)
+            rot = torch.cat((-x[:, d // 2:], x[:, : d // 2]), dim=1)  # rotate_half over D
+            b.kt[i, :, :, :n] = torch.where(is_moved, x * c + rot * s, x)
+        b.renorm(0, n, values=False)
 
 
 def _reindex(model: Model, state: State,
@@ -452,21 +489,33 @@ def _put_keys(a: Arena, slots: torch.Tensor, k: torch.Tensor) -> None:
         a.kt.index_copy_(3, slots, k.transpose(2, 3))
 
 
-def _take_rows(a: Arena, m: Ledger, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Slots ``slots`` (k,): their ledger rows, K, V and norms, as copies."""
-    return {**{c: getattr(m, c)[slots] for c in Ledger.COLUMNS}, "k": _take_keys(a, slots),
-            **{name: getattr(a, name).index_select(2, slots) for name in ("v", "knorm", "vnorm")}}
+ROWS = ("k", "v", "knorm", "vnorm")  # what a slot's row holds besides its ledger row
 
 
-def _put_rows(a: Arena, m: Ledger, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+def _take_rows(a: Arena | SplitArena, m: Ledger, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Slots ``slots`` (k,): their ledger rows, K, V and norms, as copies (on the ledger's
+    device)."""
+    blocks = []
+    for b in a.blocks:
+        at = slots.to(b.device)
+        blocks.append([_take_keys(b, at)] + [getattr(b, x).index_select(2, at) for x in ROWS[1:]])
+    parts = blocks[0] if isinstance(a, Arena) else [
+        torch.cat([t.to(m.device) for t in ts]) for ts in zip(*blocks)]
+    return {**{c: getattr(m, c)[slots] for c in Ledger.COLUMNS}, **dict(zip(ROWS, parts))}
+
+
+def _put_rows(a: Arena | SplitArena, m: Ledger, slots: torch.Tensor,
+              rows: dict[str, torch.Tensor]) -> None:
     """Write rows taken by ``_take_rows`` into ``slots`` (ledger first); each holds one
     token (log-mass 0)."""
     for c in Ledger.COLUMNS:
         getattr(m, c)[slots] = rows[c]
-    _put_keys(a, slots, rows["k"])
-    for name in ("v", "knorm", "vnorm"):
-        getattr(a, name).index_copy_(2, slots, rows[name])
-    a.log_mass[:, :, slots] = 0.0
+    for b, (k, *rest) in _parts(a, *(rows[x] for x in ROWS)):
+        at = slots.to(b.device)
+        _put_keys(b, at, k)
+        for name, x in zip(ROWS[1:], rest):
+            getattr(b, name).index_copy_(2, at, x)
+        b.log_mass[:, :, at] = 0.0
 
 
 def _enter_cold(cold: Cold, rows: torch.Tensor) -> None:
@@ -533,10 +582,7 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
                          row(SOURCES.index(state.pending_source), torch.int8), step,
                          row(flag, torch.int8))
     m.n = n + 1
-    a.k[:, :, n:n + 1] = k
-    a.v[:, :, n:n + 1] = gen.v
-    a.log_mass[:, :, n] = 0.0
-    a.renorm(n, n + 1, k, gen.v)
+    _write(a, n, k, gen.v)
     a.n = n + 1
     return n, uid, k
 
@@ -554,7 +600,7 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
     the ledger and rebuilds the arena from it, then re-raises (a cold store is not rolled
     back: a failure after it changed leaves the state invalid, which ``check_valid`` says).
     """
-    _check(state, gen, actions)
+    _check(model, state, gen, actions)
     m, step = state.ledger, state.step + 1
     n = m.n
     undo = ({c: m.live(c).clone() for c in Ledger.COLUMNS}, m.next_uid, m.dropped)
@@ -615,18 +661,17 @@ def rebuild_from_ledger(model: Model, state: State, chunk: int = PREFILL_CHUNK) 
     cols = {c: m.live(c)[order].clone() for c in Ledger.COLUMNS}
     a = state.arena
     a.n = 0
-    a.log_mass.zero_()
+    for b in a.blocks:
+        b.log_mass.zero_()
     a.folded = False
     n = cols["uid"].shape[0]
     for start in range(0, n, chunk):
         sl = slice(start, start + chunk)
-        out = forward(model, a.k[:, :, :start], a.v[:, :, :start], cols["token_id"][sl],
-                      cols["position"][sl], kv_only=True)
-        t = out.k.shape[2]
-        a.k[:, :, start:start + t] = out.k
-        a.v[:, :, start:start + t] = out.v
-        a.renorm(start, start + t)
-        a.n = start + t
+        past_k, past_v, _ = a.past(start)
+        out = forward(model, past_k, past_v, cols["token_id"][sl], cols["position"][sl],
+                      kv_only=True)
+        _write(a, start, out.k, out.v, norms_of_kv=False)
+        a.n = start + out.k.shape[2]
     for c, col in cols.items():
         getattr(m, c)[:n] = col
     m.n = a.n = n
@@ -644,17 +689,16 @@ def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, t
     cold store's ``k``, ``v``, ``columns``, ``entered``, ``capacity``, ``next_entry``) is
     written back likewise. An inconsistent ledger fails ``check_valid`` (AssertionError)."""
     n = k.shape[2]
-    state = State(Arena.allocate(model.spec, capacity, model.dtype, model.device),
-                  Ledger.allocate(capacity, device=model.device), **state_fields)
+    state = State(arena(model, capacity), Ledger.allocate(capacity, device=model.device),
+                  **state_fields)
     a, m = state.arena, state.ledger
     for c in Ledger.COLUMNS:
         getattr(m, c)[:n] = columns[c]
     for name, value in ledger_fields.items():
         setattr(m, name, value)
-    a.k[:, :, :n] = k
-    a.v[:, :, :n] = v
-    a.renorm(0, n)
-    a.log_mass[:, :, :n] = log_mass
+    _write(a, 0, k, v, norms_of_kv=False)
+    for b, (lm,) in _parts(a, log_mass):
+        b.log_mass[:, :, :n] = lm
     a.folded = bool((log_mass > 0).any())
     a.n = m.n = n
     if cold is not None:

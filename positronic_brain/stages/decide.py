@@ -90,13 +90,10 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0) -> t
     if not culls or len(culls) >= view.n:
         return ()
     c = view.uid.new_tensor(culls)
-    L, KVH, n, D = view.k.shape
-    # bfloat16 reads the arena's dense key block (same bits; dead columns dropped below)
-    keys = view.k.transpose(2, 3).reshape(L * KVH, D, n)
-    if keys.dtype != torch.float32:
-        keys = stored_keys(view.k)
-    dots = torch.bmm(view.k[:, :, c].reshape(L * KVH, len(culls), D), keys)
-    dots = dots[..., :n].float().reshape(L, KVH, len(culls), n)  # (L, KVH, c, n)
+    if isinstance(view.k, torch.Tensor):
+        dots = _dots(view.k, c)
+    else:  # a split arena: each block where it lives, the dots gathered
+        dots = torch.cat([_dots(k, c.to(k.device)).to(c.device) for k in view.k])
     norms = view.knorm.clamp_min(1e-12)  # (L, KVH, n)
     sim = dots / norms.unsqueeze(2)
     sim[..., c] = float("-inf")  # never into a slot that goes too
@@ -104,6 +101,18 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0) -> t
     into[best / norms[:, :, c] < min_cos] = -1
     return tuple(Fold(slot=s, uid=int(view.uid[s]), into=into[:, :, j])
                  for j, s in enumerate(culls) if bool((into[:, :, j] >= 0).any()))
+
+
+def _dots(k: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The dot products of the keys of slots ``c`` (m,) with every live key ``k`` (L,
+    kv_heads, n, head_dim): (L, kv_heads, m, n) float32."""
+    L, KVH, n, D = k.shape
+    # bfloat16 reads the arena's dense key block (same bits; dead columns dropped below)
+    keys = k.transpose(2, 3).reshape(L * KVH, D, n)
+    if keys.dtype != torch.float32:
+        keys = stored_keys(k)
+    dots = torch.bmm(k[:, :, c].reshape(L * KVH, c.numel(), D), keys)
+    return dots[..., :n].float().reshape(L, KVH, c.numel(), n)
 
 
 def cold_kept(limit: int, params: CacheParams) -> int:
