@@ -214,7 +214,7 @@ def test_a_recalled_token_brings_the_cold_tokens_that_follow_it():
     cold_sig = torch.tensor([0.5, 1.0, 0.125, 0.125, 0.25, 0.1875, 0.0])
     hot_pos, hot_sig = torch.tensor([30, 5, 19]), torch.tensor([0.0, 0.0, 0.75])
     cold = type("C", (), {"position": cold_pos, "n": 7})
-    view = type("V", (), {"cold": cold, "position": hot_pos})
+    view = type("V", (), {"cold": cold, "position": hot_pos, "next_position": 31})
     scores = type("S", (), {"cold_signal": cold_sig, "hot_signal": hot_sig})
     rows = lambda span, room: recalled(view, scores, CacheParams(recall_span=span), room)
     assert rows(1, 3) == [(1, 1.0), (0, 0.5), (4, 0.25)]  # span 1: the best cold alone
@@ -230,7 +230,7 @@ def test_a_cold_token_swaps_in_only_past_the_margin():
     cold = type("C", (), {"position": torch.tensor([10, 3]), "n": 2, "uid": torch.tensor([7, 8]),
                           "source": torch.tensor([0, 0]), "born_step": torch.tensor([0, 0])})
     view = type("V", (), {"cold": cold, "position": torch.tensor([30, 5, 19, 40]), "n": 4,
-                          "uid": torch.tensor([1, 2, 3, 4]), "step": 5})
+                          "uid": torch.tensor([1, 2, 3, 4]), "step": 5, "next_position": 41})
     scores = type("S", (), {"cold_signal": torch.tensor([0.5, 0.375]),
                             "hot_signal": torch.tensor([0.0, 0.125, 0.75, 0.25])})
     dim = torch.tensor([0, 1])  # the dimmest hot slots, ascending score
@@ -272,7 +272,7 @@ def test_recalled_equals_the_loop_by_hand(seed):
     cold_sig = sig[:c] if scan else [float("-inf")] * c
     span, room = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 20, (1,), generator=g))
     cold = type("C", (), {"position": pos[:c], "n": c})
-    view = type("V", (), {"cold": cold, "position": pos[c:]})
+    view = type("V", (), {"cold": cold, "position": pos[c:], "next_position": 3 * (n + c)})
     scores = type("S", (), {"cold_signal": torch.tensor(sig[:c]) if scan else None,
                             "hot_signal": torch.tensor(sig[c:])})
     want = _recalled_by_hand(pos[:c].tolist(), cold_sig, pos[c:].tolist(), sig[c:], span, room)

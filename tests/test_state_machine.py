@@ -336,12 +336,15 @@ def test_the_loop_against_a_plain_model(tiny_model, tiny_policy):
     LoopMachine.model, LoopMachine.policy = tiny_model, tiny_policy
     LoopMachine.seen.clear()
     run_state_machine_as_test(LoopMachine, settings=settings(
-        max_examples=30, stateful_step_count=30, **SETTINGS))
+        max_examples=40, stateful_step_count=30, **SETTINGS))
     seen = dict(LoopMachine.seen)
     print(seen)
     # The examples are derandomized, but which ones reach a merge decision depends on the
     # model's numbers, which round differently on a GPU: there the "repair" rule alone must
-    # have merged (stage 4), on the CPU stage 3 must have chosen merges too.
+    # have merged (stage 4), on the CPU stage 3 must have chosen merges too. Which examples
+    # reach a re-index or a merge decision also moved with which modules the process had
+    # imported before this test (the whole CLI or not): 30 examples missed one, 40 reach
+    # every kind either way.
     wanted = ("step", "decide_cull", "decide_reindex", "cull", "repair", "reindex", "extend",
               "export_import", "export_import after removals")
     for kind in wanted + (("decide_repair",) if tiny_model.device.type == "cpu" else ()):

@@ -144,18 +144,18 @@ def recalled(view: View, scores: ScoreOut, params: CacheParams, room: int) -> li
     anchors = finite[torch.argsort(signal[finite], descending=True, stable=True)]
     anchors = anchors[: room + scores.hot_signal.numel()]
     # A cold row follows an anchor within the span when 0 <= its position - the anchor's <
-    # span (positions are unique, so it is then fewer than ``span`` places on in text order)
-    text, by_pos = torch.sort(cold.position)  # (c,) cold positions in text order, their rows
-    start = position[anchors]  # (m,)
-    at = torch.searchsorted(text, start)[:, None] + torch.arange(span, device=start.device)
-    inside = at < c
-    at = at.clamp_max(c - 1)  # (m, span) places in text order
-    ok = inside & (text[at] - start[:, None] < span)
-    place = torch.arange(anchors.numel(), device=start.device)[:, None].expand_as(at)
-    best = torch.full((c,), N, dtype=place.dtype, device=place.device)  # the best anchor's place
-    best.scatter_reduce_(0, by_pos[at[ok]], place[ok], reduce="amin")
-    rows = by_pos[best[by_pos] < N]  # in text order
-    rows = rows[torch.argsort(best[rows], stable=True)][:room]
+    # span: read from a table of the cold row at each position (-1: none; positions are
+    # unique and below the next one), span entries per anchor
+    dev = signal.device
+    row_at = torch.full((view.next_position + span,), -1, dtype=torch.int64, device=dev)
+    row_at[cold.position] = torch.arange(c, device=dev)
+    at = row_at[position[anchors][:, None] + torch.arange(span, device=dev)]  # (m, span)
+    ok = at >= 0
+    place = torch.arange(anchors.numel(), device=dev)[:, None].expand_as(at)
+    best = torch.full((c,), N, dtype=place.dtype, device=dev)  # the best anchor's place
+    best.scatter_reduce_(0, at[ok], place[ok], reduce="amin")
+    # each row once, at its best anchor: in the anchors' order, then in text order
+    rows = at[ok & (best[at.clamp_min(0)] == place)][:room]
     return list(zip(rows.tolist(), signal[anchors[best[rows]]].tolist()))
 
 
