@@ -851,6 +851,13 @@ METHOD = """\
   plus an argmax on a `DynamicCache` holding a copy of the same K/V, cropped back by one row
   after every call so the context stays fixed. Two warm-up rounds, then the median of the
   repetitions; stage 1 and HF alternate within each repetition, same threads.
+- **llama.cpp** (where `llama_cpp` and llama.cpp's converter are installed: `make
+  bench-llamacpp`): the model's own Hugging Face folder written as a GGUF by llama.cpp's
+  `convert_hf_to_gguf.py` (F32 weights and an f32 K/V cache for float32; BF16 weights and
+  llama.cpp's default f16 K/V cache for bfloat16), the same token ids evaluated up to each
+  context, then one token decoded at that context per repetition and dropped from its
+  cache again, alternating with stage 1 and HF, with as many threads as torch uses. "same
+  next token": llama.cpp's greedy token equals stage 1's at that context.
 - **Allocations**: the CPU allocator's own events (the torch profiler with memory
   profiling) during one decode step per context: every allocation, also those an
   operator's kernel makes for itself; views and in-place writes cost nothing. HF's

@@ -525,16 +525,32 @@ def _enter_cold(cold: Cold, rows: torch.Tensor) -> None:
     cold.next_entry += rows.numel()
 
 
-def _swap(state: State, swaps: tuple[Swap, ...], step: int) -> None:
-    """Recalls: each cold row ``cold_slot`` and hot slot ``slot`` trade places; the recalled
-    tokens take the swaps' brightness and attn_sum; the others enter the cold store now."""
+def _leaving(state: State, swaps: tuple[Swap, ...], culls: list[int]) -> tuple[dict, dict]:
+    """The rows of the hot slots that go cold this step, taken in one pass over the hot key
+    rows (a slot's key is one element in each of them): the swaps' slots, then the culled
+    ones (``culls``, with a cold store; none without)."""
+    slots = [s.slot for s in swaps] + (culls if state.cold is not None else [])
+    if not slots:
+        return {}, {}
+    rows = _take_rows(state.arena, state.ledger, torch.tensor(slots, device=state.ledger.device))
+    return _some_rows(rows, slice(None, len(swaps))), _some_rows(rows, slice(len(swaps), None))
+
+
+def _some_rows(rows: dict[str, torch.Tensor], part: slice) -> dict[str, torch.Tensor]:
+    """A ``part`` of rows taken by ``_take_rows``, as views."""
+    return {name: x[part] if name in Ledger.COLUMNS else x[:, :, part] for name, x in rows.items()}
+
+
+def _swap(state: State, swaps: tuple[Swap, ...], step: int, leaving: dict) -> None:
+    """Recalls: each cold row ``cold_slot`` and hot slot ``slot`` trade places (``leaving``:
+    those slots' rows); the recalled tokens take the swaps' brightness and attn_sum; the
+    others enter the cold store now."""
     if not swaps:
         return
     a, m, cold = state.arena, state.ledger, state.cold
     dev = m.uid.device
     hot = torch.tensor([s.slot for s in swaps], device=dev)
     rows = torch.tensor([s.cold_slot for s in swaps], device=dev)
-    leaving = _take_rows(a, m, hot)
     _put_rows(a, m, hot, _take_rows(cold.arena, cold.ledger, rows))
     m.brightness[hot] = torch.tensor([s.brightness for s in swaps], dtype=torch.float32, device=dev)
     m.attn_sum[hot] = torch.tensor([s.attn_sum for s in swaps], dtype=torch.float32, device=dev)
@@ -543,10 +559,11 @@ def _swap(state: State, swaps: tuple[Swap, ...], step: int) -> None:
     _enter_cold(cold, rows)
 
 
-def _cool(model: Model, state: State, slots: list[int]) -> tuple[list[int], list[int]]:
-    """Culled hot ``slots`` into the cold store, the rows that entered first dropped for good
-    past its capacity (and, if more go at once than it holds, the first of them). Returns
-    the uids that went cold and those dropped."""
+def _cool(model: Model, state: State, slots: list[int],
+          leaving: dict) -> tuple[list[int], list[int]]:
+    """Culled hot ``slots`` (``leaving``: their rows) into the cold store, the rows that
+    entered first dropped for good past its capacity (and, if more go at once than it holds,
+    the first of them). Returns the uids that went cold and those dropped."""
     cold = state.cold
     direct = slots[: max(0, len(slots) - cold.capacity)]
     slots = slots[len(direct):]
@@ -558,8 +575,7 @@ def _cool(model: Model, state: State, slots: list[int]) -> tuple[list[int], list
     if k:
         dev = state.ledger.uid.device
         rows = torch.arange(n, n + k, device=dev)
-        _put_rows(cold.arena, cold.ledger, rows,
-                  _take_rows(state.arena, state.ledger, torch.tensor(slots, device=dev)))
+        _put_rows(cold.arena, cold.ledger, rows, _some_rows(leaving, slice(len(direct), None)))
         _enter_cold(cold, rows)
     cold.arena.n = cold.ledger.n = n + k
     return state.ledger.uid[slots].tolist(), dropped
@@ -616,9 +632,10 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
         new_uids = [_merge(state, r, step) for r in actions.merges]  # 2) merges
         for f in actions.folds:  # 3) folds
             _fold(state, f)
-        _swap(state, actions.swaps, step)  # 4) recalls
+        swapped, culled = _leaving(state, actions.swaps, culls)
+        _swap(state, actions.swaps, step, swapped)  # 4) recalls
         if state.cold is not None:  # 5) culled tokens go cold, or away for good
-            cooled, dropped = _cool(model, state, culls)
+            cooled, dropped = _cool(model, state, culls, culled)
         else:
             m.dropped += len(culls)
         moves = _remove(state.arena, m, culls + [r.slots[1] for r in actions.merges])  # 6)
