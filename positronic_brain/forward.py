@@ -80,10 +80,14 @@ def rerotation(model: Model, old: torch.Tensor, new: torch.Tensor):
 Past = torch.Tensor | tuple[torch.Tensor, ...]  # (L, ...), or one (L_b, ...) per block of layers
 
 
+def _blocks(past: Past) -> tuple[torch.Tensor, ...]:
+    """An arena tensor's blocks of layers: itself, or a split arena's blocks."""
+    return (past,) if isinstance(past, torch.Tensor) else past
+
+
 def _layers(past: Past) -> tuple[torch.Tensor, ...]:
     """One tensor per layer of an arena tensor (L, ...), or of a split arena's blocks."""
-    return past.unbind(0) if isinstance(past, torch.Tensor) else tuple(
-        t for block in past for t in block.unbind(0))
+    return tuple(t for block in _blocks(past) for t in block.unbind(0))
 
 
 def _gather(ts: list[torch.Tensor], device: torch.device, split: bool) -> torch.Tensor:
@@ -124,7 +128,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     s = model.spec
     L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
     g = H // KVH
-    T, n = ids.shape[0], (past_k if isinstance(past_k, torch.Tensor) else past_k[0]).shape[2]
+    T, n = ids.shape[0], _blocks(past_k)[0].shape[2]
     dtype = model.dtype
     scale = D ** -0.5
 
@@ -162,10 +166,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     # one operator each instead of a select per layer; an arena's keys are stored
     # transposed, so each (KVH, D, n) block has each key dimension as one contiguous run of
     # slots: the fast layout for q K^T
-    if isinstance(past_k, torch.Tensor):
-        past_kt = past_k.transpose(2, 3).unbind(0)
-    else:
-        past_kt = tuple(t for block in past_k for t in block.transpose(2, 3).unbind(0))
+    past_kt = _layers(tuple(block.transpose(2, 3) for block in _blocks(past_k)))
     past_vs = _layers(past_v)
     log_mass = _layers(past_log_mass) if past_log_mass is not None else None
     qkv_split = ((H + KVH) * D, KVH * D)

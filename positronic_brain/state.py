@@ -150,6 +150,19 @@ class Arena:
         return self.kt.stride(-1) != 1
 
 
+def _every_block(name: str) -> property:
+    """A field every block of a ``SplitArena`` holds alike (stage 4 writes the whole
+    arena's): read from the first block, written to all."""
+    def get(self):
+        return getattr(self.blocks[0], name)
+
+    def put(self, value) -> None:
+        for b in self.blocks:
+            setattr(b, name, value)
+
+    return property(get, put)
+
+
 @dataclass(eq=False)
 class SplitArena:
     """The arena of a model whose layers a device map splits over devices
@@ -170,23 +183,8 @@ class SplitArena:
         return cls(tuple(Arena.allocate(spec, capacity, dtype, dev, layers=sl.stop - sl.start)
                          for sl, dev in blocks), tuple(sl for sl, _ in blocks), device)
 
-    @property
-    def n(self) -> int:
-        return self.blocks[0].n
-
-    @n.setter
-    def n(self, n: int) -> None:
-        for b in self.blocks:
-            b.n = n
-
-    @property
-    def folded(self) -> bool:
-        return any(b.folded for b in self.blocks)
-
-    @folded.setter
-    def folded(self, folded: bool) -> None:
-        for b in self.blocks:
-            b.folded = folded
+    n = _every_block("n")
+    folded = _every_block("folded")
 
     @property
     def capacity(self) -> int:
