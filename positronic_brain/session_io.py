@@ -14,7 +14,8 @@ Loading checks every shape, dtype, column and token id here; ``stages.apply.rest
 (stage 0, the only writer) then writes them back onto the model's device. On the device
 type it was saved from, the continuation is bit-exact; on another, kernels round
 differently (equal up to the dtype's tolerance) and a generator's state does not carry
-over, so sampling restarts from the sampler's seed.
+over, so sampling restarts from the sampler's seed. Format 5 added the ledger's origin
+columns; a format-4 file loads with every row made in its own session.
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ from .stages.apply import restore
 from .state import Ledger, State, gathered
 from .types import UserError, require
 
-FORMAT = "positronic-brain-session/4"
+FORMAT = "positronic-brain-session/5"
+# Format 4 lacks the ledger's origin columns: its rows were all made in its own session.
+FORMAT_4 = "positronic-brain-session/4"
 # Session fields not saved as JSON: rebuilt on load, or (a capture's tape) owned by the
 # saving process; a loaded session starts without a capture.
 RUNTIME = ("model", "policy", "state", "tape")
@@ -108,23 +111,40 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
     return atomic_write(path, st_save(tensors, metadata=meta))
 
 
+def _read(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A session file's header and tensors, unchecked (UserError if it cannot be read)."""
+    require(path.is_file(), f"no session file at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # truncated, not safetensors, unreadable ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise UserError(f"{path}: not a readable session file ({first})") from None
+
+
+def saved_model(path: str | os.PathLike) -> tuple[str, str]:
+    """The name and dtype of the model a session file was saved from (what ``load_model``
+    takes), read from its header."""
+    meta = _read(Path(path))[0]
+    try:
+        saved = json.loads(meta["model"])
+        return str(saved["name"]), str(saved["dtype"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{path}: not a session file (no model in its header)") from None
+
+
 def load_session(model: Model, path: str | os.PathLike) -> Session:
     """Read a session saved by ``save_session`` into ``model``, which must be the model it
     was saved from (architecture, dtype, rope, weights); the session continues exactly
     where it stopped. Anything else raises UserError (one line)."""
     path = Path(path)
-    require(path.is_file(), f"no session file at {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # truncated, not safetensors, unreadable ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise UserError(f"{path}: not a readable session file ({first})") from None
-    require(meta.get("format") == FORMAT, f"{path}: not a session file of format {FORMAT} "
-            f"(its format: {meta.get('format')!r})")
+    meta, tensors = _read(path)
+    require(meta.get("format") in (FORMAT, FORMAT_4), f"{path}: not a session file of format "
+            f"{FORMAT} or {FORMAT_4} (its format: {meta.get('format')!r})")
     require(meta.get("sha256") == _digest(meta, tensors),
             f"{path}: the session file is corrupt (sha256 mismatch)")
+    if meta["format"] == FORMAT_4:
+        tensors |= _made_here(tensors)
     try:
         saved, body = json.loads(meta["model"]), json.loads(meta["session"])
         diff = _mismatch(saved, model.fingerprint)
@@ -150,6 +170,17 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
         raise UserError(f"{path}: inconsistent session ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return session
+
+
+def _made_here(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The origin columns of a format-4 file's ledgers: every row made in its own session."""
+    out = {}
+    for part in ("ledger", "cold"):
+        uid = tensors.get(f"{part}.uid")
+        if uid is not None:
+            out[f"{part}.origin"] = torch.zeros(uid.shape, dtype=torch.int32)
+            out[f"{part}.origin_uid"] = torch.full(uid.shape, -1, dtype=torch.int64)
+    return out
 
 
 def _saved_cold(model: Model, tensors: dict[str, torch.Tensor], body: dict | None) -> dict | None:

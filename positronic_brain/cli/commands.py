@@ -1,13 +1,15 @@
-"""The one-shot commands: ``run``, ``bench``, ``fork``, ``compare``, ``replay``, ``inspect``."""
+"""The one-shot commands: ``run``, ``bench``, ``fork``, ``compare``, ``replay``, ``inspect``,
+``compose``."""
 from __future__ import annotations
 
 import json
 import sys
 
-from .. import compare, fork, inspector, replay
+from .. import compare, compose, fork, inspector, replay
 from ..bench import passkey, quality, speed
 from ..loop import run
 from ..model import load_model
+from ..session_io import saved_model
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError
 from .args import (BENCH_KINDS, QUALITY_ONLY, cache_params, model_placement, open_tape,
@@ -94,3 +96,18 @@ def cmd_replay(args) -> int:
 
 def cmd_inspect(args) -> int:
     return inspector.main(args.path, args.step, args.last, html=args.html)
+
+
+def cmd_compose(args) -> int:
+    name, dtype = saved_model(args.files[0])
+    model = load_model(args.model or name, args.dtype or dtype, args.device)
+    out = compose.compose_files(model, args.files, args.out)
+    if args.json:
+        json.dump(out, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        parts = " + ".join(f"{p['label']} {p['cached']}" for p in out["parts"])
+        print(f"[composed {parts} cached tokens: {out['cached']} at positions < "
+              f"{out['next_position']}"
+              + (f", {out['cold']} cold" if out["cold"] else "") + f" -> {out['out']}]")
+    return 0
