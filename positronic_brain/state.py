@@ -5,7 +5,7 @@ or a ledger lives in ``positronic_brain.stages.apply`` (stage 0/4).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -271,6 +271,12 @@ class Ledger:
                  "origin": self.origin_label(cols["origin"][i]),
                  "origin_uid": cols["origin_uid"][i]} for i in order]
 
+    def scalars(self) -> dict:
+        """Its fields besides the columns and the live count (next uid, merge history, tokens
+        dropped, seeds, origins table): what a session file and compose carry as they are."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in self.COLUMNS + ("n",)}
+
     def origin_label(self, origin: int) -> str | None:
         """The file an ``origin`` value names; None for 0 (made here)."""
         return self.origins[origin - 1] if origin else None
@@ -428,6 +434,12 @@ class State:
     step: int = 0  # number of stage-4 applications so far
     pinned: tuple[str, ...] = ()  # prime's protected sources (stage 4 flags the pending token)
     cold: Cold | None = None  # the recall tier (CacheParams.recall); None without it
+
+    def scalars(self) -> dict:
+        """Its fields besides the arena, ledger and cold store (pending token, its source and
+        position, step, pinned sources): what a session file and compose carry as they are."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("arena", "ledger", "cold")}
 
     def view(self) -> View:
         n, m = self.arena.n, self.ledger

@@ -1,15 +1,15 @@
 """The one-shot commands: ``run``, ``bench``, ``fork``, ``compare``, ``replay``, ``inspect``,
-``compose``."""
+``compose``, ``export``."""
 from __future__ import annotations
 
 import json
 import sys
 
-from .. import compare, compose, fork, inspector, replay
+from .. import compare, compose, fork, inspector, partial, replay
 from ..bench import passkey, quality, speed
 from ..loop import run
 from ..model import load_model
-from ..session_io import saved_model
+from ..session_io import saved_model, spans
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError
 from .args import (BENCH_KINDS, QUALITY_ONLY, cache_params, model_placement, open_tape,
@@ -98,16 +98,32 @@ def cmd_inspect(args) -> int:
     return inspector.main(args.path, args.step, args.last, html=args.html)
 
 
-def cmd_compose(args) -> int:
-    name, dtype = saved_model(args.files[0])
-    model = load_model(args.model or name, args.dtype or dtype, args.device)
-    out = compose.compose_files(model, args.files, args.out)
-    if args.json:
-        json.dump(out, sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        parts = " + ".join(f"{p['label']} {p['cached']}" for p in out["parts"])
-        print(f"[composed {parts} cached tokens: {out['cached']} at positions < "
-              f"{out['next_position']}"
-              + (f", {out['cold']} cold" if out["cold"] else "") + f" -> {out['out']}]")
+def _saved_model(args, path: str):
+    """The model a session file was saved from, unless --model / --dtype say otherwise."""
+    name, dtype = saved_model(path)
+    return load_model(args.model or name, args.dtype or dtype, args.device)
+
+
+def _report(args, out: dict, line: str) -> int:
+    print(json.dumps(out) if args.json else line)
     return 0
+
+
+def cmd_compose(args) -> int:
+    out = compose.compose_files(_saved_model(args, args.files[0]), args.files, args.out)
+    parts = " + ".join(f"{p['label']} {p['cached']}" + ("" if p["layers"] is None else
+                                                       f" (layers {spans(p['layers'])})")
+                       for p in out["parts"])
+    return _report(args, out, f"[composed {parts} cached tokens: {out['cached']} at positions "
+                   f"< {out['next_position']}" + (f", {out['cold']} cold" if out["cold"] else "")
+                   + f" -> {out['out']}]")
+
+
+def cmd_export(args) -> int:
+    filters = {"uids": None if args.uids is None else partial.parse_span(args.uids, "--uids"),
+               "sources": None if args.source is None else tuple(args.source.split(",")),
+               "min_brightness": args.min_brightness,
+               "layers": None if args.layers is None else partial.parse_layers(args.layers)}
+    out = partial.export_file(_saved_model(args, args.file), args.file, args.out, **filters)
+    return _report(args, out, f"[exported {out['rows']} of {out['of']} cached tokens, layers "
+                   f"{out['layers']} of {out['n_layers']} -> {out['out']}]")

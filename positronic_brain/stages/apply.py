@@ -11,6 +11,9 @@
   slots stay a dense prefix), position re-index (keys re-rotated exactly), then the append
   of the pending token's K/V (stage 4).
 - ``rebuild_from_ledger``: re-prefill the arena from the ledger after a failure part-way.
+- ``restore``: write a saved or composed state back (stage 0).
+- ``prefill_kv``: the K/V a prefill of some tokens after a given cache writes, computed on a
+  scratch state of its own (compose rebuilds a partial part's missing layers with it).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from ..forward import apply_rope, forward, rerotation
 from ..model import Model
 from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Cold, Ledger, SplitArena, State,
-                     key_norms, value_norms)
+                     gathered, key_norms, value_norms)
 from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Merge, Patch, PrefillStats,
                      PrimeOut, ScoreOut, Segment, Swap, require)
 
@@ -715,15 +718,43 @@ def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, t
         getattr(m, c)[:n] = columns[c]
     for name, value in ledger_fields.items():
         setattr(m, name, value)
-    _write(a, 0, k, v, norms_of_kv=False)
-    for b, (lm,) in _parts(a, log_mass):
-        b.log_mass[:, :, :n] = lm
-    a.folded = bool((log_mass > 0).any())
-    a.n = m.n = n
+    _put_live(a, k, v, log_mass)
+    m.n = n
     if cold is not None:
         state.cold = _restore_cold(model, cold)
     state.check_valid()
     return state
+
+
+def _put_live(a: Arena | SplitArena, k: torch.Tensor, v: torch.Tensor,
+              log_mass: torch.Tensor) -> None:
+    """Make ``k``/``v`` (L, kv_heads, n, head_dim) with ``log_mass`` (L, kv_heads, n) the live
+    slots [0, n) of the arena ``a``."""
+    n = k.shape[2]
+    _write(a, 0, k, v, norms_of_kv=False)
+    for b, (lm,) in _parts(a, log_mass):
+        b.log_mass[:, :, :n] = lm
+    a.folded = bool((log_mass > 0).any())
+    a.n = n
+
+
+@torch.no_grad()
+def prefill_kv(model: Model, k: torch.Tensor, v: torch.Tensor, log_mass: torch.Tensor,
+               ids: torch.Tensor, positions: torch.Tensor,
+               chunk: int = PREFILL_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 0 on a scratch state of its own, dropped on return: the K/V (L, kv_heads, T,
+    head_dim) a prefill of ``ids`` at ``positions`` (T,) writes after a cache holding
+    ``k``/``v`` (L, kv_heads, n, head_dim) with ``log_mass`` (L, kv_heads, n). It is
+    ``extend``'s chunked prefill (``_prefill``), so a session holding that cache gets these
+    K/V from ``extend`` of the same tokens at the same positions."""
+    n, t = k.shape[2], ids.shape[0]
+    scratch = State(arena(model, n + t), Ledger.allocate(n + t, device=model.device))
+    _put_live(scratch.arena, k, v, log_mass)
+    scratch.ledger.n = n
+    zeros = torch.zeros(t, dtype=torch.int8, device=model.device)
+    _prefill(model, scratch, ids, positions, zeros, zeros, chunk, all_logits=False)
+    return (gathered(scratch.arena, "k", n + t)[:, :, n:],
+            gathered(scratch.arena, "v", n + t)[:, :, n:])
 
 
 def _restore_cold(model: Model, saved: dict) -> Cold:
