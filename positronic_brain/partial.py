@@ -133,7 +133,8 @@ def partial_bench(model: Model, policy: TokenPolicy, target_text: str, doc_text:
     target (``compose``: the target's pending token is not composed, the document's is the
     pending one). Each subset's row has the continuation's mean NLL (nats per token), its
     difference from the full transfer (the whole document session composed, no layer
-    rebuilt) and the seconds compose took (the rebuild). Subset ``none`` rebuilds every
+    rebuilt) and the seconds compose took (the rebuild); ``target_cached`` and
+    ``doc_cached`` count the tokens each part brings. Subset ``none`` rebuilds every
     layer: a prefill of the document after the target, the joint-context reference."""
     n_layers = model.spec.n_layers
     subsets = layer_subsets(n_layers) if subsets is None else subsets
@@ -158,6 +159,6 @@ def partial_bench(model: Model, policy: TokenPolicy, target_text: str, doc_text:
                          "transferred": len(set(layers)), "rebuilt": n_layers - len(set(layers)),
                          "nll": nll, "vs_full": nll - full, "seconds": seconds})
     return {"model": model.name, "dtype": str(model.dtype).removeprefix("torch."),
-            "n_layers": n_layers, "target_tokens": target.state.ledger.n,
-            "doc_tokens": doc.state.ledger.n + 1, "continuation_tokens": len(cont),
+            "n_layers": n_layers, "target_cached": target.state.ledger.n,
+            "doc_cached": doc.state.ledger.n, "continuation_tokens": len(cont),
             "full": {"nll": full, "seconds": full_seconds}, "subsets": rows}
