@@ -14,7 +14,8 @@ count as dropped otherwise. Stage 0 (``stages.apply.restore``) writes the result
 
 The composed cache is not what a joint prefill of the text would give: each part never saw
 the parts before it. ``blend.measure`` says how far it is, and what re-running the tokens
-that deviate most (CacheBlend's selective recompute) recovers.
+that deviate most (CacheBlend's selective recompute) recovers; ``compose_files`` can save
+the cache so recomputed.
 """
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ from pathlib import Path
 
 import torch
 
+from .blend import SELECT_LAYER, check_percents, measure
 from .forward import rerotate
 from .loop import Session
 from .model import Model
 from .session_io import load_session, save_session
 from .special_tokens import TokenPolicy
-from .stages.apply import restore
+from .stages.apply import restore, rewrite
 from .state import Ledger, gathered
 from .types import UserError, require
 
@@ -65,22 +67,37 @@ class Part:
         return self.session.state.ledger
 
 
-def compose_files(model: Model, paths: list[str | Path], out: str | Path) -> dict:
+def compose_files(model: Model, paths: list[str | Path], out: str | Path,
+                  continuation: list[int] | None = None, percents: tuple[float, ...] = (),
+                  layer: int = SELECT_LAYER) -> dict:
     """Compose the session files ``paths`` (each loaded by ``session_io.load_session``, so
     each must come from ``model``) into the file ``out``; returns what was composed. A
-    part's origin label is its file name, or its path where two parts share a name."""
+    part's origin label is its file name, or its path where two parts share a name.
+
+    With ``continuation`` (ids), the composition is measured against a joint prefill of its
+    text (``blend.measure``, recomputing each of ``percents``; under ``"measure"``) and the
+    file holds the cache recomputed at the last of ``percents`` (``stages.apply.rewrite``)."""
+    require(continuation is not None or not percents,
+            "a recompute needs a continuation to measure")
+    check_percents(percents)
     names = [Path(p).name for p in paths]
     parts = [Part.of(load_session(model, p), name if names.count(name) == 1 else str(p))
              for p, name in zip(paths, names)]
     session = compose(model, parts)
-    save_session(session, out)
     state = session.state
+    measured = None
+    if continuation is not None:
+        measured, rows = measure(model, state, continuation, percents, layer)
+        if rows is not None:
+            rewrite(model, state, *rows)
+    save_session(session, out)
     return {"out": str(out), "parts": [{"file": str(p), "label": part.label,
                                         "cached": part.k.shape[2],
                                         "cold": 0 if part.cold is None else part.cold["k"].shape[2]}
                                        for p, part in zip(paths, parts)],
             "cached": state.ledger.n, "cold": 0 if state.cold is None else state.cold.n,
-            "next_position": state.next_position, "origins": list(state.ledger.origins)}
+            "next_position": state.next_position, "origins": list(state.ledger.origins),
+            **({} if measured is None else {"measure": measured})}
 
 
 class _Origins:

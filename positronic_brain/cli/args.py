@@ -8,13 +8,14 @@ import argparse
 from dataclasses import asdict
 
 from ..bench import passkey
+from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
 from ..model import DTYPES
 from ..scorers import SCORERS, make_scorer, user
 from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
 
 PROG = "positronic-brain"
-BENCH_KINDS = ("speed", "quality", "passkey")
+BENCH_KINDS = ("speed", "quality", "passkey", "transfer")
 
 MODEL_HELP = ("smollm2 (default), a .gguf file (llama, mistral, qwen2), a local HF folder, "
               "or a tiny random model for tests: "
@@ -116,6 +117,34 @@ def _add_compose_args(sub) -> None:
     cp.add_argument("--device", default="cpu", help=DEVICE_HELP.replace("CUDA when available, "
                                                                         "else the CPU", "cpu"))
     cp.add_argument("--json", action="store_true", help="print one JSON object instead")
+    g = cp.add_argument_group("measure (how far the composition is from a joint prefill of "
+                              "its text; see README: compose)")
+    g.add_argument("--measure", default=None, metavar="TEXT",
+                   help="the text that follows the composed context: report each layer's K/V "
+                   "deviation from a joint prefill and this text's NLL under both caches")
+    g.add_argument("--recompute", default=None, metavar="R[,R...]",
+                   help="with --measure: also re-run the R%% of tokens whose values deviate "
+                   "most (CacheBlend's selective recompute) and report the gap each closes; "
+                   "the file holds the cache recomputed at the last R")
+    g.add_argument("--select-layer", type=int, default=SELECT_LAYER, metavar="N",
+                   help=f"the layer whose value deviation selects them (default {SELECT_LAYER}, "
+                   "the first whose K/V depend on other tokens)")
+
+
+def percents(args) -> tuple[float, ...]:
+    """``--recompute 5,10,100`` -> (5.0, 10.0, 100.0), each in (0, 100]; it needs
+    ``--measure``. Anything else is a one-line UserError."""
+    if args.recompute is None:
+        return ()
+    if args.measure is None:
+        raise UserError("--recompute needs --measure TEXT (the continuation whose NLL it reports)")
+    try:
+        out = tuple(float(x) for x in args.recompute.split(","))
+    except ValueError:
+        raise UserError(f"--recompute takes comma-separated percentages, got "
+                        f"{args.recompute!r}") from None
+    check_percents(out)
+    return out
 
 
 def _add_capture_args(p: argparse.ArgumentParser) -> None:

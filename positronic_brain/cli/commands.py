@@ -6,16 +6,17 @@ import json
 import sys
 
 from .. import compare, compose, fork, inspector, replay
-from ..bench import passkey, quality, speed
+from ..bench import passkey, quality, speed, transfer
+from ..bench.common import Table, fmt, print_tables
 from ..loop import run
 from ..model import load_model
 from ..session_io import saved_model
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError
 from .args import (BENCH_KINDS, QUALITY_ONLY, cache_params, model_placement, open_tape,
-                   sampler_params)
+                   percents, sampler_params)
 
-BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main)))
+BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main, transfer.main)))
 
 
 def cmd_run(args) -> int:
@@ -62,7 +63,7 @@ def cmd_bench(args) -> int:
     only = [f"--{f}" for f in QUALITY_ONLY if getattr(args, f) is not None]
     if args.kind != "quality" and only:
         raise UserError(f"{', '.join(only)}: for bench quality only")
-    if args.kind == "speed" and args.jobs is not None:
+    if args.kind in ("speed", "transfer") and args.jobs is not None:
         raise UserError("--jobs: for bench quality and bench passkey only")
     return BENCHES[args.kind](args)
 
@@ -99,15 +100,42 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_compose(args) -> int:
+    recompute = percents(args)  # before the (slower) model load
     name, dtype = saved_model(args.files[0])
     model = load_model(args.model or name, args.dtype or dtype, args.device)
-    out = compose.compose_files(model, args.files, args.out)
+    continuation = None if args.measure is None else TokenPolicy(model.tokenizer).encode(args.measure)
+    out = compose.compose_files(model, args.files, args.out, continuation, recompute,
+                                args.select_layer)
     if args.json:
         json.dump(out, sys.stdout)
         sys.stdout.write("\n")
-    else:
-        parts = " + ".join(f"{p['label']} {p['cached']}" for p in out["parts"])
-        print(f"[composed {parts} cached tokens: {out['cached']} at positions < "
-              f"{out['next_position']}"
-              + (f", {out['cold']} cold" if out["cold"] else "") + f" -> {out['out']}]")
+        return 0
+    parts = " + ".join(f"{p['label']} {p['cached']}" for p in out["parts"])
+    print(f"[composed {parts} cached tokens: {out['cached']} at positions < "
+          f"{out['next_position']}"
+          + (f", {out['cold']} cold" if out["cold"] else "") + f" -> {out['out']}]")
+    if "measure" in out:
+        print_tables(measure_tables(out["measure"]))
     return 0
+
+
+def measure_tables(m: dict) -> list[Table]:
+    """``compose --measure``'s report as tables: the deviation per layer, then the
+    continuation's NLL under each cache."""
+    d = m["deviation"]
+    layers = tuple((str(i), f"{k:.4f}", f"{v:.4f}")
+                   for i, (k, v) in enumerate(zip(d["layer_k"], d["layer_v"])))
+    nll = m["nll"]
+    rows = [("composed", "0", f"{nll['composed']:.4f}", "0", f"{d['k']:.4f}", f"{d['v']:.4f}"),
+            ("joint prefill", str(m["tokens"]), f"{nll['joint']:.4f}", "1", "0", "0")]
+    rows += [(f"recompute {r['percent']:g}%", str(r["rows"]), f"{r['nll']:.4f}",
+              fmt(r["gap_closed"], 3), f"{r['deviation']['k']:.4f}", f"{r['deviation']['v']:.4f}")
+             for r in m["recompute"]]
+    return [Table("Deviation from a joint prefill of the same text, per layer: ||composed - "
+                  "joint|| / ||joint||", ("layer", "K", "V"),
+                  layers + (("all", f"{d['k']:.4f}", f"{d['v']:.4f}"),)),
+            Table(f"The continuation's NLL ({m['continuation']} tokens) under each cache",
+                  ("cache", "rows recomputed", "NLL", "gap closed", "K deviation",
+                   "V deviation"), tuple(rows),
+                  f"Rows recomputed: those whose values deviate most at layer "
+                  f"{m['select_layer']}. Gap closed: (composed - NLL) / (composed - joint).")]
