@@ -205,8 +205,8 @@ COMPOSE_METHOD = """\
   of its own (its first token at position 0) with the next part's first token pending, then
   composed in order (`compose.compose`: each part's positions moved past the parts before
   it, its keys re-rotated exactly); the last part's pending token is the text's next token.
-  No part saw the parts before it: the first part's rows are the joint prefill's, the
-  others' deviate from layer 1 on (layer 0's K/V are each token's own).
+  No part saw the parts before it: the first part's rows equal the joint prefill's (to float
+  rounding), the others' deviate from layer 1 on (layer 0's K/V are each token's own).
 - **Joint prefill**: the same tokens at the same positions through one causal prefill
   (`blend.Blend`, chunked as stage 0's prefill). Deviation per layer: ||K - K joint|| /
   ||K joint|| over the layer's rows, heads and dimensions; per part: the mean of each
