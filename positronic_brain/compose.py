@@ -31,7 +31,7 @@ from .model import Model
 from .session_io import load_session, save_session
 from .special_tokens import TokenPolicy
 from .stages.apply import restore, rewrite
-from .state import Ledger, gathered
+from .state import Ledger, restore_args
 from .types import UserError, require
 
 
@@ -46,21 +46,14 @@ class Part:
     v: torch.Tensor
     log_mass: torch.Tensor  # (L, kv_heads, n)
     columns: dict[str, torch.Tensor]  # every Ledger.COLUMNS, (n,)
-    cold: dict | None  # k, v, columns, entered of the cold rows (None: no cold store)
+    cold: dict | None  # the cold rows as ``restore`` takes them (None: no cold store)
 
     @classmethod
     def of(cls, session: Session, label: str) -> "Part":
-        state = session.state
-        require(state is not None, f"{label}: the session is not primed")
-        a, m, n = state.arena, state.ledger, state.ledger.n
-        cold = None
-        if state.cold is not None:
-            c = state.cold
-            cold = {"k": c.arena.k[:, :, :c.n], "v": c.arena.v[:, :, :c.n],
-                    "columns": {col: c.ledger.live(col) for col in Ledger.COLUMNS},
-                    "entered": c.entered[:c.n], "capacity": c.capacity}
-        return cls(label, session, gathered(a, "k", n), gathered(a, "v", n),
-                   gathered(a, "log_mass", n), {c: m.live(c) for c in Ledger.COLUMNS}, cold)
+        require(session.state is not None, f"{label}: the session is not primed")
+        saved = restore_args(session.state)
+        return cls(label, session, saved["k"], saved["v"], saved["log_mass"], saved["columns"],
+                   saved["cold"])
 
     @property
     def ledger(self) -> Ledger:

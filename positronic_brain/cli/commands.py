@@ -8,26 +8,33 @@ import sys
 from .. import compare, compose, fork, inspector, replay
 from ..bench import passkey, quality, speed, transfer
 from ..bench.common import Table, fmt, print_tables
-from ..loop import run
+from ..loop import drive, run
 from ..model import load_model
-from ..session_io import saved_model
+from ..session_io import load_session, saved_model
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError
-from .args import (BENCH_KINDS, QUALITY_ONLY, cache_params, model_placement, open_tape,
-                   percents, sampler_params)
+from .args import (BENCH_KINDS, DTYPE, MODEL, QUALITY_ONLY, cache_params, model_placement,
+                   open_tape, percents, sampler_params, settled_by_session)
 
 BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main, transfer.main)))
 
 
+def _echo(delta: str) -> None:
+    sys.stdout.write(delta)
+    sys.stdout.flush()
+
+
 def cmd_run(args) -> int:
+    if args.max_new_tokens < 0:
+        raise UserError(f"max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.session is not None:
+        return _report(args, _run_session(args))
     sampler, params = sampler_params(args), cache_params(args)  # before the (slower) model load
     if args.prompt == "":
         raise UserError("the prompt is empty")
-    if args.max_new_tokens < 0:
-        raise UserError(f"max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.capacity is not None and args.capacity < 1:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
-    model = load_model(args.model, args.dtype, **model_placement(args))
+    model = load_model(args.model or MODEL, args.dtype or DTYPE, **model_placement(args))
     policy = TokenPolicy(model.tokenizer, bos=args.bos)
     if args.system is not None or args.chat:
         turns = ([("system", args.system)] if args.system is not None else []) \
@@ -35,15 +42,31 @@ def cmd_run(args) -> int:
         segments = policy.chat(turns)
     else:
         segments = policy.raw_prompt(args.prompt)
-
-    def echo(delta: str) -> None:
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-
     tape = open_tape(args, model, sampler, params, [i for s in segments for i in s.ids])
-    result = run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
-                 ignore_eos=args.ignore_eos, capacity=args.capacity,
-                 on_text=None if args.json else echo, cache_params=params, tape=tape)
+    return _report(args, run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
+                             ignore_eos=args.ignore_eos, capacity=args.capacity,
+                             on_text=None if args.json else _echo, cache_params=params,
+                             tape=tape))
+
+
+def _run_session(args) -> dict:
+    """``run --session FILE``: the saved session goes on, with its own arena, sampler and cache
+    parameters; with ``--capture`` its capture starts from the state the file restored."""
+    settled = settled_by_session(args)
+    if settled:
+        raise UserError(f"{', '.join(settled)}: not with --session (the session goes on with "
+                        "its own prompt, arena, sampler and cache parameters)")
+    name, dtype = saved_model(args.session)
+    model = load_model(args.model or name, args.dtype or dtype, **model_placement(args))
+    session = load_session(model, args.session)
+    if args.capture is not None:
+        session.record(open_tape(args, model, session.sampler, session.cache_params,
+                                 session.prompt_ids), args.session)
+    return drive(session, args.max_new_tokens, args.ignore_eos, None if args.json else _echo)
+
+
+def _report(args, result: dict) -> int:
+    """Print a run's result: its JSON, or a summary line after the streamed text."""
     if args.json:
         json.dump(result, sys.stdout)
     sys.stdout.write("\n")
@@ -69,14 +92,10 @@ def cmd_bench(args) -> int:
 
 
 def cmd_fork(args) -> int:
-    def echo(delta: str) -> None:
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-
     result = fork.fork(args.run_dir, args.step, fork.cache_overrides(args),
                        fork.sampler_overrides(args), args.max_new_tokens, args.capture,
                        args.capture_level, args.command, args.device,
-                       None if args.json else echo)
+                       None if args.json else _echo)
     if args.json:
         json.dump(result, sys.stdout)
     sys.stdout.write("\n")
