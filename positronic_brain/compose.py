@@ -16,13 +16,15 @@ A partial session file (``partial``) is a part too: its rows get fresh uids even
 comes first (its accounts are not carried: the composed session accounts only for the rows
 it holds), and the layers it lacks are rebuilt as a prefill of its tokens (text order, at
 their composed positions) over the cache composed before it computes them
-(``stages.apply.prefill_kv``); the layers it holds are kept as exported. Last, it gives
-what a whole session gives (its session's pending token and position, sampler, generator
-state and cache parameters).
+(``blend.chunked``, read-only, reading that cache as stage 0's prefill reads the arena; on
+one device: no device map); the layers it holds are kept as exported. Last, it gives what a
+whole session gives (its session's pending token and position, sampler, generator state and
+cache parameters).
 
 The composed cache is not what a joint prefill of the text would give: each part never saw
 the parts before it. ``blend.measure`` says how far it is, and what re-running the tokens
-that deviate most (CacheBlend's selective recompute) recovers.
+that deviate most (CacheBlend's selective recompute) recovers; ``compose_files`` can save
+the cache so recomputed.
 """
 from __future__ import annotations
 
@@ -31,13 +33,14 @@ from pathlib import Path
 
 import torch
 
+from .blend import SELECT_LAYER, check_percents, chunked, measure
 from .forward import rerotate
 from .loop import Session
 from .model import Model
 from .session_io import load_saved, save_session
 from .special_tokens import TokenPolicy
-from .stages.apply import prefill_kv, restore
-from .state import Ledger, gathered
+from .stages.apply import restore, rewrite
+from .state import Ledger, restore_args
 from .types import UserError, require
 
 
@@ -55,26 +58,16 @@ class Part:
     v: torch.Tensor
     log_mass: torch.Tensor  # (L, kv_heads, n)
     columns: dict[str, torch.Tensor]  # every Ledger.COLUMNS, (n,)
-    cold: dict | None  # k, v, columns, entered of the cold rows (None: no cold store)
+    cold: dict | None  # the cold rows as ``restore`` takes them (None: no cold store)
     capacity: int  # its arena's slots
-    state_fields: dict  # State.scalars(): pending token, its source and position, step, pinned
-    ledger_fields: dict  # Ledger.scalars(): next uid, merge history, dropped, seeds, origins
+    state_fields: dict  # pending token, its source and position, step, pinned
+    ledger_fields: dict  # next uid, merge history, dropped, seeds, origins
     layers: tuple[int, ...] | None = None  # the layers a partial part holds (None: whole)
 
     @classmethod
     def of(cls, session: Session, label: str) -> "Part":
-        state = session.state
-        require(state is not None, f"{label}: the session is not primed")
-        a, m, n = state.arena, state.ledger, state.ledger.n
-        cold = None
-        if state.cold is not None:
-            c = state.cold
-            cold = {"k": c.arena.k[:, :, :c.n], "v": c.arena.v[:, :, :c.n],
-                    "columns": {col: c.ledger.live(col) for col in Ledger.COLUMNS},
-                    "entered": c.entered[:c.n], "capacity": c.capacity}
-        return cls(label, session, gathered(a, "k", n), gathered(a, "v", n),
-                   gathered(a, "log_mass", n), {c: m.live(c) for c in Ledger.COLUMNS}, cold,
-                   a.capacity, state.scalars(), m.scalars())
+        require(session.state is not None, f"{label}: the session is not primed")
+        return cls(label, session, **restore_args(session.state))
 
     @classmethod
     def read(cls, model: Model, path: str | Path, label: str) -> "Part":
@@ -84,24 +77,39 @@ class Part:
                                                                   **partial)
 
 
-def compose_files(model: Model, paths: list[str | Path], out: str | Path) -> dict:
+def compose_files(model: Model, paths: list[str | Path], out: str | Path,
+                  continuation: list[int] | None = None, percents: tuple[float, ...] = (),
+                  layer: int = SELECT_LAYER) -> dict:
     """Compose the session files ``paths``, whole or partial (each read by
     ``session_io.load_saved``, so each must come from ``model``), into the file ``out``;
     returns what was composed. A part's origin label is its file name, or its path where two
-    parts share a name."""
+    parts share a name.
+
+    With ``continuation`` (ids), the composition is measured against a joint prefill of its
+    text (``blend.measure``, recomputing each of ``percents``; under ``"measure"``) and the
+    file holds the cache recomputed at the last of ``percents`` (``stages.apply.rewrite``)."""
+    require(continuation is not None or not percents,
+            "a recompute needs a continuation to measure")
+    check_percents(percents)
     names = [Path(p).name for p in paths]
     parts = [Part.read(model, p, name if names.count(name) == 1 else str(p))
              for p, name in zip(paths, names)]
     session = compose(model, parts)
-    save_session(session, out)
     state = session.state
+    measured = None
+    if continuation is not None:
+        measured, rows = measure(model, state, continuation, percents, layer)
+        if rows is not None:
+            rewrite(model, state, *rows)
+    save_session(session, out)
     return {"out": str(out), "parts": [{"file": str(p), "label": part.label,
                                         "cached": part.k.shape[2],
                                         "layers": None if part.layers is None else list(part.layers),
                                         "cold": 0 if part.cold is None else part.cold["k"].shape[2]}
                                        for p, part in zip(paths, parts)],
             "cached": state.ledger.n, "cold": 0 if state.cold is None else state.cold.n,
-            "next_position": state.next_position, "origins": list(state.ledger.origins)}
+            "next_position": state.next_position, "origins": list(state.ledger.origins),
+            **({} if measured is None else {"measure": measured})}
 
 
 class _Origins:
@@ -210,9 +218,12 @@ def _rebuilt(model: Model, before: list[tuple], layers: tuple[int, ...], k: torc
     """Every layer's K/V and log-mass of a partial part's rows, which hold ``layers`` only:
     those as they are, the others as a prefill of the rows' tokens in text order at their
     composed positions after the rows composed ``before`` them writes them (log-mass 0)."""
+    require(not model.split, "a partial part's missing layers are rebuilt on one device (no "
+            "device map)")
     order = torch.argsort(cols["position"])
-    new_k, new_v = prefill_kv(model, *_joined(model, before), cols["token_id"][order],
-                              cols["position"][order])
+    k0, v0, mass = _joined(model, before)
+    new_k, new_v, _ = chunked(model, (k0, v0, mass if bool((mass > 0).any()) else None),
+                              cols["token_id"][order], cols["position"][order])
     back = torch.argsort(order)  # text order -> the part's row order
     out = [new_k[:, :, back], new_v[:, :, back],
            torch.zeros(new_v.shape[:3], dtype=torch.float32, device=new_v.device)]

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import torch
 
+from .blend import nll
 from .compose import Part, compose
-from .forward import forward
 from .loop import Session
 from .model import Model
 from .session_io import load_session, save_session, spans
 from .special_tokens import TokenPolicy
-from .state import State
 from .types import SOURCES, SamplerParams, require
 
 
@@ -101,20 +100,6 @@ def layer_subsets(n_layers: int) -> dict[str, tuple[int, ...]]:
             "last 4": tuple(range(n_layers - four, n_layers))}
 
 
-@torch.no_grad()
-def continuation_nll(model: Model, state: State, ids: list[int]) -> list[float]:
-    """The NLL (nats) of each of ``ids`` continuing ``state``'s context after its pending
-    token, teacher-forced: one read-only forward of the pending token and ``ids[:-1]`` at
-    the next positions over the live cache."""
-    require(len(ids) > 0, "the continuation is empty")
-    view, dev = state.view(), model.device
-    out = forward(model, view.k, view.v, torch.tensor([view.pending_token] + ids[:-1], device=dev),
-                  torch.arange(view.next_position, view.next_position + len(ids), device=dev),
-                  past_log_mass=view.log_mass, all_logits=True)
-    logp = out.logits.log_softmax(-1)
-    return (-logp[torch.arange(len(ids), device=dev), torch.tensor(ids, device=dev)]).tolist()
-
-
 def _primed(model: Model, policy: TokenPolicy, text: str) -> Session:
     session = Session(model, policy, SamplerParams(greedy=True))
     segments = policy.raw_prompt(text)
@@ -133,20 +118,21 @@ def partial_bench(model: Model, policy: TokenPolicy, target_text: str, doc_text:
     target (``compose``: the target's pending token is not composed, the document's is the
     pending one). Each subset's row has the continuation's mean NLL (nats per token), its
     difference from the full transfer (the whole document session composed, no layer
-    rebuilt) and the seconds compose took (the rebuild); ``target_cached`` and
+    rebuilt; ``blend.nll``) and the seconds compose took (the rebuild); ``target_cached`` and
     ``doc_cached`` count the tokens each part brings. Subset ``none`` rebuilds every
     layer: a prefill of the document after the target, the joint-context reference."""
     n_layers = model.spec.n_layers
     subsets = layer_subsets(n_layers) if subsets is None else subsets
     target, doc = _primed(model, policy, target_text), _primed(model, policy, doc_text)
-    cont = policy.encode(continuation_text)
+    cont = torch.tensor(policy.encode(continuation_text), device=model.device)
+    require(cont.numel() > 0, "the continuation is empty")
 
     def scored(part: Part) -> tuple[float, float]:
         start = time.perf_counter()
-        composed = compose(model, [Part.of(target, "target"), part])
+        view = compose(model, [Part.of(target, "target"), part]).state.view()
         seconds = time.perf_counter() - start
-        nll = continuation_nll(model, composed.state, cont)
-        return sum(nll) / len(nll), seconds
+        return nll(model, (view.k, view.v, view.log_mass), view.pending_token,
+                   view.next_position, cont), seconds
 
     full, full_seconds = scored(Part.of(doc, "doc"))
     rows = []
@@ -154,11 +140,11 @@ def partial_bench(model: Model, policy: TokenPolicy, target_text: str, doc_text:
         for name, layers in subsets.items():
             path = Path(tmp) / "doc.pbs"
             save_partial(doc, path, layers=layers)
-            nll, seconds = scored(Part.read(model, path, "doc.pbs"))
+            mean, seconds = scored(Part.read(model, path, "doc.pbs"))
             rows.append({"subset": name, "layers": spans(tuple(sorted(set(layers)))),
                          "transferred": len(set(layers)), "rebuilt": n_layers - len(set(layers)),
-                         "nll": nll, "vs_full": nll - full, "seconds": seconds})
+                         "nll": mean, "vs_full": mean - full, "seconds": seconds})
     return {"model": model.name, "dtype": str(model.dtype).removeprefix("torch."),
             "n_layers": n_layers, "target_cached": target.state.ledger.n,
-            "doc_cached": doc.state.ledger.n, "continuation_tokens": len(cont),
+            "doc_cached": doc.state.ledger.n, "continuation_tokens": cont.numel(),
             "full": {"nll": full, "seconds": full_seconds}, "subsets": rows}

@@ -40,14 +40,14 @@ from .model import Model
 from .plain import atomic_write, from_plain, to_plain
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
-from .state import Ledger, State, gathered
+from .state import Ledger, State, restore_args
 from .types import UserError, require
 
 FORMAT = "positronic-brain-session/5"
 # Format 4 lacks the ledger's origin columns: its rows were all made in its own session.
 FORMAT_4 = "positronic-brain-session/4"
 # Session fields not saved as JSON: rebuilt on load, or (a capture's tape) owned by the
-# saving process; a loaded session starts without a capture.
+# saving process; a loaded session starts without a capture (``Session.record`` starts one).
 RUNTIME = ("model", "policy", "state", "tape")
 PARTIAL = "partial"  # the header entry of a partial session file: {"layers": [...]}
 
@@ -77,17 +77,6 @@ def _mismatch(saved: dict, ours: dict) -> str | None:
     return None
 
 
-def _cold_tensors(state: State) -> dict[str, torch.Tensor]:
-    """The cold store's live rows as named tensors (none without one)."""
-    cold = state.cold
-    if cold is None:
-        return {}
-    n, a = cold.n, cold.arena
-    return {"cold.k": a.k[:, :, :n].contiguous(), "cold.v": a.v[:, :, :n].contiguous(),
-            "cold.entered": cold.entered[:n].clone(),
-            **{f"cold.{c}": cold.ledger.live(c).contiguous() for c in Ledger.COLUMNS}}
-
-
 # --- export / import ----------------------------------------------------------------------
 
 def save_session(session: Session, path: str | os.PathLike, rows: torch.Tensor | None = None,
@@ -97,21 +86,23 @@ def save_session(session: Session, path: str | os.PathLike, rows: torch.Tensor |
     rows (all when None) with those layers' K/V and log-mass (all when None), no cold store."""
     state = session.state
     require(state is not None, "prime the session before saving it")
-    a, m = state.arena, state.ledger
+    saved = restore_args(state)
     partial = rows is not None or layers is not None
-    rows = slice(None) if rows is None else rows.to(m.device)
-    tensors = {**{f"arena.{name}": _picked(gathered(a, name, a.n), layers, rows)
-                  for name in ("k", "v", "log_mass")},
-               **{f"ledger.{c}": m.live(c)[rows] for c in Ledger.COLUMNS},
-               "generator": session.generator.get_state(),
-               **({} if partial else _cold_tensors(state))}
+    rows = slice(None) if rows is None else rows.to(saved["columns"]["uid"].device)
+    cold = None if partial else saved["cold"]
+    tensors = {**{f"arena.{x}": _picked(saved[x], layers, rows) for x in ("k", "v", "log_mass")},
+               **{f"ledger.{c}": t[rows] for c, t in saved["columns"].items()},
+               "generator": session.generator.get_state()}
+    if cold is not None:
+        tensors |= {"cold.k": cold["k"], "cold.v": cold["v"], "cold.entered": cold["entered"],
+                    **{f"cold.{c}": t for c, t in cold["columns"].items()}}
     tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
     body = {
-        "capacity": a.capacity,
-        "ledger": {k: to_plain(x, json=True) for k, x in m.scalars().items()},
-        "state": {k: to_plain(x, json=True) for k, x in state.scalars().items()},
-        "cold": None if state.cold is None or partial else {"capacity": state.cold.capacity,
-                                                            "next_entry": state.cold.next_entry},
+        "capacity": saved["capacity"],
+        "ledger": {k: to_plain(v, json=True) for k, v in saved["ledger_fields"].items()},
+        "state": {k: to_plain(v, json=True) for k, v in saved["state_fields"].items()},
+        "cold": None if cold is None else {"capacity": cold["capacity"],
+                                           "next_entry": cold["next_entry"]},
         "session": {f.name: to_plain(getattr(session, f.name), json=True)
                     for f in dataclasses.fields(Session) if f.name not in RUNTIME},
         "bos": session.policy.add_bos,

@@ -12,8 +12,8 @@ from positronic_brain.cli import main
 from positronic_brain.compose import Part, compose, compose_files
 from positronic_brain.forward import rerotate
 from positronic_brain.loop import Session
-from positronic_brain.partial import (continuation_nll, layer_subsets, parse_layers, partial_bench,
-                                      save_partial, select)
+from positronic_brain.blend import nll
+from positronic_brain.partial import layer_subsets, parse_layers, partial_bench, save_partial, select
 from positronic_brain.session_io import load_saved, load_session, save_session
 from positronic_brain.stages.apply import extend
 from positronic_brain.stages.generate import generate
@@ -186,5 +186,8 @@ def test_partial_bench_rows(tiny_model, tiny_policy):
     target = _session(tiny_model, tiny_policy, TARGET, steps=0)
     doc = tiny_policy.raw_prompt(DOC[:120])[0].ids
     extend(tiny_model, target.state, [Segment(doc[1:], "user")], pending=doc[0])
-    nll = continuation_nll(tiny_model, target.state, tiny_policy.encode(" and what follows it."))
-    assert abs(rows["none"]["nll"] - sum(nll) / len(nll)) < 1e-5
+    view = target.state.view()
+    cont = torch.tensor(tiny_policy.encode(" and what follows it."))
+    joint = nll(tiny_model, (view.k, view.v, view.log_mass), view.pending_token,
+                view.next_position, cont)
+    assert abs(rows["none"]["nll"] - joint) < 1e-5

@@ -6,27 +6,35 @@ import json
 import sys
 
 from .. import compare, compose, fork, inspector, partial, replay
-from ..bench import passkey, quality, speed
-from ..loop import run
+from ..bench import passkey, quality, speed, transfer
+from ..bench.common import Table, fmt, print_tables
+from ..loop import drive, run
 from ..model import load_model
-from ..session_io import saved_model, spans
+from ..session_io import load_session, saved_model, spans
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError
-from .args import (BENCH_KINDS, QUALITY_ONLY, cache_params, model_placement, open_tape,
-                   sampler_params)
+from .args import (BENCH_KINDS, DTYPE, MODEL, QUALITY_ONLY, cache_params, model_placement,
+                   open_tape, percents, sampler_params, settled_by_session)
 
-BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main)))
+BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main, transfer.main)))
+
+
+def _echo(delta: str) -> None:
+    sys.stdout.write(delta)
+    sys.stdout.flush()
 
 
 def cmd_run(args) -> int:
+    if args.max_new_tokens < 0:
+        raise UserError(f"max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.session is not None:
+        return _report(args, _run_session(args))
     sampler, params = sampler_params(args), cache_params(args)  # before the (slower) model load
     if args.prompt == "":
         raise UserError("the prompt is empty")
-    if args.max_new_tokens < 0:
-        raise UserError(f"max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.capacity is not None and args.capacity < 1:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
-    model = load_model(args.model, args.dtype, **model_placement(args))
+    model = load_model(args.model or MODEL, args.dtype or DTYPE, **model_placement(args))
     policy = TokenPolicy(model.tokenizer, bos=args.bos)
     if args.system is not None or args.chat:
         turns = ([("system", args.system)] if args.system is not None else []) \
@@ -34,15 +42,31 @@ def cmd_run(args) -> int:
         segments = policy.chat(turns)
     else:
         segments = policy.raw_prompt(args.prompt)
-
-    def echo(delta: str) -> None:
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-
     tape = open_tape(args, model, sampler, params, [i for s in segments for i in s.ids])
-    result = run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
-                 ignore_eos=args.ignore_eos, capacity=args.capacity,
-                 on_text=None if args.json else echo, cache_params=params, tape=tape)
+    return _report(args, run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
+                             ignore_eos=args.ignore_eos, capacity=args.capacity,
+                             on_text=None if args.json else _echo, cache_params=params,
+                             tape=tape))
+
+
+def _run_session(args) -> dict:
+    """``run --session FILE``: the saved session goes on, with its own arena, sampler and cache
+    parameters; with ``--capture`` its capture starts from the state the file restored."""
+    settled = settled_by_session(args)
+    if settled:
+        raise UserError(f"{', '.join(settled)}: not with --session (the session goes on with "
+                        "its own prompt, arena, sampler and cache parameters)")
+    name, dtype = saved_model(args.session)
+    model = load_model(args.model or name, args.dtype or dtype, **model_placement(args))
+    session = load_session(model, args.session)
+    if args.capture is not None:
+        session.record(open_tape(args, model, session.sampler, session.cache_params,
+                                 session.prompt_ids), args.session)
+    return drive(session, args.max_new_tokens, args.ignore_eos, None if args.json else _echo)
+
+
+def _report(args, result: dict) -> int:
+    """Print a run's result: its JSON, or a summary line after the streamed text."""
     if args.json:
         json.dump(result, sys.stdout)
     sys.stdout.write("\n")
@@ -62,20 +86,16 @@ def cmd_bench(args) -> int:
     only = [f"--{f}" for f in QUALITY_ONLY if getattr(args, f) is not None]
     if args.kind != "quality" and only:
         raise UserError(f"{', '.join(only)}: for bench quality only")
-    if args.kind == "speed" and args.jobs is not None:
+    if args.kind in ("speed", "transfer") and args.jobs is not None:
         raise UserError("--jobs: for bench quality and bench passkey only")
     return BENCHES[args.kind](args)
 
 
 def cmd_fork(args) -> int:
-    def echo(delta: str) -> None:
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-
     result = fork.fork(args.run_dir, args.step, fork.cache_overrides(args),
                        fork.sampler_overrides(args), args.max_new_tokens, args.capture,
                        args.capture_level, args.command, args.device,
-                       None if args.json else echo)
+                       None if args.json else _echo)
     if args.json:
         json.dump(result, sys.stdout)
     sys.stdout.write("\n")
@@ -104,19 +124,25 @@ def _saved_model(args, path: str):
     return load_model(args.model or name, args.dtype or dtype, args.device)
 
 
-def _report(args, out: dict, line: str) -> int:
-    print(json.dumps(out) if args.json else line)
-    return 0
-
-
 def cmd_compose(args) -> int:
-    out = compose.compose_files(_saved_model(args, args.files[0]), args.files, args.out)
+    recompute = percents(args)  # before the (slower) model load
+    model = _saved_model(args, args.files[0])
+    continuation = None if args.measure is None else TokenPolicy(model.tokenizer).encode(args.measure)
+    out = compose.compose_files(model, args.files, args.out, continuation, recompute,
+                                args.select_layer)
+    if args.json:
+        json.dump(out, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
     parts = " + ".join(f"{p['label']} {p['cached']}" + ("" if p["layers"] is None else
                                                        f" (layers {spans(p['layers'])})")
                        for p in out["parts"])
-    return _report(args, out, f"[composed {parts} cached tokens: {out['cached']} at positions "
-                   f"< {out['next_position']}" + (f", {out['cold']} cold" if out["cold"] else "")
-                   + f" -> {out['out']}]")
+    print(f"[composed {parts} cached tokens: {out['cached']} at positions < "
+          f"{out['next_position']}"
+          + (f", {out['cold']} cold" if out["cold"] else "") + f" -> {out['out']}]")
+    if "measure" in out:
+        print_tables(measure_tables(out["measure"]))
+    return 0
 
 
 def cmd_export(args) -> int:
@@ -125,5 +151,28 @@ def cmd_export(args) -> int:
                "min_brightness": args.min_brightness,
                "layers": None if args.layers is None else partial.parse_layers(args.layers)}
     out = partial.export_file(_saved_model(args, args.file), args.file, args.out, **filters)
-    return _report(args, out, f"[exported {out['rows']} of {out['of']} cached tokens, layers "
-                   f"{out['layers']} of {out['n_layers']} -> {out['out']}]")
+    print(json.dumps(out) if args.json else f"[exported {out['rows']} of {out['of']} cached "
+          f"tokens, layers {out['layers']} of {out['n_layers']} -> {out['out']}]")
+    return 0
+
+
+def measure_tables(m: dict) -> list[Table]:
+    """``compose --measure``'s report as tables: the deviation per layer, then the
+    continuation's NLL under each cache."""
+    d = m["deviation"]
+    layers = tuple((str(i), f"{k:.4f}", f"{v:.4f}")
+                   for i, (k, v) in enumerate(zip(d["layer_k"], d["layer_v"])))
+    nll = m["nll"]
+    rows = [("composed", "0", f"{nll['composed']:.4f}", "0", f"{d['k']:.4f}", f"{d['v']:.4f}"),
+            ("joint prefill", str(m["tokens"]), f"{nll['joint']:.4f}", "1", "0", "0")]
+    rows += [(f"recompute {r['percent']:g}%", str(r["rows"]), f"{r['nll']:.4f}",
+              fmt(r["gap_closed"], 3), f"{r['deviation']['k']:.4f}", f"{r['deviation']['v']:.4f}")
+             for r in m["recompute"]]
+    return [Table("Deviation from a joint prefill of the same text, per layer: ||composed - "
+                  "joint|| / ||joint||", ("layer", "K", "V"),
+                  layers + (("all", f"{d['k']:.4f}", f"{d['v']:.4f}"),)),
+            Table(f"The continuation's NLL ({m['continuation']} tokens) under each cache",
+                  ("cache", "rows recomputed", "NLL", "gap closed", "K deviation",
+                   "V deviation"), tuple(rows),
+                  f"Rows recomputed: those whose values deviate most at layer "
+                  f"{m['select_layer']}. Gap closed: (composed - NLL) / (composed - joint).")]

@@ -11,9 +11,8 @@
   slots stay a dense prefix), position re-index (keys re-rotated exactly), then the append
   of the pending token's K/V (stage 4).
 - ``rebuild_from_ledger``: re-prefill the arena from the ledger after a failure part-way.
-- ``restore``: write a saved or composed state back (stage 0).
-- ``prefill_kv``: the K/V a prefill of some tokens after a given cache writes, computed on a
-  scratch state of its own (compose rebuilds a partial part's missing layers with it).
+- ``restore``: write a saved or composed session back (stage 0); ``rewrite``: write
+  recomputed K/V into live slots (stage 0; a selective recompute).
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ import torch
 from ..forward import apply_rope, forward, rerotation
 from ..model import Model
 from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Cold, Ledger, SplitArena, State,
-                     gathered, key_norms, value_norms)
+                     key_norms, value_norms)
 from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Merge, Patch, PrefillStats,
                      PrimeOut, ScoreOut, Segment, Swap, require)
 
@@ -515,6 +514,12 @@ def _put_rows(a: Arena | SplitArena, m: Ledger, slots: torch.Tensor,
     token (log-mass 0)."""
     for c in Ledger.COLUMNS:
         getattr(m, c)[slots] = rows[c]
+    _put_kv(a, slots, rows)
+
+
+def _put_kv(a: Arena | SplitArena, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+    """Write the ``ROWS`` of ``rows`` (K, V and their norms) into ``slots``; each holds one
+    token (log-mass 0)."""
     for b, (k, *rest) in _parts(a, *(rows[x] for x in ROWS)):
         at = slots.to(b.device)
         _put_keys(b, at, k)
@@ -674,6 +679,24 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
 
 
 @torch.no_grad()
+def rewrite(model: Model, state: State, slots: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor) -> None:
+    """Stage 0: write K/V ``k``/``v`` (L, kv_heads, s, head_dim) into the live ``slots`` (s,)
+    of ``state`` (``blend``'s selective recompute); each then holds one token (log-mass 0),
+    its norms recomputed. The ledger is unchanged."""
+    n, spec = state.arena.n, model.spec
+    require(slots.ndim == 1 and torch.unique(slots).numel() == slots.numel(),
+            "rewrite: the slots are not distinct")
+    require(slots.numel() == 0 or 0 <= int(slots.min()) <= int(slots.max()) < n,
+            f"rewrite: a slot outside the live [0, {n})")
+    shape = (spec.n_layers, spec.n_kv_heads, slots.numel(), spec.head_dim)
+    assert k.shape == v.shape == shape and k.dtype == v.dtype == model.dtype, \
+        f"rewrite: K/V {tuple(k.shape)} {k.dtype}, not {shape} {model.dtype}"
+    _put_kv(state.arena, slots.to(state.ledger.device),
+            {"k": k, "v": v, "knorm": key_norms(k), "vnorm": value_norms(v)})
+
+
+@torch.no_grad()
 def rebuild_from_ledger(model: Model, state: State, chunk: int = PREFILL_CHUNK) -> None:
     """Re-prefill every live token (in position order, at its position) so the arena
     agrees with the ledger again. Slot order becomes position order; folds are lost (every
@@ -718,43 +741,15 @@ def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, t
         getattr(m, c)[:n] = columns[c]
     for name, value in ledger_fields.items():
         setattr(m, name, value)
-    _put_live(a, k, v, log_mass)
-    m.n = n
-    if cold is not None:
-        state.cold = _restore_cold(model, cold)
-    state.check_valid()
-    return state
-
-
-def _put_live(a: Arena | SplitArena, k: torch.Tensor, v: torch.Tensor,
-              log_mass: torch.Tensor) -> None:
-    """Make ``k``/``v`` (L, kv_heads, n, head_dim) with ``log_mass`` (L, kv_heads, n) the live
-    slots [0, n) of the arena ``a``."""
-    n = k.shape[2]
     _write(a, 0, k, v, norms_of_kv=False)
     for b, (lm,) in _parts(a, log_mass):
         b.log_mass[:, :, :n] = lm
     a.folded = bool((log_mass > 0).any())
-    a.n = n
-
-
-@torch.no_grad()
-def prefill_kv(model: Model, k: torch.Tensor, v: torch.Tensor, log_mass: torch.Tensor,
-               ids: torch.Tensor, positions: torch.Tensor,
-               chunk: int = PREFILL_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 0 on a scratch state of its own, dropped on return: the K/V (L, kv_heads, T,
-    head_dim) a prefill of ``ids`` at ``positions`` (T,) writes after a cache holding
-    ``k``/``v`` (L, kv_heads, n, head_dim) with ``log_mass`` (L, kv_heads, n). It is
-    ``extend``'s chunked prefill (``_prefill``), so a session holding that cache gets these
-    K/V from ``extend`` of the same tokens at the same positions."""
-    n, t = k.shape[2], ids.shape[0]
-    scratch = State(arena(model, n + t), Ledger.allocate(n + t, device=model.device))
-    _put_live(scratch.arena, k, v, log_mass)
-    scratch.ledger.n = n
-    zeros = torch.zeros(t, dtype=torch.int8, device=model.device)
-    _prefill(model, scratch, ids, positions, zeros, zeros, chunk, all_logits=False)
-    return (gathered(scratch.arena, "k", n + t)[:, :, n:],
-            gathered(scratch.arena, "v", n + t)[:, :, n:])
+    a.n = m.n = n
+    if cold is not None:
+        state.cold = _restore_cold(model, cold)
+    state.check_valid()
+    return state
 
 
 def _restore_cold(model: Model, saved: dict) -> Cold:
