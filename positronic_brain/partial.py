@@ -77,7 +77,7 @@ def save_partial(session: Session, path: str | os.PathLike, uids: tuple[int, int
     require(rows.numel() > 0, "the selection is empty: no cached token passes the filters")
     out = save_session(session, path, rows=rows, layers=held)
     return {"out": str(out), "rows": rows.numel(), "of": session.state.ledger.n,
-            "layers": spans(held), "n_layers": n_layers}
+            "layers": list(held), "n_layers": n_layers}
 
 
 def export_file(model: Model, path: str | os.PathLike, out: str | os.PathLike,

@@ -116,7 +116,7 @@ def test_filters_select_what_they_say(tiny_model, tiny_policy, tmp_path):
         assert 0 < len(picked) < len(rows), filters
         assert sorted(picked) == sorted(u for u, r in by_uid.items() if want(r)), filters
         out = save_partial(s, tmp_path / "p.pbs", layers=(1,), **filters)
-        assert (out["rows"], out["of"], out["layers"]) == (len(picked), len(rows), "1")
+        assert (out["rows"], out["of"], out["layers"]) == (len(picked), len(rows), [1])
         _, saved = load_saved(tiny_model, tmp_path / "p.pbs")
         assert sorted(saved["columns"]["uid"].tolist()) == sorted(picked)
         assert saved["k"].shape == (1, tiny_model.spec.n_kv_heads, len(picked),
@@ -166,7 +166,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_model, tiny_policy, tmp_p
         assert err.count("\n") == 1 and "error:" in err and says in err, (flags, err)
     assert not (tmp_path / "p.pbs").exists()
     assert main(["export", a, "--out", out, "--layers", "1", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["layers"] == "1"
+    assert json.loads(capsys.readouterr().out)["layers"] == [1]
     with pytest.raises(UserError, match=r"a partial session \(\d+ rows, layers 1 of 2\): import "
                        "it with compose") as e:
         load_session(tiny_model, out)

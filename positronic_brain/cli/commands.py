@@ -152,7 +152,7 @@ def cmd_export(args) -> int:
                "layers": None if args.layers is None else partial.parse_layers(args.layers)}
     out = partial.export_file(_saved_model(args, args.file), args.file, args.out, **filters)
     print(json.dumps(out) if args.json else f"[exported {out['rows']} of {out['of']} cached "
-          f"tokens, layers {out['layers']} of {out['n_layers']} -> {out['out']}]")
+          f"tokens, layers {spans(out['layers'])} of {out['n_layers']} -> {out['out']}]")
     return 0
 
 
