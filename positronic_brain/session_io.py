@@ -19,18 +19,15 @@ over, so sampling restarts from the sampler's seed.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as st_save
 
 from .loop import Session
 from .model import Model
-from .plain import atomic_write, from_plain, to_plain
+from .plain import from_plain, load_signed, save_signed, to_plain
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
 from .state import Ledger, State, gathered
@@ -40,18 +37,6 @@ FORMAT = "positronic-brain-session/4"
 # Session fields not saved as JSON: rebuilt on load, or (a capture's tape) owned by the
 # saving process; a loaded session starts without a capture.
 RUNTIME = ("model", "policy", "state", "tape")
-
-
-def _digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for key in sorted(meta):
-        if key != "sha256":
-            h.update(f"{key}\0{meta[key]}\0".encode())
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _mismatch(saved: dict, ours: dict) -> str | None:
@@ -80,16 +65,25 @@ def _cold_tensors(state: State) -> dict[str, torch.Tensor]:
 
 # --- export / import ----------------------------------------------------------------------
 
-def save_session(session: Session, path: str | os.PathLike) -> Path:
-    """Write ``session`` (primed) to ``path`` atomically; returns the path."""
+def session_tensors(session: Session) -> dict[str, torch.Tensor]:
+    """What a session file holds as tensors, as host copies: the arena's live K/V and
+    log-mass, the ledger's columns, the generator's state and the cold store's rows."""
     state = session.state
     require(state is not None, "prime the session before saving it")
     a, m = state.arena, state.ledger
     tensors = {**{f"arena.{name}": gathered(a, name, a.n) for name in ("k", "v", "log_mass")},
                **{f"ledger.{c}": m.live(c) for c in Ledger.COLUMNS},
                "generator": session.generator.get_state(), **_cold_tensors(state)}
-    tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
-    body = {
+    return {k: t.to("cpu").contiguous() for k, t in tensors.items()}
+
+
+def session_body(session: Session) -> dict:
+    """What a session file holds as JSON besides the model's fingerprint: the rest of the
+    ledger and state, the session's plain fields, the BOS choice and the device."""
+    state = session.state
+    require(state is not None, "prime the session before saving it")
+    a, m = state.arena, state.ledger
+    return {
         "capacity": a.capacity,
         "ledger": {f.name: to_plain(getattr(m, f.name), json=True)
                    for f in dataclasses.fields(Ledger) if f.name not in Ledger.COLUMNS + ("n",)},
@@ -102,53 +96,52 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
         "bos": session.policy.add_bos,
         "device": str(session.model.device),
     }
-    meta = {"format": FORMAT, "model": json.dumps(session.model.fingerprint),
-            "session": json.dumps(body)}
-    meta["sha256"] = _digest(meta, tensors)
-    return atomic_write(path, st_save(tensors, metadata=meta))
+
+
+def save_session(session: Session, path: str | os.PathLike) -> Path:
+    """Write ``session`` (primed) to ``path`` atomically; returns the path."""
+    tensors, body = session_tensors(session), session_body(session)
+    return save_signed(path, tensors, {"format": FORMAT,
+                                       "model": json.dumps(session.model.fingerprint),
+                                       "session": json.dumps(body)})
 
 
 def load_session(model: Model, path: str | os.PathLike) -> Session:
     """Read a session saved by ``save_session`` into ``model``, which must be the model it
     was saved from (architecture, dtype, rope, weights); the session continues exactly
     where it stopped. Anything else raises UserError (one line)."""
-    path = Path(path)
-    require(path.is_file(), f"no session file at {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # truncated, not safetensors, unreadable ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise UserError(f"{path}: not a readable session file ({first})") from None
-    require(meta.get("format") == FORMAT, f"{path}: not a session file of format {FORMAT} "
-            f"(its format: {meta.get('format')!r})")
-    require(meta.get("sha256") == _digest(meta, tensors),
-            f"{path}: the session file is corrupt (sha256 mismatch)")
+    meta, tensors = load_signed(path, FORMAT, "session file")
     try:
         saved, body = json.loads(meta["model"]), json.loads(meta["session"])
         diff = _mismatch(saved, model.fingerprint)
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
                 f"{model.name!r}: {diff}")
-        columns = {k.removeprefix("ledger."): t for k, t in tensors.items()
-                   if k.startswith("ledger.")}
-        cold = _saved_cold(model, tensors, body["cold"])
-        fields, ledger = from_plain(body["state"]), from_plain(body["ledger"])
-        _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"])
-        for what, cls, saved in (("state", State, fields), ("ledger", Ledger, ledger)):
-            unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
-            require(not unknown, f"unknown {what} field {unknown[:1]}")
-        state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
-                        ledger, fields, tensors["arena.log_mass"], cold)
-        session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
-                          state=state, **from_plain(body["session"]))
-        if torch.device(body.get("device", "cpu")).type == model.device.type:
-            session.generator.set_state(tensors["generator"])
+        return restore_session(model, tensors, body)
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (AssertionError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{path}: inconsistent session ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def restore_session(model: Model, tensors: dict[str, torch.Tensor], body: dict) -> Session:
+    """A session of ``model`` from a session file's ``tensors`` and ``body``
+    (``session_tensors``, ``session_body``), every shape, dtype, column and token id checked
+    against ``model``, written back by stage 0 (``stages.apply.restore``). The generator's
+    state carries over from the same device type only."""
+    columns = {k.removeprefix("ledger."): t for k, t in tensors.items() if k.startswith("ledger.")}
+    cold = _saved_cold(model, tensors, body["cold"])
+    fields, ledger = from_plain(body["state"]), from_plain(body["ledger"])
+    _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"])
+    for what, cls, saved in (("state", State, fields), ("ledger", Ledger, ledger)):
+        unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
+        require(not unknown, f"unknown {what} field {unknown[:1]}")
+    state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
+                    ledger, fields, tensors["arena.log_mass"], cold)
+    session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
+                      state=state, **from_plain(body["session"]))
+    if torch.device(body.get("device", "cpu")).type == model.device.type:
+        session.generator.set_state(tensors["generator"])
     return session
 
 
