@@ -91,12 +91,15 @@ def default_layer_map(source_layers: int, target_layers: int) -> tuple[int, ...]
 
 class _Maps(nn.Module):
     """The keys' or the values' maps, one per target layer, stacked: ``weight``
-    (Lb, out, in) and ``bias`` (Lb, out); with a hidden width also the MLP branch ``up``
-    (Lb, hidden, in), ``down`` (Lb, out, hidden) and its ``gate`` (Lb,)."""
+    (Lb, out, in) and ``bias`` (Lb, out) over the inputs divided by ``scale`` (Lb, in), their
+    root mean square per dimension when training started (so an Adam step moves every
+    output alike, whatever the input dimension's size); with a hidden width also the MLP
+    branch ``up`` (Lb, hidden, in), ``down`` (Lb, out, hidden) and its ``gate`` (Lb,)."""
 
     def __init__(self, layers: int, width_in: int, width_out: int, hidden: int):
         super().__init__()
         self.hidden = hidden
+        self.register_buffer("scale", torch.ones(layers, width_in))
         self.weight = nn.Parameter(torch.zeros(layers, width_out, width_in))
         self.bias = nn.Parameter(torch.zeros(layers, width_out))
         if hidden:
@@ -105,10 +108,14 @@ class _Maps(nn.Module):
             self.gate = nn.Parameter(torch.full((layers,), GATE_INIT))
 
     @torch.no_grad()
-    def initialise(self, init: str, generator: torch.Generator, noise: float) -> None:
-        """``weight`` as ``init`` says (``INITS``); the bias 0; the MLP's matrices random
-        with unit gain, its gate nearly closed."""
+    def initialise(self, init: str, generator: torch.Generator, noise: float,
+                   x: torch.Tensor) -> None:
+        """``scale`` from the inputs ``x`` (Lb, n, in) (at least 1/100 of the layer's mean);
+        the map of the unscaled inputs as ``init`` says (``INITS``), the bias 0; the MLP's
+        matrices random with unit gain, its gate nearly closed."""
         width_in = self.weight.shape[2]
+        rms = x.square().mean(1).sqrt()
+        self.scale.copy_(torch.maximum(rms, rms.mean(-1, keepdim=True) / 100))
         self.bias.zero_()
         if init == "random":
             for w in self.weight:
@@ -118,6 +125,7 @@ class _Maps(nn.Module):
         if init == "perturbed":
             self.weight += torch.randn(self.weight.shape, generator=generator) * (
                 noise / math.sqrt(width_in))
+        self.weight *= self.scale.unsqueeze(1)
         if self.hidden:
             nn.init.normal_(self.up, std=width_in ** -0.5, generator=generator)
             nn.init.normal_(self.down, std=self.hidden ** -0.5, generator=generator)
@@ -125,6 +133,7 @@ class _Maps(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(Lb, n, in) -> (Lb, n, out)."""
+        x = x / self.scale.unsqueeze(1)
         y = torch.baddbmm(self.bias.unsqueeze(1), x, self.weight.transpose(1, 2))
         if self.hidden:
             branch = torch.bmm(F.silu(torch.bmm(x, self.up.transpose(1, 2))),
@@ -160,12 +169,21 @@ class Projector(nn.Module):
     def forward(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Source keys at position 0 and values, (La, KVa, n, Da) float32 each -> the
         target's (Lb, KVb, n, Db), keys at position 0."""
-        return self._map(self.k, k), self._map(self.v, v)
+        t, n = self.target, k.shape[2]
+        return tuple(maps(self._inputs(x)).view(t.layers, n, t.kv_heads, t.head_dim).transpose(1, 2)
+                     for maps, x in ((self.k, k), (self.v, v)))
 
-    def _map(self, maps: _Maps, x: torch.Tensor) -> torch.Tensor:
-        t, n = self.target, x.shape[2]
-        x = x.index_select(0, self.index).transpose(1, 2).reshape(t.layers, n, -1)  # (Lb, n, in)
-        return maps(x).view(t.layers, n, t.kv_heads, t.head_dim).transpose(1, 2)
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Source K or V (La, KVa, n, Da) -> each target layer's inputs (Lb, n, KVa * Da)."""
+        return x.index_select(0, self.index).transpose(1, 2).reshape(len(self.layer_map),
+                                                                     x.shape[2], -1)
+
+    def initialise(self, init: str, generator: torch.Generator, noise: float, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """Both maps (``_Maps.initialise``) from a sample of source keys at position 0 and
+        values, (La, KVa, n, Da) float32 each."""
+        for maps, x in ((self.k, k), (self.v, v)):
+            maps.initialise(init, generator, noise, self._inputs(x))
 
     @property
     def header(self) -> dict:
@@ -180,6 +198,14 @@ class Projector(nn.Module):
                     f"{model.name!r} has {KVShape.of(model)}")
 
 
+def at_zero(model: Model, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Keys (L, KVH, n, D) roped at ``positions`` (n,) rotated back to position 0 with
+    ``model``'s rope, R(0) R(p)^-1 (``forward.rerotation``): float32 on its device."""
+    pos = positions.to(model.device)
+    cos, sin = rerotation(model, pos, torch.zeros_like(pos))
+    return apply_rope(k.to(model.device, torch.float32), cos, sin)
+
+
 def project(projector: Projector, source: Model, target: Model, k: torch.Tensor,
             v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The source's cached K/V (La, KVa, n, Da), keys roped at ``positions`` (n,), as the
@@ -187,10 +213,7 @@ def project(projector: Projector, source: Model, target: Model, k: torch.Tensor,
     positions with the target's rope: rotated back to position 0 with the source's rope,
     mapped, rotated forward. Differentiable in the projector's parameters."""
     dev = projector.index.device
-    pos = positions.to(source.device)
-    cos, sin = rerotation(source, pos, torch.zeros_like(pos))  # R(0) R(p)^-1: back to 0
-    k0 = apply_rope(k.to(source.device, torch.float32), cos, sin).to(dev)
-    kb, vb = projector(k0, v.to(dev, torch.float32))
+    kb, vb = projector(at_zero(source, k, positions).to(dev), v.to(dev, torch.float32))
     cos, sin = rope_cos_sin(target, positions.to(target.device), torch.float32)
     return apply_rope(kb, cos.to(dev), sin.to(dev)), vb
 
@@ -199,9 +222,9 @@ def project(projector: Projector, source: Model, target: Model, k: torch.Tensor,
 
 @dataclass(frozen=True)
 class TrainParams:
-    """How ``train_projector`` trains: ``steps`` Adam steps at ``lr``, each over ``batch``
-    windows of ``prefix`` + ``continuation`` tokens from the text's first 1 - ``holdout``;
-    the held-out KL over at most ``eval_windows`` windows of the rest. ``init`` (``INITS``;
+    """How ``train_projector`` trains: ``steps`` Adam steps from ``lr`` down to 0 (cosine),
+    each over ``batch`` windows of ``prefix`` + ``continuation`` tokens from the text's
+    first 1 - ``holdout``; the held-out KL over at most ``eval_windows`` windows of the rest. ``init`` (``INITS``;
     ``noise``: perturbed's, relative to the identity), ``kind`` (``KINDS``) and ``hidden``
     (the MLP branch's width) shape the projector; ``seed`` makes it all repeatable."""
 
@@ -323,16 +346,19 @@ def train_projector(source: Model, target: Model, ids: Sequence[int],
     require_same_tokens(source.tokenizer, target.tokenizer)
     train, held = split_windows(ids, params)
     generator = torch.Generator().manual_seed(params.seed)
+    # each step's windows: the training windows in a fresh random order per pass
+    passes = math.ceil(max(params.steps, 1) * params.batch / len(train))
+    order = torch.cat([torch.randperm(len(train), generator=generator) for _ in range(passes)])
     projector = Projector(KVShape.of(source), KVShape.of(target), kind=params.kind,
                           hidden=params.hidden if params.kind == "mlp" else 0)
-    for maps in (projector.k, projector.v):
-        maps.initialise(params.init, generator, params.noise)
+    k, v = _source_kv(source, train[order[:params.batch], :params.prefix])  # the first step's
+    positions = torch.arange(params.prefix).repeat(params.batch)
+    projector.initialise(params.init, generator, params.noise,
+                         at_zero(source, k, positions).cpu(), v.float().cpu())
     projector.to(target.device)
     before = held_out_kl(projector, source, target, held, params.prefix, params.batch)
-    # each step's windows: the training windows in a fresh random order per pass
-    passes = math.ceil(params.steps * params.batch / len(train))
-    order = torch.cat([torch.randperm(len(train), generator=generator) for _ in range(passes)])
     optimizer = torch.optim.Adam(projector.parameters(), lr=params.lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(params.steps, 1))
     t0 = time.perf_counter()
     for step in range(params.steps):
         windows = train[order[step * params.batch:(step + 1) * params.batch]]
@@ -340,6 +366,7 @@ def train_projector(source: Model, target: Model, ids: Sequence[int],
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        schedule.step()
         if on_step is not None:
             on_step(step + 1, float(loss.detach()))
     seconds = time.perf_counter() - t0
@@ -384,10 +411,12 @@ def load_projector(path: str | os.PathLike, source: Model | None = None,
                 f"tensors {sorted(tensors)} differ from {sorted(expected)}")
         for name, t in expected.items():
             got = tensors[name]
+            least = 0.0 if name.endswith("scale") else -math.inf  # a scale divides
             require(got.shape == t.shape and got.dtype == torch.float32
-                    and bool(torch.isfinite(got).all()),
+                    and bool(torch.isfinite(got).all()) and bool((got > least).all()),
                     f"tensor {name}: {tuple(got.shape)} {got.dtype}, expected "
-                    f"{tuple(t.shape)} torch.float32 and finite")
+                    f"{tuple(t.shape)} torch.float32, finite"
+                    + (" and positive" if least == 0 else ""))
         projector.load_state_dict(tensors)
         if source is not None and target is not None:
             projector.check_fits(source, target)

@@ -87,15 +87,35 @@ def test_an_identity_projector_of_a_model_onto_itself_changes_nothing(models, id
     model = models[1]
     shape = KVShape.of(model)
     projector = Projector(shape, shape)
-    for maps in (projector.k, projector.v):
-        maps.initialise("identity", torch.Generator(), 0.0)
     _, held = split_windows(ids, QUICK)
+    k, v = _sample(shape)
+    projector.initialise("identity", torch.Generator(), 0.0, k * 10, v)
     assert held_out_kl(projector, model, model, held, QUICK.prefix, 4) < 1e-6
     session = _session(model, SamplerParams(greedy=True), CacheParams(budget=24, reindex_at=70))
     moved = apply_projector(projector, session, model)
     view, back = session.state.view(), moved.state.view()
     assert_close(back.k, view.k, 1e-5, "keys through the identity")
     assert_close(back.v, view.v, 1e-6, "values through the identity")
+
+
+def _sample(shape: KVShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random source keys and values (La, KVa, 32, Da), each input dimension of its own size."""
+    g = torch.Generator().manual_seed(2)
+    size = torch.rand(shape.layers, shape.kv_heads, 1, shape.head_dim, generator=g) * 4 + 0.1
+    return tuple(torch.randn(shape.layers, shape.kv_heads, 32, shape.head_dim, generator=g) * size
+                 for _ in range(2))
+
+
+def test_inputs_are_scaled_to_unit_size_and_the_map_is_kept(models):
+    """The maps read each input dimension over its size at the start: an Adam step moves
+    every output alike. The initialised map of the unscaled inputs is still the identity."""
+    shape = KVShape.of(models[0])
+    projector = Projector(shape, shape)
+    k, v = _sample(shape)
+    projector.initialise("identity", torch.Generator(), 0.0, k, v)
+    inputs = projector._inputs(k)  # pylint: disable=protected-access
+    assert torch.allclose(projector.k.scale, inputs.square().mean(1).sqrt())
+    assert_close(projector(k, v)[0], k, 1e-5, "the identity over scaled inputs")
 
 
 def test_layer_map_defaults_to_the_same_relative_depth():
@@ -133,8 +153,7 @@ def test_the_projector_file_round_trips(trained, projector_file, models):
 
 def test_an_mlp_projector_file_round_trips(tmp_path):
     p = Projector(KVShape(2, 2, 16), KVShape(3, 3, 16), kind="mlp", hidden=8)
-    for maps in (p.k, p.v):
-        maps.initialise("random", torch.Generator().manual_seed(1), 0.0)
+    p.initialise("random", torch.Generator().manual_seed(1), 0.0, *_sample(KVShape(2, 2, 16)))
     q = load_projector(save_projector(p, tmp_path / "mlp.safetensors"))
     assert q.header == p.header and sorted(q.state_dict()) == sorted(p.state_dict())
     assert {"k.up", "k.down", "k.gate", "v.gate"} <= set(q.state_dict())
