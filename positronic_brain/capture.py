@@ -32,13 +32,13 @@ from .state import gathered
 from .types import GenerateOut, UserError, require
 from .version import __version__
 
-FORMAT = 5
+FORMAT = 6
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
 EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step
 FILE_KEYS = ("format", "stage", "step", "model", "inputs", "outputs", "cache_len", "arena_version")
 MANIFEST_EVERY = 50  # past this many files the manifest is rewritten every N saves (and at close)
 LEDGER_COLUMNS = ("uid", "token_id", "position", "source", "brightness", "flags", "born_step",
-                  "attn_sum")  # what a file keeps of the view's ledger (what scorers read)
+                  "attn_sum", "origin", "origin_uid")  # what a file keeps of the view's ledger (what scorers read)
 _NAME = re.compile(r"(\d{6})_(s\d_\w+)\.pt")
 _STATE = re.compile(r"state_(\d{6})\.pt")
 
@@ -81,7 +81,8 @@ def _view_columns(view) -> dict:
     """The view's ledger columns and scalars (no K/V): what a scorer or inspect reads."""
     return {**{c: getattr(view, c) for c in LEDGER_COLUMNS},
             "pending_token": view.pending_token, "next_position": view.next_position,
-            "step": view.step, "n": view.n, "capacity": view.capacity}
+            "step": view.step, "n": view.n, "capacity": view.capacity,
+            "origins": list(view.origins)}
 
 
 def gen_outputs(gen: GenerateOut) -> dict:
@@ -111,6 +112,7 @@ def _snapshot(state) -> dict:
             "arena_v": gathered(a, "v", a.n),
             "arena_log_mass": gathered(a, "log_mass", a.n),  # (L, kv_heads, n)
             "ledger": {c: getattr(view, c) for c in LEDGER_COLUMNS},
+            "origins": list(view.origins),
             "pending_token": state.pending_token, "next_position": state.next_position,
             "step": state.step}
 

@@ -77,6 +77,18 @@ def rerotation(model: Model, old: torch.Tensor, new: torch.Tensor):
     return cos_n * cos_o + sin_n * sin_o, sin_n * cos_o - cos_n * sin_o
 
 
+def rerotate(model: Model, k: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Keys ``k`` (..., n, head_dim) RoPE'd at positions ``old`` (n,), rotated to ``new``
+    (n,) by ``rerotation``, in float32 as stage 4's re-index does; a key whose position
+    does not change keeps its exact bits."""
+    moved = old != new
+    if not bool(moved.any()):
+        return k
+    cos, sin = rerotation(model, old, new)
+    x = k.float()
+    return torch.where(moved.unsqueeze(-1), apply_rope(x, cos, sin), x).to(k.dtype)
+
+
 Past = torch.Tensor | tuple[torch.Tensor, ...]  # (L, ...), or one (L_b, ...) per block of layers
 
 

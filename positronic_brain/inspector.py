@@ -21,7 +21,7 @@ from rich.tree import Tree
 from . import page
 from .capture import CaptureRun, file_name, load_file
 from .model import load_model
-from .render import context_text, sparkline, steps_table
+from .render import context_text, origin_legend, sparkline, steps_table
 from .special_tokens import TokenPolicy
 from .types import SOURCES, require
 
@@ -102,17 +102,18 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
     f = run.step(t)
     view, out, patch = f.view, f.scores, f.patch  # the ledger before the step, its scores
     bright = out.brightness if out.brightness is not None else view["brightness"]
+    origins = [None] + list(view["origins"])
     ledger = [{"uid": int(u), "token_id": int(tok), "position": int(pos),
-               "source": SOURCES[int(src)], "brightness": float(b)}
-              for u, tok, pos, src, b in zip(view["uid"], view["token_id"], view["position"],
-                                              view["source"], bright)]
+               "source": SOURCES[int(src)], "brightness": float(b), "origin": origins[int(o)]}
+              for u, tok, pos, src, b, o in zip(view["uid"], view["token_id"], view["position"],
+                                                 view["source"], bright, view["origin"])]
     merged = [u for r in patch.merges for u in r.uids]
     legend = Text.assemble(("bright", "rgb(255,225,60)"), " … ", ("dim", "rgb(70,70,90)"), "   ",
                            ("culled", "strike red"), "   ", ("merged pair", "bold underline cyan"))
     console.print(Panel(Group(context_text(ledger, policy.token_text, culled=patch.culled_uids,
                                            merged=merged,
                                            max_brightness=f.cache_params.max_brightness),
-                              Text(""), legend),
+                              Text(""), legend, origin_legend(ledger)),
                         title=f"context at step {t} ({len(ledger)} live slots, "
                               f"{len(patch.culled_uids)} culled, {len(patch.merges)} merged)"))
 

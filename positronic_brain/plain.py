@@ -119,22 +119,28 @@ def save_signed(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     return atomic_write(path, st_save(tensors, metadata=meta))
 
 
-def load_signed(path: str | os.PathLike, fmt: str,
-                what: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """The metadata and tensors of a ``save_signed`` file of format ``fmt``. A missing,
-    unreadable, truncated or modified file, or one of another format, is a one-line
-    UserError naming ``what`` (e.g. "session file")."""
+def read_safetensors(path: str | os.PathLike,
+                     what: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A safetensors file's metadata and tensors, unchecked; a missing or unreadable file
+    (truncated, not safetensors) is a one-line UserError naming ``what``."""
     path = Path(path)
     require(path.is_file(), f"no {what} at {path}")
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # truncated, not safetensors, unreadable ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
         raise UserError(f"{path}: not a readable {what} ({first})") from None
-    require(meta.get("format") == fmt, f"{path}: not a {what} of format {fmt} "
-            f"(its format: {meta.get('format')!r})")
+
+
+def load_signed(path: str | os.PathLike, formats: tuple[str, ...],
+                what: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The metadata and tensors of a ``save_signed`` file of one of ``formats``. A missing,
+    unreadable, truncated or modified file, or one of another format, is a one-line
+    UserError naming ``what`` (e.g. "session file")."""
+    meta, tensors = read_safetensors(path, what)
+    require(meta.get("format") in formats, f"{path}: not a {what} of format "
+            f"{' or '.join(formats)} (its format: {meta.get('format')!r})")
     require(meta.get("sha256") == digest(meta, tensors),
             f"{path}: the {what} is corrupt (sha256 mismatch)")
     return meta, tensors

@@ -13,6 +13,9 @@ from rich.text import Text
 
 SPARK = "▁▂▃▄▅▆▇█"
 SOURCE_MARK = {"system": "bold", "user": "", "assistant": "italic", "tool": "underline"}
+# A background per origin file (a composed or transferred session's rows), in table order.
+ORIGIN_BG = ("on rgb(30,45,90)", "on rgb(30,75,45)", "on rgb(85,35,35)", "on rgb(75,60,20)",
+             "on rgb(60,30,80)", "on rgb(20,70,75)")
 
 
 def brightness_style(b: float, max_b: float) -> str:
@@ -26,10 +29,12 @@ def brightness_style(b: float, max_b: float) -> str:
 def context_text(rows: Iterable[dict], token_text: Callable[[int], str],
                  culled: Iterable[int] = (), merged: Iterable[int] = (),
                  max_brightness: float = 255.0) -> Text:
-    """``rows``: ledger rows ``{uid, token_id, position, source, brightness}``, any order
-    (shown in position order). Culled uids are struck through in red; merged-in
-    tokens are underlined in cyan."""
+    """``rows``: ledger rows ``{uid, token_id, position, source, brightness}`` and optionally
+    ``origin`` (a file's label, None: made here), any order (shown in position order).
+    Culled uids are struck through in red; merged-in tokens are underlined in cyan; rows
+    from another file sit on that file's background (``origin_legend``)."""
     culled, merged = set(culled), set(merged)
+    backgrounds = _origin_backgrounds(rows := list(rows))
     text = Text()
     for row in sorted(rows, key=lambda r: r["position"]):
         piece = token_text(row["token_id"])
@@ -40,7 +45,31 @@ def context_text(rows: Iterable[dict], token_text: Callable[[int], str],
         else:
             style = f"{brightness_style(row['brightness'], max_brightness)} " \
                     f"{SOURCE_MARK.get(row.get('source', 'user'), '')}".strip()
-        text.append(piece, style=style)
+        text.append(piece, style=f"{style} {backgrounds.get(row.get('origin'), '')}".strip())
+    return text
+
+
+def _origin_backgrounds(rows: list[dict]) -> dict[str, str]:
+    """Each origin file among ``rows`` -> its background, in order of first appearance."""
+    labels = dict.fromkeys(r["origin"] for r in sorted(rows, key=lambda r: r["position"])
+                           if r.get("origin"))
+    return {label: ORIGIN_BG[i % len(ORIGIN_BG)] for i, label in enumerate(labels)}
+
+
+def origin_counts(rows: Iterable[dict]) -> dict[str, int]:
+    """Each origin file among ``rows`` (in text order of first appearance) -> its rows."""
+    rows = sorted(rows, key=lambda r: r["position"])
+    return {label: sum(r.get("origin") == label for r in rows)
+            for label in _origin_backgrounds(rows)}
+
+
+def origin_legend(rows: Iterable[dict]) -> Text:
+    """One line naming each origin file's background and its row count (empty: none)."""
+    rows = list(rows)
+    text = Text()
+    for (label, bg), count in zip(_origin_backgrounds(rows).items(), origin_counts(rows).values()):
+        text.append(f" {label} ({count}) ", style=bg)
+        text.append("  ")
     return text
 
 

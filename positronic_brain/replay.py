@@ -278,7 +278,7 @@ def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
     ours = {f"arena_{name}": gathered(state.arena, name, view.n)[:, :, ours_order]
             for name in ("k", "v", "log_mass")}
     ours |= {"ledger": {c: getattr(view, c)[ours_order] for c in LEDGER_COLUMNS},
-             "pending_token": state.pending_token, "next_position": state.next_position,
+             "origins": list(view.origins), "pending_token": state.pending_token, "next_position": state.next_position,
              "step": state.step}
     theirs = {**snap, **{k: snap[k][:, :, theirs_order]
                          for k in ("arena_k", "arena_v", "arena_log_mass")},

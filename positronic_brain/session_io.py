@@ -14,7 +14,8 @@ Loading checks every shape, dtype, column and token id here; ``stages.apply.rest
 (stage 0, the only writer) then writes them back onto the model's device. On the device
 type it was saved from, the continuation is bit-exact; on another, kernels round
 differently (equal up to the dtype's tolerance) and a generator's state does not carry
-over, so sampling restarts from the sampler's seed.
+over, so sampling restarts from the sampler's seed. Format 5 added the ledger's origin
+columns; a format-4 file loads with every row made in its own session.
 """
 from __future__ import annotations
 
@@ -27,13 +28,15 @@ import torch
 
 from .loop import Session
 from .model import Model
-from .plain import from_plain, load_signed, save_signed, to_plain
+from .plain import from_plain, load_signed, read_safetensors, save_signed, to_plain
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
 from .state import Ledger, State, gathered
 from .types import UserError, require
 
-FORMAT = "positronic-brain-session/4"
+FORMAT = "positronic-brain-session/5"
+# Format 4 lacks the ledger's origin columns: its rows were all made in its own session.
+FORMAT_4 = "positronic-brain-session/4"
 # Session fields not saved as JSON: rebuilt on load, or (a capture's tape) owned by the
 # saving process; a loaded session starts without a capture.
 RUNTIME = ("model", "policy", "state", "tape")
@@ -106,11 +109,24 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
                                        "session": json.dumps(body)})
 
 
+def saved_model(path: str | os.PathLike) -> tuple[str, str]:
+    """The name and dtype of the model a session file was saved from (what ``load_model``
+    takes), read from its header."""
+    meta = read_safetensors(path, "session file")[0]
+    try:
+        saved = json.loads(meta["model"])
+        return str(saved["name"]), str(saved["dtype"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{path}: not a session file (no model in its header)") from None
+
+
 def load_session(model: Model, path: str | os.PathLike) -> Session:
     """Read a session saved by ``save_session`` into ``model``, which must be the model it
     was saved from (architecture, dtype, rope, weights); the session continues exactly
     where it stopped. Anything else raises UserError (one line)."""
-    meta, tensors = load_signed(path, FORMAT, "session file")
+    meta, tensors = load_signed(path, (FORMAT, FORMAT_4), "session file")
+    if meta["format"] == FORMAT_4:
+        tensors |= _made_here(tensors)
     try:
         saved, body = json.loads(meta["model"]), json.loads(meta["session"])
         diff = _mismatch(saved, model.fingerprint)
@@ -143,6 +159,17 @@ def restore_session(model: Model, tensors: dict[str, torch.Tensor], body: dict) 
     if torch.device(body.get("device", "cpu")).type == model.device.type:
         session.generator.set_state(tensors["generator"])
     return session
+
+
+def _made_here(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The origin columns of a format-4 file's ledgers: every row made in its own session."""
+    out = {}
+    for part in ("ledger", "cold"):
+        uid = tensors.get(f"{part}.uid")
+        if uid is not None:
+            out[f"{part}.origin"] = torch.zeros(uid.shape, dtype=torch.int32)
+            out[f"{part}.origin_uid"] = torch.full(uid.shape, -1, dtype=torch.int64)
+    return out
 
 
 def _saved_cold(model: Model, tensors: dict[str, torch.Tensor], body: dict | None) -> dict | None:

@@ -224,15 +224,21 @@ class Ledger:
     changed_step: torch.Tensor  # (capacity,) int64
     flags: torch.Tensor  # (capacity,) int8 (FLAG_PROTECTED, ...)
     attn_sum: torch.Tensor  # (capacity,) float32, attention received since born (H2O)
+    # Where the row's K/V came from: 0 = made in this session's own lineage, k = the file
+    # ``origins[k - 1]`` (a composed or transferred session), whose row ``origin_uid`` it was
+    # there (-1 for rows of origin 0).
+    origin: torch.Tensor  # (capacity,) int32
+    origin_uid: torch.Tensor  # (capacity,) int64
     n: int = 0
     next_uid: int = 0
     merged: dict[int, tuple[int, ...]] = field(default_factory=dict)  # repair history
     dropped: int = 0  # tokens culled for good (not into a cold store), an account of uids
     # A new token's brightness by source (SOURCES order), written when it enters the cache.
     seeds: tuple[float, ...] = (MAX_BRIGHTNESS,) * len(SOURCES)
+    origins: tuple[str, ...] = ()  # the files rows came from, labelled (``origin`` k -> k-1)
 
     COLUMNS = ("uid", "token_id", "position", "source", "brightness", "born_step",
-               "changed_step", "flags", "attn_sum")
+               "changed_step", "flags", "attn_sum", "origin", "origin_uid")
 
     @classmethod
     def allocate(cls, capacity: int, seeds: tuple[float, ...] | None = None,
@@ -240,10 +246,10 @@ class Ledger:
         def col(dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(capacity, dtype=dtype, device=device)
 
-        i64, i8, f32 = torch.int64, torch.int8, torch.float32
+        i64, i32, i8, f32 = torch.int64, torch.int32, torch.int8, torch.float32
         return cls(uid=col(i64), token_id=col(i64), position=col(i64), source=col(i8),
                    brightness=col(f32), born_step=col(i64), changed_step=col(i64),
-                   flags=col(i8), attn_sum=col(f32),
+                   flags=col(i8), attn_sum=col(f32), origin=col(i32), origin_uid=col(i64) - 1,
                    seeds=tuple(seeds or (MAX_BRIGHTNESS,) * len(SOURCES)))
 
     def live(self, column: str) -> torch.Tensor:
@@ -254,13 +260,20 @@ class Ledger:
         return self.uid.device
 
     def rows(self) -> list[dict]:
-        """Live rows in position (text) order, as plain Python values."""
+        """Live rows in position (text) order, as plain Python values (``origin``: the
+        file's label, None for a row made here)."""
         order = torch.argsort(self.live("position")).tolist()
         cols = {c: self.live(c).tolist() for c in ("uid", "token_id", "position", "source",
-                                                  "brightness")}
+                                                  "brightness", "origin", "origin_uid")}
         return [{"uid": cols["uid"][i], "token_id": cols["token_id"][i],
                  "position": cols["position"][i], "source": SOURCES[cols["source"][i]],
-                 "brightness": float(cols["brightness"][i])} for i in order]
+                 "brightness": float(cols["brightness"][i]),
+                 "origin": self.origin_label(cols["origin"][i]),
+                 "origin_uid": cols["origin_uid"][i]} for i in order]
+
+    def origin_label(self, origin: int) -> str | None:
+        """The file an ``origin`` value names; None for 0 (made here)."""
+        return self.origins[origin - 1] if origin else None
 
     def check_valid(self, step: int | None = None, next_position: int | None = None) -> None:
         """Assert every ledger invariant; raises AssertionError naming the first broken one."""
@@ -290,6 +303,11 @@ class Ledger:
             assert n == 0 or int(changed.max()) <= step, "changed_step in the future"
         for new, old in self.merged.items():
             assert all(u < new for u in old), f"repair {new} merged a later uid {old}"
+        origin, there = self.live("origin"), self.live("origin_uid")
+        assert n == 0 or 0 <= int(origin.min()) <= int(origin.max()) <= len(self.origins), \
+            "an origin outside the origins table"
+        assert bool(((origin == 0) == (there == -1)).all()) and bool((there >= -1).all()), \
+            "origin uid -1 is for rows made here, and only for them"
 
 
 @dataclass(eq=False)
@@ -384,11 +402,14 @@ class View:
     flags: torch.Tensor  # (n,)
     born_step: torch.Tensor  # (n,)
     attn_sum: torch.Tensor  # (n,)
+    origin: torch.Tensor  # (n,) 0 = made here, k = origins[k - 1]
+    origin_uid: torch.Tensor  # (n,) the row's uid in that file (-1: made here)
     pending_token: int
     next_position: int
     step: int
     capacity: int
     cold: ColdView | None = None  # the cold store's rows (recall); None without recall
+    origins: tuple[str, ...] = ()  # the ledger's origins table
 
     @property
     def n(self) -> int:
@@ -416,7 +437,9 @@ class State:
                     token_id=m.live("token_id"), position=m.live("position"),
                     source=m.live("source"), brightness=m.live("brightness"),
                     flags=m.live("flags"), born_step=m.live("born_step"),
-                    attn_sum=m.live("attn_sum"), pending_token=self.pending_token,
+                    attn_sum=m.live("attn_sum"), origin=m.live("origin"),
+                    origin_uid=m.live("origin_uid"), origins=m.origins,
+                    pending_token=self.pending_token,
                     next_position=self.next_position, step=self.step,
                     capacity=self.arena.capacity,
                     cold=None if self.cold is None else self.cold.view())

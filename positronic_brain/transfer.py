@@ -43,7 +43,7 @@ from transformers import DynamicCache
 from .forward import apply_rope, forward, rerotation, rope_cos_sin
 from .loop import Session
 from .model import Model
-from .plain import load_signed, save_signed
+from .plain import load_signed, save_signed, to_plain
 from .session_io import restore_session, session_body, session_tensors
 from .special_tokens import require_same_tokens
 from .stages.apply import arena
@@ -401,7 +401,7 @@ def load_projector(path: str | os.PathLike, source: Model | None = None,
     """Read a projector ``save_projector`` wrote (on the CPU), checked against its header
     and, if given, against the ``source`` and ``target`` models; a missing, damaged or
     inconsistent file, or one for models of other K/V shapes, is a one-line UserError."""
-    meta, tensors = load_signed(path, FORMAT, "projector file")
+    meta, tensors = load_signed(path, (FORMAT,), "projector file")
     try:
         h = json.loads(meta["projector"])
         projector = Projector(KVShape(**h["source"]), KVShape(**h["target"]), h["layer_map"],
@@ -428,13 +428,16 @@ def load_projector(path: str | os.PathLike, source: Model | None = None,
 
 
 @torch.no_grad()
-def apply_projector(projector: Projector, session: Session, target: Model) -> Session:
-    """A session of ``target`` continuing ``session`` (of the projector's source model): its
-    hot and cold K/V projected (``project``), everything else (ledger rows, pending token,
-    positions, sampler and cache parameters, ids, the generator) as it was, checked and
-    written by stage 0 as a loaded session file is (``session_io.restore_session``). Folded
-    slots (``--repair fold``) are refused: each KV head holds its own mix of tokens there,
-    which a map mixing the heads cannot carry."""
+def apply_projector(projector: Projector, session: Session, target: Model,
+                    label: str) -> Session:
+    """A session of ``target`` continuing ``session`` (of the projector's source model, saved
+    as the file ``label``): its hot and cold K/V projected (``project``), everything else
+    (ledger rows, pending token, positions, sampler and cache parameters, ids, the
+    generator) as it was, checked and written by stage 0 as a loaded session file is
+    (``session_io.restore_session``). Each row's origin is ``label`` (its uid there the
+    same); a row that came from elsewhere keeps that origin. Folded slots (``--repair
+    fold``) are refused: each KV head holds its own mix of tokens there, which a map mixing
+    the heads cannot carry."""
     source = session.model
     projector.check_fits(source, target)
     require_same_tokens(source.tokenizer, target.tokenizer)
@@ -446,5 +449,10 @@ def apply_projector(projector: Projector, session: Session, target: Model) -> Se
             k, v = project(projector, source, target, tensors[f"{part}.k"],
                            tensors[f"{part}.v"], tensors[f"{rows}.position"])
             tensors[f"{part}.k"], tensors[f"{part}.v"] = (x.to("cpu", target.dtype) for x in (k, v))
+            here = tensors[f"{rows}.origin"] == 0  # origin k becomes k + 1 behind the label
+            tensors[f"{rows}.origin_uid"] = torch.where(here, tensors[f"{rows}.uid"],
+                                                        tensors[f"{rows}.origin_uid"])
+            tensors[f"{rows}.origin"] = tensors[f"{rows}.origin"] + 1
+    body["ledger"]["origins"] = to_plain((label,) + session.state.ledger.origins, json=True)
     tensors["arena.log_mass"] = torch.zeros(tensors["arena.k"].shape[:3])
     return restore_session(target, tensors, body)

@@ -92,10 +92,16 @@ def test_an_identity_projector_of_a_model_onto_itself_changes_nothing(models, id
     projector.initialise("identity", torch.Generator(), 0.0, k * 10, v)
     assert held_out_kl(projector, model, model, held, QUICK.prefix, 4) < 1e-6
     session = _session(model, SamplerParams(greedy=True), CacheParams(budget=24, reindex_at=70))
-    moved = apply_projector(projector, session, model)
+    moved = apply_projector(projector, session, model, "s.pbs")
     view, back = session.state.view(), moved.state.view()
     assert_close(back.k, view.k, 1e-5, "keys through the identity")
     assert_close(back.v, view.v, 1e-6, "values through the identity")
+    # every row comes from s.pbs, as the same uid; moved on again, it keeps that origin
+    again = apply_projector(projector, moved, model, "moved.pbs").state.ledger
+    assert moved.state.ledger.origins == ("s.pbs",) and again.origins == ("moved.pbs", "s.pbs")
+    for ledger, origin in ((moved.state.ledger, 1), (again, 2)):
+        assert bool((ledger.live("origin") == origin).all())
+        assert torch.equal(ledger.live("origin_uid"), view.uid)
 
 
 def _sample(shape: KVShape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,7 +240,8 @@ def test_models_that_do_not_share_a_tokenizer_are_refused(models, ids, change, m
     assert message in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(UserError, match="do not share a tokenizer"):
         apply_projector(Projector(KVShape.of(models[0]), KVShape.of(other)),
-                        _session(models[0], SamplerParams(greedy=True), CacheParams()), other)
+                        _session(models[0], SamplerParams(greedy=True), CacheParams()), other,
+                        "a.pbs")
 
 
 # --- sessions ---------------------------------------------------------------------------------
@@ -265,12 +272,16 @@ def test_a_projected_session_loads_into_the_target_and_continues(tmp_path, model
     a = _session(source, sampler, RECALL)
     assert a.state.cold.n > 0  # culled into the cold store, and re-indexed:
     assert a.state.next_position < len(a.prompt_ids) + a.state.step
-    b = load_session(target, save_session(apply_projector(trained[0], a, target),
+    b = load_session(target, save_session(apply_projector(trained[0], a, target, "a.pbs"),
                                           tmp_path / "b.pbs"))
     sa, sb = a.state, b.state
     for column in ("uid", "token_id", "position", "source", "brightness", "flags", "attn_sum"):
         assert torch.equal(sa.ledger.live(column), sb.ledger.live(column)), column
         assert torch.equal(sa.cold.ledger.live(column), sb.cold.ledger.live(column)), column
+    for ledger, source_ledger in ((sb.ledger, sa.ledger), (sb.cold.ledger, sa.cold.ledger)):
+        assert bool((ledger.live("origin") == 1).all())  # from a.pbs, as the same uid
+        assert torch.equal(ledger.live("origin_uid"), source_ledger.live("uid"))
+    assert sb.ledger.origins == ("a.pbs",)
     assert (sb.pending_token, sb.next_position, sb.step, sb.ledger.next_uid) == \
         (sa.pending_token, sa.next_position, sa.step, sa.ledger.next_uid)
     assert (b.sampler, b.cache_params, b.prompt_ids, b.generated_ids) == \
@@ -294,7 +305,7 @@ def test_a_session_with_folded_slots_is_refused(models, trained):
                       CacheParams(budget=20, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0))
     assert folded.state.arena.folded
     with pytest.raises(UserError, match="folded slots"):
-        apply_projector(trained[0], folded, models[1])
+        apply_projector(trained[0], folded, models[1], "folded.pbs")
 
 
 # --- the command line -------------------------------------------------------------------------
@@ -332,6 +343,7 @@ def test_transfer_train_and_apply_on_the_command_line(capsys, tmp_path, text_fil
     assert code == 0, err
     b = load_session(models[1], tmp_path / "b.pbs")
     assert b.state.arena.n == a.state.arena.n == 24 and b.generated_ids == a.generated_ids
+    assert b.state.ledger.origins == ("a.pbs",)
     assert len(list(b.stream(3, ignore_eos=True))) == 3
 
 

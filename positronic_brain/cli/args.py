@@ -102,8 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
     passkey.add_args(bench)
     _add_inspect_args(sub)
     _add_chat_args(sub)
+    _add_compose_args(sub)
     _add_transfer_args(sub)
     return parser
+
+
+def _add_compose_args(sub) -> None:
+    cp = sub.add_parser("compose", help="join saved sessions of one model into one context "
+                        "(each part's keys re-rotated to its new positions)")
+    cp.add_argument("files", metavar="FILE.pbs", nargs="+", help="session files, in text order")
+    cp.add_argument("--out", required=True, metavar="OUT.pbs", help="the composed session file")
+    cp.add_argument("--model", default=None, help="the model the sessions were saved from "
+                    "(default: the one the first file names); " + MODEL_HELP)
+    cp.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                    help="default: the first file's")
+    cp.add_argument("--device", default="cpu", help=DEVICE_HELP.replace("CUDA when available, "
+                                                                        "else the CPU", "cpu"))
+    cp.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
 def _add_capture_args(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from ..chat import Chat
 from ..model import load_model
-from ..render import context_text, sparkline
+from ..render import context_text, origin_counts, origin_legend, sparkline
 from ..session_io import load_session, save_session
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError
@@ -94,8 +94,8 @@ def _chat_stats_view(chat):
 def _chat_context_view(chat):
     rows, culled, merged = chat.context()
     params = chat.session.cache_params
-    return Panel(context_text(rows, chat.policy.token_text, culled=culled, merged=merged,
-                              max_brightness=params.max_brightness),
+    return Panel(Group(context_text(rows, chat.policy.token_text, culled=culled, merged=merged,
+                                    max_brightness=params.max_brightness), origin_legend(rows)),
                  title=f"context: {len(rows) - len(culled)} live / budget {params.budget}",
                  subtitle=f"bright … dim by brightness, [strike red]culled this turn[/] "
                  f"({len(culled)}), [bold underline cyan]merged[/] ({len(merged)})")
@@ -125,7 +125,8 @@ def _chat_command(chat, line: str, console, args):
         if not args.json:
             console.print(view)
             return chat
-        out = {"context": view.renderable.plain}
+        rows = chat.context()[0]
+        out = {"context": view.renderable.renderables[0].plain, "origins": origin_counts(rows)}
     elif name == "/help":
         out = {"help": CHAT_HELP}
     else:

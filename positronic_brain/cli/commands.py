@@ -1,16 +1,16 @@
 """The one-shot commands: ``run``, ``bench``, ``fork``, ``compare``, ``replay``, ``inspect``,
-``transfer``."""
+``compose``, ``transfer``."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
-from .. import compare, fork, inspector, replay, transfer
+from .. import compare, compose, fork, inspector, replay, transfer
 from ..bench import passkey, quality, speed
 from ..loop import run
 from ..model import load_model
-from ..session_io import load_session, save_session
+from ..session_io import load_session, save_session, saved_model
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError, require
 from .args import (BENCH_KINDS, QUALITY_ONLY, cache_params, model_placement, open_tape,
@@ -99,6 +99,21 @@ def cmd_inspect(args) -> int:
     return inspector.main(args.path, args.step, args.last, html=args.html)
 
 
+def cmd_compose(args) -> int:
+    name, dtype = saved_model(args.files[0])
+    model = load_model(args.model or name, args.dtype or dtype, args.device)
+    out = compose.compose_files(model, args.files, args.out)
+    if args.json:
+        json.dump(out, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        parts = " + ".join(f"{p['label']} {p['cached']}" for p in out["parts"])
+        print(f"[composed {parts} cached tokens: {out['cached']} at positions < "
+              f"{out['next_position']}"
+              + (f", {out['cold']} cold" if out["cold"] else "") + f" -> {out['out']}]")
+    return 0
+
+
 def cmd_transfer(args) -> int:
     out = Path(args.out)
     require(out.parent.is_dir(), f"--out {out}: no folder {out.parent}")
@@ -106,7 +121,8 @@ def cmd_transfer(args) -> int:
         return _transfer_train(args, out)
     source, target = (load_model(name, args.dtype, args.device) for name in (args.source, args.target))
     projector = transfer.load_projector(args.projector, source, target)
-    session = transfer.apply_projector(projector, load_session(source, args.session), target)
+    session = transfer.apply_projector(projector, load_session(source, args.session), target,
+                                       Path(args.session).name)
     save_session(session, out)
     print(f"[{args.session} ({source.name}, {session.state.arena.n} cached tokens) -> {out} "
           f"({target.name})]", file=sys.stderr)

@@ -76,6 +76,7 @@ def _write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: tor
     m.born_step[slots] = step
     m.changed_step[slots] = step
     m.flags[slots] = flags
+    m.origin[slots], m.origin_uid[slots] = 0, -1
     m.next_uid += count
     return uids.tolist()
 
@@ -312,6 +313,7 @@ def _merge(state: State, r: Merge, step: int) -> int:
     m.uid[s], m.token_id[s], m.position[s] = uid, r.token_id, r.position
     m.born_step[s] = m.changed_step[s] = step
     m.flags[s], m.attn_sum[s] = 0, 0.0
+    m.origin[s], m.origin_uid[s] = 0, -1
     _write(state.arena, s, r.k, r.v)
     return uid
 
