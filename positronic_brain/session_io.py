@@ -20,18 +20,15 @@ columns; a format-4 file loads with every row made in its own session.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as st_save
 
 from .loop import Session
 from .model import Model
-from .plain import atomic_write, from_plain, to_plain
+from .plain import from_plain, load_signed, read_safetensors, save_signed, to_plain
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
 from .state import Ledger, State, restore_args
@@ -43,18 +40,6 @@ FORMAT_4 = "positronic-brain-session/4"
 # Session fields not saved as JSON: rebuilt on load, or (a capture's tape) owned by the
 # saving process; a loaded session starts without a capture (``Session.record`` starts one).
 RUNTIME = ("model", "policy", "state", "tape")
-
-
-def _digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for key in sorted(meta):
-        if key != "sha256":
-            h.update(f"{key}\0{meta[key]}\0".encode())
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _mismatch(saved: dict, ours: dict) -> str | None:
@@ -72,8 +57,9 @@ def _mismatch(saved: dict, ours: dict) -> str | None:
 
 # --- export / import ----------------------------------------------------------------------
 
-def save_session(session: Session, path: str | os.PathLike) -> Path:
-    """Write ``session`` (primed) to ``path`` atomically; returns the path."""
+def session_tensors(session: Session) -> dict[str, torch.Tensor]:
+    """What a session file holds as tensors, as host copies: the arena's live K/V and
+    log-mass, the ledger's columns, the generator's state and the cold store's rows."""
     state = session.state
     require(state is not None, "prime the session before saving it")
     saved = restore_args(state)
@@ -84,8 +70,17 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
     if cold is not None:
         tensors |= {"cold.k": cold["k"], "cold.v": cold["v"], "cold.entered": cold["entered"],
                     **{f"cold.{c}": t for c, t in cold["columns"].items()}}
-    tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
-    body = {
+    return {k: t.to("cpu").contiguous() for k, t in tensors.items()}
+
+
+def session_body(session: Session) -> dict:
+    """What a session file holds as JSON besides the model's fingerprint: the rest of the
+    ledger and state, the session's plain fields, the BOS choice and the device."""
+    state = session.state
+    require(state is not None, "prime the session before saving it")
+    saved = restore_args(state)
+    cold = saved["cold"]
+    return {
         "capacity": saved["capacity"],
         "ledger": {k: to_plain(v, json=True) for k, v in saved["ledger_fields"].items()},
         "state": {k: to_plain(v, json=True) for k, v in saved["state_fields"].items()},
@@ -96,27 +91,20 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
         "bos": session.policy.add_bos,
         "device": str(session.model.device),
     }
-    meta = {"format": FORMAT, "model": json.dumps(session.model.fingerprint),
-            "session": json.dumps(body)}
-    meta["sha256"] = _digest(meta, tensors)
-    return atomic_write(path, st_save(tensors, metadata=meta))
 
 
-def _read(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """A session file's header and tensors, unchecked (UserError if it cannot be read)."""
-    require(path.is_file(), f"no session file at {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # truncated, not safetensors, unreadable ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise UserError(f"{path}: not a readable session file ({first})") from None
+def save_session(session: Session, path: str | os.PathLike) -> Path:
+    """Write ``session`` (primed) to ``path`` atomically; returns the path."""
+    tensors, body = session_tensors(session), session_body(session)
+    return save_signed(path, tensors, {"format": FORMAT,
+                                       "model": json.dumps(session.model.fingerprint),
+                                       "session": json.dumps(body)})
 
 
 def saved_model(path: str | os.PathLike) -> tuple[str, str]:
     """The name and dtype of the model a session file was saved from (what ``load_model``
     takes), read from its header."""
-    meta = _read(Path(path))[0]
+    meta = read_safetensors(path, "session file")[0]
     try:
         saved = json.loads(meta["model"])
         return str(saved["name"]), str(saved["dtype"])
@@ -128,12 +116,7 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
     """Read a session saved by ``save_session`` into ``model``, which must be the model it
     was saved from (architecture, dtype, rope, weights); the session continues exactly
     where it stopped. Anything else raises UserError (one line)."""
-    path = Path(path)
-    meta, tensors = _read(path)
-    require(meta.get("format") in (FORMAT, FORMAT_4), f"{path}: not a session file of format "
-            f"{FORMAT} or {FORMAT_4} (its format: {meta.get('format')!r})")
-    require(meta.get("sha256") == _digest(meta, tensors),
-            f"{path}: the session file is corrupt (sha256 mismatch)")
+    meta, tensors = load_signed(path, (FORMAT, FORMAT_4), "session file")
     if meta["format"] == FORMAT_4:
         tensors |= _made_here(tensors)
     try:
@@ -141,25 +124,32 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
         diff = _mismatch(saved, model.fingerprint)
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
                 f"{model.name!r}: {diff}")
-        columns = {k.removeprefix("ledger."): t for k, t in tensors.items()
-                   if k.startswith("ledger.")}
-        cold = _saved_cold(model, tensors, body["cold"])
-        fields, ledger = from_plain(body["state"]), from_plain(body["ledger"])
-        _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"])
-        for what, cls, saved in (("state", State, fields), ("ledger", Ledger, ledger)):
-            unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
-            require(not unknown, f"unknown {what} field {unknown[:1]}")
-        state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
-                        ledger, fields, tensors["arena.log_mass"], cold)
-        session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
-                          state=state, **from_plain(body["session"]))
-        if torch.device(body.get("device", "cpu")).type == model.device.type:
-            session.generator.set_state(tensors["generator"])
+        return restore_session(model, tensors, body)
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (AssertionError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{path}: inconsistent session ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def restore_session(model: Model, tensors: dict[str, torch.Tensor], body: dict) -> Session:
+    """A session of ``model`` from a session file's ``tensors`` and ``body``
+    (``session_tensors``, ``session_body``), every shape, dtype, column and token id checked
+    against ``model``, written back by stage 0 (``stages.apply.restore``). The generator's
+    state carries over from the same device type only."""
+    columns = {k.removeprefix("ledger."): t for k, t in tensors.items() if k.startswith("ledger.")}
+    cold = _saved_cold(model, tensors, body["cold"])
+    fields, ledger = from_plain(body["state"]), from_plain(body["ledger"])
+    _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"])
+    for what, cls, saved in (("state", State, fields), ("ledger", Ledger, ledger)):
+        unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
+        require(not unknown, f"unknown {what} field {unknown[:1]}")
+    state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
+                    ledger, fields, tensors["arena.log_mass"], cold)
+    session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
+                      state=state, **from_plain(body["session"]))
+    if torch.device(body.get("device", "cpu")).type == model.device.type:
+        session.generator.set_state(tensors["generator"])
     return session
 
 
