@@ -82,6 +82,17 @@ def chunked(model: Model, past: Cache, ids: torch.Tensor, positions: torch.Tenso
     return k[:, :, n:], v[:, :, n:], torch.cat(rows) if logits else None
 
 
+def nll(model: Model, cache: Cache, pending: int, next_position: int,
+        continuation: torch.Tensor) -> float:
+    """The mean NLL of ``continuation`` (C,) teacher-forced over ``cache``: the ``pending``
+    token and the continuation but its last id at the positions from ``next_position``, in
+    one forward."""
+    ids = torch.cat((continuation.new_tensor([pending]), continuation[:-1]))
+    positions = torch.arange(next_position, next_position + ids.shape[0], device=ids.device)
+    _, _, logits = chunked(model, cache, ids, positions, logits=True, chunk=ids.shape[0])
+    return float(-logits.log_softmax(-1).gather(1, continuation[:, None]).mean())
+
+
 def relative(x: torch.Tensor, ref: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """||x - ref|| / ||ref|| over ``dims``, in float32."""
     x, ref = x.float(), ref.float()
@@ -163,11 +174,7 @@ class Blend:
 
     def nll(self, cache: Cache, continuation: torch.Tensor) -> float:
         """The mean NLL of ``continuation`` (C,) teacher-forced over ``cache``."""
-        ids = torch.cat((continuation.new_tensor([self.pending]), continuation[:-1]))
-        positions = torch.arange(self.next_position, self.next_position + ids.shape[0],
-                                 device=ids.device)
-        _, _, logits = chunked(self.model, cache, ids, positions, logits=True, chunk=ids.shape[0])
-        return float(-logits.log_softmax(-1).gather(1, continuation[:, None]).mean())
+        return nll(self.model, cache, self.pending, self.next_position, continuation)
 
     def slots(self, selected: torch.Tensor) -> torch.Tensor:
         """The arena slots of the text indices ``selected``."""

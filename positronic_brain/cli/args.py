@@ -95,7 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat_args(sub)
     _add_compose_args(sub)
     _add_transfer_args(sub)
+    _add_export_args(sub)
     return parser
+
+
+def _add_saved_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --device and --json of a command over session files."""
+    p.add_argument("--model", default=None, help="the model the sessions were saved from "
+                   "(default: the one the first file names); " + MODEL_HELP)
+    p.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                   help="default: the first file's")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP.replace("CUDA when available, "
+                                                                       "else the CPU", "cpu"))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
 def _add_run_args(run: argparse.ArgumentParser) -> None:
@@ -137,16 +149,12 @@ def settled_by_session(args) -> list[str]:
 
 def _add_compose_args(sub) -> None:
     cp = sub.add_parser("compose", help="join saved sessions of one model into one context "
-                        "(each part's keys re-rotated to its new positions)")
-    cp.add_argument("files", metavar="FILE.pbs", nargs="+", help="session files, in text order")
+                        "(each part's keys re-rotated to its new positions; a partial "
+                        "session's missing layers rebuilt)")
+    cp.add_argument("files", metavar="FILE.pbs", nargs="+",
+                    help="session files, whole or partial (export), in text order")
     cp.add_argument("--out", required=True, metavar="OUT.pbs", help="the composed session file")
-    cp.add_argument("--model", default=None, help="the model the sessions were saved from "
-                    "(default: the one the first file names); " + MODEL_HELP)
-    cp.add_argument("--dtype", default=None, choices=tuple(DTYPES),
-                    help="default: the first file's")
-    cp.add_argument("--device", default="cpu", help=DEVICE_HELP.replace("CUDA when available, "
-                                                                        "else the CPU", "cpu"))
-    cp.add_argument("--json", action="store_true", help="print one JSON object instead")
+    _add_saved_model_args(cp)
     g = cp.add_argument_group("measure (how far the composition is from a joint prefill of "
                               "its text; see README: compose)")
     g.add_argument("--measure", default=None, metavar="TEXT",
@@ -175,6 +183,22 @@ def percents(args) -> tuple[float, ...]:
                         f"{args.recompute!r}") from None
     check_percents(out)
     return out
+
+
+def _add_export_args(sub) -> None:
+    ex = sub.add_parser("export", help="write some of a session's cached tokens and layers to "
+                        "a partial session file (import it with compose)")
+    ex.add_argument("file", metavar="FILE.pbs", help="a session file")
+    ex.add_argument("--out", required=True, metavar="OUT.pbs", help="the partial session file")
+    ex.add_argument("--uids", default=None, metavar="LO-HI",
+                    help="only tokens whose uid is in LO-HI (inclusive)")
+    ex.add_argument("--source", default=None, metavar="S[,S...]",
+                    help="only tokens of these sources (system, user, assistant, tool)")
+    ex.add_argument("--min-brightness", type=float, default=None, metavar="B",
+                    help="only tokens at least this bright")
+    ex.add_argument("--layers", default=None, metavar="0-11,20-29",
+                    help="only these layers' K/V (default: every layer)")
+    _add_saved_model_args(ex)
 
 
 def _add_capture_args(p: argparse.ArgumentParser) -> None:

@@ -1,18 +1,18 @@
 """The one-shot commands: ``run``, ``bench``, ``fork``, ``compare``, ``replay``, ``inspect``,
-``compose``, ``transfer``."""
+``compose``, ``export``, ``transfer``."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
-from .. import compare, compose, fork, inspector, replay, transfer
+from .. import compare, compose, fork, inspector, partial, replay, transfer
 from ..bench import passkey, quality, speed
 from ..bench import transfer as transfer_bench
 from ..bench.common import Table, fmt, print_tables
 from ..loop import drive, run
 from ..model import load_model
-from ..session_io import load_session, save_session, saved_model
+from ..session_io import load_session, save_session, saved_model, spans
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError, require
 from .args import (BENCH_KINDS, DTYPE, MODEL, QUALITY_ONLY, cache_params, model_placement,
@@ -120,10 +120,15 @@ def cmd_inspect(args) -> int:
     return inspector.main(args.path, args.step, args.last, html=args.html)
 
 
+def _saved_model(args, path: str):
+    """The model a session file was saved from, unless --model / --dtype say otherwise."""
+    name, dtype = saved_model(path)
+    return load_model(args.model or name, args.dtype or dtype, args.device)
+
+
 def cmd_compose(args) -> int:
     recompute = percents(args)  # before the (slower) model load
-    name, dtype = saved_model(args.files[0])
-    model = load_model(args.model or name, args.dtype or dtype, args.device)
+    model = _saved_model(args, args.files[0])
     continuation = None if args.measure is None else TokenPolicy(model.tokenizer).encode(args.measure)
     out = compose.compose_files(model, args.files, args.out, continuation, recompute,
                                 args.select_layer)
@@ -131,12 +136,25 @@ def cmd_compose(args) -> int:
         json.dump(out, sys.stdout)
         sys.stdout.write("\n")
         return 0
-    parts = " + ".join(f"{p['label']} {p['cached']}" for p in out["parts"])
+    parts = " + ".join(f"{p['label']} {p['cached']}" + ("" if p["layers"] is None else
+                                                       f" (layers {spans(p['layers'])})")
+                       for p in out["parts"])
     print(f"[composed {parts} cached tokens: {out['cached']} at positions < "
           f"{out['next_position']}"
           + (f", {out['cold']} cold" if out["cold"] else "") + f" -> {out['out']}]")
     if "measure" in out:
         print_tables(measure_tables(out["measure"]))
+    return 0
+
+
+def cmd_export(args) -> int:
+    filters = {"uids": None if args.uids is None else partial.parse_span(args.uids, "--uids"),
+               "sources": None if args.source is None else tuple(args.source.split(",")),
+               "min_brightness": args.min_brightness,
+               "layers": None if args.layers is None else partial.parse_layers(args.layers)}
+    out = partial.export_file(_saved_model(args, args.file), args.file, args.out, **filters)
+    print(json.dumps(out) if args.json else f"[exported {out['rows']} of {out['of']} cached "
+          f"tokens, layers {out['layers']} of {out['n_layers']} -> {out['out']}]")
     return 0
 
 
