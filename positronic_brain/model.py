@@ -468,6 +468,11 @@ TINY_CONFIGS = {
                                                     factor=8.0, low_freq_factor=1.0,
                                                     high_freq_factor=4.0,
                                                     original_max_position_embeddings=64)),
+    # wider and one layer deeper than tiny-random, same tokenizer: a cross-model transfer pair
+    "tiny-random-wide": dict(model_type="llama", hidden_size=96, intermediate_size=192,
+                             num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+                             max_position_embeddings=512, rope_theta=10000.0,
+                             tie_word_embeddings=True),
     # ~1.0B parameters in a Llama-3.2-1B-like shape, for speed on a GPU without real weights
     "random-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192,
                       num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,

@@ -1,4 +1,6 @@
-"""Plain data: the one codec and the one atomic writer of captures and session files.
+"""Plain data: the one codec and the one atomic writer of captures and session files, and
+the signed safetensors files (sessions, projectors): tensors plus a JSON header and a sha256
+over both, read without unpickling anything.
 
 ``to_plain`` turns this package's frozen dataclasses (``types.py``), tensors and containers
 into plain data: a dataclass becomes a dict tagged ``"__type__"``, a tensor is copied to host
@@ -17,6 +19,8 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save as st_save
 
 from . import types as _types
 from .types import UserError, require
@@ -91,3 +95,52 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write {path}: {e.strerror}") from None
     return path
+
+
+def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over a file's str->str metadata (but its ``sha256`` entry) and its tensors'
+    names, dtypes, shapes and bytes."""
+    h = hashlib.sha256()
+    for key in sorted(meta):
+        if key != "sha256":
+            h.update(f"{key}\0{meta[key]}\0".encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_signed(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                meta: dict[str, str]) -> Path:
+    """Host ``tensors`` and ``meta`` (its ``format`` first among them) as one safetensors
+    file, with ``meta["sha256"]`` their ``digest``, written atomically; returns the path."""
+    meta = {**meta, "sha256": digest(meta, tensors)}
+    return atomic_write(path, st_save(tensors, metadata=meta))
+
+
+def read_safetensors(path: str | os.PathLike,
+                     what: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A safetensors file's metadata and tensors, unchecked; a missing or unreadable file
+    (truncated, not safetensors) is a one-line UserError naming ``what``."""
+    path = Path(path)
+    require(path.is_file(), f"no {what} at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # truncated, not safetensors, unreadable ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise UserError(f"{path}: not a readable {what} ({first})") from None
+
+
+def load_signed(path: str | os.PathLike, formats: tuple[str, ...],
+                what: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The metadata and tensors of a ``save_signed`` file of one of ``formats``. A missing,
+    unreadable, truncated or modified file, or one of another format, is a one-line
+    UserError naming ``what`` (e.g. "session file")."""
+    meta, tensors = read_safetensors(path, what)
+    require(meta.get("format") in formats, f"{path}: not a {what} of format "
+            f"{' or '.join(formats)} (its format: {meta.get('format')!r})")
+    require(meta.get("sha256") == digest(meta, tensors),
+            f"{path}: the {what} is corrupt (sha256 mismatch)")
+    return meta, tensors

@@ -26,18 +26,15 @@ history, tokens dropped) are the whole session's. ``load_session`` refuses it: o
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as st_save
 
 from .loop import Session
 from .model import Model
-from .plain import atomic_write, from_plain, to_plain
+from .plain import from_plain, load_signed, read_safetensors, save_signed, to_plain
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
 from .state import Ledger, State, restore_args
@@ -50,18 +47,6 @@ FORMAT_4 = "positronic-brain-session/4"
 # saving process; a loaded session starts without a capture (``Session.record`` starts one).
 RUNTIME = ("model", "policy", "state", "tape")
 PARTIAL = "partial"  # the header entry of a partial session file: {"layers": [...]}
-
-
-def _digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for key in sorted(meta):
-        if key != "sha256":
-            h.update(f"{key}\0{meta[key]}\0".encode())
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _mismatch(saved: dict, ours: dict) -> str | None:
@@ -79,11 +64,12 @@ def _mismatch(saved: dict, ours: dict) -> str | None:
 
 # --- export / import ----------------------------------------------------------------------
 
-def save_session(session: Session, path: str | os.PathLike, rows: torch.Tensor | None = None,
-                 layers: tuple[int, ...] | None = None) -> Path:
-    """Write ``session`` (primed) to ``path`` atomically; returns the path. ``rows`` (live
-    slots) and ``layers`` (ascending), either given, make it a partial session file: those
-    rows (all when None) with those layers' K/V and log-mass (all when None), no cold store."""
+def session_tensors(session: Session, rows: torch.Tensor | None = None,
+                    layers: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+    """What a session file holds as tensors, as host copies: the arena's live K/V and
+    log-mass, the ledger's columns, the generator's state and the cold store's rows. ``rows``
+    (live slots) and ``layers`` (ascending), either given: those rows (all when None) with
+    those layers' K/V and log-mass (all when None), no cold store (a partial file)."""
     state = session.state
     require(state is not None, "prime the session before saving it")
     saved = restore_args(state)
@@ -96,8 +82,24 @@ def save_session(session: Session, path: str | os.PathLike, rows: torch.Tensor |
     if cold is not None:
         tensors |= {"cold.k": cold["k"], "cold.v": cold["v"], "cold.entered": cold["entered"],
                     **{f"cold.{c}": t for c, t in cold["columns"].items()}}
-    tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
-    body = {
+    return {k: t.to("cpu").contiguous() for k, t in tensors.items()}
+
+
+def _picked(t: torch.Tensor, layers: tuple[int, ...] | None,
+            rows: torch.Tensor | slice) -> torch.Tensor:
+    """``t`` (L, kv_heads, n, ...) at ``layers`` (None: all, uncopied) and ``rows``."""
+    return (t if layers is None else t[list(layers)])[:, :, rows]
+
+
+def session_body(session: Session, partial: bool = False) -> dict:
+    """What a session file holds as JSON besides the model's fingerprint: the rest of the
+    ledger and state, the session's plain fields, the BOS choice and the device (``partial``:
+    no cold store)."""
+    state = session.state
+    require(state is not None, "prime the session before saving it")
+    saved = restore_args(state)
+    cold = None if partial else saved["cold"]
+    return {
         "capacity": saved["capacity"],
         "ledger": {k: to_plain(v, json=True) for k, v in saved["ledger_fields"].items()},
         "state": {k: to_plain(v, json=True) for k, v in saved["state_fields"].items()},
@@ -108,36 +110,27 @@ def save_session(session: Session, path: str | os.PathLike, rows: torch.Tensor |
         "bos": session.policy.add_bos,
         "device": str(session.model.device),
     }
+
+
+def save_session(session: Session, path: str | os.PathLike, rows: torch.Tensor | None = None,
+                 layers: tuple[int, ...] | None = None) -> Path:
+    """Write ``session`` (primed) to ``path`` atomically; returns the path. ``rows`` (live
+    slots) and ``layers`` (ascending), either given, make it a partial session file: those
+    rows (all when None) with those layers' K/V and log-mass (all when None), no cold store."""
+    partial = rows is not None or layers is not None
+    tensors, body = session_tensors(session, rows, layers), session_body(session, partial)
     meta = {"format": FORMAT, "model": json.dumps(session.model.fingerprint),
             "session": json.dumps(body)}
     if partial:
         every = range(session.model.spec.n_layers)
         meta[PARTIAL] = json.dumps({"layers": list(every if layers is None else layers)})
-    meta["sha256"] = _digest(meta, tensors)
-    return atomic_write(path, st_save(tensors, metadata=meta))
-
-
-def _picked(t: torch.Tensor, layers: tuple[int, ...] | None,
-            rows: torch.Tensor | slice) -> torch.Tensor:
-    """``t`` (L, kv_heads, n, ...) at ``layers`` (None: all, uncopied) and ``rows``."""
-    return (t if layers is None else t[list(layers)])[:, :, rows]
-
-
-def _read(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """A session file's header and tensors, unchecked (UserError if it cannot be read)."""
-    require(path.is_file(), f"no session file at {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # truncated, not safetensors, unreadable ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise UserError(f"{path}: not a readable session file ({first})") from None
+    return save_signed(path, tensors, meta)
 
 
 def saved_model(path: str | os.PathLike) -> tuple[str, str]:
     """The name and dtype of the model a session file was saved from (what ``load_model``
     takes), read from its header."""
-    meta = _read(Path(path))[0]
+    meta = read_safetensors(path, "session file")[0]
     try:
         saved = json.loads(meta["model"])
         return str(saved["name"]), str(saved["dtype"])
@@ -176,12 +169,7 @@ def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | N
     holds of its state, as ``compose.Part`` takes it: ``k``, ``v`` (layers held, kv_heads,
     n, head_dim), ``log_mass``, ``columns``, ``capacity``, ``state_fields``,
     ``ledger_fields`` and ``layers`` (the layers held, ascending)."""
-    path = Path(path)
-    meta, tensors = _read(path)
-    require(meta.get("format") in (FORMAT, FORMAT_4), f"{path}: not a session file of format "
-            f"{FORMAT} or {FORMAT_4} (its format: {meta.get('format')!r})")
-    require(meta.get("sha256") == _digest(meta, tensors),
-            f"{path}: the session file is corrupt (sha256 mismatch)")
+    meta, tensors = load_signed(path, (FORMAT, FORMAT_4), "session file")
     if meta["format"] == FORMAT_4:
         tensors |= _made_here(tensors)
     try:
@@ -189,34 +177,55 @@ def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | N
         diff = _mismatch(saved, model.fingerprint)
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
                 f"{model.name!r}: {diff}")
-        columns = {k.removeprefix("ledger."): t for k, t in tensors.items()
-                   if k.startswith("ledger.")}
+        if PARTIAL not in meta:
+            return restore_session(model, tensors, body), None
         layers = _held(model, meta)
-        fields, ledger = from_plain(body["state"]), from_plain(body["ledger"])
-        _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"],
-                     len(layers))
-        for what, cls, saved in (("state", State, fields), ("ledger", Ledger, ledger)):
-            unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
-            require(not unknown, f"unknown {what} field {unknown[:1]}")
-        k, v, log_mass = (tensors[f"arena.{x}"] for x in ("k", "v", "log_mass"))
-        partial = None
-        if PARTIAL in meta:
-            partial = {"k": k, "v": v, "log_mass": log_mass, "columns": columns,
-                       "capacity": body["capacity"], "state_fields": fields,
-                       "ledger_fields": ledger, "layers": layers}
-        state = None if partial else restore(model, k, v, columns, body["capacity"], ledger,
-                                             fields, log_mass,
-                                             _saved_cold(model, tensors, body["cold"]))
-        session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
-                          state=state, **from_plain(body["session"]))
-        if torch.device(body.get("device", "cpu")).type == model.device.type:
-            session.generator.set_state(tensors["generator"])
+        columns, fields, ledger = _checked(model, tensors, body, len(layers))
+        partial = {**{x: tensors[f"arena.{x}"] for x in ("k", "v", "log_mass")},
+                   "columns": columns, "capacity": body["capacity"], "state_fields": fields,
+                   "ledger_fields": ledger, "layers": layers}
+        return _session(model, tensors, body, None), partial
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (AssertionError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{path}: inconsistent session ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    return session, partial
+
+
+def restore_session(model: Model, tensors: dict[str, torch.Tensor], body: dict) -> Session:
+    """A session of ``model`` from a session file's ``tensors`` and ``body``
+    (``session_tensors``, ``session_body``), every shape, dtype, column and token id checked
+    against ``model``, written back by stage 0 (``stages.apply.restore``). The generator's
+    state carries over from the same device type only."""
+    columns, fields, ledger = _checked(model, tensors, body, model.spec.n_layers)
+    cold = _saved_cold(model, tensors, body["cold"])
+    state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
+                    ledger, fields, tensors["arena.log_mass"], cold)
+    return _session(model, tensors, body, state)
+
+
+def _checked(model: Model, tensors: dict[str, torch.Tensor], body: dict,
+             layers: int) -> tuple[dict, dict, dict]:
+    """A file's ledger columns, state and ledger fields, checked against ``model`` (of
+    whose layers it holds ``layers``)."""
+    columns = {k.removeprefix("ledger."): t for k, t in tensors.items() if k.startswith("ledger.")}
+    fields, ledger = from_plain(body["state"]), from_plain(body["ledger"])
+    _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"], layers)
+    for what, cls, saved in (("state", State, fields), ("ledger", Ledger, ledger)):
+        unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
+        require(not unknown, f"unknown {what} field {unknown[:1]}")
+    return columns, fields, ledger
+
+
+def _session(model: Model, tensors: dict[str, torch.Tensor], body: dict,
+             state: State | None) -> Session:
+    """The file's session around ``state``; the generator's state carries over from the
+    same device type only."""
+    session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
+                      state=state, **from_plain(body["session"]))
+    if torch.device(body.get("device", "cpu")).type == model.device.type:
+        session.generator.set_state(tensors["generator"])
+    return session
 
 
 def _held(model: Model, meta: dict[str, str]) -> tuple[int, ...]:

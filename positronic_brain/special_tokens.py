@@ -100,6 +100,19 @@ class TokenPolicy:
         return token_id in self.eos_ids
 
 
+def require_same_tokens(a, b) -> None:
+    """Two tokenizers must be one (a K/V transfer between their models carries token ids
+    over): the same vocabulary, token -> id with the added tokens, and the same special
+    tokens; else a one-line UserError naming the first difference."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        token = min(t for t in va.keys() | vb.keys() if va.get(t) != vb.get(t))
+        raise UserError(f"the two models do not share a tokenizer: {len(va)} and {len(vb)} "
+                        f"tokens, {token!r} is {va.get(token)} and {vb.get(token)}")
+    sa, sb = a.special_tokens_map, b.special_tokens_map
+    require(sa == sb, f"the two models do not share a tokenizer: special tokens {sa} and {sb}")
+
+
 class TextStream:
     """Incremental detokenization: feed ids, get printable text deltas (no broken UTF-8).
 

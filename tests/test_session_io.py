@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import positronic_brain.plain as plain
 import positronic_brain.session_io as session_io
 from positronic_brain.capture import NO_TAPE, CaptureTape
 from positronic_brain.loop import Session
@@ -20,6 +21,7 @@ from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import extend
 from positronic_brain.state import Ledger
 from positronic_brain.types import CacheParams, SamplerParams, UserError
+from tests.damage import damaged
 
 SAMPLED = SamplerParams(temperature=1.0, top_k=40, seed=11)
 GREEDY = SamplerParams(greedy=True)
@@ -153,17 +155,7 @@ def tiny_file(tmp_path_factory, tiny_model, tiny_policy) -> Path:
     return save_session(s, tmp_path_factory.mktemp("refuse") / "s.pbs")
 
 
-def _damaged(path: Path, tmp_path: Path, how: str) -> Path:
-    data = bytearray(path.read_bytes())
-    if how == "truncated":
-        data = data[:-100]
-    elif how == "flipped":
-        data[-50] ^= 0xFF  # inside the tensor data
-    elif how == "header":
-        data = data.replace(b'\\"step\\": 0', b'\\"step\\": 9')  # edited metadata, same length
-    bad = tmp_path / f"{how}.pbs"
-    bad.write_bytes(bytes(data))
-    return bad
+STEP_EDIT = (b'\\"step\\": 0', b'\\"step\\": 9')  # the session's step, in its metadata
 
 
 @pytest.mark.parametrize("how, message", [
@@ -173,7 +165,7 @@ def _damaged(path: Path, tmp_path: Path, how: str) -> Path:
 ])
 def test_a_damaged_file_is_refused(tiny_file, tmp_path, tiny_model, how, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
-        load_session(tiny_model, _damaged(tiny_file, tmp_path, how))
+        load_session(tiny_model, damaged(tiny_file, tmp_path, how, STEP_EDIT))
     assert "\n" not in str(e.value)
 
 
@@ -217,9 +209,10 @@ def test_the_file_is_plain_safetensors_and_nothing_is_unpickled(tiny_file):
     meta = header.pop("__metadata__")
     assert set(meta) == {"format", "model", "session", "sha256"}
     assert {k.split(".")[0] for k in header} == {"arena", "ledger", "generator"}
-    tree = ast.parse(Path(session_io.__file__).read_text())
-    names = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))}
-    assert not names & {"pickle", "torch.load", "load_file"}, names & {"pickle", "torch.load"}
+    for module in (session_io, plain):  # the session's reader, and the signed-file reader
+        tree = ast.parse(Path(module.__file__).read_text())
+        names = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))}
+        assert not names & {"pickle", "torch.load", "load_file"}, names & {"pickle", "torch.load"}
 
 
 def test_a_file_with_other_mirror_columns_is_refused(tmp_path, tiny_model, tiny_file):
@@ -231,7 +224,7 @@ def test_a_file_with_other_mirror_columns_is_refused(tmp_path, tiny_model, tiny_
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     dropped = f"ledger.{Ledger.COLUMNS[-1]}"
     del tensors[dropped]
-    meta["sha256"] = session_io._digest(meta, tensors)
+    meta["sha256"] = plain.digest(meta, tensors)
     (tmp_path / "old.pbs").write_bytes(save(tensors, metadata=meta))
     with pytest.raises(UserError, match="ledger columns .* differ"):
         load_session(tiny_model, tmp_path / "old.pbs")

@@ -12,6 +12,7 @@ from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
 from ..model import DTYPES
 from ..scorers import SCORERS, make_scorer, user
+from ..transfer import INITS, KINDS, TrainParams
 from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
 
 PROG = "positronic-brain"
@@ -19,7 +20,8 @@ BENCH_KINDS = ("speed", "quality", "passkey", "transfer")
 
 MODEL_HELP = ("smollm2 (default), a .gguf file (llama, mistral, qwen2), a local HF folder, "
               "or a tiny random model for tests: "
-              "tiny-random, tiny-random-qwen2, tiny-random-mistral, tiny-random-llama3; random-1b (a ~1B "
+              "tiny-random, tiny-random-qwen2, tiny-random-mistral, tiny-random-llama3, "
+              "tiny-random-wide; random-1b (a ~1B "
               "random Llama for GPU speed runs)")
 
 
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect_args(sub)
     _add_chat_args(sub)
     _add_compose_args(sub)
+    _add_transfer_args(sub)
     _add_export_args(sub)
     return parser
 
@@ -367,6 +370,61 @@ def _add_chat_args(sub) -> None:
     _add_sampler_args(ch)
     add_cache_args(ch)
     _add_capture_args(ch)
+
+
+def _add_transfer_args(sub) -> None:
+    tr = sub.add_parser("transfer", help="carry a session's cache to another model through a "
+                        "trained K/V projector (docs/DESIGN.md: cross-model transfer)")
+    actions = tr.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    train = actions.add_parser("train", help="train a projector of one model's K/V into "
+                               "another's cache; prints the held-out KL before and after")
+    apply = actions.add_parser("apply", help="a session file of the source model as one of "
+                               "the target model")
+    apply.add_argument("session", metavar="A.pbs", help="a session file of the source model")
+    apply.add_argument("--projector", required=True, metavar="P.safetensors")
+    for p in (train, apply):
+        p.add_argument("--source", required=True, help="the model whose K/V are projected: "
+                       + MODEL_HELP)
+        p.add_argument("--target", required=True, help="the model they are projected into "
+                       "(the same tokenizer)")
+        p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+        p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    apply.add_argument("--out", required=True, metavar="B.pbs",
+                       help="the target model's session file")
+    train.add_argument("--text", required=True, help="topics (Python's help topics), jargon "
+                       "(Debian's jargon-text) or a UTF-8 file: trained on its first part, the "
+                       "KL reported on the rest")
+    train.add_argument("--out", required=True, metavar="P.safetensors")
+    d = TrainParams()
+    train.add_argument("--steps", type=int, default=d.steps, help="Adam steps")
+    train.add_argument("--lr", type=float, default=d.lr, help="Adam's learning rate")
+    train.add_argument("--batch", type=int, default=d.batch, help="windows a step")
+    train.add_argument("--prefix", type=int, default=d.prefix,
+                       help="a window's tokens cached by the source and projected")
+    train.add_argument("--continuation", type=int, default=d.continuation,
+                       help="a window's tokens the target runs over the projected cache")
+    train.add_argument("--holdout", type=float, default=d.holdout,
+                       help="the text's last fraction, on which the KL is reported")
+    train.add_argument("--eval-windows", type=int, default=d.eval_windows,
+                       help="the most held-out windows measured")
+    train.add_argument("--kind", default=d.kind, choices=KINDS,
+                       help="linear, or linear plus a gated MLP branch per layer")
+    train.add_argument("--hidden", type=int, default=d.hidden, help="the MLP branch's width")
+    train.add_argument("--init", default=d.init, choices=INITS,
+                       help="random (semi-orthogonal), identity, or perturbed (the identity "
+                       "plus --noise)")
+    train.add_argument("--noise", type=float, default=d.noise,
+                       help="perturbed: the noise's size relative to the identity")
+    train.add_argument("--seed", type=int, default=d.seed)
+    train.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+
+def train_params(args) -> TrainParams:
+    """``transfer train``'s parameters, checked before any model loads."""
+    return TrainParams(steps=args.steps, lr=args.lr, batch=args.batch, prefix=args.prefix,
+                       continuation=args.continuation, holdout=args.holdout,
+                       eval_windows=args.eval_windows, kind=args.kind, hidden=args.hidden,
+                       init=args.init, noise=args.noise, seed=args.seed)
 
 
 QUALITY_ONLY = ("dtype", "text", "slice", "at", "budgets", "policies", "repairs", "params",

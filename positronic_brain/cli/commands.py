@@ -1,22 +1,24 @@
 """The one-shot commands: ``run``, ``bench``, ``fork``, ``compare``, ``replay``, ``inspect``,
-``compose``, ``export``."""
+``compose``, ``export``, ``transfer``."""
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
-from .. import compare, compose, fork, inspector, partial, replay
-from ..bench import passkey, quality, speed, transfer
+from .. import compare, compose, fork, inspector, partial, replay, transfer
+from ..bench import passkey, quality, speed
+from ..bench import transfer as transfer_bench
 from ..bench.common import Table, fmt, print_tables
 from ..loop import drive, run
 from ..model import load_model
-from ..session_io import load_session, saved_model, spans
+from ..session_io import load_session, save_session, saved_model, spans
 from ..special_tokens import TokenPolicy
-from ..types import Totals, UserError
+from ..types import Totals, UserError, require
 from .args import (BENCH_KINDS, DTYPE, MODEL, QUALITY_ONLY, cache_params, model_placement,
-                   open_tape, percents, sampler_params, settled_by_session)
+                   open_tape, percents, sampler_params, settled_by_session, train_params)
 
-BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main, transfer.main)))
+BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main, transfer_bench.main)))
 
 
 def _echo(delta: str) -> None:
@@ -176,3 +178,43 @@ def measure_tables(m: dict) -> list[Table]:
                    "V deviation"), tuple(rows),
                   f"Rows recomputed: those whose values deviate most at layer "
                   f"{m['select_layer']}. Gap closed: (composed - NLL) / (composed - joint).")]
+
+
+def cmd_transfer(args) -> int:
+    out = Path(args.out)
+    require(out.parent.is_dir(), f"--out {out}: no folder {out.parent}")
+    if args.action == "train":
+        return _transfer_train(args, out)
+    source, target = (load_model(name, args.dtype, args.device) for name in (args.source, args.target))
+    projector = transfer.load_projector(args.projector, source, target)
+    session = transfer.apply_projector(projector, load_session(source, args.session), target,
+                                       Path(args.session).name)
+    save_session(session, out)
+    print(f"[{args.session} ({source.name}, {session.state.arena.n} cached tokens) -> {out} "
+          f"({target.name})]", file=sys.stderr)
+    return 0
+
+
+def _transfer_train(args, out: Path) -> int:
+    params = train_params(args)  # before the (slower) model loads
+    text = quality.read_text(args.text)
+    source, target = (load_model(name, args.dtype, args.device) for name in (args.source, args.target))
+    ids = TokenPolicy(source.tokenizer, bos="no").encode(text)
+    every = max(1, params.steps // 10)
+
+    def progress(step: int, loss: float) -> None:
+        if step % every == 0:
+            print(f"[step {step}/{params.steps}: KL {loss:.4f}]", file=sys.stderr, flush=True)
+
+    projector, report = transfer.train_projector(source, target, ids, params,
+                                                 None if args.json else progress)
+    report["out"] = str(transfer.save_projector(projector, out))
+    if args.json:
+        json.dump(report, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(f"held-out KL {report['kl_before']:.4f} -> {report['kl_after']:.4f} nats/token "
+              f"({report['held_out_windows']} windows of {params.prefix} + "
+              f"{params.continuation} tokens; {params.steps} steps, {report['seconds']:.0f} s) "
+              f"-> {out}")
+    return 0
