@@ -208,10 +208,16 @@ def test_bench_transfer_quick(capsys, tmp_path, one_thread):
         assert [x["percent"] for x in r["recompute"]] == list(cfg["percents"])
         assert abs(r["recompute"][-1]["nll"] - r["nll"]["joint"]) <= 1e-5
     assert [x["percent"] for x in c["summary"]["curve"]] == list(cfg["percents"])
+    p = res["sections"]["partial"]
+    assert len(p["runs"]) == 2 and p["subsets"][0]["subset"] == "all"
+    assert abs(p["subsets"][0]["vs_full"]) <= 1e-5  # every layer carried: the full transfer
+    j = res["sections"]["projector"]
+    assert j["kl_after"] < j["kl_before"] and j["steps"] == cfg["projector_steps"]
     assert (out / "compose_gap_closed.png").read_bytes().startswith(PNG)
     report = (out / "report.md").read_text()
     assert "bench transfer --quick --model tiny-random" in report
     assert "![compose_gap_closed.png](./compose_gap_closed.png)" in report
+    assert "Partial transfer" in report and "held-out KL" in report
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nspeed section\n") and "<!-- bench transfer: end -->" in text
     for argv in (["--jobs", "2"], ["--budgets", "64"], ["--trials", "3"]):

@@ -9,6 +9,12 @@ and reported under its own heading, with its own tables and method:
   deviation, each part's, and the NLL of the text's next tokens under the composed cache,
   the joint prefill and CacheBlend's selective recompute at each R. Repeated over several
   texts (Python's help topics long enough, in sorted-key order).
+- ``partial``: a text's first part primed as the target, its next two parts as a document
+  primed alone, the document imported into the target with some of its layers and the
+  others rebuilt there (``partial.partial_bench``), and the NLL of the text's next tokens
+  for each layer subset against the full transfer.
+- ``projector``: SmolLM2's projector onto itself (``transfer.projector_bench``) trained from
+  the identity perturbed, which it must learn back: the held-out KL before and after.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from pathlib import Path
 
 from ..blend import SELECT_LAYER, check_percents, measure
 from ..compose import Part, compose
+from ..partial import partial_bench
+from ..transfer import TrainParams, projector_bench
 from ..loop import Session
 from ..model import Model, load_model, resolve_device
 from ..special_tokens import TokenPolicy
@@ -46,6 +54,8 @@ class TransferConfig:
     continuation: int = 128
     percents: tuple[float, ...] = (5, 10, 20, 50, 100)
     select_layer: int = SELECT_LAYER
+    projector_steps: int = TrainParams.steps
+    projector_tokens: int = 8192
 
     def __post_init__(self) -> None:
         require(self.texts >= 1 and self.parts >= 1 and self.part_tokens >= 1
@@ -57,7 +67,8 @@ class TransferConfig:
     def preset(cls, quick: bool, **kw) -> "TransferConfig":
         if not quick:
             return cls(**kw)
-        return cls(quick=True, **{"texts": 2, "part_tokens": 128, "continuation": 64, **kw})
+        return cls(quick=True, **{"texts": 2, "part_tokens": 128, "continuation": 64,
+                                  "projector_steps": 100, "projector_tokens": 4096, **kw})
 
     def fitted(self, max_positions: int) -> "TransferConfig":
         """Parts short enough that the composed text and the continuation fit the model's
@@ -244,9 +255,102 @@ def compose_plots(c: dict, out: Path, model: str) -> list[str]:
     return ["compose_gap_closed.png"]
 
 
+# --- partial transfer ------------------------------------------------------------------------
+
+def partial_section(model: Model, policy: TokenPolicy, cfg: TransferConfig,
+                    tick: Callable[[], None]) -> dict:
+    """Per text: part 1 the target, parts 2-3 the document, the continuation after them."""
+    runs, size = [], cfg.part_tokens
+    for key, ids in topic_texts(policy, cfg.texts, 3 * size + cfg.continuation):
+        target, doc = policy.decode(ids[:size]), policy.decode(ids[size:3 * size])
+        cont = policy.decode(ids[3 * size:3 * size + cfg.continuation])
+        runs.append({"text": key, **partial_bench(model, policy, target, doc, cont)})
+        tick()
+    subsets = [{"subset": r["subset"], "layers": r["layers"], "transferred": r["transferred"],
+                "nll": _mean(run["subsets"][i]["nll"] for run in runs),
+                "vs_full": _mean(run["subsets"][i]["vs_full"] for run in runs),
+                "seconds": _mean(run["subsets"][i]["seconds"] for run in runs)}
+               for i, r in enumerate(runs[0]["subsets"])]
+    return {"runs": runs, "full": _mean(r["full"]["nll"] for r in runs), "subsets": subsets}
+
+
+def partial_tables(c: dict) -> list[Table]:
+    rows = [("full transfer", "all", "0", f"{c['full']:.4f}", "0", "")]
+    rows += [(r["subset"], r["layers"], str(r["transferred"]), f"{r['nll']:.4f}",
+              f"{r['vs_full']:+.4f}", f"{r['seconds']:.2f}") for r in c["subsets"]]
+    return [Table("Partial transfer: the continuation's NLL by layers transferred (mean over "
+                  "texts)", ("subset", "layers transferred", "count", "NLL", "vs full",
+                             "compose s (rebuild)"), tuple(rows),
+                  "Layers not transferred are rebuilt by a forward of the document in the "
+                  "target's context; subset none rebuilds them all (the joint prefill).")]
+
+
+def partial_facts(c: dict) -> str:
+    return (f"{c['texts']} texts: part 1 ({c['part_tokens']} tokens) the target, parts 2-3 "
+            f"the document, then {c['continuation']} continuation tokens.")
+
+
+PARTIAL_METHOD = """- **Sessions**: the target (the text's first part) and the document (its next two parts)
+  are each primed alone from their decoded text; the document is exported with every cached
+  token and a subset of its layers (`export --layers`) and imported after the target
+  (`compose`), each missing layer rebuilt by a forward of the document's tokens over the
+  target's cache (what a prefill there computes).
+- **Full transfer**: the whole document session composed after the target, no layer
+  rebuilt. **NLL**: the continuation teacher-forced over the composed cache.
+"""
+
+
+# --- projector --------------------------------------------------------------------------------
+
+def projector_section(model: Model, policy: TokenPolicy, cfg: TransferConfig,
+                      tick: Callable[[], None]) -> dict:
+    """The model's projector onto itself from the perturbed identity, on help-topic text."""
+    from pydoc_data.topics import topics
+
+    ids: list[int] = []
+    for key in sorted(topics):
+        ids += policy.encode(topics[key])
+        if len(ids) >= cfg.projector_tokens:
+            break
+    report = projector_bench(model, ids[:cfg.projector_tokens], cfg.projector_steps)
+    tick()
+    return report
+
+
+def projector_tables(c: dict) -> list[Table]:
+    return [Table("Projector onto the same model from the perturbed identity: held-out KL",
+                  ("projector", "held-out KL (nats/token)", "train windows",
+                   "held-out windows", "steps", "seconds"),
+                  (("before training", f"{c['kl_before']:.4f}", "", "", "", ""),
+                   ("after training", f"{c['kl_after']:.4f}", str(c["train_windows"]),
+                    str(c["held_out_windows"]), str(c["steps"]), f"{c['seconds']:.0f}")),
+                  f"Windows of {c['prefix']} prefix + {c['continuation']} continuation tokens; "
+                  f"KL(B with its own prefix cache || B with the projected one).")]
+
+
+def projector_facts(c: dict) -> str:
+    return (f"{c['projector_tokens']} tokens of help-topic text (the first 80% trains), "
+            f"{c['projector_steps']} steps.")
+
+
+PROJECTOR_METHOD = """- **Projector**: per layer a linear map of the un-rotated keys and of the values
+  (`transfer.Projector`), initialised as the identity plus Gaussian noise (`--init
+  perturbed`), trained by Adam on KL(the model with its own prefix cache || the model with
+  the projected cache) over the continuation tokens' next-token distributions.
+- **Held out**: windows from the text's last 20%, never trained on; before = the perturbed
+  projector, after = the trained one.
+"""
+
+
 SECTIONS = (Section("compose", "Compose: a text from parts primed apart", compose_section,
                     lambda cfg: cfg.texts, compose_facts, compose_tables, compose_plots,
-                    COMPOSE_METHOD),)
+                    COMPOSE_METHOD),
+            Section("partial", "Partial transfer: some layers carried, the rest rebuilt",
+                    partial_section, lambda cfg: cfg.texts, partial_facts, partial_tables,
+                    lambda c, out, model: [], PARTIAL_METHOD),
+            Section("projector", "Projector: a cache mapped onto a model and learnt back",
+                    projector_section, lambda cfg: 1, projector_facts, projector_tables,
+                    lambda c, out, model: [], PROJECTOR_METHOD))
 
 
 # --- the benchmark ---------------------------------------------------------------------------
