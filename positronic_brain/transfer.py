@@ -348,16 +348,17 @@ def train_projector(source: Model, target: Model, ids: Sequence[int],
     require_same_tokens(source.tokenizer, target.tokenizer)
     train, held = split_windows(ids, params)
     generator = torch.Generator().manual_seed(params.seed)
-    # each step's windows: the training windows in a fresh random order per pass
-    passes = math.ceil(max(params.steps, 1) * params.batch / len(train))
-    order = torch.cat([torch.randperm(len(train), generator=generator) for _ in range(passes)])
     projector = Projector(KVShape.of(source), KVShape.of(target), kind=params.kind,
                           hidden=params.hidden if params.kind == "mlp" else 0)
-    k, v = _source_kv(source, train[order[:params.batch], :params.prefix])  # the first step's
-    positions = torch.arange(params.prefix).repeat(params.batch)
+    sample = train[:params.batch, :params.prefix]  # the input sizes: the first windows'
+    k, v = _source_kv(source, sample)
+    positions = torch.arange(params.prefix).repeat(len(sample))
     projector.initialise(params.init, generator, params.noise,
                          at_zero(source, k, positions).cpu(), v.float().cpu())
     projector.to(target.device)
+    # each step's windows: the training windows in a fresh random order per pass
+    passes = math.ceil(max(params.steps, 1) * params.batch / len(train))
+    order = torch.cat([torch.randperm(len(train), generator=generator) for _ in range(passes)])
     before = held_out_kl(projector, source, target, held, params.prefix, params.batch)
     optimizer = torch.optim.Adam(projector.parameters(), lr=params.lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(params.steps, 1))
