@@ -45,6 +45,7 @@ bench: install
 	$(BIN)/positronic-brain bench speed --quick $(ARGS)
 	$(BIN)/positronic-brain bench quality --quick $(ARGS)
 	$(BIN)/positronic-brain bench passkey --quick $(ARGS)
+	$(BIN)/positronic-brain bench transfer --quick $(ARGS)
 
 # llama.cpp as a contender in bench speed (optional; never needed by make test): the
 # bindings, compiled for this CPU (~6 minutes), and llama.cpp's HF-to-GGUF converter from
@@ -76,6 +77,7 @@ bench-report: install $(JARGON)
 	$(BIN)/positronic-brain bench quality --slice tune --repairs none,fold --long 0 \
 	    --out docs/bench/quality-tune --report docs/BENCHMARKS.md
 	$(BIN)/positronic-brain bench passkey --out docs/bench/passkey --report docs/BENCHMARKS.md
+	$(BIN)/positronic-brain bench transfer --out docs/bench/transfer --report docs/BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) captures/*/ .pytest_cache .hypothesis

@@ -2,7 +2,9 @@
 
 A run folder ``DIR/<run-id>/`` holds ``manifest.json`` and one file per stage call,
 ``<step:06d>_<stage>.pt`` (``file_name``), plus ``state_<step:06d>.pt`` (the whole live
-state before a step, level ``full``). A file is a dict of plain data only (``plain.py``), so
+state before a step, level ``full``). Steps are the tape's: the t-th generation step it
+recorded is step t, whatever step the state counts (a session restored from a file goes on
+from its own). A file is a dict of plain data only (``plain.py``), so
 ``torch.load(..., weights_only=True)`` reads it and nothing is ever unpickled. Every write
 is atomic; the manifest lists each whole file with its sha256, so an interrupted run leaves
 whole files and a manifest that says how far it got.
@@ -28,13 +30,14 @@ import torch
 import transformers
 
 from .plain import atomic_write, from_plain, sha256, to_plain
-from .state import gathered
+from .state import gathered, restore_args
 from .types import GenerateOut, UserError, require
 from .version import __version__
 
-FORMAT = 6
+FORMAT = 7
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
 EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step
+RESTORE = "s0_restore"  # stage 0 writing a whole saved state (a session file), named likewise
 FILE_KEYS = ("format", "stage", "step", "model", "inputs", "outputs", "cache_len", "arena_version")
 MANIFEST_EVERY = 50  # past this many files the manifest is rewritten every N saves (and at close)
 LEDGER_COLUMNS = ("uid", "token_id", "position", "source", "brightness", "flags", "born_step",
@@ -126,6 +129,7 @@ class Tape:
     dir: Path | None = None
 
     def primed(self, state, segments, capacity, out, prefill) -> None: ...
+    def restored(self, state, source: str) -> None: ...
     def extended(self, state, segments, pending, n_before: int, patch) -> None: ...
     def begin(self, state, generator) -> None: ...
     def generated(self, view, sampler, force, gen) -> None: ...
@@ -166,29 +170,48 @@ class CaptureTape(Tape):
         self.level = level
         self._unsaved = 0
         self._state = None  # the state the current step records
+        self._offset = 0  # the tape's step minus the state's
         self._write_manifest()
 
-    def copy_from(self, run: "CaptureRun", before: int) -> None:
-        """Take ``run``'s files of what happened before step ``before`` (its prime, chat
-        turns and steps; ``fork``), byte for byte: they replay as they did there."""
+    def _follow(self, state, step: int) -> None:
+        """Record ``state`` from here on, its step now being the tape's ``step``."""
+        self._state, self._offset = state, step - state.step
+
+    def copy_from(self, run: "CaptureRun", before: int, state) -> None:
+        """Take ``run``'s files of what happened before step ``before`` (its prime or restore,
+        chat turns and steps; ``fork``), byte for byte: they replay as they did there.
+        ``state`` is the state ``run`` had then (``replay.rebuild``), which goes on here."""
         for name in run.manifest["files"]:
             parsed = parse_name(name)
             snap = _STATE.fullmatch(name)
             step = parsed[0] if parsed else int(snap[1]) if snap else None
             if step is not None and step < before:
                 self._add(name, (run.dir / name).read_bytes(), step)
+        self._follow(state, before - 1)
         self._write_manifest()
 
     # the loop's calls, one per stage
     def primed(self, state, segments, capacity, out, prefill) -> None:
         """``prefill``: the cache parameters the prime gathered the prompt's statistics
         with (its window; its scorer, if ``prefill_scores``); None if it gathered none."""
-        self._state = state
+        self._follow(state, 0)
         self._stage(0, "s0_prime", {"segments": segments, "capacity": capacity,
                                     "pinned": state.pinned, "seeds": state.ledger.seeds,
                                     "cold_capacity": None if state.cold is None else state.cold.capacity,
                                     "prefill": prefill},
                     prime_outputs(state, out))
+
+    def restored(self, state, source: str) -> None:
+        """Stage 0 restored ``state`` whole from ``source`` (a session file): the capture
+        goes on from it at the tape's current step. A chat turn recorded there before is
+        superseded (a restore replaces everything), so replay does not re-run it."""
+        step = 0 if self._state is None else self._state.step + self._offset
+        self._follow(state, step)
+        superseded = file_name(step, EXTEND)
+        if self.manifest["files"].pop(superseded, None) is not None:
+            self._write_manifest()  # no longer listed, then gone
+            (self.dir / superseded).unlink()
+        self._stage(state.step, RESTORE, {"source": source}, restore_args(state))
 
     def extended(self, state, segments, pending, n_before: int, patch) -> None:
         self._state = state
@@ -199,8 +222,8 @@ class CaptureTape(Tape):
         """A step starts: its state, and the sampler's generator state before it (an input)."""
         self._state, self._rng = state, generator.get_state()
         if self.level == "full":
-            self._add(state_file_name(state.step + 1), _to_bytes(to_plain(_snapshot(state))),
-                      state.step + 1)
+            t = state.step + 1 + self._offset
+            self._add(state_file_name(t), _to_bytes(to_plain(_snapshot(state))), t)
 
     def generated(self, view, sampler, force, gen) -> None:
         self._stage(view.step + 1, "s1_generate",
@@ -224,14 +247,15 @@ class CaptureTape(Tape):
 
     # files
     def _stage(self, step: int, stage: str, inputs: dict, outputs: dict) -> Path:
+        """Write the file of ``stage`` at the state's ``step`` (the tape's step named)."""
         s = self._state
-        return self.save(step, stage, inputs, outputs, cache_len=s.ledger.n,
+        return self.save(step + self._offset, stage, inputs, outputs, cache_len=s.ledger.n,
                          arena_version=arena_version(s))
 
     def save(self, step: int, stage: str, inputs: dict, outputs: dict, cache_len: int,
              arena_version: int) -> Path:
         """Write one stage file (``file_name(step, stage)``)."""
-        assert stage in STAGES or stage == EXTEND, stage
+        assert stage in (*STAGES, EXTEND, RESTORE), stage
         data = _to_bytes({"format": FORMAT, "stage": stage, "step": step, "model": self.model,
                           "inputs": to_plain(inputs), "outputs": to_plain(outputs),
                           "cache_len": cache_len, "arena_version": arena_version})
@@ -296,7 +320,7 @@ def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
         require(isinstance(obj, dict) and "arena_k" in obj, f"{path.name}: not a captured state")
         return obj
     if not isinstance(obj, dict) or any(k not in obj for k in FILE_KEYS) \
-            or obj["stage"] not in (*STAGES, EXTEND):
+            or obj["stage"] not in (*STAGES, EXTEND, RESTORE):
         raise UserError(f"{path.name}: not a capture file of format {FORMAT}")
     require(obj["format"] == FORMAT, f"{path.name}: capture format {obj['format']} is not read "
             f"by this version, which reads format {FORMAT}")
@@ -339,15 +363,16 @@ class CaptureRun:
         return load_file(self.dir / name, self.manifest["files"][name], model=self.fingerprint,
                          device=self.device)
 
-    def prime(self) -> "StageFile":
-        name = file_name(0, "s0_prime")
-        require(self.has(name), f"{self.dir}: no prime capture ({name})")
-        return StageFile(name, self.load(name))
-
-    def extend(self, step: int) -> "StageFile | None":
-        """The chat turn prefilled after ``step``, if one was."""
-        name = file_name(step, EXTEND)
+    def at(self, step: int, stage: str) -> "StageFile | None":
+        """The stage-0 call ``stage`` (``s0_prime``, ``s0_restore``, ``s0_extend``) made after
+        step ``step`` (0: before the first), if one was."""
+        name = file_name(step, stage)
         return StageFile(name, self.load(name)) if self.has(name) else None
+
+    def restores(self) -> list["StageFile"]:
+        """The sessions restored in the run (its ``s0_restore`` files), in step order."""
+        named = sorted(p for p in map(parse_name, self.manifest["files"]) if p and p[1] == RESTORE)
+        return [self.stage(*p) for p in named]
 
     def stage(self, t: int, stage: str) -> "StageFile":
         name = file_name(t, stage)
@@ -392,6 +417,11 @@ class StageFile:
     def out(self):
         """Stages 2-4: the output dataclass (ScoreOut, Actions, Patch)."""
         return from_plain(self.outputs["out"])
+
+    @property
+    def restored(self) -> dict:
+        """``s0_restore``: the state it wrote, as ``restore`` takes it back."""
+        return from_plain(self.outputs)
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,19 @@ last session gives the pending token, the sampler and its generator state, and t
 parameters; cold stores (recall) are composed alike when those parameters recall, and
 count as dropped otherwise. Stage 0 (``stages.apply.restore``) writes the result.
 
+A partial session file (``partial``) is a part too: its rows get fresh uids even when it
+comes first (its accounts are not carried: the composed session accounts only for the rows
+it holds), and the layers it lacks are rebuilt as a prefill of its tokens (text order, at
+their composed positions) over the cache composed before it computes them
+(``blend.chunked``, read-only, reading that cache as stage 0's prefill reads the arena; on
+one device: no device map); the layers it holds are kept as exported. Last, it gives what a
+whole session gives (its session's pending token and position, sampler, generator state and
+cache parameters).
+
 The composed cache is not what a joint prefill of the text would give: each part never saw
 the parts before it. ``blend.measure`` says how far it is, and what re-running the tokens
-that deviate most (CacheBlend's selective recompute) recovers.
+that deviate most (CacheBlend's selective recompute) recovers; ``compose_files`` can save
+the cache so recomputed.
 """
 from __future__ import annotations
 
@@ -23,64 +33,83 @@ from pathlib import Path
 
 import torch
 
+from .blend import SELECT_LAYER, check_percents, chunked, measure
 from .forward import rerotate
 from .loop import Session
 from .model import Model
-from .session_io import load_session, save_session
+from .session_io import load_saved, save_session
 from .special_tokens import TokenPolicy
-from .stages.apply import restore
-from .state import Ledger, gathered
+from .stages.apply import restore, rewrite
+from .state import Ledger, restore_args
 from .types import UserError, require
 
 
 @dataclass
 class Part:
     """One session to compose, as read from it: its live rows (K/V rotated at ``position``),
-    cold rows, accounts and the session it belongs to."""
+    cold rows, the rest of its state as ``restore`` takes it, and the session it belongs to
+    (sampler, generator, cache parameters, text record). A partial part (``layers`` given)
+    holds some of its session's rows, the K/V and log-mass of ``layers`` only, no cold rows,
+    and its session has no state."""
 
     label: str  # the origin label its rows get (the file's name)
     session: Session
-    k: torch.Tensor  # (L, kv_heads, n, head_dim)
+    k: torch.Tensor  # (L, kv_heads, n, head_dim); L: len(layers) for a partial part
     v: torch.Tensor
     log_mass: torch.Tensor  # (L, kv_heads, n)
     columns: dict[str, torch.Tensor]  # every Ledger.COLUMNS, (n,)
-    cold: dict | None  # k, v, columns, entered of the cold rows (None: no cold store)
+    cold: dict | None  # the cold rows as ``restore`` takes them (None: no cold store)
+    capacity: int  # its arena's slots
+    state_fields: dict  # pending token, its source and position, step, pinned
+    ledger_fields: dict  # next uid, merge history, dropped, seeds, origins
+    layers: tuple[int, ...] | None = None  # the layers a partial part holds (None: whole)
 
     @classmethod
     def of(cls, session: Session, label: str) -> "Part":
-        state = session.state
-        require(state is not None, f"{label}: the session is not primed")
-        a, m, n = state.arena, state.ledger, state.ledger.n
-        cold = None
-        if state.cold is not None:
-            c = state.cold
-            cold = {"k": c.arena.k[:, :, :c.n], "v": c.arena.v[:, :, :c.n],
-                    "columns": {col: c.ledger.live(col) for col in Ledger.COLUMNS},
-                    "entered": c.entered[:c.n], "capacity": c.capacity}
-        return cls(label, session, gathered(a, "k", n), gathered(a, "v", n),
-                   gathered(a, "log_mass", n), {c: m.live(c) for c in Ledger.COLUMNS}, cold)
+        require(session.state is not None, f"{label}: the session is not primed")
+        return cls(label, session, **restore_args(session.state))
 
-    @property
-    def ledger(self) -> Ledger:
-        return self.session.state.ledger
+    @classmethod
+    def read(cls, model: Model, path: str | Path, label: str) -> "Part":
+        """The session file ``path``, whole or partial (``session_io.load_saved``)."""
+        session, partial = load_saved(model, path)
+        return cls.of(session, label) if partial is None else cls(label, session, cold=None,
+                                                                  **partial)
 
 
-def compose_files(model: Model, paths: list[str | Path], out: str | Path) -> dict:
-    """Compose the session files ``paths`` (each loaded by ``session_io.load_session``, so
-    each must come from ``model``) into the file ``out``; returns what was composed. A
-    part's origin label is its file name, or its path where two parts share a name."""
+def compose_files(model: Model, paths: list[str | Path], out: str | Path,
+                  continuation: list[int] | None = None, percents: tuple[float, ...] = (),
+                  layer: int = SELECT_LAYER) -> dict:
+    """Compose the session files ``paths``, whole or partial (each read by
+    ``session_io.load_saved``, so each must come from ``model``), into the file ``out``;
+    returns what was composed. A part's origin label is its file name, or its path where two
+    parts share a name.
+
+    With ``continuation`` (ids), the composition is measured against a joint prefill of its
+    text (``blend.measure``, recomputing each of ``percents``; under ``"measure"``) and the
+    file holds the cache recomputed at the last of ``percents`` (``stages.apply.rewrite``)."""
+    require(continuation is not None or not percents,
+            "a recompute needs a continuation to measure")
+    check_percents(percents)
     names = [Path(p).name for p in paths]
-    parts = [Part.of(load_session(model, p), name if names.count(name) == 1 else str(p))
+    parts = [Part.read(model, p, name if names.count(name) == 1 else str(p))
              for p, name in zip(paths, names)]
     session = compose(model, parts)
-    save_session(session, out)
     state = session.state
+    measured = None
+    if continuation is not None:
+        measured, rows = measure(model, state, continuation, percents, layer)
+        if rows is not None:
+            rewrite(model, state, *rows)
+    save_session(session, out)
     return {"out": str(out), "parts": [{"file": str(p), "label": part.label,
                                         "cached": part.k.shape[2],
+                                        "layers": None if part.layers is None else list(part.layers),
                                         "cold": 0 if part.cold is None else part.cold["k"].shape[2]}
                                        for p, part in zip(paths, parts)],
             "cached": state.ledger.n, "cold": 0 if state.cold is None else state.cold.n,
-            "next_position": state.next_position, "origins": list(state.ledger.origins)}
+            "next_position": state.next_position, "origins": list(state.ledger.origins),
+            **({} if measured is None else {"measure": measured})}
 
 
 class _Origins:
@@ -97,7 +126,7 @@ class _Origins:
     def columns(self, part: Part, cols: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``cols``' origin and origin uid in the composed table: a row made in ``part``'s
         session comes from ``part``'s file, as its uid there; others keep theirs."""
-        labels = (part.label,) + part.ledger.origins
+        labels = (part.label,) + tuple(part.ledger_fields["origins"])
         table = torch.zeros(len(labels), dtype=torch.int32, device=cols["origin"].device)
         for o in sorted(set(cols["origin"].tolist())):  # only the labels rows use
             table[o] = self.index(labels[o])
@@ -109,17 +138,17 @@ def compose(model: Model, parts: list[Part]) -> Session:
     """One session holding ``parts``' caches in order (see the module's docstring)."""
     require(len(parts) >= 1, "nothing to compose")
     s = model.spec
-    last = parts[-1].session
-    recall = last.cache_params.recall
+    last = parts[-1]
+    recall = last.session.cache_params.recall
     origins = _Origins()
     hot, cold = [], []
     offset, next_uid, dropped, merged = 0, 0, 0, {}
     for i, part in enumerate(parts):
-        state = part.session.state
-        keep_uids = i == 0
+        keep_uids = i == 0 and part.layers is None
         if keep_uids:
-            next_uid, merged = state.ledger.next_uid, dict(state.ledger.merged)
-            dropped = state.ledger.dropped
+            accounts = part.ledger_fields
+            next_uid, merged = accounts["next_uid"], dict(accounts["merged"])
+            dropped = accounts["dropped"]
         rows = [(hot, part.k, part.v, part.log_mass, part.columns)]
         if part.cold is not None:
             if recall:
@@ -136,36 +165,72 @@ def compose(model: Model, parts: list[Part]) -> Session:
                 next_uid += n
             old = cols["position"]
             cols["position"] = old + offset
-            out.append((rerotate(model, k, old, cols["position"]), v, log_mass, cols))
-        offset += state.next_position
+            k = rerotate(model, k, old, cols["position"])
+            if part.layers is not None and len(part.layers) < s.n_layers:  # layers missing
+                k, v, log_mass = _rebuilt(model, hot, part.layers, k, v, log_mass, cols)
+            out.append((k, v, log_mass, cols))
+        offset += part.state_fields["next_position"]
     next_position = offset  # the last part's pending position, moved
     require(next_position < s.max_positions,
             f"the composed context needs {next_position + 1} positions; the model has "
             f"{s.max_positions}")
-    k, v, log_mass = (torch.cat([h[j] for h in hot], dim=2) for j in range(3))
+    k, v, log_mass = _joined(model, hot)
     columns = {c: torch.cat([h[3][c] for h in hot]) for c in Ledger.COLUMNS}
     n = k.shape[2]
-    capacity = min(s.max_positions, max(max(p.session.state.arena.capacity for p in parts), n + 1))
+    capacity = min(s.max_positions, max(max(p.capacity for p in parts), n + 1))
     ledger_fields = {"next_uid": next_uid, "merged": merged, "dropped": dropped,
-                     "seeds": last.state.ledger.seeds, "origins": tuple(origins.labels)}
-    state_fields = {"pending_token": last.state.pending_token,
-                    "pending_source": last.state.pending_source,
+                     "seeds": tuple(last.ledger_fields["seeds"]), "origins": tuple(origins.labels)}
+    state_fields = {"pending_token": last.state_fields["pending_token"],
+                    "pending_source": last.state_fields["pending_source"],
                     "next_position": next_position,
-                    "step": max(p.session.state.step for p in parts),
-                    "pinned": tuple(sorted({x for p in parts for x in p.session.state.pinned}))}
+                    "step": max(p.state_fields["step"] for p in parts),
+                    "pinned": tuple(sorted({x for p in parts for x in p.state_fields["pinned"]}))}
     saved_cold = _cold(parts, cold) if cold else None
     try:
         state = restore(model, k, v, columns, capacity, ledger_fields, state_fields, log_mass,
                         saved_cold)
     except AssertionError as e:
         raise UserError(f"the composed sessions are inconsistent: {e}") from None
-    session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if last.policy.add_bos else "no"),
-                      sampler=last.sampler, cache_params=last.cache_params, state=state,
+    source = last.session
+    session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if source.policy.add_bos else "no"),
+                      sampler=source.sampler, cache_params=source.cache_params, state=state,
                       prompt_ids=[t for p in parts[:-1] for t in p.session.prompt_ids
-                                  + p.session.generated_ids] + list(last.prompt_ids),
-                      generated_ids=list(last.generated_ids))
-    session.generator.set_state(last.generator.get_state())
+                                  + p.session.generated_ids] + list(source.prompt_ids),
+                      generated_ids=list(source.generated_ids))
+    session.generator.set_state(source.generator.get_state())
     return session
+
+
+def _joined(model: Model, rows: list[tuple]) -> tuple[torch.Tensor, ...]:
+    """Composed rows (k, v, log_mass, columns) joined in order: K, V (L, kv_heads, n,
+    head_dim) and log-mass (L, kv_heads, n); n is 0 for none."""
+    s = model.spec
+    kv = torch.zeros(s.n_layers, s.n_kv_heads, 0, s.head_dim, dtype=model.dtype,
+                     device=model.device)
+    mass = torch.zeros(s.n_layers, s.n_kv_heads, 0, device=model.device)
+    return tuple(torch.cat([t] + [r[j] for r in rows], dim=2)
+                 for j, t in enumerate((kv, kv, mass)))
+
+
+def _rebuilt(model: Model, before: list[tuple], layers: tuple[int, ...], k: torch.Tensor,
+             v: torch.Tensor, log_mass: torch.Tensor,
+             cols: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Every layer's K/V and log-mass of a partial part's rows, which hold ``layers`` only:
+    those as they are, the others as a prefill of the rows' tokens in text order at their
+    composed positions after the rows composed ``before`` them writes them (log-mass 0)."""
+    require(not model.split, "a partial part's missing layers are rebuilt on one device (no "
+            "device map)")
+    order = torch.argsort(cols["position"])
+    k0, v0, mass = _joined(model, before)
+    new_k, new_v, _ = chunked(model, (k0, v0, mass if bool((mass > 0).any()) else None),
+                              cols["token_id"][order], cols["position"][order])
+    back = torch.argsort(order)  # text order -> the part's row order
+    out = [new_k[:, :, back], new_v[:, :, back],
+           torch.zeros(new_v.shape[:3], dtype=torch.float32, device=new_v.device)]
+    held = list(layers)
+    for full, part in zip(out, (k, v, log_mass)):
+        full[held] = part
+    return tuple(out)
 
 
 def _cold(parts: list[Part], rows: list[tuple]) -> dict:

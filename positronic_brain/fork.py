@@ -1,12 +1,12 @@
 """Fork a captured run at step T: what if these options had been in charge from there?
 
-The state the run had before step T is rebuilt from its event log (the prime, chat turns and
-stage-4 patches, as replay rebuilds it); then generation goes on with the run's own cache
-and sampler parameters, each replaced by any given here. With none given, the fork
-reproduces the parent to its end bit for bit (the sampler's generator takes the state it
-had before step T, unless the seed changes). A fork's capture holds the parent's files of
-the steps before T, byte for byte, then its own, and names its parent run and step: it
-replays like any capture. Forced tokens (teacher forcing) are not carried on: a fork
+The state the run had before step T is rebuilt from its event log (the prime or restored
+session, chat turns and stage-4 patches, as replay rebuilds it); then generation goes on with
+the run's own cache and sampler parameters, each replaced by any given here. With none given,
+the fork reproduces the parent to its end bit for bit (the sampler's generator takes the
+state it had before step T, unless the seed changes). A fork's capture holds the parent's
+files of the steps before T, byte for byte, then its own, and names its parent run and step:
+it replays like any capture. Forced tokens (teacher forcing) are not carried on: a fork
 samples. A fork keeps the parent's arena (its capacity) and cold store: recall cannot be
 switched on where the parent had none.
 """
@@ -69,7 +69,7 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
             "parent": {"run": str(run.dir.resolve()), "run_id": manifest.get("run_id"),
                        "step": step}},
             level=level)
-        tape.copy_from(run, step)
+        tape.copy_from(run, step, state)
     session = Session(model, TokenPolicy(model.tokenizer), new_sampler, cache_params,
                       state=state, tape=tape)
     if new_sampler.seed == old_sampler.seed:  # the generator as it was before step T

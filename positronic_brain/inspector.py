@@ -78,6 +78,11 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
         info.add_row(k, str(manifest.get(k)))
     for k, v in (manifest.get("params") or {}).items():
         info.add_row(k, _short(v))
+    for f in run.restores():
+        origins = f.outputs["ledger_fields"]["origins"]
+        info.add_row("restored", f"after step {f.data['step']}: {f.inputs['source']}, "
+                     f"{f.data['cache_len']} cached tokens"
+                     + (f" (rows from {', '.join(origins)})" if origins else ""))
     info.add_row("versions", ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items()))
     console.print(Panel(info, title=f"capture {run.dir}"))
 

@@ -94,6 +94,13 @@ class Session:
         self.stop_reason = None
         return out.stats
 
+    def record(self, tape: Tape, source: str) -> None:
+        """Capture on ``tape`` from here on, starting with the whole state as it is (restored
+        from ``source``, a session file): replay restores it with stage 0 and goes on."""
+        require(self.state is not None, "prime or load the session before capturing it")
+        self.tape = tape
+        tape.restored(self.state, source)
+
     def seed(self, stats: PrefillStats) -> None:
         """Stage 0: seed the scorer's columns from the statistics of the prime this state is
         a copy of (``prime(stats=True)``), as a prime with these cache parameters would have

@@ -6,10 +6,11 @@ with plain JS and inline SVG (``page.html`` beside this module): nothing is fetc
 serves it. Per step ``t`` it shows the cache the step's query read (the ledger before the
 step, in text order), coloured by the brightness stage 2 gave it, the step's culls, folds and
 merges, the tokens recalled at the step before, the cache length after each step and the NLL
-of each step's token; hovering a token shows its ledger row and the attention the step's
-query paid it (mean over layers and heads). A slider (or ``#step=T`` in the address) picks
-the step. Two runs (``compare``) are drawn side by side at the same step, the tokens one run
-held and the other did not outlined, with the NLL of both and the jumps ``compare`` found.
+of each step's token; hovering a token shows its ledger row (with its origin file, if it came
+from one) and the attention the step's query paid it (mean over layers and heads). A slider
+(or ``#step=T`` in the address) picks the step. Two runs (``compare``) are drawn side by side
+at the same step, the tokens one run held and the other did not outlined, with the NLL of
+both and the jumps ``compare`` found.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from .capture import CaptureRun, file_name
+from .capture import RESTORE, CaptureRun, file_name
 from .plain import atomic_write
 from .types import SOURCES, require
 
@@ -47,13 +48,14 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
     require(done, f"{run.dir}: no complete step captured: nothing to draw")
     shown = done[-last:] if steps is None else [t for t in done if t in set(steps)]
     require(shown, f"{run.dir}: none of the steps to draw was captured")
-    # A row's changed step (not kept in captures): its born step, or the step it was last
-    # recalled at (stage 4 rewrites the row then); recalls before the shown steps count too.
-    recalled_at: dict[int, int] = {}
+    # A row's changed step (not kept in a step's files): its born step, or the step it was
+    # last recalled at (stage 4 rewrites the row then), or what a restored session's row said;
+    # those before the shown steps count too.
+    changed_at: dict[int, int] = {}
+    _restored(run, 0, changed_at)
     prev_recalled: list[int] = []  # the uids the step before recalled: live now
     for t in (t for t in done if t < shown[0]):
-        prev_recalled = [sw.cold_uid for sw in run.stage(t, "s4_apply").out.swaps]
-        recalled_at.update((u, t) for u in prev_recalled)
+        prev_recalled = _after(run, t, run.stage(t, "s4_apply").out, changed_at)
     vocab: dict[int, str] = {}
     steps = []
     for t in shown:
@@ -67,14 +69,16 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
             vocab.setdefault(int(tok), token_text(int(tok)))
         folded = {fo.uid for fo in patch.folds}
         logp = gen.logits.float().log_softmax(-1)[gen.token_id]
+        origins = (None,) + tuple(view["origins"])
         steps.append({
             "step": t, "token": gen.token_id, "nll": _r(-logp, 4),
             "cache_len": int(f.apply.data["cache_len"]),
             "uid": [int(u) for u in col("uid")], "token_id": [int(x) for x in col("token_id")],
             "position": [int(x) for x in col("position")],
             "source": [SOURCES[int(x)] for x in col("source")],
+            "origin": [origins[int(x)] for x in col("origin")],
             "born": [int(x) for x in col("born_step")],
-            "changed": [max(int(b), recalled_at.get(int(u), -1))
+            "changed": [max(int(b), changed_at.get(int(u), -1))
                         for u, b in zip(col("uid"), col("born_step"))],
             "brightness": [_r(bright[j], 2) for j in order],
             "attention": [_r(att[j], 5) for j in order],
@@ -86,8 +90,7 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
             "recalled_before": prev_recalled,
             "reindexed": patch.reindex_to is not None,
         })
-        prev_recalled = [s.cold_uid for s in patch.swaps]
-        recalled_at.update((u, t) for u in prev_recalled)
+        prev_recalled = _after(run, t, patch, changed_at)
     m = run.manifest
     # what the run was asked for (a fork's own options), else what its last step ran with
     params = ((m.get("params") or {}).get("cache_params")
@@ -99,6 +102,25 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
             "parent": m.get("parent"), "steps_in_run": len(done),
             "max_brightness": float(params.get("max_brightness", 255.0)),
             "vocab": {str(k): v for k, v in vocab.items()}, "steps": steps}
+
+
+def _after(run: CaptureRun, t: int, patch, changed_at: dict[int, int]) -> list[int]:
+    """After step ``t`` (its ``patch``): the uids it recalled, changed at its step, or none
+    if a session was restored next."""
+    recalled = [sw.cold_uid for sw in patch.swaps]
+    changed_at.update((u, patch.step) for u in recalled)
+    return [] if _restored(run, t, changed_at) else recalled
+
+
+def _restored(run: CaptureRun, t: int, changed_at: dict[int, int]) -> bool:
+    """Whether a session was restored after step ``t``; if so, its rows' changed steps
+    replace ``changed_at``."""
+    f = run.at(t, RESTORE)
+    if f is not None:
+        cols = f.outputs["columns"]
+        changed_at.clear()
+        changed_at.update(zip(cols["uid"].tolist(), cols["changed_step"].tolist()))
+    return f is not None
 
 
 def write(out: str | Path, title: str, runs: list[dict], comparison: dict | None = None) -> Path:

@@ -1,6 +1,8 @@
-"""Replay a captured run: rebuild the arena from the event log (the prime, the stage-4
-patches and the stage-0 extends between steps, i.e. chat turns), re-run every captured
-stage from its captured inputs, and compare its outputs with the captured ones, bit for bit.
+"""Replay a captured run: rebuild the arena from the event log (the prime or a restored
+session, the stage-4 patches, and the stage-0 calls between steps: restored sessions and chat
+turns), re-run every captured stage from its captured inputs, and compare its outputs with the
+captured ones, bit for bit. A restore writes the captured state with stage 0's ``restore``;
+what it wrote must read back bit for bit.
 
 Stage 1 gets the captured generator state, so sampling replays exactly. Stages 2-4 get
 the captured outputs of the stage before them (not the re-run ones), so a mismatch is
@@ -22,17 +24,17 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from .capture import (EXTEND, LEDGER_COLUMNS, STAGES, CaptureRun, StageFile, StepFiles,
-                      extend_outputs, gen_outputs, prime_outputs)
+from .capture import (EXTEND, LEDGER_COLUMNS, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
+                      extend_outputs, file_name, gen_outputs, prime_outputs)
 from .model import Model, load_model, resolve_device
 from .plain import to_plain
 from .sampler import make_generator
 from .scorers import make_scorer, prefill_scorer, user
-from .stages.apply import apply, extend, prime
+from .stages.apply import apply, extend, prime, restore
 from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import recall_query, score
-from .state import State, gathered
+from .state import State, gathered, restore_args
 from .types import require
 
 
@@ -135,9 +137,25 @@ class _Replay:
                                    for k, d in diff(to_plain(ours), f.outputs,
                                                               tol=self.report.tolerance)]
 
+    def start(self) -> None:
+        """Stage 0 before the first step: the prime or the restore the run starts from (a
+        chat may restore a session over its prime), then a chat turn, if there was one."""
+        require(self.run.has(file_name(0, STAGES[0])) or self.run.has(file_name(0, RESTORE)),
+                f"{self.run.dir}: no prime or restore capture at step 0")
+        self.prime()
+        self.between(0)
+
+    def between(self, t: int) -> None:
+        """Stage 0 after step ``t``: a restored session, then a chat turn (each if there was
+        one; a restore supersedes what came before it there)."""
+        self.restore(t)
+        self.extend(t)
+
     def prime(self) -> None:
         """Stage 0: re-prime from the captured prompt; the K/V it writes must equal the captured."""
-        f = self.run.prime()
+        f = self.run.at(0, STAGES[0])
+        if f is None:
+            return
         inp = f.args
         params = inp["prefill"]  # the statistics' window and scorer, if it gathered them
         self.state, out = prime(self.model, list(inp["segments"]), inp["capacity"],
@@ -148,9 +166,19 @@ class _Replay:
         if self.wanted(f.stage, 0):
             self.check(f, prime_outputs(self.state, out))
 
+    def restore(self, t: int) -> None:
+        """The session restored after step ``t``, if one was: stage 0 writes the captured
+        state whole, and what it wrote must read back bit for bit."""
+        f = self.run.at(t, RESTORE)
+        if f is None:
+            return
+        self.state = restore(self.model, **f.restored)
+        if self.wanted(RESTORE, t):
+            self.check(f, restore_args(self.state))
+
     def extend(self, t: int) -> None:
         """The chat turn prefilled after step ``t``, if there was one."""
-        f = self.run.extend(t)
+        f = self.run.at(t, EXTEND)
         if f is None:
             return
         n, inp = self.state.arena.n, f.args
@@ -215,12 +243,11 @@ def open_run(run_dir: str | Path, model: Model | None = None,
 
 
 def rebuild(run: CaptureRun, model: Model, before: int) -> tuple[State, list[int]]:
-    """The state a captured run had before step ``before``: its prime, chat turns and stage-4
-    patches re-applied from the event log (nothing re-run or compared), and the tokens its
-    steps before then produced."""
+    """The state a captured run had before step ``before``: its prime or restore, chat turns,
+    restores and stage-4 patches re-applied from the event log (nothing re-run or compared),
+    and the tokens its steps before then produced."""
     r = _Replay(run, model, ReplayReport(str(run.dir)), stage="", step=None)  # compares none
-    r.prime()
-    r.extend(0)
+    r.start()
     tokens = []
     for t in run.steps:
         if t >= before:
@@ -229,7 +256,7 @@ def rebuild(run: CaptureRun, model: Model, before: int) -> tuple[State, list[int
         require(files is not None, f"step {t} was not captured whole; nothing after it can be "
                 "rebuilt")
         r.step(files)
-        r.extend(t)
+        r.between(t)
         tokens.append(files.gen.token_id)
     return r.state, tokens
 
@@ -241,8 +268,8 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
     is still rebuilt from every patch before them). The model loads onto ``device``
     (default: the capture's, if this machine has it, else the CPU). Bad files raise
     ``UserError``."""
-    require(stage is None or stage in (*STAGES, EXTEND), f"unknown stage {stage!r}; expected "
-            f"one of {', '.join((*STAGES, EXTEND))}")
+    require(stage is None or stage in (*STAGES, EXTEND, RESTORE), f"unknown stage {stage!r}; "
+            f"expected one of {', '.join((*STAGES, EXTEND, RESTORE))}")
     run, model = open_run(run_dir, model, device)
     manifest, steps = run.manifest, run.steps
     report = ReplayReport(str(run.dir))
@@ -252,8 +279,7 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
         report.notes.append(f"the run did not complete (stopped: {manifest.get('stop_reason')}, "
                             f"last file {manifest.get('last_file')})")
     r = _Replay(run, model, report, stage, step)
-    r.prime()
-    r.extend(0)
+    r.start()
     for i, t in enumerate(steps):
         if step is not None and t > step:
             break
@@ -262,7 +288,7 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
             report.notes.append(f"step {t} was not captured whole; replay stops before it")
             break
         r.step(files)
-        r.extend(t)
+        r.between(t)
         r.state.check_valid()
         report.steps += 1
         if progress:

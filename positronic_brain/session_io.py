@@ -16,6 +16,12 @@ type it was saved from, the continuation is bit-exact; on another, kernels round
 differently (equal up to the dtype's tolerance) and a generator's state does not carry
 over, so sampling restarts from the sampler's seed. Format 5 added the ledger's origin
 columns; a format-4 file loads with every row made in its own session.
+
+A partial session file (``save_session``'s ``rows`` and ``layers``) holds some rows and the
+K/V and log-mass of some layers (``arena.k`` (layers held, kv_heads, n, head_dim)), no cold
+store, and names the layers in the header entry ``partial``; its accounts (next uid, merge
+history, tokens dropped) are the whole session's. ``load_session`` refuses it: only
+``compose`` imports it (``load_saved``), rebuilding the missing layers.
 """
 from __future__ import annotations
 
@@ -31,15 +37,16 @@ from .model import Model
 from .plain import from_plain, load_signed, read_safetensors, save_signed, to_plain
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
-from .state import Ledger, State, gathered
+from .state import Ledger, State, restore_args
 from .types import UserError, require
 
 FORMAT = "positronic-brain-session/5"
 # Format 4 lacks the ledger's origin columns: its rows were all made in its own session.
 FORMAT_4 = "positronic-brain-session/4"
 # Session fields not saved as JSON: rebuilt on load, or (a capture's tape) owned by the
-# saving process; a loaded session starts without a capture.
+# saving process; a loaded session starts without a capture (``Session.record`` starts one).
 RUNTIME = ("model", "policy", "state", "tape")
+PARTIAL = "partial"  # the header entry of a partial session file: {"layers": [...]}
 
 
 def _mismatch(saved: dict, ours: dict) -> str | None:
@@ -55,45 +62,49 @@ def _mismatch(saved: dict, ours: dict) -> str | None:
     return None
 
 
-def _cold_tensors(state: State) -> dict[str, torch.Tensor]:
-    """The cold store's live rows as named tensors (none without one)."""
-    cold = state.cold
-    if cold is None:
-        return {}
-    n, a = cold.n, cold.arena
-    return {"cold.k": a.k[:, :, :n].contiguous(), "cold.v": a.v[:, :, :n].contiguous(),
-            "cold.entered": cold.entered[:n].clone(),
-            **{f"cold.{c}": cold.ledger.live(c).contiguous() for c in Ledger.COLUMNS}}
-
-
 # --- export / import ----------------------------------------------------------------------
 
-def session_tensors(session: Session) -> dict[str, torch.Tensor]:
+def session_tensors(session: Session, rows: torch.Tensor | None = None,
+                    layers: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
     """What a session file holds as tensors, as host copies: the arena's live K/V and
-    log-mass, the ledger's columns, the generator's state and the cold store's rows."""
+    log-mass, the ledger's columns, the generator's state and the cold store's rows. ``rows``
+    (live slots) and ``layers`` (ascending), either given: those rows (all when None) with
+    those layers' K/V and log-mass (all when None), no cold store (a partial file)."""
     state = session.state
     require(state is not None, "prime the session before saving it")
-    a, m = state.arena, state.ledger
-    tensors = {**{f"arena.{name}": gathered(a, name, a.n) for name in ("k", "v", "log_mass")},
-               **{f"ledger.{c}": m.live(c) for c in Ledger.COLUMNS},
-               "generator": session.generator.get_state(), **_cold_tensors(state)}
+    saved = restore_args(state)
+    partial = rows is not None or layers is not None
+    rows = slice(None) if rows is None else rows.to(saved["columns"]["uid"].device)
+    cold = None if partial else saved["cold"]
+    tensors = {**{f"arena.{x}": _picked(saved[x], layers, rows) for x in ("k", "v", "log_mass")},
+               **{f"ledger.{c}": t[rows] for c, t in saved["columns"].items()},
+               "generator": session.generator.get_state()}
+    if cold is not None:
+        tensors |= {"cold.k": cold["k"], "cold.v": cold["v"], "cold.entered": cold["entered"],
+                    **{f"cold.{c}": t for c, t in cold["columns"].items()}}
     return {k: t.to("cpu").contiguous() for k, t in tensors.items()}
 
 
-def session_body(session: Session) -> dict:
+def _picked(t: torch.Tensor, layers: tuple[int, ...] | None,
+            rows: torch.Tensor | slice) -> torch.Tensor:
+    """``t`` (L, kv_heads, n, ...) at ``layers`` (None: all, uncopied) and ``rows``."""
+    return (t if layers is None else t[list(layers)])[:, :, rows]
+
+
+def session_body(session: Session, partial: bool = False) -> dict:
     """What a session file holds as JSON besides the model's fingerprint: the rest of the
-    ledger and state, the session's plain fields, the BOS choice and the device."""
+    ledger and state, the session's plain fields, the BOS choice and the device (``partial``:
+    no cold store)."""
     state = session.state
     require(state is not None, "prime the session before saving it")
-    a, m = state.arena, state.ledger
+    saved = restore_args(state)
+    cold = None if partial else saved["cold"]
     return {
-        "capacity": a.capacity,
-        "ledger": {f.name: to_plain(getattr(m, f.name), json=True)
-                   for f in dataclasses.fields(Ledger) if f.name not in Ledger.COLUMNS + ("n",)},
-        "state": {f.name: to_plain(getattr(state, f.name), json=True)
-                  for f in dataclasses.fields(State) if f.name not in ("arena", "ledger", "cold")},
-        "cold": None if state.cold is None else {"capacity": state.cold.capacity,
-                                                 "next_entry": state.cold.next_entry},
+        "capacity": saved["capacity"],
+        "ledger": {k: to_plain(v, json=True) for k, v in saved["ledger_fields"].items()},
+        "state": {k: to_plain(v, json=True) for k, v in saved["state_fields"].items()},
+        "cold": None if cold is None else {"capacity": cold["capacity"],
+                                           "next_entry": cold["next_entry"]},
         "session": {f.name: to_plain(getattr(session, f.name), json=True)
                     for f in dataclasses.fields(Session) if f.name not in RUNTIME},
         "bos": session.policy.add_bos,
@@ -101,12 +112,19 @@ def session_body(session: Session) -> dict:
     }
 
 
-def save_session(session: Session, path: str | os.PathLike) -> Path:
-    """Write ``session`` (primed) to ``path`` atomically; returns the path."""
-    tensors, body = session_tensors(session), session_body(session)
-    return save_signed(path, tensors, {"format": FORMAT,
-                                       "model": json.dumps(session.model.fingerprint),
-                                       "session": json.dumps(body)})
+def save_session(session: Session, path: str | os.PathLike, rows: torch.Tensor | None = None,
+                 layers: tuple[int, ...] | None = None) -> Path:
+    """Write ``session`` (primed) to ``path`` atomically; returns the path. ``rows`` (live
+    slots) and ``layers`` (ascending), either given, make it a partial session file: those
+    rows (all when None) with those layers' K/V and log-mass (all when None), no cold store."""
+    partial = rows is not None or layers is not None
+    tensors, body = session_tensors(session, rows, layers), session_body(session, partial)
+    meta = {"format": FORMAT, "model": json.dumps(session.model.fingerprint),
+            "session": json.dumps(body)}
+    if partial:
+        every = range(session.model.spec.n_layers)
+        meta[PARTIAL] = json.dumps({"layers": list(every if layers is None else layers)})
+    return save_signed(path, tensors, meta)
 
 
 def saved_model(path: str | os.PathLike) -> tuple[str, str]:
@@ -123,7 +141,34 @@ def saved_model(path: str | os.PathLike) -> tuple[str, str]:
 def load_session(model: Model, path: str | os.PathLike) -> Session:
     """Read a session saved by ``save_session`` into ``model``, which must be the model it
     was saved from (architecture, dtype, rope, weights); the session continues exactly
-    where it stopped. Anything else raises UserError (one line)."""
+    where it stopped. Anything else, a partial session file included, raises UserError (one
+    line)."""
+    session, partial = load_saved(model, path)
+    if partial is not None:
+        raise UserError(f"{path}: a partial session ({partial['k'].shape[2]} rows, layers "
+                        f"{spans(partial['layers'])} of {model.spec.n_layers}): import it "
+                        "with compose")
+    return session
+
+
+def spans(ints: tuple[int, ...]) -> str:
+    """Ascending integers as runs, ``0-11,20,22-29`` (``none`` when there are none)."""
+    runs: list[list[int]] = []
+    for i in ints:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
+def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | None]:
+    """Read a session file, whole or partial, into ``model`` (checked as ``load_session``
+    says). A whole one: (the session, None). A partial one: a session without a state (its
+    sampler with the generator's state, cache parameters and text record) and what the file
+    holds of its state, as ``compose.Part`` takes it: ``k``, ``v`` (layers held, kv_heads,
+    n, head_dim), ``log_mass``, ``columns``, ``capacity``, ``state_fields``,
+    ``ledger_fields`` and ``layers`` (the layers held, ascending)."""
     meta, tensors = load_signed(path, (FORMAT, FORMAT_4), "session file")
     if meta["format"] == FORMAT_4:
         tensors |= _made_here(tensors)
@@ -132,7 +177,14 @@ def load_session(model: Model, path: str | os.PathLike) -> Session:
         diff = _mismatch(saved, model.fingerprint)
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
                 f"{model.name!r}: {diff}")
-        return restore_session(model, tensors, body)
+        if PARTIAL not in meta:
+            return restore_session(model, tensors, body), None
+        layers = _held(model, meta)
+        columns, fields, ledger = _checked(model, tensors, body, len(layers))
+        partial = {**{x: tensors[f"arena.{x}"] for x in ("k", "v", "log_mass")},
+                   "columns": columns, "capacity": body["capacity"], "state_fields": fields,
+                   "ledger_fields": ledger, "layers": layers}
+        return _session(model, tensors, body, None), partial
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     except (AssertionError, KeyError, TypeError, ValueError, RuntimeError) as e:
@@ -145,20 +197,48 @@ def restore_session(model: Model, tensors: dict[str, torch.Tensor], body: dict) 
     (``session_tensors``, ``session_body``), every shape, dtype, column and token id checked
     against ``model``, written back by stage 0 (``stages.apply.restore``). The generator's
     state carries over from the same device type only."""
-    columns = {k.removeprefix("ledger."): t for k, t in tensors.items() if k.startswith("ledger.")}
+    columns, fields, ledger = _checked(model, tensors, body, model.spec.n_layers)
     cold = _saved_cold(model, tensors, body["cold"])
+    state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
+                    ledger, fields, tensors["arena.log_mass"], cold)
+    return _session(model, tensors, body, state)
+
+
+def _checked(model: Model, tensors: dict[str, torch.Tensor], body: dict,
+             layers: int) -> tuple[dict, dict, dict]:
+    """A file's ledger columns, state and ledger fields, checked against ``model`` (of
+    whose layers it holds ``layers``)."""
+    columns = {k.removeprefix("ledger."): t for k, t in tensors.items() if k.startswith("ledger.")}
     fields, ledger = from_plain(body["state"]), from_plain(body["ledger"])
-    _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"])
+    _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"], layers)
     for what, cls, saved in (("state", State, fields), ("ledger", Ledger, ledger)):
         unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
         require(not unknown, f"unknown {what} field {unknown[:1]}")
-    state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
-                    ledger, fields, tensors["arena.log_mass"], cold)
+    return columns, fields, ledger
+
+
+def _session(model: Model, tensors: dict[str, torch.Tensor], body: dict,
+             state: State | None) -> Session:
+    """The file's session around ``state``; the generator's state carries over from the
+    same device type only."""
     session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
                       state=state, **from_plain(body["session"]))
     if torch.device(body.get("device", "cpu")).type == model.device.type:
         session.generator.set_state(tensors["generator"])
     return session
+
+
+def _held(model: Model, meta: dict[str, str]) -> tuple[int, ...]:
+    """The layers a session file holds: a partial one's, checked (ascending, distinct, of
+    ``model``); every layer for a whole one."""
+    every = tuple(range(model.spec.n_layers))
+    if PARTIAL not in meta:
+        return every
+    layers = tuple(json.loads(meta[PARTIAL])["layers"])
+    require(all(isinstance(i, int) for i in layers) and list(layers) == sorted(set(layers))
+            and set(layers) <= set(every), f"partial layers {list(layers)[:4]} are not "
+            f"ascending layers of the model's {len(every)}")
+    return layers
 
 
 def _made_here(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -189,11 +269,13 @@ def _saved_cold(model: Model, tensors: dict[str, torch.Tensor], body: dict | Non
     return {"k": k, "v": v, "columns": columns, "entered": entered, **body}
 
 
-def _check_kv(model: Model, k: torch.Tensor, v: torch.Tensor, what: str = "") -> tuple:
-    """Saved K/V (L, kv_heads, n, head_dim) of ``model``'s shape and dtype: their shape."""
+def _check_kv(model: Model, k: torch.Tensor, v: torch.Tensor, what: str = "",
+              layers: int | None = None) -> tuple:
+    """Saved K/V (L, kv_heads, n, head_dim) of ``model``'s shape and dtype (``layers``
+    instead of L: a partial file's): their shape."""
     s = model.spec
     n = k.shape[2] if k.dim() == 4 else -1
-    shape = (s.n_layers, s.n_kv_heads, n, s.head_dim)
+    shape = (s.n_layers if layers is None else layers, s.n_kv_heads, n, s.head_dim)
     require(tuple(k.shape) == tuple(v.shape) == shape and k.dtype == v.dtype == model.dtype,
             f"saved {what}K/V {tuple(k.shape)} {k.dtype} do not fit this model's {shape} "
             f"{model.dtype}")
@@ -213,11 +295,12 @@ def _check_columns(columns: dict[str, torch.Tensor], n: int) -> None:
 
 
 def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[str, torch.Tensor],
-                 capacity: int, pending_token: int) -> None:
-    """Every saved tensor fits ``model`` and the ledger: shapes, dtypes, columns, token ids."""
+                 capacity: int, pending_token: int, layers: int) -> None:
+    """Every saved tensor fits ``model`` (``layers`` of its layers) and the ledger: shapes,
+    dtypes, columns, token ids."""
     s = model.spec
     k, v, log_mass = tensors["arena.k"], tensors["arena.v"], tensors["arena.log_mass"]
-    shape = _check_kv(model, k, v)
+    shape = _check_kv(model, k, v, layers=layers)
     n = shape[2]
     require(0 <= n <= capacity <= s.max_positions,
             f"{n} live slots in a capacity of {capacity} (the model has {s.max_positions} positions)")

@@ -5,7 +5,7 @@ or a ledger lives in ``positronic_brain.stages.apply`` (stage 0/4).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -472,3 +472,27 @@ class State:
         assert m.n + cold + m.dropped + len(away) == m.next_uid, (
             f"uids unaccounted for: {m.n} hot + {cold} cold + {m.dropped} dropped + "
             f"{len(away)} merged away != {m.next_uid} issued")
+
+
+def restore_args(state: State) -> dict:
+    """The whole ``state`` as stage 0's ``restore`` takes it back (``restore(model, **...)``):
+    the live ``k``/``v`` (L, kv_heads, n, head_dim) and ``log_mass`` (L, kv_heads, n) in slot
+    order, every ledger column (``columns``), the arena's ``capacity``, the ledger's other
+    fields (``ledger_fields``: next uid, merge history, dropped, seeds, origins), the state's
+    (``state_fields``: pending token, its source and position, step, pinned) and the cold
+    store's live rows (``cold``: k, v, columns, entered, capacity, next entry; None without
+    one). Views, not copies (of a split arena, K/V and log-mass gathered onto its main device)."""
+    a, m, cold = state.arena, state.ledger, state.cold
+    return {
+        "k": gathered(a, "k", a.n), "v": gathered(a, "v", a.n),
+        "columns": {c: m.live(c) for c in Ledger.COLUMNS}, "capacity": a.capacity,
+        "ledger_fields": {f.name: getattr(m, f.name) for f in fields(Ledger)
+                          if f.name not in Ledger.COLUMNS + ("n",)},
+        "state_fields": {f.name: getattr(state, f.name) for f in fields(State)
+                         if f.name not in ("arena", "ledger", "cold")},
+        "log_mass": gathered(a, "log_mass", a.n),
+        "cold": None if cold is None else {
+            "k": cold.arena.k[:, :, :cold.n], "v": cold.arena.v[:, :, :cold.n],
+            "columns": {c: cold.ledger.live(c) for c in Ledger.COLUMNS},
+            "entered": cold.entered[:cold.n], "capacity": cold.capacity,
+            "next_entry": cold.next_entry}}

@@ -8,6 +8,7 @@ import argparse
 from dataclasses import asdict
 
 from ..bench import passkey
+from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
 from ..model import DTYPES
 from ..scorers import SCORERS, make_scorer, user
@@ -15,7 +16,7 @@ from ..transfer import INITS, KINDS, TrainParams
 from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
 
 PROG = "positronic-brain"
-BENCH_KINDS = ("speed", "quality", "passkey")
+BENCH_KINDS = ("speed", "quality", "passkey", "transfer")
 
 MODEL_HELP = ("smollm2 (default), a .gguf file (llama, mistral, qwen2), a local HF folder, "
               "or a tiny random model for tests: "
@@ -35,10 +36,16 @@ DEVICE_MAP_HELP = ("instead of --device, the decoder layers over several devices
                    "{\"layer index, range 0-3 or module name\": \"cuda:N|cpu\"}")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help=MODEL_HELP)
-    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+MODEL, DTYPE = "smollm2", "float32"  # --model and --dtype unless given (or a file says)
+
+
+def _add_model_args(p: argparse.ArgumentParser, session: bool = False) -> None:
+    """``session``: ``run``'s, where a session file names its model (the defaults are None)."""
+    p.add_argument("--model", default=None if session else MODEL,
+                   help=MODEL_HELP + ("; with --session, the file's unless given" if session
+                                      else ""))
+    p.add_argument("--dtype", default=None if session else DTYPE, choices=tuple(DTYPES),
+                   help=f"default {DTYPE}" + (", or with --session the file's" if session else ""))
     where = p.add_mutually_exclusive_group()
     where.add_argument("--device", default="auto", help=DEVICE_HELP)
     where.add_argument("--device-map", default=None, metavar="auto|balanced|PATH.json",
@@ -67,24 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "is never touched behind your back.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    run = sub.add_parser("run", help="generate from a prompt")
-    run.add_argument("--prompt", required=True)
-    run.add_argument("--system", default=None,
-                     help="format as chat turns: this system prompt, then the prompt as the user")
-    run.add_argument("--chat", action="store_true",
-                     help="format the prompt as a user chat turn (no system prompt unless --system)")
-    run.add_argument("--bos", default="auto", choices=("auto", "yes", "no"),
-                     help="add the BOS token explicitly (auto: if the model family expects it)")
-    _add_model_args(run)
-    run.add_argument("--max-new-tokens", type=int, default=64)
-    run.add_argument("--capacity", type=int, default=None,
-                     help="arena slots (default: prompt + max-new-tokens, within the model's positions)")
-    _add_sampler_args(run)
-    run.add_argument("--ignore-eos", action="store_true")
-    run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    add_cache_args(run)
-    _add_capture_args(run)
-
+    _add_run_args(sub.add_parser("run", help="generate from a prompt, or go on from a saved "
+                                 "session"))
     bench = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)")
     bench.add_argument("kind", choices=BENCH_KINDS)
     bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (make bench)")
@@ -104,21 +95,110 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat_args(sub)
     _add_compose_args(sub)
     _add_transfer_args(sub)
+    _add_export_args(sub)
     return parser
+
+
+def _add_saved_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --device and --json of a command over session files."""
+    p.add_argument("--model", default=None, help="the model the sessions were saved from "
+                   "(default: the one the first file names); " + MODEL_HELP)
+    p.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                   help="default: the first file's")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP.replace("CUDA when available, "
+                                                                       "else the CPU", "cpu"))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+
+def _add_run_args(run: argparse.ArgumentParser) -> None:
+    start = run.add_mutually_exclusive_group(required=True)
+    start.add_argument("--prompt")
+    start.add_argument("--session", metavar="FILE.pbs", default=None,
+                       help="go on from a saved (or composed) session instead of a prompt, with "
+                       "its own arena, sampler and cache parameters")
+    run.add_argument("--system", default=None,
+                     help="format as chat turns: this system prompt, then the prompt as the user")
+    run.add_argument("--chat", action="store_true",
+                     help="format the prompt as a user chat turn (no system prompt unless --system)")
+    run.add_argument("--bos", default="auto", choices=("auto", "yes", "no"),
+                     help="add the BOS token explicitly (auto: if the model family expects it)")
+    _add_model_args(run, session=True)
+    run.add_argument("--max-new-tokens", type=int, default=64)
+    run.add_argument("--capacity", type=int, default=None,
+                     help="arena slots (default: prompt + max-new-tokens, within the model's positions)")
+    _add_sampler_args(run)
+    run.add_argument("--ignore-eos", action="store_true")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_cache_args(run)
+    _add_capture_args(run)
+
+
+# The run options that go with --session; the others are the file's to say.
+WITH_SESSION = ("session", "model", "dtype", "device", "device_map", "max_new_tokens",
+                "ignore_eos", "json", "capture", "capture_level")
+
+
+def settled_by_session(args) -> list[str]:
+    """The ``run`` options given beside ``--session`` (not at their defaults) that the session
+    file settles: the prompt, the arena, the sampler and the cache parameters."""
+    run = _Parser()
+    _add_run_args(run)
+    return [a.option_strings[0] for a in run._actions if a.option_strings
+            and a.dest not in WITH_SESSION + ("help",) and getattr(args, a.dest) != a.default]
 
 
 def _add_compose_args(sub) -> None:
     cp = sub.add_parser("compose", help="join saved sessions of one model into one context "
-                        "(each part's keys re-rotated to its new positions)")
-    cp.add_argument("files", metavar="FILE.pbs", nargs="+", help="session files, in text order")
+                        "(each part's keys re-rotated to its new positions; a partial "
+                        "session's missing layers rebuilt)")
+    cp.add_argument("files", metavar="FILE.pbs", nargs="+",
+                    help="session files, whole or partial (export), in text order")
     cp.add_argument("--out", required=True, metavar="OUT.pbs", help="the composed session file")
-    cp.add_argument("--model", default=None, help="the model the sessions were saved from "
-                    "(default: the one the first file names); " + MODEL_HELP)
-    cp.add_argument("--dtype", default=None, choices=tuple(DTYPES),
-                    help="default: the first file's")
-    cp.add_argument("--device", default="cpu", help=DEVICE_HELP.replace("CUDA when available, "
-                                                                        "else the CPU", "cpu"))
-    cp.add_argument("--json", action="store_true", help="print one JSON object instead")
+    _add_saved_model_args(cp)
+    g = cp.add_argument_group("measure (how far the composition is from a joint prefill of "
+                              "its text; see README: compose)")
+    g.add_argument("--measure", default=None, metavar="TEXT",
+                   help="the text that follows the composed context: report each layer's K/V "
+                   "deviation from a joint prefill and this text's NLL under both caches")
+    g.add_argument("--recompute", default=None, metavar="R[,R...]",
+                   help="with --measure: also re-run the R%% of tokens whose values deviate "
+                   "most (CacheBlend's selective recompute) and report the gap each closes; "
+                   "the file holds the cache recomputed at the last R")
+    g.add_argument("--select-layer", type=int, default=SELECT_LAYER, metavar="N",
+                   help=f"the layer whose value deviation selects them (default {SELECT_LAYER}, "
+                   "the first whose K/V depend on other tokens)")
+
+
+def percents(args) -> tuple[float, ...]:
+    """``--recompute 5,10,100`` -> (5.0, 10.0, 100.0), each in (0, 100]; it needs
+    ``--measure``. Anything else is a one-line UserError."""
+    if args.recompute is None:
+        return ()
+    if args.measure is None:
+        raise UserError("--recompute needs --measure TEXT (the continuation whose NLL it reports)")
+    try:
+        out = tuple(float(x) for x in args.recompute.split(","))
+    except ValueError:
+        raise UserError(f"--recompute takes comma-separated percentages, got "
+                        f"{args.recompute!r}") from None
+    check_percents(out)
+    return out
+
+
+def _add_export_args(sub) -> None:
+    ex = sub.add_parser("export", help="write some of a session's cached tokens and layers to "
+                        "a partial session file (import it with compose)")
+    ex.add_argument("file", metavar="FILE.pbs", help="a session file")
+    ex.add_argument("--out", required=True, metavar="OUT.pbs", help="the partial session file")
+    ex.add_argument("--uids", default=None, metavar="LO-HI",
+                    help="only tokens whose uid is in LO-HI (inclusive)")
+    ex.add_argument("--source", default=None, metavar="S[,S...]",
+                    help="only tokens of these sources (system, user, assistant, tool)")
+    ex.add_argument("--min-brightness", type=float, default=None, metavar="B",
+                    help="only tokens at least this bright")
+    ex.add_argument("--layers", default=None, metavar="0-11,20-29",
+                    help="only these layers' K/V (default: every layer)")
+    _add_saved_model_args(ex)
 
 
 def _add_capture_args(p: argparse.ArgumentParser) -> None:
@@ -132,7 +212,8 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
 def _add_inspect_args(sub) -> None:
     rp = sub.add_parser("replay", help="re-run a captured run's stages and compare bit for bit")
     rp.add_argument("run_dir", metavar="DIR", help="a capture run folder (or a root with one run)")
-    rp.add_argument("--stage", default=None, help="compare only this stage (s0_prime ... s4_apply)")
+    rp.add_argument("--stage", default=None, help="compare only this stage (s0_prime ... "
+                    "s4_apply, s0_extend, s0_restore)")
     rp.add_argument("--step", type=int, default=None, help="compare only this step")
     rp.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the "
                     "capture's device if this machine has it, else the CPU; on another device "

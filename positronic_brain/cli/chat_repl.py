@@ -113,7 +113,7 @@ def _chat_command(chat, line: str, console, args):
         out = {"saved": str(save_session(chat.session, path))}
     elif name == "/load":
         session = load_session(chat.session.model, path)
-        chat.session.tape.close("loaded a session")  # a loaded session starts without one
+        session.record(chat.session.tape, path)  # the capture goes on from the loaded state
         chat, out = Chat.resume(session, chat.max_new_tokens), {"loaded": path}
     elif name == "/stats":
         out = {"stats": chat.stats()}

@@ -1,33 +1,42 @@
 """The one-shot commands: ``run``, ``bench``, ``fork``, ``compare``, ``replay``, ``inspect``,
-``compose``, ``transfer``."""
+``compose``, ``export``, ``transfer``."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
-from .. import compare, compose, fork, inspector, replay, transfer
+from .. import compare, compose, fork, inspector, partial, replay, transfer
 from ..bench import passkey, quality, speed
-from ..loop import run
+from ..bench import transfer as transfer_bench
+from ..bench.common import Table, fmt, print_tables
+from ..loop import drive, run
 from ..model import load_model
-from ..session_io import load_session, save_session, saved_model
+from ..session_io import load_session, save_session, saved_model, spans
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError, require
-from .args import (BENCH_KINDS, QUALITY_ONLY, cache_params, model_placement, open_tape,
-                   sampler_params, train_params)
+from .args import (BENCH_KINDS, DTYPE, MODEL, QUALITY_ONLY, cache_params, model_placement,
+                   open_tape, percents, sampler_params, settled_by_session, train_params)
 
-BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main)))
+BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main, transfer_bench.main)))
+
+
+def _echo(delta: str) -> None:
+    sys.stdout.write(delta)
+    sys.stdout.flush()
 
 
 def cmd_run(args) -> int:
+    if args.max_new_tokens < 0:
+        raise UserError(f"max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.session is not None:
+        return _report(args, _run_session(args))
     sampler, params = sampler_params(args), cache_params(args)  # before the (slower) model load
     if args.prompt == "":
         raise UserError("the prompt is empty")
-    if args.max_new_tokens < 0:
-        raise UserError(f"max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.capacity is not None and args.capacity < 1:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
-    model = load_model(args.model, args.dtype, **model_placement(args))
+    model = load_model(args.model or MODEL, args.dtype or DTYPE, **model_placement(args))
     policy = TokenPolicy(model.tokenizer, bos=args.bos)
     if args.system is not None or args.chat:
         turns = ([("system", args.system)] if args.system is not None else []) \
@@ -35,15 +44,31 @@ def cmd_run(args) -> int:
         segments = policy.chat(turns)
     else:
         segments = policy.raw_prompt(args.prompt)
-
-    def echo(delta: str) -> None:
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-
     tape = open_tape(args, model, sampler, params, [i for s in segments for i in s.ids])
-    result = run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
-                 ignore_eos=args.ignore_eos, capacity=args.capacity,
-                 on_text=None if args.json else echo, cache_params=params, tape=tape)
+    return _report(args, run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
+                             ignore_eos=args.ignore_eos, capacity=args.capacity,
+                             on_text=None if args.json else _echo, cache_params=params,
+                             tape=tape))
+
+
+def _run_session(args) -> dict:
+    """``run --session FILE``: the saved session goes on, with its own arena, sampler and cache
+    parameters; with ``--capture`` its capture starts from the state the file restored."""
+    settled = settled_by_session(args)
+    if settled:
+        raise UserError(f"{', '.join(settled)}: not with --session (the session goes on with "
+                        "its own prompt, arena, sampler and cache parameters)")
+    name, dtype = saved_model(args.session)
+    model = load_model(args.model or name, args.dtype or dtype, **model_placement(args))
+    session = load_session(model, args.session)
+    if args.capture is not None:
+        session.record(open_tape(args, model, session.sampler, session.cache_params,
+                                 session.prompt_ids), args.session)
+    return drive(session, args.max_new_tokens, args.ignore_eos, None if args.json else _echo)
+
+
+def _report(args, result: dict) -> int:
+    """Print a run's result: its JSON, or a summary line after the streamed text."""
     if args.json:
         json.dump(result, sys.stdout)
     sys.stdout.write("\n")
@@ -63,20 +88,16 @@ def cmd_bench(args) -> int:
     only = [f"--{f}" for f in QUALITY_ONLY if getattr(args, f) is not None]
     if args.kind != "quality" and only:
         raise UserError(f"{', '.join(only)}: for bench quality only")
-    if args.kind == "speed" and args.jobs is not None:
+    if args.kind in ("speed", "transfer") and args.jobs is not None:
         raise UserError("--jobs: for bench quality and bench passkey only")
     return BENCHES[args.kind](args)
 
 
 def cmd_fork(args) -> int:
-    def echo(delta: str) -> None:
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-
     result = fork.fork(args.run_dir, args.step, fork.cache_overrides(args),
                        fork.sampler_overrides(args), args.max_new_tokens, args.capture,
                        args.capture_level, args.command, args.device,
-                       None if args.json else echo)
+                       None if args.json else _echo)
     if args.json:
         json.dump(result, sys.stdout)
     sys.stdout.write("\n")
@@ -99,19 +120,64 @@ def cmd_inspect(args) -> int:
     return inspector.main(args.path, args.step, args.last, html=args.html)
 
 
+def _saved_model(args, path: str):
+    """The model a session file was saved from, unless --model / --dtype say otherwise."""
+    name, dtype = saved_model(path)
+    return load_model(args.model or name, args.dtype or dtype, args.device)
+
+
 def cmd_compose(args) -> int:
-    name, dtype = saved_model(args.files[0])
-    model = load_model(args.model or name, args.dtype or dtype, args.device)
-    out = compose.compose_files(model, args.files, args.out)
+    recompute = percents(args)  # before the (slower) model load
+    model = _saved_model(args, args.files[0])
+    continuation = None if args.measure is None else TokenPolicy(model.tokenizer).encode(args.measure)
+    out = compose.compose_files(model, args.files, args.out, continuation, recompute,
+                                args.select_layer)
     if args.json:
         json.dump(out, sys.stdout)
         sys.stdout.write("\n")
-    else:
-        parts = " + ".join(f"{p['label']} {p['cached']}" for p in out["parts"])
-        print(f"[composed {parts} cached tokens: {out['cached']} at positions < "
-              f"{out['next_position']}"
-              + (f", {out['cold']} cold" if out["cold"] else "") + f" -> {out['out']}]")
+        return 0
+    parts = " + ".join(f"{p['label']} {p['cached']}" + ("" if p["layers"] is None else
+                                                       f" (layers {spans(p['layers'])})")
+                       for p in out["parts"])
+    print(f"[composed {parts} cached tokens: {out['cached']} at positions < "
+          f"{out['next_position']}"
+          + (f", {out['cold']} cold" if out["cold"] else "") + f" -> {out['out']}]")
+    if "measure" in out:
+        print_tables(measure_tables(out["measure"]))
     return 0
+
+
+def cmd_export(args) -> int:
+    filters = {"uids": None if args.uids is None else partial.parse_span(args.uids, "--uids"),
+               "sources": None if args.source is None else tuple(args.source.split(",")),
+               "min_brightness": args.min_brightness,
+               "layers": None if args.layers is None else partial.parse_layers(args.layers)}
+    out = partial.export_file(_saved_model(args, args.file), args.file, args.out, **filters)
+    print(json.dumps(out) if args.json else f"[exported {out['rows']} of {out['of']} cached "
+          f"tokens, layers {spans(out['layers'])} of {out['n_layers']} -> {out['out']}]")
+    return 0
+
+
+def measure_tables(m: dict) -> list[Table]:
+    """``compose --measure``'s report as tables: the deviation per layer, then the
+    continuation's NLL under each cache."""
+    d = m["deviation"]
+    layers = tuple((str(i), f"{k:.4f}", f"{v:.4f}")
+                   for i, (k, v) in enumerate(zip(d["layer_k"], d["layer_v"])))
+    nll = m["nll"]
+    rows = [("composed", "0", f"{nll['composed']:.4f}", "0", f"{d['k']:.4f}", f"{d['v']:.4f}"),
+            ("joint prefill", str(m["tokens"]), f"{nll['joint']:.4f}", "1", "0", "0")]
+    rows += [(f"recompute {r['percent']:g}%", str(r["rows"]), f"{r['nll']:.4f}",
+              fmt(r["gap_closed"], 3), f"{r['deviation']['k']:.4f}", f"{r['deviation']['v']:.4f}")
+             for r in m["recompute"]]
+    return [Table("Deviation from a joint prefill of the same text, per layer: ||composed - "
+                  "joint|| / ||joint||", ("layer", "K", "V"),
+                  layers + (("all", f"{d['k']:.4f}", f"{d['v']:.4f}"),)),
+            Table(f"The continuation's NLL ({m['continuation']} tokens) under each cache",
+                  ("cache", "rows recomputed", "NLL", "gap closed", "K deviation",
+                   "V deviation"), tuple(rows),
+                  f"Rows recomputed: those whose values deviate most at layer "
+                  f"{m['select_layer']}. Gap closed: (composed - NLL) / (composed - joint).")]
 
 
 def cmd_transfer(args) -> int:

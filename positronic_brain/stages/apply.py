@@ -11,6 +11,8 @@
   slots stay a dense prefix), position re-index (keys re-rotated exactly), then the append
   of the pending token's K/V (stage 4).
 - ``rebuild_from_ledger``: re-prefill the arena from the ledger after a failure part-way.
+- ``restore``: write a saved or composed session back (stage 0); ``rewrite``: write
+  recomputed K/V into live slots (stage 0; a selective recompute).
 """
 from __future__ import annotations
 
@@ -512,6 +514,12 @@ def _put_rows(a: Arena | SplitArena, m: Ledger, slots: torch.Tensor,
     token (log-mass 0)."""
     for c in Ledger.COLUMNS:
         getattr(m, c)[slots] = rows[c]
+    _put_kv(a, slots, rows)
+
+
+def _put_kv(a: Arena | SplitArena, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+    """Write the ``ROWS`` of ``rows`` (K, V and their norms) into ``slots``; each holds one
+    token (log-mass 0)."""
     for b, (k, *rest) in _parts(a, *(rows[x] for x in ROWS)):
         at = slots.to(b.device)
         _put_keys(b, at, k)
@@ -668,6 +676,24 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
                  reindex_from=reindex_from, reindex_to=reindex_to,
                  appended_slots=(slot,), appended_uids=(uid,), appended_positions=(position,),
                  appended_k=k, appended_v=gen.v)
+
+
+@torch.no_grad()
+def rewrite(model: Model, state: State, slots: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor) -> None:
+    """Stage 0: write K/V ``k``/``v`` (L, kv_heads, s, head_dim) into the live ``slots`` (s,)
+    of ``state`` (``blend``'s selective recompute); each then holds one token (log-mass 0),
+    its norms recomputed. The ledger is unchanged."""
+    n, spec = state.arena.n, model.spec
+    require(slots.ndim == 1 and torch.unique(slots).numel() == slots.numel(),
+            "rewrite: the slots are not distinct")
+    require(slots.numel() == 0 or 0 <= int(slots.min()) <= int(slots.max()) < n,
+            f"rewrite: a slot outside the live [0, {n})")
+    shape = (spec.n_layers, spec.n_kv_heads, slots.numel(), spec.head_dim)
+    assert k.shape == v.shape == shape and k.dtype == v.dtype == model.dtype, \
+        f"rewrite: K/V {tuple(k.shape)} {k.dtype}, not {shape} {model.dtype}"
+    _put_kv(state.arena, slots.to(state.ledger.device),
+            {"k": k, "v": v, "knorm": key_norms(k), "vnorm": value_norms(v)})
 
 
 @torch.no_grad()

@@ -1,0 +1,419 @@
+"""``positronic-brain bench transfer``: what a cache carried into another context keeps.
+
+The benchmark is a list of sections (``SECTIONS``), each measured on the same loaded model
+and reported under its own heading, with its own tables and method:
+
+- ``compose``: a text is split into parts, each primed in a session of its own, and the
+  sessions are composed (``compose.compose``) into the text's context; ``blend.measure``
+  then compares the composed cache with a joint prefill of the same text: each layer's K/V
+  deviation, each part's, and the NLL of the text's next tokens under the composed cache,
+  the joint prefill and CacheBlend's selective recompute at each R. Repeated over several
+  texts (Python's help topics long enough, in sorted-key order).
+- ``partial``: a text's first part primed as the target, its next two parts as a document
+  primed alone, the document imported into the target with some of its layers and the
+  others rebuilt there (``partial.partial_bench``), and the NLL of the text's next tokens
+  for each layer subset against the full transfer.
+- ``projector``: SmolLM2's projector onto itself (``transfer.projector_bench``) trained from
+  the identity perturbed, which it must learn back: the held-out KL before and after.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..blend import SELECT_LAYER, check_percents, measure
+from ..compose import Part, compose
+from ..partial import partial_bench
+from ..transfer import TrainParams, projector_bench
+from ..loop import Session
+from ..model import Model, load_model, resolve_device
+from ..special_tokens import TokenPolicy
+from ..types import CacheParams, Segment, UserError, require
+from . import common
+from .common import Table, fmt
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """What to measure. Compose: ``texts`` texts, each ``parts`` parts of ``part_tokens``
+    cached tokens, then ``continuation`` tokens whose NLL is measured; recompute at each of
+    ``percents``, selected at ``select_layer``."""
+
+    model: str = "smollm2"
+    dtype: str = "float32"
+    device: str = "cpu"
+    quick: bool = False
+    texts: int = 8
+    parts: int = 4
+    part_tokens: int = 256
+    continuation: int = 128
+    percents: tuple[float, ...] = (5, 10, 20, 50, 100)
+    select_layer: int = SELECT_LAYER
+    projector_steps: int = TrainParams.steps
+    projector_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        require(self.texts >= 1 and self.parts >= 1 and self.part_tokens >= 1
+                and self.continuation >= 1, "texts, parts, part tokens and continuation must "
+                "be >= 1")
+        check_percents(self.percents)
+
+    @classmethod
+    def preset(cls, quick: bool, **kw) -> "TransferConfig":
+        if not quick:
+            return cls(**kw)
+        return cls(quick=True, **{"texts": 2, "part_tokens": 128, "continuation": 64,
+                                  "projector_steps": 100, "projector_tokens": 4096, **kw})
+
+    def fitted(self, max_positions: int) -> "TransferConfig":
+        """Parts short enough that the composed text and the continuation fit the model's
+        positions."""
+        room = (max_positions - self.continuation - 1) // self.parts
+        require(room >= 1, f"the model's {max_positions} positions leave no room for "
+                f"{self.parts} parts and {self.continuation} continuation tokens")
+        return dataclasses.replace(self, part_tokens=min(self.part_tokens, room))
+
+    @property
+    def text_tokens(self) -> int:
+        """Tokens a text needs: the parts, the pending token, the continuation."""
+        return self.parts * self.part_tokens + 1 + self.continuation
+
+
+@dataclass(frozen=True)
+class Section:
+    """One part of the benchmark, under its own heading: ``measure(model, policy, cfg,
+    tick)`` -> its results (JSON-ready; ``tick`` advances the progress bar, ``steps(cfg)``
+    times in all); ``facts(config)``, what it measured (a sentence from ``res["config"]``);
+    ``tables`` and ``plots(results, out, model)`` (PNG file names written into ``out``) of
+    its results; ``method``, how it measures (markdown)."""
+
+    name: str
+    title: str
+    measure: Callable[[Model, TokenPolicy, TransferConfig, Callable[[], None]], dict]
+    steps: Callable[[TransferConfig], int]
+    facts: Callable[[dict], str]
+    tables: Callable[[dict], list[Table]]
+    plots: Callable[[dict, Path, str], list[str]]
+    method: str
+
+
+# --- compose ---------------------------------------------------------------------------------
+
+def topic_texts(policy: TokenPolicy, count: int, tokens: int) -> list[tuple[str, list[int]]]:
+    """The first ``count`` of Python's help topics (sorted-key order) with at least
+    ``tokens`` tokens: (key, ids)."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for key in sorted(topics):
+        ids = policy.encode(topics[key])
+        if len(ids) >= tokens:
+            out.append((key, ids))
+        if len(out) == count:
+            return out
+    raise UserError(f"only {len(out)} of Python's help topics have {tokens} tokens; "
+                    f"{count} wanted")
+
+
+def composed(model: Model, policy: TokenPolicy, ids: list[int], parts: int, size: int) -> Session:
+    """``ids[:parts * size]`` in ``parts`` sessions of their own (each primed with its
+    ``size`` tokens and the next part's first token pending), composed; the last part's
+    pending token is ``ids[parts * size]``."""
+    sessions = []
+    for i in range(parts):
+        s = Session(model, policy, cache_params=CacheParams(scorer="none"))
+        s.prime([Segment(tuple(ids[i * size:(i + 1) * size + 1]), "user")], size + 1)
+        sessions.append(Part.of(s, f"part {i + 1}"))
+    return compose(model, sessions)
+
+
+def compose_section(model: Model, policy: TokenPolicy, cfg: TransferConfig,
+                    tick: Callable[[], None]) -> dict:
+    """Each text composed from its parts and measured against its joint prefill."""
+    runs = []
+    n = cfg.parts * cfg.part_tokens
+    for key, ids in topic_texts(policy, cfg.texts, cfg.text_tokens):
+        t0 = time.perf_counter()
+        session = composed(model, policy, ids, cfg.parts, cfg.part_tokens)
+        report, _ = measure(model, session.state, ids[n + 1:n + 1 + cfg.continuation],
+                            cfg.percents, cfg.select_layer)
+        d = report["deviation"]
+        by_part = [slice(i * cfg.part_tokens, (i + 1) * cfg.part_tokens) for i in range(cfg.parts)]
+        runs.append({"text": key, "tokens": len(ids), "nll": report["nll"], "recompute": report["recompute"],
+                     "deviation": {"k": d["k"], "v": d["v"], "layer_k": d["layer_k"],
+                                   "layer_v": d["layer_v"],
+                                   "part_k": [statistics.fmean(d["token_k"][p]) for p in by_part],
+                                   "part_v": [statistics.fmean(d["token_v"][p]) for p in by_part]},
+                     "seconds": time.perf_counter() - t0})
+        tick()
+    return {"runs": runs, "summary": _summary(runs)}
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def _summary(runs: list[dict]) -> dict:
+    """Means over the texts: NLLs, each R's gap closed (and its range), each layer's and
+    part's deviation."""
+    dev = [r["deviation"] for r in runs]
+    curve = []
+    for i, first in enumerate(runs[0]["recompute"]):
+        at = [r["recompute"][i] for r in runs]
+        gaps = [x["gap_closed"] for x in at if x["gap_closed"] is not None]
+        curve.append({"percent": first["percent"], "rows": _mean(x["rows"] for x in at),
+                      "nll": _mean(x["nll"] for x in at), "gap_closed": _mean(gaps),
+                      "gap_min": min(gaps, default=None), "gap_max": max(gaps, default=None),
+                      "k": _mean(x["deviation"]["k"] for x in at),
+                      "v": _mean(x["deviation"]["v"] for x in at)})
+    return {"nll_composed": _mean(r["nll"]["composed"] for r in runs),
+            "nll_joint": _mean(r["nll"]["joint"] for r in runs),
+            "k": _mean(d["k"] for d in dev), "v": _mean(d["v"] for d in dev),
+            **{name: [_mean(col) for col in zip(*(d[name] for d in dev))]
+               for name in ("layer_k", "layer_v", "part_k", "part_v")},
+            "curve": curve}
+
+
+def compose_tables(c: dict) -> list[Table]:
+    s, runs = c["summary"], c["runs"]
+    rows = [("composed", "0", fmt(s["nll_composed"], 4), "0", "", fmt(s["k"], 4), fmt(s["v"], 4)),
+            ("joint prefill", "all", fmt(s["nll_joint"], 4), "1", "", "0", "0")]
+    rows += [(f"recompute {x['percent']:g}%", fmt(x["rows"], 0), fmt(x["nll"], 4),
+              fmt(x["gap_closed"], 3), f"{fmt(x['gap_min'], 3)} to {fmt(x['gap_max'], 3)}",
+              fmt(x["k"], 4), fmt(x["v"], 4)) for x in s["curve"]]
+    per_text = tuple((r["text"], fmt(r["nll"]["composed"], 4), fmt(r["nll"]["joint"], 4),
+                      *(fmt(x["gap_closed"], 3) for x in r["recompute"])) for r in runs)
+    return [
+        Table(f"Compose: the continuation's NLL under each cache (mean over {len(runs)} texts)",
+              ("cache", "rows recomputed", "NLL", "gap closed", "gap closed, range",
+               "K deviation", "V deviation"), tuple(rows),
+              "Gap closed = (NLL composed - NLL) / (NLL composed - NLL joint), per text, then "
+              "the mean. Deviation = ||K - K joint|| / ||K joint|| over every layer, row, head "
+              "and dimension (V alike)."),
+        Table("Compose: gap closed per text", ("text", "NLL composed", "NLL joint",
+                                              *(f"{x['percent']:g}%" for x in s["curve"])),
+              per_text),
+        Table("Compose: deviation from the joint prefill by part (mean per-token relative "
+              "deviation)", ("part", "K", "V"),
+              tuple((str(i + 1), fmt(k, 4), fmt(v, 4))
+                    for i, (k, v) in enumerate(zip(s["part_k"], s["part_v"])))),
+        Table("Compose: deviation from the joint prefill by layer", ("layer", "K", "V"),
+              tuple((str(i), fmt(k, 4), fmt(v, 4))
+                    for i, (k, v) in enumerate(zip(s["layer_k"], s["layer_v"])))),
+    ]
+
+
+COMPOSE_METHOD = """\
+- **Texts**: Python's help topics (`pydoc_data.topics`) in sorted-key order, the first
+  that have enough tokens for the parts, the pending token and the continuation.
+- **Composed cache**: the text's first parts x part tokens, each part primed in a session
+  of its own (its first token at position 0) with the next part's first token pending, then
+  composed in order (`compose.compose`: each part's positions moved past the parts before
+  it, its keys re-rotated exactly); the last part's pending token is the text's next token.
+  No part saw the parts before it: the first part's rows equal the joint prefill's (to float
+  rounding), the others' deviate from layer 1 on (layer 0's K/V are each token's own).
+- **Joint prefill**: the same tokens at the same positions through one causal prefill
+  (`blend.Blend`, chunked as stage 0's prefill). Deviation per layer: ||K - K joint|| /
+  ||K joint|| over the layer's rows, heads and dimensions; per part: the mean of each
+  token's over every layer, head and dimension.
+- **NLL**: the text's next tokens (the continuation) teacher-forced over each cache, their
+  mean negative log-likelihood.
+- **Recompute R%** (CacheBlend's selective recompute): the ceiling of R% of the rows, those
+  whose values deviate most from the joint prefill's at the selection layer, re-run in
+  text order at their positions through one masked read-only forward over the composed
+  cache: each sees the rows not selected before it and the selected ones before it
+  (causally), so every layer's new K/V are CacheBlend's recompute of that layer; their K/V
+  replace the composed ones. R = 100 is the joint prefill (`tests/test_blend.py`).
+  CacheBlend selects at run time from its first layers; here the deviation is read off
+  the joint prefill. Gap closed = (NLL composed - NLL at R) / (NLL composed - NLL joint)."""
+
+
+def compose_facts(c: dict) -> str:
+    return (f"{c['texts']} texts, each {c['parts']} parts of {c['part_tokens']} tokens and "
+            f"{c['continuation']} continuation tokens; recompute at "
+            f"{', '.join(f'{p:g}' for p in c['percents'])}% of the rows, selected by their "
+            f"value deviation at layer {c['select_layer']}.")
+
+
+def compose_plots(c: dict, out: Path, model: str) -> list[str]:
+    """Gap closed against R, per text and their mean."""
+    series = {r["text"]: ([x["percent"] for x in r["recompute"]],
+                          [x["gap_closed"] for x in r["recompute"]], ":")
+              for r in c["runs"] if all(x["gap_closed"] is not None for x in r["recompute"])}
+    curve = c["summary"]["curve"]
+    series["mean"] = ([x["percent"] for x in curve], [x["gap_closed"] for x in curve],
+                      {"linestyle": "-", "color": "black"})
+    common.line_plot(out / "compose_gap_closed.png",
+                     f"Compose: gap closed by recomputing R% of the rows, {model}",
+                     "R (% of the rows recomputed)", "gap closed (NLL)", series)
+    return ["compose_gap_closed.png"]
+
+
+# --- partial transfer ------------------------------------------------------------------------
+
+def partial_section(model: Model, policy: TokenPolicy, cfg: TransferConfig,
+                    tick: Callable[[], None]) -> dict:
+    """Per text: part 1 the target, parts 2-3 the document, the continuation after them."""
+    runs, size = [], cfg.part_tokens
+    for key, ids in topic_texts(policy, cfg.texts, 3 * size + cfg.continuation):
+        target, doc = policy.decode(ids[:size]), policy.decode(ids[size:3 * size])
+        cont = policy.decode(ids[3 * size:3 * size + cfg.continuation])
+        runs.append({"text": key, **partial_bench(model, policy, target, doc, cont)})
+        tick()
+    subsets = [{"subset": r["subset"], "layers": r["layers"], "transferred": r["transferred"],
+                "nll": _mean(run["subsets"][i]["nll"] for run in runs),
+                "vs_full": _mean(run["subsets"][i]["vs_full"] for run in runs),
+                "seconds": _mean(run["subsets"][i]["seconds"] for run in runs)}
+               for i, r in enumerate(runs[0]["subsets"])]
+    return {"runs": runs, "full": _mean(r["full"]["nll"] for r in runs), "subsets": subsets}
+
+
+def partial_tables(c: dict) -> list[Table]:
+    rows = [("full transfer", "all", "0", f"{c['full']:.4f}", "0", "")]
+    rows += [(r["subset"], r["layers"], str(r["transferred"]), f"{r['nll']:.4f}",
+              f"{r['vs_full']:+.4f}", f"{r['seconds']:.2f}") for r in c["subsets"]]
+    return [Table("Partial transfer: the continuation's NLL by layers transferred (mean over "
+                  "texts)", ("subset", "layers transferred", "count", "NLL", "vs full",
+                             "compose s (rebuild)"), tuple(rows),
+                  "Layers not transferred are rebuilt by a forward of the document in the "
+                  "target's context; subset none rebuilds them all (the joint prefill).")]
+
+
+def partial_facts(c: dict) -> str:
+    return (f"{c['texts']} texts: part 1 ({c['part_tokens']} tokens) the target, parts 2-3 "
+            f"the document, then {c['continuation']} continuation tokens.")
+
+
+PARTIAL_METHOD = """- **Sessions**: the target (the text's first part) and the document (its next two parts)
+  are each primed alone from their decoded text; the document is exported with every cached
+  token and a subset of its layers (`export --layers`) and imported after the target
+  (`compose`), each missing layer rebuilt by a forward of the document's tokens over the
+  target's cache (what a prefill there computes).
+- **Full transfer**: the whole document session composed after the target, no layer
+  rebuilt. **NLL**: the continuation teacher-forced over the composed cache.
+"""
+
+
+# --- projector --------------------------------------------------------------------------------
+
+def projector_section(model: Model, policy: TokenPolicy, cfg: TransferConfig,
+                      tick: Callable[[], None]) -> dict:
+    """The model's projector onto itself from the perturbed identity, on help-topic text."""
+    from pydoc_data.topics import topics
+
+    ids: list[int] = []
+    for key in sorted(topics):
+        ids += policy.encode(topics[key])
+        if len(ids) >= cfg.projector_tokens:
+            break
+    report = projector_bench(model, ids[:cfg.projector_tokens], cfg.projector_steps)
+    tick()
+    return report
+
+
+def projector_tables(c: dict) -> list[Table]:
+    return [Table("Projector onto the same model from the perturbed identity: held-out KL",
+                  ("projector", "held-out KL (nats/token)", "train windows",
+                   "held-out windows", "steps", "seconds"),
+                  (("before training", f"{c['kl_before']:.4f}", "", "", "", ""),
+                   ("after training", f"{c['kl_after']:.4f}", str(c["train_windows"]),
+                    str(c["held_out_windows"]), str(c["steps"]), f"{c['seconds']:.0f}")),
+                  f"Windows of {c['prefix']} prefix + {c['continuation']} continuation tokens; "
+                  f"KL(B with its own prefix cache || B with the projected one).")]
+
+
+def projector_facts(c: dict) -> str:
+    return (f"{c['projector_tokens']} tokens of help-topic text (the first 80% trains), "
+            f"{c['projector_steps']} steps.")
+
+
+PROJECTOR_METHOD = """- **Projector**: per layer a linear map of the un-rotated keys and of the values
+  (`transfer.Projector`), initialised as the identity plus Gaussian noise (`--init
+  perturbed`), trained by Adam on KL(the model with its own prefix cache || the model with
+  the projected cache) over the continuation tokens' next-token distributions.
+- **Held out**: windows from the text's last 20%, never trained on; before = the perturbed
+  projector, after = the trained one.
+"""
+
+
+SECTIONS = (Section("compose", "Compose: a text from parts primed apart", compose_section,
+                    lambda cfg: cfg.texts, compose_facts, compose_tables, compose_plots,
+                    COMPOSE_METHOD),
+            Section("partial", "Partial transfer: some layers carried, the rest rebuilt",
+                    partial_section, lambda cfg: cfg.texts, partial_facts, partial_tables,
+                    lambda c, out, model: [], PARTIAL_METHOD),
+            Section("projector", "Projector: a cache mapped onto a model and learnt back",
+                    projector_section, lambda cfg: 1, projector_facts, projector_tables,
+                    lambda c, out, model: [], PROJECTOR_METHOD))
+
+
+# --- the benchmark ---------------------------------------------------------------------------
+
+def run(cfg: TransferConfig, command: str) -> dict:
+    """Every section, as one JSON-ready dict."""
+    t0 = time.perf_counter()
+    info = common.machine()
+    model = load_model(cfg.model, cfg.dtype, cfg.device)
+    cfg = cfg.fitted(model.spec.max_positions)
+    policy = TokenPolicy(model.tokenizer)
+    res = {"benchmark": "transfer", "command": command, "model": cfg.model, "dtype": cfg.dtype,
+           "quick": cfg.quick, "machine": info, "max_positions": model.spec.max_positions,
+           "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"},
+           "sections": {}}
+    with common.progress() as task:
+        for s in SECTIONS:
+            res["sections"][s.name] = s.measure(model, policy, cfg, task(s.name, s.steps(cfg)))
+    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    res["elapsed_s"] = time.perf_counter() - t0
+    return res
+
+
+def tables(res: dict) -> list[Table]:
+    return [t for s, r in _measured(res) for t in s.tables(r)]
+
+
+def _measured(res: dict) -> list[tuple[Section, dict]]:
+    return [(s, res["sections"][s.name]) for s in SECTIONS if s.name in res["sections"]]
+
+
+def plots(res: dict, out: Path) -> list[str]:
+    """Every section's PNG plots into ``out``; returns their file names."""
+    return [name for s, r in _measured(res) for name in s.plots(r, out, res["model"])]
+
+
+def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
+    """The markdown report, a heading per section; ``level`` is its title's. ``images``:
+    the plots' file names, each under the section whose name it starts with."""
+    h = "#" * level
+    lines = [f"{h} Transfer benchmark: caches carried into another context", "",
+             common.regenerate(res), "",
+             f"{common.model_facts(res)}; {common.machine_facts(res['machine'])}.", ""]
+    for s, r in _measured(res):
+        lines += [f"{h}# {s.title}", "", s.facts(res["config"]), ""]
+        for tb in s.tables(r):
+            lines += [f"{h}## {tb.title}", "", tb.markdown(), ""]
+        lines += [f"![{name}]({image_dir}/{name})" for name in images
+                  if name.startswith(s.name)]
+        lines += ["", f"{h}## Method", "", s.method, ""]
+    return "\n".join(lines) + "\n"
+
+
+def command_line(args) -> str:
+    return common.command_line("transfer", args, (
+        ("model", "smollm2"), ("device", "cpu"), ("out", None), ("report", None)))
+
+
+def main(args) -> int:
+    """The CLI entry: measure, then print tables (or one JSON object) and write files."""
+    cfg = TransferConfig.preset(args.quick, model=args.model,
+                                device=str(resolve_device(args.device)))
+    out = common.out_dir(args)
+    res = run(cfg, command_line(args))
+    common.emit(res, args, out, "transfer", plots, report_md, tables)
+    return 0
