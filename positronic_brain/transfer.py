@@ -224,9 +224,10 @@ def project(projector: Projector, source: Model, target: Model, k: torch.Tensor,
 class TrainParams:
     """How ``train_projector`` trains: ``steps`` Adam steps from ``lr`` down to 0 (cosine),
     each over ``batch`` windows of ``prefix`` + ``continuation`` tokens from the text's
-    first 1 - ``holdout``; the held-out KL over at most ``eval_windows`` windows of the rest. ``init`` (``INITS``;
-    ``noise``: perturbed's, relative to the identity), ``kind`` (``KINDS``) and ``hidden``
-    (the MLP branch's width) shape the projector; ``seed`` makes it all repeatable."""
+    first 1 - ``holdout``; the held-out KL over at most ``eval_windows`` windows of the
+    rest. ``init`` (``INITS``; ``noise``: perturbed's, relative to the identity), ``kind``
+    (``KINDS``) and ``hidden`` (the MLP branch's width) shape the projector; ``seed`` makes
+    it all repeatable."""
 
     steps: int = 300
     lr: float = 1e-3
@@ -247,7 +248,8 @@ class TrainParams:
         require(self.steps >= 0, f"steps must be >= 0, got {self.steps}")
         require(self.lr > 0, f"the learning rate must be > 0, got {self.lr}")
         require(0 < self.holdout < 1, f"holdout must be in (0, 1), got {self.holdout}")
-        require(self.kind in KINDS, f"unknown projector kind {self.kind!r}; expected one of {KINDS}")
+        require(self.kind in KINDS,
+                f"unknown projector kind {self.kind!r}; expected one of {KINDS}")
         require(self.init in INITS, f"unknown init {self.init!r}; expected one of {INITS}")
         require(self.noise >= 0, f"noise must be >= 0, got {self.noise}")
 
@@ -346,16 +348,17 @@ def train_projector(source: Model, target: Model, ids: Sequence[int],
     require_same_tokens(source.tokenizer, target.tokenizer)
     train, held = split_windows(ids, params)
     generator = torch.Generator().manual_seed(params.seed)
-    # each step's windows: the training windows in a fresh random order per pass
-    passes = math.ceil(max(params.steps, 1) * params.batch / len(train))
-    order = torch.cat([torch.randperm(len(train), generator=generator) for _ in range(passes)])
     projector = Projector(KVShape.of(source), KVShape.of(target), kind=params.kind,
                           hidden=params.hidden if params.kind == "mlp" else 0)
-    k, v = _source_kv(source, train[order[:params.batch], :params.prefix])  # the first step's
-    positions = torch.arange(params.prefix).repeat(params.batch)
+    sample = train[:params.batch, :params.prefix]  # the input sizes: the first windows'
+    k, v = _source_kv(source, sample)
+    positions = torch.arange(params.prefix).repeat(len(sample))
     projector.initialise(params.init, generator, params.noise,
                          at_zero(source, k, positions).cpu(), v.float().cpu())
     projector.to(target.device)
+    # each step's windows: the training windows in a fresh random order per pass
+    passes = math.ceil(max(params.steps, 1) * params.batch / len(train))
+    order = torch.cat([torch.randperm(len(train), generator=generator) for _ in range(passes)])
     before = held_out_kl(projector, source, target, held, params.prefix, params.batch)
     optimizer = torch.optim.Adam(projector.parameters(), lr=params.lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(params.steps, 1))

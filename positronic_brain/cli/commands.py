@@ -185,7 +185,8 @@ def cmd_transfer(args) -> int:
     require(out.parent.is_dir(), f"--out {out}: no folder {out.parent}")
     if args.action == "train":
         return _transfer_train(args, out)
-    source, target = (load_model(name, args.dtype, args.device) for name in (args.source, args.target))
+    source, target = (load_model(name, args.dtype, args.device)
+                      for name in (args.source, args.target))
     projector = transfer.load_projector(args.projector, source, target)
     session = transfer.apply_projector(projector, load_session(source, args.session), target,
                                        Path(args.session).name)
@@ -198,7 +199,8 @@ def cmd_transfer(args) -> int:
 def _transfer_train(args, out: Path) -> int:
     params = train_params(args)  # before the (slower) model loads
     text = quality.read_text(args.text)
-    source, target = (load_model(name, args.dtype, args.device) for name in (args.source, args.target))
+    source, target = (load_model(name, args.dtype, args.device)
+                      for name in (args.source, args.target))
     ids = TokenPolicy(source.tokenizer, bos="no").encode(text)
     every = max(1, params.steps // 10)
 
