@@ -18,11 +18,15 @@ Training (``train_projector``) cuts the text into windows of a prefix and a cont
 A prefills the prefix (our forward), the projector maps its K/V into B's cache, B runs the
 continuation over that cache (Hugging Face's own forward, differentiable in the cache) and
 the loss is the KL from B's next-token distributions with its own prefix cache to these.
-The text's first part trains (Adam); the held-out KL is measured on the rest.
+The text's first part trains: first (``fit``) each linear map is set to the least-squares
+fit of B's own un-rotated keys (values) of the training prefixes on A's, between per
+dimension sizes (``_Maps``), then Adam steps on the KL; the held-out KL is measured on the
+rest.
 
 A projector file is a signed safetensors file (``plain.save_signed``) of format ``FORMAT``:
-its JSON header gives both models' K/V shapes, the layer map, the kind and the MLP width,
-and loading checks every tensor's name, shape and dtype against it.
+its tensors are the maps' parameters and sizes, its JSON header gives both models' K/V
+shapes, the layer map, the kind and the MLP width, and loading checks every tensor's name,
+shape and dtype against it.
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ from .special_tokens import require_same_tokens
 from .stages.apply import arena
 from .types import UserError, require
 
-FORMAT = "positronic-brain-projector/1"
+FORMAT = "positronic-brain-projector/2"
 KINDS = ("linear", "mlp")
 # random: a random semi-orthogonal map (norms kept); identity: the identity cut to shape;
 # perturbed: the identity plus Gaussian noise (a start a model's map onto itself must undo)
@@ -91,15 +95,18 @@ def default_layer_map(source_layers: int, target_layers: int) -> tuple[int, ...]
 
 class _Maps(nn.Module):
     """The keys' or the values' maps, one per target layer, stacked: ``weight``
-    (Lb, out, in) and ``bias`` (Lb, out) over the inputs divided by ``scale`` (Lb, in), their
-    root mean square per dimension when training started (so an Adam step moves every
-    output alike, whatever the input dimension's size); with a hidden width also the MLP
-    branch ``up`` (Lb, hidden, in), ``down`` (Lb, out, hidden) and its ``gate`` (Lb,)."""
+    (Lb, out, in) and ``bias`` (Lb, out) between sizes measured when training started, the
+    inputs' root mean square per dimension ``scale_in`` (Lb, in) and the target's own
+    outputs' ``scale_out`` (Lb, out): y = scale_out (W x / scale_in + b), so that an Adam step
+    moves every output by the same fraction of its size, whatever the dimensions' sizes;
+    with a hidden width also the MLP branch ``up`` (Lb, hidden, in), ``down`` (Lb, out,
+    hidden) and its ``gate`` (Lb,), inside the same scales."""
 
     def __init__(self, layers: int, width_in: int, width_out: int, hidden: int):
         super().__init__()
         self.hidden = hidden
-        self.register_buffer("scale", torch.ones(layers, width_in))
+        self.register_buffer("scale_in", torch.ones(layers, width_in))
+        self.register_buffer("scale_out", torch.ones(layers, width_out))
         self.weight = nn.Parameter(torch.zeros(layers, width_out, width_in))
         self.bias = nn.Parameter(torch.zeros(layers, width_out))
         if hidden:
@@ -109,37 +116,58 @@ class _Maps(nn.Module):
 
     @torch.no_grad()
     def initialise(self, init: str, generator: torch.Generator, noise: float,
-                   x: torch.Tensor) -> None:
-        """``scale`` from the inputs ``x`` (Lb, n, in) (at least 1/100 of the layer's mean);
-        the map of the unscaled inputs as ``init`` says (``INITS``), the bias 0; the MLP's
-        matrices random with unit gain, its gate nearly closed."""
+                   x: torch.Tensor, y: torch.Tensor) -> None:
+        """The scales from the inputs ``x`` (Lb, n, in) and the target's own outputs ``y``
+        (Lb, n, out) (each at least 1/100 of the layer's mean); the map as ``init`` says
+        (``INITS``: the identity maps each output to the input of the same index, the noise
+        is relative to each output's size), the bias 0; the MLP's matrices random with
+        unit gain, its gate nearly closed."""
         width_in = self.weight.shape[2]
-        rms = x.square().mean(1).sqrt()
-        self.scale.copy_(torch.maximum(rms, rms.mean(-1, keepdim=True) / 100))
+        for scale, sample in ((self.scale_in, x), (self.scale_out, y)):
+            rms = sample.square().mean(1).sqrt()
+            scale.copy_(torch.maximum(rms, rms.mean(-1, keepdim=True) / 100))
         self.bias.zero_()
         if init == "random":
             for w in self.weight:
                 nn.init.orthogonal_(w, generator=generator)
         else:
-            self.weight.copy_(torch.eye(*self.weight.shape[1:]).expand_as(self.weight))
+            eye = torch.eye(*self.weight.shape[1:])
+            self.weight.copy_(eye * self.scale_in.unsqueeze(1) / self.scale_out.unsqueeze(2))
         if init == "perturbed":
             self.weight += torch.randn(self.weight.shape, generator=generator) * (
                 noise / math.sqrt(width_in))
-        self.weight *= self.scale.unsqueeze(1)
         if self.hidden:
             nn.init.normal_(self.up, std=width_in ** -0.5, generator=generator)
             nn.init.normal_(self.down, std=self.hidden ** -0.5, generator=generator)
             self.gate.fill_(GATE_INIT)
 
+    @torch.no_grad()
+    def solve(self, xtx: torch.Tensor, xty: torch.Tensor, ridge: float) -> None:
+        """The linear map and bias that least-squares fit the scaled outputs to the scaled
+        inputs, from the sums ``xtx`` (Lb, in + 1, in + 1) and ``xty`` (Lb, in + 1, out) of
+        ``scaled``'s pairs, with ``ridge`` times the mean diagonal added to the diagonal."""
+        diagonal = xtx.diagonal(dim1=1, dim2=2)
+        damped = xtx + torch.diag_embed(ridge * diagonal.mean(-1, keepdim=True).expand_as(diagonal))
+        solution = torch.cholesky_solve(xty, torch.linalg.cholesky(damped))  # (Lb, in + 1, out)
+        self.weight.copy_(solution[:, :-1].transpose(1, 2))
+        self.bias.copy_(solution[:, -1])
+
+    def scaled(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs (Lb, n, in) over ``scale_in`` with a column of ones (the bias's), and the
+        target's own outputs (Lb, n, out) over ``scale_out``, float64: ``solve``'s pairs."""
+        x = (x / self.scale_in.unsqueeze(1)).double()
+        return torch.cat([x, x.new_ones(*x.shape[:2], 1)], -1), \
+            (y / self.scale_out.unsqueeze(1)).double()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(Lb, n, in) -> (Lb, n, out)."""
-        x = x / self.scale.unsqueeze(1)
+        x = x / self.scale_in.unsqueeze(1)
         y = torch.baddbmm(self.bias.unsqueeze(1), x, self.weight.transpose(1, 2))
         if self.hidden:
             branch = torch.bmm(F.silu(torch.bmm(x, self.up.transpose(1, 2))),
                                self.down.transpose(1, 2))
             y = y + torch.sigmoid(self.gate).view(-1, 1, 1) * branch
-        return y
+        return y * self.scale_out.unsqueeze(1)
 
 
 class Projector(nn.Module):
@@ -178,12 +206,18 @@ class Projector(nn.Module):
         return x.index_select(0, self.index).transpose(1, 2).reshape(len(self.layer_map),
                                                                      x.shape[2], -1)
 
-    def initialise(self, init: str, generator: torch.Generator, noise: float, k: torch.Tensor,
-                   v: torch.Tensor) -> None:
+    def initialise(self, init: str, generator: torch.Generator, noise: float,
+                   source: tuple[torch.Tensor, torch.Tensor],
+                   target: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Both maps (``_Maps.initialise``) from a sample of source keys at position 0 and
-        values, (La, KVa, n, Da) float32 each."""
-        for maps, x in ((self.k, k), (self.v, v)):
-            maps.initialise(init, generator, noise, self._inputs(x))
+        values, (La, KVa, n, Da) float32 each, and the target's own of the same tokens,
+        (Lb, KVb, n, Db)."""
+        for maps, x, y in zip((self.k, self.v), source, target):
+            maps.initialise(init, generator, noise, self._inputs(x), self._outputs(y))
+
+    def _outputs(self, y: torch.Tensor) -> torch.Tensor:
+        """Target K or V (Lb, KVb, n, Db) -> each target layer's outputs (Lb, n, KVb * Db)."""
+        return y.transpose(1, 2).reshape(self.target.layers, y.shape[2], -1)
 
     @property
     def header(self) -> dict:
@@ -222,7 +256,9 @@ def project(projector: Projector, source: Model, target: Model, k: torch.Tensor,
 
 @dataclass(frozen=True)
 class TrainParams:
-    """How ``train_projector`` trains: ``steps`` Adam steps from ``lr`` down to 0 (cosine),
+    """How ``train_projector`` trains: with ``fit``, first the least-squares fit of the
+    linear maps (``fit_linear``) over the training windows' prefixes; then ``steps`` Adam
+    steps on the KL from ``lr`` down to 0 (cosine),
     each over ``batch`` windows of ``prefix`` + ``continuation`` tokens from the text's
     first 1 - ``holdout``; the held-out KL over at most ``eval_windows`` windows of the
     rest. ``init`` (``INITS``; ``noise``: perturbed's, relative to the identity), ``kind``
@@ -230,7 +266,8 @@ class TrainParams:
     it all repeatable."""
 
     steps: int = 300
-    lr: float = 1e-3
+    lr: float = 1e-4
+    fit: bool = True
     batch: int = 4
     prefix: int = 64
     continuation: int = 16
@@ -277,12 +314,12 @@ def _cache_kwarg(model: Model) -> str:
 
 
 @torch.no_grad()
-def _source_kv(source: Model, prefixes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The source's K/V of each prefix (W, P) as a prime caches them: (La, KVa, W * P, Da)
+def _prefix_kv(model: Model, prefixes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's K/V of each prefix (W, P) as a prime caches them: (L, KVH, W * P, D)
     each, the windows side by side, keys roped at 0..P-1."""
-    past_k, past_v, _ = arena(source, 0).past(0)
-    positions = torch.arange(prefixes.shape[1], device=source.device)
-    outs = [forward(source, past_k, past_v, ids.to(source.device), positions, kv_only=True)
+    past_k, past_v, _ = arena(model, 0).past(0)
+    positions = torch.arange(prefixes.shape[1], device=model.device)
+    outs = [forward(model, past_k, past_v, ids.to(model.device), positions, kv_only=True)
             for ids in prefixes]
     return torch.cat([o.k for o in outs], 2), torch.cat([o.v for o in outs], 2)
 
@@ -321,12 +358,36 @@ def window_kl(projector: Projector, source: Model, target: Model, windows: torch
     """Mean KL (nats per token) from the target's next-token distributions over each
     window's continuation with its own prefix cache to those with the source's prefix cache
     projected: a scalar, differentiable in the projector's parameters."""
-    k, v = _source_kv(source, windows[:, :prefix])
+    k, v = _prefix_kv(source, windows[:, :prefix])
     positions = torch.arange(prefix).repeat(len(windows))
     kb, vb = project(projector, source, target, k, v, positions)
     own = _own_logp(target, windows, prefix).to(kb.device)
     projected = _projected_logp(target, kb, vb, windows[:, prefix:], prefix).to(kb.device)
     return (own.exp() * (own - projected)).sum(-1).mean()
+
+
+@torch.no_grad()
+def fit_linear(projector: Projector, source: Model, target: Model, windows: torch.Tensor,
+               prefix: int, batch: int, ridge: float = 1e-3) -> None:
+    """Set the projector's linear maps (not an MLP branch) to the least-squares fit of the
+    target's own keys at position 0 and values to the source's, over the prefixes of
+    ``windows`` (W, >= prefix), ``batch`` at a time (``_Maps.solve``)."""
+    sums: dict[str, list[torch.Tensor]] = {}
+    for w in windows.split(batch):
+        prefixes = w[:, :prefix]
+        positions = torch.arange(prefix).repeat(len(w))
+        k, v = _prefix_kv(source, prefixes)
+        kb, vb = (k, v) if source is target else _prefix_kv(target, prefixes)
+        dev = projector.index.device
+        for name, x, y in (("k", at_zero(source, k, positions), at_zero(target, kb, positions)),
+                           ("v", v, vb)):
+            maps = getattr(projector, name)
+            xs, ys = maps.scaled(projector._inputs(x.to(dev, torch.float32)),  # pylint: disable=protected-access
+                                 projector._outputs(y.to(dev, torch.float32)))  # pylint: disable=protected-access
+            pair = [xs.transpose(1, 2) @ xs, xs.transpose(1, 2) @ ys]
+            sums[name] = pair if name not in sums else [a + b for a, b in zip(sums[name], pair)]
+    for name, (xtx, xty) in sums.items():
+        getattr(projector, name).solve(xtx, xty, ridge)
 
 
 @torch.no_grad()
@@ -343,26 +404,32 @@ def train_projector(source: Model, target: Model, ids: Sequence[int],
                     on_step: Callable[[int, float], None] | None = None) -> tuple[Projector, dict]:
     """A projector of ``source``'s K/V into ``target``'s cache trained on the token ``ids``
     (``split_windows``), and its report: the held-out KL (nats per token) before
-    (``kl_before``, the initialised projector) and after (``kl_after``) training, the
-    windows, tokens and seconds trained. ``on_step(step, loss)`` follows each step."""
+    (``kl_before``, the initialised projector), after the fit (``kl_fit``, None without
+    one) and after the Adam steps too (``kl_after``), the windows, tokens and seconds
+    trained (the fit's and the steps'). ``on_step(step, loss)`` follows each step."""
     require_same_tokens(source.tokenizer, target.tokenizer)
     train, held = split_windows(ids, params)
     generator = torch.Generator().manual_seed(params.seed)
     projector = Projector(KVShape.of(source), KVShape.of(target), kind=params.kind,
                           hidden=params.hidden if params.kind == "mlp" else 0)
-    sample = train[:params.batch, :params.prefix]  # the input sizes: the first windows'
-    k, v = _source_kv(source, sample)
+    sample = train[:params.batch, :params.prefix]  # the sizes: the first windows'
     positions = torch.arange(params.prefix).repeat(len(sample))
+    k, v = _prefix_kv(source, sample)
+    kb, vb = (k, v) if source is target else _prefix_kv(target, sample)
     projector.initialise(params.init, generator, params.noise,
-                         at_zero(source, k, positions).cpu(), v.float().cpu())
+                         (at_zero(source, k, positions).cpu(), v.float().cpu()),
+                         (at_zero(target, kb, positions).cpu(), vb.float().cpu()))
     projector.to(target.device)
     # each step's windows: the training windows in a fresh random order per pass
     passes = math.ceil(max(params.steps, 1) * params.batch / len(train))
     order = torch.cat([torch.randperm(len(train), generator=generator) for _ in range(passes)])
     before = held_out_kl(projector, source, target, held, params.prefix, params.batch)
+    t0, fitted = time.perf_counter(), None
+    if params.fit:
+        fit_linear(projector, source, target, train, params.prefix, params.batch)
+        fitted = held_out_kl(projector, source, target, held, params.prefix, params.batch)
     optimizer = torch.optim.Adam(projector.parameters(), lr=params.lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(params.steps, 1))
-    t0 = time.perf_counter()
     for step in range(params.steps):
         windows = train[order[step * params.batch:(step + 1) * params.batch]]
         loss = window_kl(projector, source, target, windows, params.prefix)
@@ -378,7 +445,7 @@ def train_projector(source: Model, target: Model, ids: Sequence[int],
         "source": source.name, "target": target.name, **asdict(params),
         "layer_map": list(projector.layer_map), "train_windows": len(train),
         "held_out_windows": len(held), "tokens": params.steps * params.batch * train.shape[1],
-        "kl_before": before, "kl_after": after, "seconds": seconds}
+        "kl_before": before, "kl_fit": fitted, "kl_after": after, "seconds": seconds}
 
 
 def projector_bench(model: Model, ids: Sequence[int], steps: int = TrainParams.steps,
@@ -414,7 +481,7 @@ def load_projector(path: str | os.PathLike, source: Model | None = None,
                 f"tensors {sorted(tensors)} differ from {sorted(expected)}")
         for name, t in expected.items():
             got = tensors[name]
-            least = 0.0 if name.endswith("scale") else -math.inf  # a scale divides
+            least = 0.0 if ".scale" in name else -math.inf  # a scale divides
             require(got.shape == t.shape and got.dtype == torch.float32
                     and bool(torch.isfinite(got).all()) and bool((got > least).all()),
                     f"tensor {name}: {tuple(got.shape)} {got.dtype}, expected "

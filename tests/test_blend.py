@@ -213,6 +213,7 @@ def test_bench_transfer_quick(capsys, tmp_path, one_thread):
     assert abs(p["subsets"][0]["vs_full"]) <= 1e-5  # every layer carried: the full transfer
     j = res["sections"]["projector"]
     assert j["kl_after"] < j["kl_before"] and j["steps"] == cfg["projector_steps"]
+    assert j["kl_fit"] < j["kl_before"]
     assert (out / "compose_gap_closed.png").read_bytes().startswith(PNG)
     report = (out / "report.md").read_text()
     assert "bench transfer --quick --model tiny-random" in report

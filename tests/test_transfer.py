@@ -54,13 +54,38 @@ def test_the_tiny_pair_differs_in_every_kv_dimension_but_head_dim(models):
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_training_lowers_the_held_out_kl(models, ids, trained, kind):
-    """Fixed seed; the untrained projector (random semi-orthogonal) is the baseline."""
+    """Fixed seed; the untrained projector (random semi-orthogonal) is the baseline. The fit
+    does most of it; the Adam steps after it do not undo it."""
     report = trained[1] if kind == "linear" else \
         train_projector(*models, ids, dataclasses.replace(QUICK, kind="mlp", hidden=32))[1]
+    assert report["kl_fit"] < 0.5 * report["kl_before"], report
     assert report["kl_after"] < 0.5 * report["kl_before"], report
+    assert report["kl_after"] < 1.1 * report["kl_fit"], report
     assert report["kind"] == kind and report["steps"] == QUICK.steps
     assert report["train_windows"] > report["held_out_windows"] == QUICK.eval_windows
     assert report["layer_map"] == [0, 0, 1]
+
+
+def test_the_kl_alone_lowers_the_held_out_kl(models, ids):
+    """Without the fit, Adam on the KL alone (C2C's training) still learns."""
+    report = train_projector(*models, ids, dataclasses.replace(QUICK, fit=False, lr=3e-3))[1]
+    assert report["kl_fit"] is None
+    assert report["kl_after"] < 0.7 * report["kl_before"], report
+
+
+def test_the_fit_of_a_model_onto_itself_learns_the_identity_back(models, ids):
+    """From the perturbed identity, the least-squares fit over the training prefixes lands
+    on the identity: the held-out KL is near 0, held-out K/V come back as they were."""
+    model = models[1]
+    params = dataclasses.replace(QUICK, init="perturbed", steps=0)
+    projector, report = train_projector(model, model, ids, params)
+    assert report["kl_before"] > 1e-3 and report["kl_fit"] < 1e-3 * report["kl_before"], report
+    assert torch.equal(projector.k.scale_in, projector.k.scale_out)  # its own sizes both sides
+    session = _session(model, SamplerParams(greedy=True), CacheParams(budget=24, reindex_at=70))
+    view = apply_projector(projector, session, model, "s.pbs").state.view()
+    own = session.state.view()
+    for got, want in ((view.k, own.k), (view.v, own.v)):
+        assert float((got - want).norm() / want.norm()) < 1e-2
 
 
 def test_training_is_repeatable_with_a_seed(models, ids):
@@ -89,7 +114,7 @@ def test_an_identity_projector_of_a_model_onto_itself_changes_nothing(models, id
     projector = Projector(shape, shape)
     _, held = split_windows(ids, QUICK)
     k, v = _sample(shape)
-    projector.initialise("identity", torch.Generator(), 0.0, k * 10, v)
+    projector.initialise("identity", torch.Generator(), 0.0, (k * 10, v), (k * 10, v))
     assert held_out_kl(projector, model, model, held, QUICK.prefix, 4) < 1e-6
     session = _session(model, SamplerParams(greedy=True), CacheParams(budget=24, reindex_at=70))
     moved = apply_projector(projector, session, model, "s.pbs")
@@ -112,16 +137,18 @@ def _sample(shape: KVShape) -> tuple[torch.Tensor, torch.Tensor]:
                  for _ in range(2))
 
 
-def test_inputs_are_scaled_to_unit_size_and_the_map_is_kept(models):
-    """The maps read each input dimension over its size at the start: an Adam step moves
-    every output alike. The initialised map of the unscaled inputs is still the identity."""
+def test_the_maps_work_between_sizes_and_the_identity_is_kept(models):
+    """The maps read each input dimension over its size and make each output at the
+    target's own size: an Adam step moves every output by the same fraction. The identity
+    between two sets of sizes still maps each input to the output of the same index."""
     shape = KVShape.of(models[0])
     projector = Projector(shape, shape)
     k, v = _sample(shape)
-    projector.initialise("identity", torch.Generator(), 0.0, k, v)
+    projector.initialise("identity", torch.Generator(), 0.0, (k, v), (k * 3, v))
     inputs = projector._inputs(k)  # pylint: disable=protected-access
-    assert torch.allclose(projector.k.scale, inputs.square().mean(1).sqrt())
-    assert_close(projector(k, v)[0], k, 1e-5, "the identity over scaled inputs")
+    assert torch.allclose(projector.k.scale_in, inputs.square().mean(1).sqrt())
+    assert torch.allclose(projector.k.scale_out, 3 * projector.k.scale_in)
+    assert_close(projector(k, v)[0].detach(), k, 1e-5, "the identity between sizes")
 
 
 def test_layer_map_defaults_to_the_same_relative_depth():
@@ -159,7 +186,8 @@ def test_the_projector_file_round_trips(trained, projector_file, models):
 
 def test_an_mlp_projector_file_round_trips(tmp_path):
     p = Projector(KVShape(2, 2, 16), KVShape(3, 3, 16), kind="mlp", hidden=8)
-    p.initialise("random", torch.Generator().manual_seed(1), 0.0, *_sample(KVShape(2, 2, 16)))
+    p.initialise("random", torch.Generator().manual_seed(1), 0.0, _sample(KVShape(2, 2, 16)),
+                 _sample(KVShape(3, 3, 16)))
     q = load_projector(save_projector(p, tmp_path / "mlp.safetensors"))
     assert q.header == p.header and sorted(q.state_dict()) == sorted(p.state_dict())
     assert {"k.up", "k.down", "k.gate", "v.gate"} <= set(q.state_dict())
@@ -331,11 +359,16 @@ def test_transfer_train_and_apply_on_the_command_line(capsys, tmp_path, text_fil
     assert code == 0, err
     report = json.loads(out)
     assert report["out"] == str(p) and report["steps"] == 8 and report["kl_after"] >= 0
+    assert report["fit"] and report["kl_fit"] < report["kl_before"]
     load_projector(p, *models)
     code, out, err = _cli(capsys, "transfer", "train", "--source", SOURCE, "--target", TARGET,
                           "--text", text_file, "--out", tmp_path / "q.safetensors", "--steps", 2,
                           "--device", "cpu")
-    assert code == 0 and "held-out KL" in out and "[step 2/2" in err
+    assert code == 0 and "held-out KL" in out and "(fit)" in out and "[step 2/2" in err
+    code, out, err = _cli(capsys, "transfer", "train", "--source", SOURCE, "--target", TARGET,
+                          "--text", text_file, "--out", tmp_path / "r.safetensors", "--steps", 2,
+                          "--no-fit", "--device", "cpu")
+    assert code == 0 and "held-out KL" in out and "(fit)" not in out
     a = _session(models[0], SamplerParams(greedy=True), CacheParams(budget=24))
     code, out, err = _cli(capsys, "transfer", "apply", save_session(a, tmp_path / "a.pbs"),
                           "--projector", p, "--source", SOURCE, "--target", TARGET,

@@ -398,6 +398,9 @@ def _add_transfer_args(sub) -> None:
     d = TrainParams()
     train.add_argument("--steps", type=int, default=d.steps, help="Adam steps")
     train.add_argument("--lr", type=float, default=d.lr, help="Adam's learning rate")
+    train.add_argument("--no-fit", dest="fit", action="store_false",
+                       help="skip the least-squares fit of the linear maps before the Adam "
+                       "steps (train on the KL alone)")
     train.add_argument("--batch", type=int, default=d.batch, help="windows a step")
     train.add_argument("--prefix", type=int, default=d.prefix,
                        help="a window's tokens cached by the source and projected")
@@ -421,7 +424,8 @@ def _add_transfer_args(sub) -> None:
 
 def train_params(args) -> TrainParams:
     """``transfer train``'s parameters, checked before any model loads."""
-    return TrainParams(steps=args.steps, lr=args.lr, batch=args.batch, prefix=args.prefix,
+    return TrainParams(steps=args.steps, lr=args.lr, fit=args.fit, batch=args.batch,
+                       prefix=args.prefix,
                        continuation=args.continuation, holdout=args.holdout,
                        eval_windows=args.eval_windows, kind=args.kind, hidden=args.hidden,
                        init=args.init, noise=args.noise, seed=args.seed)

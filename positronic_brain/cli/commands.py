@@ -215,7 +215,9 @@ def _transfer_train(args, out: Path) -> int:
         json.dump(report, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(f"held-out KL {report['kl_before']:.4f} -> {report['kl_after']:.4f} nats/token "
+        fitted = "" if report["kl_fit"] is None else f"{report['kl_fit']:.4f} (fit) -> "
+        print(f"held-out KL {report['kl_before']:.4f} -> {fitted}{report['kl_after']:.4f} "
+              f"nats/token "
               f"({report['held_out_windows']} windows of {params.prefix} + "
               f"{params.continuation} tokens; {params.steps} steps, {report['seconds']:.0f} s) "
               f"-> {out}")
