@@ -23,7 +23,11 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: normalise in float32 (one fused kernel), cast back, then scale."""
+    """Llama RMSNorm: normalise in float32, cast back, then scale. On the CPU one fused
+    kernel does the first two for any dtype (it computes in float32 and rounds once: the
+    same bits, ``tests/test_forward_ops.py``); elsewhere the casts are explicit."""
+    if x.is_cpu:
+        return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
     return w * as_dtype(F.rms_norm(as_dtype(x, torch.float32), (x.shape[-1],), eps=eps), x.dtype)
 
 
@@ -200,19 +204,24 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                               v=_gather(new_v, dev, bool(moves)), attention=None)
 
         qg = q.reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
-        s_past = as_dtype(torch.matmul(qg, past_kt[i]), torch.float32)  # (KVH, gT, n)
-        s_new = as_dtype(torch.matmul(qg, k.transpose(1, 2)), torch.float32)  # (KVH, gT, T)
+        # scores in the model's dtype, as its products round them; float32 from the first
+        # addition on (the softmax takes them to float32 itself: the same bits as a cast)
+        s_past = torch.matmul(qg, past_kt[i])  # (KVH, gT, n)
+        s_new = torch.matmul(qg, k.transpose(1, 2))  # (KVH, gT, T)
         if log_mass is not None:
-            s_past += log_mass[i].unsqueeze(1)  # (KVH, 1, n) over the group's queries
+            s_past = as_dtype(s_past, torch.float32) + log_mass[i].unsqueeze(1)  # (KVH, 1, n)
         if mask_past is not None:
             s_past = (s_past.view(KVH, g, T, n) + mask_past).view(KVH, g * T, n)
         if mask_new is not None:
             s_new = (s_new.view(KVH, g, T, T) + mask_new).view(KVH, g * T, T)
+        if s_past.dtype != s_new.dtype:
+            s_past, s_new = as_dtype(s_past, torch.float32), as_dtype(s_new, torch.float32)
         scores = torch.cat((s_past, s_new), dim=-1)  # (KVH, gT, n + T)
-        p = torch.softmax(scores, dim=-1)
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32)
         if query is not None:
             query[i] = qk[:H, -1]
-            lse[i] = scores.view(KVH, g, T, n + T)[:, :, -1].logsumexp(-1).reshape(H)
+            last = as_dtype(scores.view(KVH, g, T, n + T)[:, :, -1], torch.float32)
+            lse[i] = last.logsumexp(-1).reshape(H)
         if rows is not None:
             rows.append(p)  # (KVH, g, n + 1): the one query's row
         elif attention is not None:
