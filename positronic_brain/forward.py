@@ -126,6 +126,10 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     from device to device between layers (``Model.moves``), and every output is on the
     model's main device.
 
+    Several new float32 tokens with no attention, statistics or log-mass wanted (a prefill)
+    attend through torch's fused ``scaled_dot_product_attention``, equal to the built scores'
+    path up to float rounding; everything else builds the scores.
+
     Returns logits (T or 1, V) float32, the new K/V (L, kv_heads, T, head_dim) with RoPE
     applied, and optionally the last new query's attention on the live slots (L, H, n).
     ``kv_only``: only the new K/V are wanted, so the last layer stops after its K/V
@@ -179,6 +183,16 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     if T > 1:
         mask_new = torch.full((T, T), float("-inf"), device=dev).triu_(1)  # causal among the new
 
+    # several new float32 tokens and nothing wanted but the K/V and logits (a prefill):
+    # torch's fused attention (scaled_dot_product_attention), which never builds the scores
+    fused = (T > 1 and dtype == torch.float32 and attention is None and received is None
+             and query is None and past_log_mass is None)
+    allowed = None
+    if fused:  # True where a new token may attend: the live slots unless masked, causal after
+        allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
+        if past_mask is not None:
+            allowed[:, :n] = past_mask
+    past_ks = _layers(past_k) if fused else None
     # one operator each instead of a select per layer; an arena's keys are stored
     # transposed, so each (KVH, D, n) block has each key dimension as one contiguous run of
     # slots: the fast layout for q K^T
@@ -189,8 +203,9 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     moves = model.moves  # empty on one device
     for i, w in enumerate(model.layers):
         if moves and i in moves:  # this layer runs on another device: take what it reads there
-            x, cos_qk, sin_qk, mask_past, mask_new = (
-                t if t is None else t.to(moves[i]) for t in (x, cos_qk, sin_qk, mask_past, mask_new))
+            x, cos_qk, sin_qk, mask_past, mask_new, allowed = (
+                t if t is None else t.to(moves[i])
+                for t in (x, cos_qk, sin_qk, mask_past, mask_new, allowed))
         h = rms_norm(x, w.ln1, s.rms_eps)
         qk, v = linear(h, w.qkv_w, w.qkv_b).split(qkv_split, dim=1)  # (T, (H + 2 KVH) D)
         qk = qk.view(T, H + KVH, D).transpose(0, 1)  # (H + KVH, T, D)
@@ -203,6 +218,16 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             return ForwardOut(logits=None, k=_gather(new_k, dev, bool(moves)),
                               v=_gather(new_v, dev, bool(moves)), attention=None)
 
+        if fused:
+            keys, values = torch.cat((past_ks[i], k), 1), torch.cat((past_vs[i], v), 1)
+            out = F.scaled_dot_product_attention(  # (1, H, T, D); q is scaled already
+                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=allowed,
+                scale=1.0, enable_gqa=True)
+            x = x + linear(out[0].transpose(0, 1).reshape(T, H * D), w.o_w, w.o_b)
+            h = rms_norm(x, w.ln2, s.rms_eps)
+            gate, up = linear(h, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
+            x = x + linear(w.act(gate) * up, w.down_w, w.down_b)
+            continue
         qg = q.reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
         # scores in the model's dtype, as its products round them; float32 from the first
         # addition on (the softmax takes them to float32 itself: the same bits as a cast)

@@ -18,6 +18,7 @@ from positronic_brain.scorers import SCORERS, make_scorer, prefill_scorer, takes
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import prime
 from positronic_brain.types import CacheParams, SamplerParams, Segment, UserError
+from tests.oracle import assert_close
 
 PROMPT = ("The quiet harbour town woke slowly; gulls argued over the fishing boats while "
           "the baker opened her shutters and the first ferry sounded its horn twice.")
@@ -103,17 +104,18 @@ def test_each_scorer_seeds_its_columns_as_its_file_says(tiny_model, tiny_policy)
 
 
 def test_off_is_the_run_as_before(tiny_model, tiny_policy, one_thread):
-    """Gathering the statistics leaves the prime's K/V and logits bit for bit as they were,
-    and with prefill scores off (or for a scorer that takes none) a run is bit for bit the
-    run without the statistics."""
+    """Gathering the statistics leaves the prime's K/V and logits as they were up to float
+    rounding (without them float32 attention is torch's fused kernel, with them the scores
+    are built), and with prefill scores off (or for a scorer that takes none) a run is bit
+    for bit the run without the statistics."""
     segs = _prompt(tiny_policy)
     a, out_a = prime(tiny_model, segs, capacity=200, chunk=5, all_logits=True)
     b, out_b = prime(tiny_model, segs, capacity=200, chunk=5, all_logits=True, prefill_window=9)
     assert out_a.stats is None and out_b.stats is not None
     n = a.arena.n
-    assert torch.equal(out_a.logits, out_b.logits)
+    assert_close(out_a.logits, out_b.logits, 1e-4, "logits with and without the statistics")
     for x in ("k", "v", "knorm", "vnorm"):
-        assert torch.equal(getattr(a.arena, x)[:, :, :n], getattr(b.arena, x)[:, :, :n])
+        assert_close(getattr(a.arena, x)[:, :, :n], getattr(b.arena, x)[:, :, :n], 1e-5, x)
     for c in ("brightness", "attn_sum"):
         assert torch.equal(a.ledger.live(c), b.ledger.live(c))
     sampler = SamplerParams(temperature=0.9, seed=3)
