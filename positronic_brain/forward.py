@@ -5,7 +5,8 @@ Used by stage 0 (chunked prefill; stage 0 then writes the returned K/V), stage 1
 K/V views and never writes to them: the new tokens' K/V are returned as outputs,
 and attention over ``[live keys, new keys]`` is computed as two score blocks
 joined by one softmax, so the past is never concatenated (docs/BENCHMARKS.md says what
-the bfloat16 product still copies inside a layer).
+the bfloat16 product still copies inside a layer); a float32 prefill that wants no
+scores joins them per layer for torch's fused attention instead.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama RMSNorm: normalise in float32, cast back, then scale. On the CPU one fused
     kernel does the first two for any dtype (it computes in float32 and rounds once: the
-    same bits, ``tests/test_forward_ops.py``); elsewhere the casts are explicit."""
+    same bits, ``tests/test_op_count.py``); elsewhere the casts are explicit."""
     if x.is_cpu:
         return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
     return w * as_dtype(F.rms_norm(as_dtype(x, torch.float32), (x.shape[-1],), eps=eps), x.dtype)
@@ -45,7 +46,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if (x.shape[0] != 1 or not x.is_cpu or w.dtype != torch.float32 or parts < 2 or w.shape[1] % parts
             or w.stride() != (1, w.shape[0])):
         return F.linear(x, w, b)
-    y = torch.bmm(x.reshape(parts, 1, -1), w.t().view(parts, -1, w.shape[0])).sum(0)
+    rows, out = w.shape[1] // parts, w.shape[0]  # each part's input rows
+    w_parts = w.as_strided((parts, rows, out), (rows * out, out, 1))  # one op: w.t() in parts
+    y = torch.bmm(x.reshape(parts, 1, rows), w_parts).sum(0)
     return y if b is None else y + b
 
 

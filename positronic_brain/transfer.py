@@ -424,10 +424,13 @@ def train_projector(source: Model, target: Model, ids: Sequence[int],
     passes = math.ceil(max(params.steps, 1) * params.batch / len(train))
     order = torch.cat([torch.randperm(len(train), generator=generator) for _ in range(passes)])
     before = held_out_kl(projector, source, target, held, params.prefix, params.batch)
-    t0, fitted = time.perf_counter(), None
+    seconds, fitted = 0.0, None
     if params.fit:
+        t0 = time.perf_counter()
         fit_linear(projector, source, target, train, params.prefix, params.batch)
+        seconds = time.perf_counter() - t0
         fitted = held_out_kl(projector, source, target, held, params.prefix, params.batch)
+    t0 = time.perf_counter()
     optimizer = torch.optim.Adam(projector.parameters(), lr=params.lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(params.steps, 1))
     for step in range(params.steps):
@@ -439,12 +442,13 @@ def train_projector(source: Model, target: Model, ids: Sequence[int],
         schedule.step()
         if on_step is not None:
             on_step(step + 1, float(loss.detach()))
-    seconds = time.perf_counter() - t0
+    seconds += time.perf_counter() - t0
     after = held_out_kl(projector, source, target, held, params.prefix, params.batch)
     return projector, {
         "source": source.name, "target": target.name, **asdict(params),
         "layer_map": list(projector.layer_map), "train_windows": len(train),
-        "held_out_windows": len(held), "tokens": params.steps * params.batch * train.shape[1],
+        "held_out_windows": len(held), "tokens": params.steps * params.batch * train.shape[1]
+        + (len(train) * params.prefix if params.fit else 0),
         "kl_before": before, "kl_fit": fitted, "kl_after": after, "seconds": seconds}
 
 

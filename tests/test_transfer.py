@@ -88,6 +88,20 @@ def test_the_fit_of_a_model_onto_itself_learns_the_identity_back(models, ids):
         assert float((got - want).norm() / want.norm()) < 1e-2
 
 
+def test_the_least_squares_solve_recovers_a_map_between_widths():
+    """``_Maps.solve`` over ``scaled`` pairs finds an affine map from 8 inputs of unequal
+    sizes to 5 outputs exactly (a tiny ridge)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 300, 8, generator=g) * (torch.rand(2, 1, 8, generator=g) * 5 + 0.1)
+    w, b = torch.randn(2, 5, 8, generator=g), torch.randn(2, 1, 5, generator=g)
+    y = x @ w.transpose(1, 2) + b
+    maps = transfer._Maps(2, 8, 5, 0)  # pylint: disable=protected-access
+    maps.initialise("random", g, 0.0, x, y)
+    xs, ys = maps.scaled(x, y)
+    maps.solve(xs.transpose(1, 2) @ xs, xs.transpose(1, 2) @ ys, 1e-9)
+    assert_close(maps(x).detach(), y, 1e-3, "the fitted map")
+
+
 def test_training_is_repeatable_with_a_seed(models, ids):
     few = dataclasses.replace(QUICK, steps=3, eval_windows=1)
     a, b = (train_projector(*models, ids, few)[0].state_dict() for _ in range(2))
