@@ -86,7 +86,8 @@ def nll(model: Model, cache: Cache, pending: int, next_position: int,
         continuation: torch.Tensor) -> float:
     """The mean NLL of ``continuation`` (C,) teacher-forced over ``cache``: the ``pending``
     token and the continuation but its last id at the positions from ``next_position``, in
-    one forward."""
+    one forward (on the model's device, wherever ``continuation`` is)."""
+    continuation = continuation.to(model.device)
     ids = torch.cat((continuation.new_tensor([pending]), continuation[:-1]))
     positions = torch.arange(next_position, next_position + ids.shape[0], device=ids.device)
     _, _, logits = chunked(model, cache, ids, positions, logits=True, chunk=ids.shape[0])

@@ -181,8 +181,10 @@ def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | N
             return restore_session(model, tensors, body), None
         layers = _held(model, meta)
         columns, fields, ledger = _checked(model, tensors, body, len(layers))
-        partial = {**{x: tensors[f"arena.{x}"] for x in ("k", "v", "log_mass")},
-                   "columns": columns, "capacity": body["capacity"], "state_fields": fields,
+        dev = model.device  # a part's rows join the others there
+        partial = {**{x: tensors[f"arena.{x}"].to(dev) for x in ("k", "v", "log_mass")},
+                   "columns": {c: t.to(dev) for c, t in columns.items()},
+                   "capacity": body["capacity"], "state_fields": fields,
                    "ledger_fields": ledger, "layers": layers}
         return _session(model, tensors, body, None), partial
     except UserError as e:

@@ -7,6 +7,7 @@ import pytest
 
 from positronic_brain.bench import llamacpp
 from positronic_brain.bench.speed import targets
+from positronic_brain.model import load_model
 
 
 def test_without_llama_cpp_the_reason_is_given(monkeypatch, tiny_model):
@@ -16,7 +17,8 @@ def test_without_llama_cpp_the_reason_is_given(monkeypatch, tiny_model):
     assert "llama_cpp is not installed" in llamacpp.unavailable(tiny_model, "float32")
 
 
-def test_without_the_converter_the_reason_is_given(monkeypatch, tmp_path, tiny_model):
+def test_without_the_converter_the_reason_is_given(monkeypatch, tmp_path):
+    tiny_model = load_model("tiny-random", "float32", "cpu")  # llama.cpp runs on the CPU
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path))
     monkeypatch.setattr(llamacpp.sys, "prefix", str(tmp_path))

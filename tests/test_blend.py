@@ -89,7 +89,7 @@ def test_recomputed_rows_are_hf_forward_with_the_same_rows_visible(tiny_model, t
         assert_close(v[i], layer.values[0][:, n:], 1e-4, f"layer {i} recomputed values vs HF")
     # the selection: the rows whose layer-1 values deviate most
     dv = (cv[1] - b.joint[1][1]).square().sum((0, 2))
-    assert float(dv[sel].min()) >= float(dv[~torch.isin(torch.arange(n), sel)].max())
+    assert float(dv[sel].min()) >= float(dv[~torch.isin(torch.arange(n, device=sel.device), sel)].max())
 
 
 def test_a_composition_of_one_session_deviates_only_by_rounding(tiny_model, tiny_policy):
