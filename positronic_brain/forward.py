@@ -129,9 +129,9 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     from device to device between layers (``Model.moves``), and every output is on the
     model's main device.
 
-    Several new float32 tokens with no attention, statistics or log-mass wanted (a prefill)
-    attend through torch's fused ``scaled_dot_product_attention``, equal to the built scores'
-    path up to float rounding; everything else builds the scores.
+    Several new tokens with no attention, statistics or log-mass wanted (a prefill), in
+    float32 or on a GPU, attend through torch's fused ``scaled_dot_product_attention``,
+    equal to the built scores' path up to float rounding; everything else builds the scores.
 
     Returns logits (T or 1, V) float32, the new K/V (L, kv_heads, T, head_dim) with RoPE
     applied, and optionally the last new query's attention on the live slots (L, H, n).
@@ -186,10 +186,11 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     if T > 1:
         mask_new = torch.full((T, T), float("-inf"), device=dev).triu_(1)  # causal among the new
 
-    # several new float32 tokens and nothing wanted but the K/V and logits (a prefill):
-    # torch's fused attention (scaled_dot_product_attention), which never builds the scores
-    fused = (T > 1 and dtype == torch.float32 and attention is None and received is None
-             and query is None and past_log_mass is None)
+    # several new tokens and nothing wanted but the K/V and logits (a prefill), in float32
+    # or on a GPU: torch's fused attention (scaled_dot_product_attention), which never
+    # builds the scores (a CPU's bfloat16 prefill builds them, as HF's eager attention does)
+    fused = (T > 1 and (dtype == torch.float32 or dev.type != "cpu") and attention is None
+             and received is None and query is None and past_log_mass is None)
     allowed = None
     if fused:  # True where a new token may attend: the live slots unless masked, causal after
         allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
