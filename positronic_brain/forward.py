@@ -178,24 +178,24 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
         if received_from < T:
             window = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
 
-    # Additive bias over the score columns [live slots | new tokens]; None when nothing is masked.
-    mask_past = None
-    if past_mask is not None:
-        mask_past = torch.zeros(T, n, device=dev).masked_fill_(~past_mask, float("-inf"))
-    mask_new = None
-    if T > 1:
-        mask_new = torch.full((T, T), float("-inf"), device=dev).triu_(1)  # causal among the new
-
     # several new tokens and nothing wanted but the K/V and logits (a prefill), in float32
     # or on a GPU: torch's fused attention (scaled_dot_product_attention), which never
     # builds the scores (a CPU's bfloat16 prefill builds them, as HF's eager attention does)
     fused = (T > 1 and (dtype == torch.float32 or dev.type != "cpu") and attention is None
              and received is None and query is None and past_log_mass is None)
-    allowed = None
-    if fused:  # True where a new token may attend: the live slots unless masked, causal after
+    # What may be attended: for the fused kernel, True over [live slots | new tokens] (the
+    # live slots unless masked, causal after); else an additive bias over the score
+    # columns, None where nothing is masked.
+    allowed = mask_past = mask_new = None
+    if fused:
         allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
         if past_mask is not None:
             allowed[:, :n] = past_mask
+    else:
+        if past_mask is not None:
+            mask_past = torch.zeros(T, n, device=dev).masked_fill_(~past_mask, float("-inf"))
+        if T > 1:  # causal among the new
+            mask_new = torch.full((T, T), float("-inf"), device=dev).triu_(1)
     past_ks = _layers(past_k) if fused else None
     # one operator each instead of a select per layer; an arena's keys are stored
     # transposed, so each (KVH, D, n) block has each key dimension as one contiguous run of
@@ -224,44 +224,40 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
 
         if fused:
             keys, values = torch.cat((past_ks[i], k), 1), torch.cat((past_vs[i], v), 1)
-            out = F.scaled_dot_product_attention(  # (1, H, T, D); q is scaled already
+            out = F.scaled_dot_product_attention(  # (H, T, D); q is scaled already
                 q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=allowed,
-                scale=1.0, enable_gqa=True)
-            x = x + linear(out[0].transpose(0, 1).reshape(T, H * D), w.o_w, w.o_b)
-            h = rms_norm(x, w.ln2, s.rms_eps)
-            gate, up = linear(h, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
-            x = x + linear(w.act(gate) * up, w.down_w, w.down_b)
-            continue
-        qg = q.reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
-        # scores in the model's dtype, as its products round them; float32 from the first
-        # addition on (the softmax takes them to float32 itself: the same bits as a cast)
-        s_past = torch.matmul(qg, past_kt[i])  # (KVH, gT, n)
-        s_new = torch.matmul(qg, k.transpose(1, 2))  # (KVH, gT, T)
-        if log_mass is not None:
-            s_past = as_dtype(s_past, torch.float32) + log_mass[i].unsqueeze(1)  # (KVH, 1, n)
-        if mask_past is not None:
-            s_past = (s_past.view(KVH, g, T, n) + mask_past).view(KVH, g * T, n)
-        if mask_new is not None:
-            s_new = (s_new.view(KVH, g, T, T) + mask_new).view(KVH, g * T, T)
-        if s_past.dtype != s_new.dtype:
-            s_past, s_new = as_dtype(s_past, torch.float32), as_dtype(s_new, torch.float32)
-        scores = torch.cat((s_past, s_new), dim=-1)  # (KVH, gT, n + T)
-        p = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        if query is not None:
-            query[i] = qk[:H, -1]
-            last = as_dtype(scores.view(KVH, g, T, n + T)[:, :, -1], torch.float32)
-            lse[i] = last.logsumexp(-1).reshape(H)
-        if rows is not None:
-            rows.append(p)  # (KVH, g, n + 1): the one query's row
-        elif attention is not None:
-            attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
-        if received is not None:
-            _received(p.view(KVH, g, T, n + T), n, received_from, received[i],
-                      None if window is None else window[i])
-        p_past, p_new = as_dtype(p, dtype).split((n, T), dim=-1)
-        out = torch.matmul(p_past, past_vs[i]) + torch.matmul(p_new, v)  # (KVH, gT, D)
+                scale=1.0, enable_gqa=True)[0]
+        else:
+            qg = q.reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
+            # scores in the model's dtype, as its products round them; float32 from the first
+            # addition on (the softmax takes them to float32 itself: the same bits as a cast)
+            s_past = torch.matmul(qg, past_kt[i])  # (KVH, gT, n)
+            s_new = torch.matmul(qg, k.transpose(1, 2))  # (KVH, gT, T)
+            if log_mass is not None:
+                s_past = as_dtype(s_past, torch.float32) + log_mass[i].unsqueeze(1)  # (KVH, 1, n)
+            if mask_past is not None:
+                s_past = (s_past.view(KVH, g, T, n) + mask_past).view(KVH, g * T, n)
+            if mask_new is not None:
+                s_new = (s_new.view(KVH, g, T, T) + mask_new).view(KVH, g * T, T)
+            if s_past.dtype != s_new.dtype:
+                s_past, s_new = as_dtype(s_past, torch.float32), as_dtype(s_new, torch.float32)
+            scores = torch.cat((s_past, s_new), dim=-1)  # (KVH, gT, n + T)
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            if query is not None:
+                query[i] = qk[:H, -1]
+                last = as_dtype(scores.view(KVH, g, T, n + T)[:, :, -1], torch.float32)
+                lse[i] = last.logsumexp(-1).reshape(H)
+            if rows is not None:
+                rows.append(p)  # (KVH, g, n + 1): the one query's row
+            elif attention is not None:
+                attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
+            if received is not None:
+                _received(p.view(KVH, g, T, n + T), n, received_from, received[i],
+                          None if window is None else window[i])
+            p_past, p_new = as_dtype(p, dtype).split((n, T), dim=-1)
+            out = torch.matmul(p_past, past_vs[i]) + torch.matmul(p_new, v)  # (KVH, gT, D)
         # (H, T, D) -> (T, H * D); with one token the transpose moves nothing
-        out = out.reshape(T, H * D) if T == 1 else out.view(H, T, D).transpose(0, 1).reshape(T, H * D)
+        out = out.reshape(T, H * D) if T == 1 else out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
         x = x + linear(out, w.o_w, w.o_b)
 
         h = rms_norm(x, w.ln2, s.rms_eps)

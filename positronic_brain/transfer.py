@@ -367,6 +367,18 @@ def window_kl(projector: Projector, source: Model, target: Model, windows: torch
 
 
 @torch.no_grad()
+def _paired_kv(source: Model, target: Model, prefixes: torch.Tensor) -> tuple[tuple, tuple]:
+    """The source's and the target's own K/V of each prefix (W, P), keys at position 0,
+    float32 on the CPU: ((k, v) of the source, (k, v) of the target), each (L, KVH, W * P,
+    D)."""
+    positions = torch.arange(prefixes.shape[1]).repeat(len(prefixes))
+    k, v = _prefix_kv(source, prefixes)
+    kb, vb = (k, v) if source is target else _prefix_kv(target, prefixes)
+    return ((at_zero(source, k, positions).cpu(), v.float().cpu()),
+            (at_zero(target, kb, positions).cpu(), vb.float().cpu()))
+
+
+@torch.no_grad()
 def fit_linear(projector: Projector, source: Model, target: Model, windows: torch.Tensor,
                prefix: int, batch: int, ridge: float = 1e-3) -> None:
     """Set the projector's linear maps (not an MLP branch) to the least-squares fit of the
@@ -374,13 +386,9 @@ def fit_linear(projector: Projector, source: Model, target: Model, windows: torc
     ``windows`` (W, >= prefix), ``batch`` at a time (``_Maps.solve``)."""
     sums: dict[str, list[torch.Tensor]] = {}
     for w in windows.split(batch):
-        prefixes = w[:, :prefix]
-        positions = torch.arange(prefix).repeat(len(w))
-        k, v = _prefix_kv(source, prefixes)
-        kb, vb = (k, v) if source is target else _prefix_kv(target, prefixes)
+        ours, theirs = _paired_kv(source, target, w[:, :prefix])
         dev = projector.index.device
-        for name, x, y in (("k", at_zero(source, k, positions), at_zero(target, kb, positions)),
-                           ("v", v, vb)):
+        for name, x, y in zip("kv", ours, theirs):
             maps = getattr(projector, name)
             xs, ys = maps.scaled(projector._inputs(x.to(dev, torch.float32)),  # pylint: disable=protected-access
                                  projector._outputs(y.to(dev, torch.float32)))  # pylint: disable=protected-access
@@ -413,12 +421,8 @@ def train_projector(source: Model, target: Model, ids: Sequence[int],
     projector = Projector(KVShape.of(source), KVShape.of(target), kind=params.kind,
                           hidden=params.hidden if params.kind == "mlp" else 0)
     sample = train[:params.batch, :params.prefix]  # the sizes: the first windows'
-    positions = torch.arange(params.prefix).repeat(len(sample))
-    k, v = _prefix_kv(source, sample)
-    kb, vb = (k, v) if source is target else _prefix_kv(target, sample)
     projector.initialise(params.init, generator, params.noise,
-                         (at_zero(source, k, positions).cpu(), v.float().cpu()),
-                         (at_zero(target, kb, positions).cpu(), vb.float().cpu()))
+                         *_paired_kv(source, target, sample))
     projector.to(target.device)
     # each step's windows: the training windows in a fresh random order per pass
     passes = math.ceil(max(params.steps, 1) * params.batch / len(train))
