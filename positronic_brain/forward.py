@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .model import Model
+from .model import Int8Weight, Model
 from .types import ForwardOut, require
 
 
@@ -32,14 +32,27 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * as_dtype(F.rms_norm(as_dtype(x, torch.float32), (x.shape[-1],), eps=eps), x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except for a packed bfloat16 weight (``model.pack``: oneDNN's own
-    product) and for one float32 row (a decode step) with an input-major weight
+INT8_ROWS = 16  # the most rows an int8 product multiplies by its int8 weight (``linear``): on
+# SmolLM2's gate/up and two cores, the int8 product is the faster up to 16 rows, not from 24
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight,
+           b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except for an int8 weight (``model.Int8Weight``: torch's weight-only
+    int8 product up to ``INT8_ROWS`` rows, which reads half a bfloat16 weight's bytes; for
+    more rows, a prefill chunk, where it is slower than the bfloat16 product, ``F.linear`` on
+    its bfloat16 values), a packed bfloat16 weight (``model.pack``: oneDNN's own
+    product) and one float32 row (a decode step) with an input-major weight
     (``w.t()`` contiguous, as ``load_model`` stores float32 weights): MKL would compute that
     matrix-vector product on one thread, so the weight's input rows are split into one
     part per thread, the partial products run as one ``bmm`` (each thread reads its part in
     storage order) and are summed. About 2x faster than ``F.linear`` on SmolLM2's shapes on
     2 cores; equal to it up to float rounding (the sum is split in a different order)."""
+    if isinstance(w, Int8Weight):
+        if x.shape[0] > INT8_ROWS:
+            return F.linear(x, w.plain, b)
+        y = torch.ops.aten._weight_int8pack_mm(x, w.q, w.scale)
+        return y if b is None else y + b
     if w.is_mkldnn:  # a packed bfloat16 weight (model.pack)
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     parts = torch.get_num_threads()

@@ -212,7 +212,7 @@ def drive(session: Session, max_new_tokens: int, ignore_eos: bool = False, on_te
     session.state.check_valid()
     return {
         "model": model.name,
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype": model.precision,
         "prompt_ids": session.prompt_ids,
         "generated_ids": session.generated_ids,
         "text": text.text,

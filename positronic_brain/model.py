@@ -43,7 +43,9 @@ transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 
 SUPPORTED = ("llama", "mistral", "qwen2")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# each --dtype's compute dtype (activations, K/V); int8 is weight-only int8 (``Int8Weight``)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int8": torch.bfloat16}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -78,17 +80,18 @@ class LayerWeights:
     """One decoder layer's weights. q/k/v (and gate/up) are fused into one matrix;
     the Hugging Face modules keep views into it. Shapes are (out, in) as in ``nn.Linear``;
     float32 storage is input-major (``w.t()`` contiguous), so nothing is stored twice.
-    bfloat16 matrices are oneDNN-packed copies (``pack``), read by our forward only."""
+    bfloat16 matrices are oneDNN-packed copies (``pack``), read by our forward only; int8's
+    are ``Int8Weight``s."""
 
     ln1: torch.Tensor  # (hidden,)
-    qkv_w: torch.Tensor  # ((H + 2*KVH) * D, hidden)
+    qkv_w: "torch.Tensor | Int8Weight"  # ((H + 2*KVH) * D, hidden)
     qkv_b: torch.Tensor | None
-    o_w: torch.Tensor  # (hidden, H * D)
+    o_w: "torch.Tensor | Int8Weight"  # (hidden, H * D)
     o_b: torch.Tensor | None
     ln2: torch.Tensor
-    gate_up_w: torch.Tensor  # (2 * intermediate, hidden)
+    gate_up_w: "torch.Tensor | Int8Weight"  # (2 * intermediate, hidden)
     gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor
+    down_w: "torch.Tensor | Int8Weight"
     down_b: torch.Tensor | None
     act: nn.Module
 
@@ -102,11 +105,12 @@ class Model:
     layers: tuple[LayerWeights, ...]
     embed: torch.Tensor  # (V, hidden)
     final_norm: torch.Tensor  # (hidden,)
-    lm_head: torch.Tensor  # (V, hidden)
+    lm_head: "torch.Tensor | Int8Weight"  # (V, hidden)
     rotary: nn.Module  # the model's own rotary embedding (gives cos/sin)
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activations and K/V
     device: torch.device  # the embedding, final norm and lm_head; the ledger and generator
     layer_devices: tuple[torch.device, ...]  # each decoder layer's weights and arena slice
+    precision: str  # the --dtype it was loaded with: a DTYPES key (int8: ``Int8Weight``s)
 
     @cached_property
     def blocks(self) -> tuple[tuple[slice, torch.device], ...]:
@@ -143,7 +147,7 @@ class Model:
         """The model's identity: architecture facts, rope settings, dtype, and a digest of
         the weights (two checkpoints of one architecture differ there)."""
         return {"name": self.name, "model_type": self.spec.model_type,
-                "dtype": str(self.dtype).removeprefix("torch."),
+                "dtype": self.precision,
                 "spec": self.spec.__dict__.copy(),
                 "rope": dict(getattr(self.hf.config, "rope_parameters", None) or {}),
                 "weights": self.weights_digest}
@@ -192,6 +196,8 @@ def resolve_device(device: str = "cpu") -> torch.device:
 def check_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The torch dtype for ``dtype`` on ``device``, or a UserError if the device cannot run it."""
     require(dtype in DTYPES, f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    require(dtype != "int8" or device.type == "cpu", "int8 weights run on the CPU only (torch's "
+            "int8 weight-only product has no CUDA kernel); use bfloat16 or float16 on a GPU")
     if dtype == "bfloat16" and device.type == "cuda":
         require(torch.cuda.is_bf16_supported(),
                 f"{torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32")
@@ -217,11 +223,11 @@ def load_model(name: str = "smollm2", dtype: str = "float32", device: str | None
     else:
         hf, tok = _load_folder(Path(name), torch_dtype, dev)
     if device_map is None:
-        return _wrap(name, hf.to(dev), tok, torch_dtype, dev, (dev,) * hf.config.num_hidden_layers)
+        return _wrap(name, hf.to(dev), tok, dtype, dev, (dev,) * hf.config.num_hidden_layers)
     dev, layer_devices = place_layers(hf, device_map, max_memory)
     for d in {dev, *layer_devices}:
         check_dtype(dtype, d)
-    return _wrap(name, hf, tok, torch_dtype, dev, layer_devices)
+    return _wrap(name, hf, tok, dtype, dev, layer_devices)
 
 
 DEVICE_MAPS = ("auto", "balanced")
@@ -513,11 +519,13 @@ def _tiny_random(name: str, dtype: torch.dtype):
 
 # --- wrapping -----------------------------------------------------------------------------
 
-def _fuse(modules: list[nn.Linear], input_major: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(modules: list[nn.Linear], input_major: bool,
+          own: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate linears' weights (and biases) into one; re-point the modules at views.
     ``input_major``: store the (out, in) weight with ``w.t()`` contiguous (see
-    ``forward.linear``); the values and the shape stay as they were."""
-    if len(modules) == 1 and not input_major:  # nothing to fuse or lay out
+    ``forward.linear``); the values and the shape stay as they were. ``own``: in memory
+    of its own even for one module (``quantize`` writes into it)."""
+    if len(modules) == 1 and not input_major and not own:  # nothing to fuse or lay out
         return modules[0].weight.detach(), modules[0].bias
     w = torch.cat([m.weight.detach() for m in modules], 0)
     if input_major:
@@ -564,8 +572,9 @@ def _check_rope(rotary: nn.Module) -> None:
     require(scale == 1.0, f"unsupported rope scaling {kind!r}: it scales cos/sin by {scale:.4g}")
 
 
-def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype, device: torch.device,
+def _wrap(name: str, hf: nn.Module, tok, precision: str, device: torch.device,
           layer_devices: tuple[torch.device, ...]) -> Model:
+    dtype, int8 = DTYPES[precision], precision == "int8"
     _check_arch(hf.config)
     _check_rope(hf.model.rotary_emb)
     hf.eval().requires_grad_(False)
@@ -577,7 +586,7 @@ def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype, device: torch.devic
         return dev.type == "cpu" and dtype == torch.float32
 
     def packed(dev: torch.device) -> bool:
-        return dev.type == "cpu" and dtype == torch.bfloat16 and packable()
+        return dev.type == "cpu" and dtype == torch.bfloat16 and not int8 and packable()
 
     for layer in hf.model.layers:
         att = layer.self_attn
@@ -591,26 +600,27 @@ def _wrap(name: str, hf: nn.Module, tok, dtype: torch.dtype, device: torch.devic
         att, mlp = layer.self_attn, layer.mlp
         im = input_major(dev)
         qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj], im)
-        o_w, o_b = _fuse([att.o_proj], im)
+        o_w, o_b = _fuse([att.o_proj], im, int8)
         gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj], im)
-        down_w, down_b = _fuse([mlp.down_proj], im)
+        down_w, down_b = _fuse([mlp.down_proj], im, int8)
         w = LayerWeights(
             ln1=layer.input_layernorm.weight, qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, o_b=o_b,
             ln2=layer.post_attention_layernorm.weight, gate_up_w=gate_up_w,
             gate_up_b=gate_up_b, down_w=down_w, down_b=down_b, act=mlp.act_fn)
-        if packed(dev):
-            w = dataclasses.replace(w, **{f: pack(getattr(w, f)) for f in MATRICES})
+        if packed(dev) or int8:
+            w = dataclasses.replace(w, **{f: (quantize if int8 else pack)(getattr(w, f))
+                                          for f in MATRICES})
         layers.append(w)
     tied = hf.lm_head.weight is hf.model.embed_tokens.weight
-    lm_head, _ = _fuse([hf.lm_head], input_major(device))
-    if tied:
+    lm_head, _ = _fuse([hf.lm_head], input_major(device), int8)
+    if tied:  # an int8 lm_head's dequantized values are then the embedding's too, as in HF
         hf.model.embed_tokens.weight = hf.lm_head.weight
-    if packed(device):
-        lm_head = pack(lm_head)
+    if packed(device) or int8:
+        lm_head = (quantize if int8 else pack)(lm_head)
     return Model(name=name, hf=hf, tokenizer=tok, spec=spec, layers=tuple(layers),
                  embed=hf.model.embed_tokens.weight, final_norm=hf.model.norm.weight,
                  lm_head=lm_head, rotary=hf.model.rotary_emb, dtype=dtype, device=device,
-                 layer_devices=layer_devices)
+                 layer_devices=layer_devices, precision=precision)
 
 
 MATRICES = ("qkv_w", "o_w", "gate_up_w", "down_w")
@@ -634,3 +644,31 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     is a copy (Hugging Face's modules keep the plain weight), so bfloat16 weights take
     twice their size in memory."""
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight-only int8 matrix (``--dtype int8``): ``q`` (out, in) int8 and a bfloat16
+    ``scale`` (out,) per output row, symmetric: the weight is q * scale, |q| <= 127.
+    ``plain`` is the nearest bfloat16 matrix to it, Hugging Face's own weight (the oracle
+    computes with it), which ``forward.linear`` reads for a product over many rows."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    plain: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def quantize(w: torch.Tensor) -> Int8Weight:
+    """Per output row symmetric int8 of a bfloat16 matrix ``w`` (scale: the row's largest
+    magnitude / 127, rounded to bfloat16), whose values are then replaced in place by the
+    dequantized ones (rounded to bfloat16), so Hugging Face's modules, which hold views of
+    ``w``, compute with the int8 weights too."""
+    x = w.float()
+    scale = (x.abs().amax(1) / 127).clamp_min(torch.finfo(torch.bfloat16).tiny).bfloat16()
+    q = torch.round(x / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    w.copy_(q.float() * scale.float()[:, None])
+    return Int8Weight(q=q, scale=scale, plain=w)

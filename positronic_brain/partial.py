@@ -144,7 +144,7 @@ def partial_bench(model: Model, policy: TokenPolicy, target_text: str, doc_text:
             rows.append({"subset": name, "layers": spans(tuple(sorted(set(layers)))),
                          "transferred": len(set(layers)), "rebuilt": n_layers - len(set(layers)),
                          "nll": mean, "vs_full": mean - full, "seconds": seconds})
-    return {"model": model.name, "dtype": str(model.dtype).removeprefix("torch."),
+    return {"model": model.name, "dtype": model.precision,
             "n_layers": n_layers, "target_cached": target.state.ledger.n,
             "doc_cached": doc.state.ledger.n, "continuation_tokens": cont.numel(),
             "full": {"nll": full, "seconds": full_seconds}, "subsets": rows}

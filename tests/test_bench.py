@@ -30,14 +30,15 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     assert res["bandwidth_gb_s"] > 0 and res["peak_rss_mb"] > 0
     assert res["machine"]["torch_threads"] == 1
 
-    contexts = res["config"]["contexts"]
+    contexts, dtypes = res["config"]["contexts"], res["config"]["dtypes"]
     assert contexts == [128, 256]  # the quick contexts that fit the tiny model's 512 positions
+    assert dtypes == ["float32", "bfloat16", "int8"]
     for key in ("decode", "alloc"):
         assert [(r["dtype"], r["context"]) for r in res[key]] == \
-            [(d, c) for d in ("float32", "bfloat16") for c in contexts]
+            [(d, c) for d in dtypes for c in contexts]
     for r in res["decode"]:
         assert r["ours_ms"] > 0 and r["hf_ms"] > 0 and r["ratio"] > 0 and r["floor_ms"] > 0
-    assert [r["tokens"] for r in res["prefill"]] == [256, 256]
+    assert [r["tokens"] for r in res["prefill"]] == [256] * 3
     assert all(r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 for r in res["prefill"])
 
     # HF's DynamicCache concatenates the past every step; stage 1 only reads it (in
@@ -56,19 +57,18 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
 
     # the loop runs at its budget (half the tiny model's positions); edits at every context
     assert [(r["dtype"], r["repair"], r["context"]) for r in res["loop"]] == \
-        [(d, m, 256) for d in ("float32", "bfloat16")
-         for m in ("none", "merge", "fold", "none + recall")]
+        [(d, m, 256) for d in dtypes for m in ("none", "merge", "fold", "none + recall")]
     assert [r["cold"] > res["config"]["recall_cold"] // 2 for r in res["loop"]] == \
-        [False, False, False, True] * 2  # with recall, over the prompt's culled tokens
+        [False, False, False, True] * 3  # with recall, over the prompt's culled tokens
     assert all(r["stage1_ms"] > 0 and r["step_ms"] > 0 and r["overhead"] > 0 for r in res["loop"])
     assert [(r["dtype"], r["context"]) for r in res["edits"]] == \
-        [(d, c) for d in ("float32", "bfloat16") for c in contexts]
+        [(d, c) for d in dtypes for c in contexts]
     assert all(v > 0 for r in res["edits"] for k, v in r.items() if k.endswith("_ms"))
     assert {t["what"].split(" at ")[0].split(" (")[0] for t in res["targets"]} >= {
         "loop step / stage 1", "stage 1 bytes allocated per context token per step: flat",
         "one cull, stage 4: ms", "one merge repair, stage 4: ms", "one fold, stage 4: ms"}
     edits = {(t["dtype"], t["what"]): t for t in res["targets"] if "stage 4" in t["what"]}
-    assert len(edits) == 6
+    assert len(edits) == 9
     lo, hi = res["edits"][0], res["edits"][len(contexts) - 1]  # float32's first and last
     fold = edits[("float32", "one fold, stage 4: ms at context 256 / at 128 (O(1))")]
     assert fold["value"] == pytest.approx(hi["fold_apply_ms"] / lo["fold_apply_ms"])
@@ -77,11 +77,10 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     for m in res["memory"]:
         assert m["cold_bytes_per_token"] > m["kv_bytes_per_token"]
     assert [r["cold_bytes_per_token"] is not None for r in res["loop"]] == \
-        [False, False, False, True] * 2
+        [False, False, False, True] * 3
 
     # the operators one stage-1 call launches, counted by the profiler (one per layer at least)
-    assert [(r["dtype"], r["context"]) for r in res["ops"]] == [(d, 256) for d in
-                                                                 ("float32", "bfloat16")]
+    assert [(r["dtype"], r["context"]) for r in res["ops"]] == [(d, 256) for d in dtypes]
     for r in res["ops"]:
         assert r["ops"] >= 2 * 10 and sum(k for _, k in r["top"]) <= r["ops"]
         assert any(name.endswith("matmul") for name, _ in r["top"]), r["top"]
@@ -95,7 +94,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     assert "![decode_ms.png](./decode_ms.png)" in report
     # llama.cpp is not measured on a model built in memory, and the report says why
     assert [(x["dtype"], x["measured"]) for x in res["llamacpp"]] == \
-        [("float32", False), ("bfloat16", False)]
+        [(d, False) for d in dtypes]
     assert all(x["why_not"] and x["why_not"] in report for x in res["llamacpp"])
     assert "llama.cpp in bfloat16 was not measured: " in report
 

@@ -64,7 +64,7 @@ def test_targets_compare_with_llama_cpp_where_measured_else_with_the_yardstick()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_llama_cpp_decodes_the_same_model_at_a_fixed_context(dtype):
     from positronic_brain.model import load_model
     from positronic_brain.sampler import make_generator

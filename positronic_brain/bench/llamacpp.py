@@ -21,8 +21,10 @@ import torch
 from ..model import Model, cache_dir
 
 # the run's dtype -> (the converter's --outtype, the K/V cache type: f16 is llama.cpp's
-# default, as its users run it next to BF16 weights; f32 K/V next to F32 weights)
-PRECISIONS = {"float32": ("f32", "f32"), "bfloat16": ("bf16", "f16")}
+# default, as its users run it next to BF16 and Q8_0 weights; f32 K/V next to F32 weights).
+# Q8_0 (int8 in blocks of 32 weights with a float16 scale each) is llama.cpp's nearest
+# counterpart of int8's per-row scales.
+PRECISIONS = {"float32": ("f32", "f32"), "bfloat16": ("bf16", "f16"), "int8": ("q8_0", "f16")}
 GGML_TYPES = {"f32": 0, "f16": 1}  # ggml_type values of the K/V cache types
 
 

@@ -1,6 +1,7 @@
 """``positronic-brain bench speed``: how fast the staged loop is, next to Hugging Face.
 
-All in one process, per dtype (float32, bfloat16), medians of several repetitions:
+All in one process, per dtype (float32, bfloat16, and on the CPU int8: weight-only int8
+over bfloat16, HF running the same dequantized weights), medians of several repetitions:
 
 1. prefill: stage 0 (``prime``) vs one HF forward that builds a ``DynamicCache``;
 2. decode: stage 1 (``generate``) over a primed arena vs HF ``model()`` decoding one token
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from ..loop import Session
-from ..model import Model, load_model, resolve_device
+from ..model import Int8Weight, Model, load_model, resolve_device
 from ..sampler import make_generator
 from ..special_tokens import TokenPolicy
 from ..stages.apply import apply, prime
@@ -52,7 +53,7 @@ EDIT_TARGET = 1.5  # an edit's stage 4 at the longest context / at the shortest 
 LLAMACPP_TARGETS = {"bfloat16": (1.0, (1024, 2048, 4096)), "float32": (0.9, None)}
 YARDSTICK_TARGETS = {1024: 0.25, 4096: 0.20}  # bfloat16 stage 1 / HF, where llama.cpp is not measured
 BANDWIDTH_TARGET = 0.60  # bfloat16 at 1024: the floor / stage 1 (the share of the bandwidth limit)
-PREFILL_TARGET = 1.0  # stage 0 / HF prefill tokens/s, both dtypes ...
+PREFILL_TARGET = 1.0  # stage 0 / HF prefill tokens/s, float32 and bfloat16 ...
 PREFILL_TARGET_TOKENS = (1024, 4096)  # ... at these prompt lengths
 
 
@@ -63,7 +64,7 @@ class SpeedConfig:
     model: str = "smollm2"
     quick: bool = False
     device: str = "cpu"
-    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8")
     contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     prefill: tuple[int, ...] = (1024, 4096)
     reps: int = 21  # decode and loop repetitions (after 2 warm-up rounds)
@@ -90,9 +91,9 @@ class SpeedConfig:
         caches)."""
         gpu = device != "cpu"
         full = dict(model=model, device=device)
-        if gpu:
+        if gpu:  # int8's product runs on the CPU only
             full.update(contexts=(1024, 2048, 4096, 8192, 16384, 32768), prefill=(1024, 4096),
-                        bandwidth_mb=2048)
+                        bandwidth_mb=2048, dtypes=("float32", "bfloat16"))
         if not quick:
             return cls(**full)
         return cls(**{**full, "quick": True, "contexts": (1024, 4096) if gpu else (128, 256, 512, 1024),
@@ -175,10 +176,14 @@ def hf_prefill(hf: torch.nn.Module, ids: list[int]) -> None:
 def weight_bytes(model: Model) -> int:
     """Bytes of weights one decode step reads (each storage once; the embedding row is
     negligible unless the table is also the tied lm_head)."""
-    tensors = [model.final_norm, model.lm_head]
+    def read(t) -> list[torch.Tensor]:  # what a one-row product reads of a weight
+        return [t.q, t.scale] if isinstance(t, Int8Weight) else [t]
+
+    tensors = [model.final_norm, *read(model.lm_head)]
     for w in model.layers:
-        tensors += [t for f in dataclasses.fields(w)
-                    if isinstance(t := getattr(w, f.name), torch.Tensor)]
+        tensors += [x for f in dataclasses.fields(w)
+                    if isinstance(t := getattr(w, f.name), (torch.Tensor, Int8Weight))
+                    for x in read(t)]
     unique = {(id(t), t.numel() * t.element_size()) if t.is_mkldnn  # packed: no storage
               else (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
               for t in tensors}
@@ -208,7 +213,7 @@ def linear_fit(xs, ys) -> tuple[float, float]:
 def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[dict], dict]:
     """Stage 0 vs HF prefill at each length; returns rows and {longest length: its state}."""
     rows, states = [], {}
-    dt = str(model.dtype).removeprefix("torch.")
+    dt = model.precision
     tick = task(f"{dt} prefill", len(cfg.prefill) * cfg.prefill_reps)
     warm = random_prompt(model, 65, seed=1)
     prime(model, [Segment(tuple(warm), "user")], capacity=65)
@@ -236,7 +241,7 @@ def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfi
                    task, llama: llamacpp.Contender | None = None) -> list[dict]:
     """Stage 1 vs HF decode (and llama.cpp's, if ``llama``), ms per token, at each context
     (prefixes of ``full``; llama.cpp's context is evaluated up to each in turn)."""
-    dt = str(model.dtype).removeprefix("torch.")
+    dt = model.precision
     tick = task(f"{dt} decode", len(cfg.contexts) * cfg.reps)
     rows = []
     for n in cfg.contexts:
@@ -265,7 +270,7 @@ def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfi
 def measure_alloc(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig,
                   task) -> list[dict]:
     """Bytes of new tensor storage one decode step creates, at each context."""
-    dt = str(model.dtype).removeprefix("torch.")
+    dt = model.precision
     tick = task(f"{dt} allocations", len(cfg.contexts))
     rows = []
     for n in cfg.contexts:
@@ -285,7 +290,7 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
     step) vs stage 1 alone on the same view, for each repair (none, merge, fold), and
     without repair with recall over ``recall_cold`` cold tokens (the prompt's first step
     culls them into the cold store)."""
-    dt = str(model.dtype).removeprefix("torch.")
+    dt = model.precision
     rows = []
     for repair, cold in (("none", 0), ("merge", 0), ("fold", 0), ("none", cfg.recall_cold)):
         what = repair + (" + recall" if cold else "")
@@ -342,7 +347,7 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
     pending token, as every step does; the cull keeps the context fixed. The fold is
     measured last at each context: from then on the arena holds folded slots, as in any
     fold run."""
-    dt = str(model.dtype).removeprefix("torch.")
+    dt = model.precision
     tick = task(f"{dt} cull / repair / fold / re-index", len(cfg.contexts) * cfg.edit_reps)
     gen_rng = make_generator(0, model.device)
     rows = []
@@ -418,7 +423,7 @@ def measure_ops(model: Model, full: View, ids: list[int], cfg: SpeedConfig) -> d
     gen = make_generator(0, model.device)
     generate(model, view, GREEDY, gen)  # warm: first calls may launch set-up operators
     count, top = common.operators(lambda: generate(model, view, GREEDY, gen))
-    return {"dtype": str(model.dtype).removeprefix("torch."), "context": n, "ops": count,
+    return {"dtype": model.precision, "context": n, "ops": count,
             "top": top}
 
 
@@ -556,7 +561,7 @@ def targets(res: dict) -> list[dict]:
                         "dtype": r["dtype"], "value": share, "target": f">= {BANDWIDTH_TARGET}",
                         "met": share >= BANDWIDTH_TARGET})
     for r in res["prefill"]:
-        if not gpu and r["tokens"] in PREFILL_TARGET_TOKENS:
+        if not gpu and r["tokens"] in PREFILL_TARGET_TOKENS and r["dtype"] != "int8":
             out.append({"what": f"stage 0 / HF prefill tokens/s at {r['tokens']}",
                         "dtype": r["dtype"], "value": r["ratio"], "target": f">= {PREFILL_TARGET}",
                         "met": r["ratio"] >= PREFILL_TARGET})
@@ -763,7 +768,7 @@ def tables(res: dict) -> list[Table]:
                fmt_bytes(m.get("cold_bytes_per_token")), fmt(m["floor_ms"], 2))
               for m in res["memory"]),
         f"Copy bandwidth {res['bandwidth_gb_s']:.1f} GB/s; peak RSS of the whole run "
-        f"{res['peak_rss_mb']:,.0f} MiB (the process: both dtypes' models and arenas and "
+        f"{res['peak_rss_mb']:,.0f} MiB (the process: every dtype's models and arenas and "
         "HF's copies and caches, not the loop alone).")
     target = Table(
         "Targets (reported, not asserted)",

@@ -466,7 +466,7 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
     if args.capture is None:
         return NO_TAPE
     return CaptureTape(args.capture, {
-        "model": model.name, "dtype": str(model.dtype).removeprefix("torch."),
+        "model": model.name, "dtype": model.precision,
         "device": str(model.device), "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
         "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},
                    "sampler": asdict(sampler), "cache_params": asdict(params)},
