@@ -360,12 +360,12 @@ def _remove(a: Arena | SplitArena, m: Ledger, slots: list[int],
         src = torch.tensor([f for f, _ in moves], device=m.device)
         dst = torch.tensor([t for _, t in moves], device=m.device)
         for col in [getattr(m, c) for c in Ledger.COLUMNS] + list(extra):  # ledger first
-            col[dst] = col[src]
+            col.index_copy_(0, dst, col.index_select(0, src))
     m.n = n
     for b in a.blocks if moves else ():
         for f, t in moves:  # slot by slot: slice copies beat index copies for a few slots
             b.kt[..., t] = b.kt[..., f]
-            for x in (b.v, b.log_mass, b.knorm, b.vnorm):
+            for x in (b.v, b.knorm, b.vnorm) + ((b.log_mass,) if b.folded else ()):
                 x[:, :, t] = x[:, :, f]
     a.n = n
     return moves
@@ -505,7 +505,9 @@ def _take_rows(a: Arena | SplitArena, m: Ledger, slots: torch.Tensor) -> dict[st
         blocks.append([_take_keys(b, at)] + [getattr(b, x).index_select(2, at) for x in ROWS[1:]])
     parts = blocks[0] if isinstance(a, Arena) else [
         torch.cat([t.to(m.device) for t in ts]) for ts in zip(*blocks)]
-    return {**{c: getattr(m, c)[slots] for c in Ledger.COLUMNS}, **dict(zip(ROWS, parts))}
+    # index_select, not ``[slots]``: one operator a column instead of advanced indexing's
+    return {**{c: getattr(m, c).index_select(0, slots) for c in Ledger.COLUMNS},
+            **dict(zip(ROWS, parts))}
 
 
 def _put_rows(a: Arena | SplitArena, m: Ledger, slots: torch.Tensor,
@@ -513,7 +515,7 @@ def _put_rows(a: Arena | SplitArena, m: Ledger, slots: torch.Tensor,
     """Write rows taken by ``_take_rows`` into ``slots`` (ledger first); each holds one
     token (log-mass 0)."""
     for c in Ledger.COLUMNS:
-        getattr(m, c)[slots] = rows[c]
+        getattr(m, c).index_copy_(0, slots, rows[c])
     _put_kv(a, slots, rows)
 
 
@@ -525,7 +527,8 @@ def _put_kv(a: Arena | SplitArena, slots: torch.Tensor, rows: dict[str, torch.Te
         _put_keys(b, at, k)
         for name, x in zip(ROWS[1:], rest):
             getattr(b, name).index_copy_(2, at, x)
-        b.log_mass[:, :, at] = 0.0
+        if b.folded:  # else every log-mass is 0 already
+            b.log_mass[:, :, at] = 0.0
 
 
 def _enter_cold(cold: Cold, rows: torch.Tensor) -> None:
@@ -538,17 +541,18 @@ def _enter_cold(cold: Cold, rows: torch.Tensor) -> None:
 def _leaving(state: State, swaps: tuple[Swap, ...], culls: list[int]) -> tuple[dict, dict]:
     """The rows of the hot slots that go cold this step, taken in one pass over the hot key
     rows (a slot's key is one element in each of them): the swaps' slots, then the culled
-    ones (``culls``, with a cold store; none without)."""
+    ones (``culls``, with a cold store; none without). Each part also holds its ``slots``."""
     slots = [s.slot for s in swaps] + (culls if state.cold is not None else [])
     if not slots:
         return {}, {}
-    rows = _take_rows(state.arena, state.ledger, torch.tensor(slots, device=state.ledger.device))
+    at = torch.tensor(slots, device=state.ledger.device)
+    rows = {**_take_rows(state.arena, state.ledger, at), "slots": at}
     return _some_rows(rows, slice(None, len(swaps))), _some_rows(rows, slice(len(swaps), None))
 
 
 def _some_rows(rows: dict[str, torch.Tensor], part: slice) -> dict[str, torch.Tensor]:
     """A ``part`` of rows taken by ``_take_rows``, as views."""
-    return {name: x[part] if name in Ledger.COLUMNS else x[:, :, part] for name, x in rows.items()}
+    return {name: x[:, :, part] if name in ROWS else x[part] for name, x in rows.items()}
 
 
 def _swap(state: State, swaps: tuple[Swap, ...], step: int, leaving: dict) -> None:
@@ -557,14 +561,14 @@ def _swap(state: State, swaps: tuple[Swap, ...], step: int, leaving: dict) -> No
     others enter the cold store now."""
     if not swaps:
         return
-    a, m, cold = state.arena, state.ledger, state.cold
-    dev = m.uid.device
-    hot = torch.tensor([s.slot for s in swaps], device=dev)
+    cold, dev = state.cold, state.ledger.device
     rows = torch.tensor([s.cold_slot for s in swaps], device=dev)
-    _put_rows(a, m, hot, _take_rows(cold.arena, cold.ledger, rows))
-    m.brightness[hot] = torch.tensor([s.brightness for s in swaps], dtype=torch.float32, device=dev)
-    m.attn_sum[hot] = torch.tensor([s.attn_sum for s in swaps], dtype=torch.float32, device=dev)
-    m.changed_step[hot] = step
+    recalled = _take_rows(cold.arena, cold.ledger, rows)  # copies: set before they are put
+    recalled["brightness"], recalled["attn_sum"] = torch.tensor(
+        [[s.brightness for s in swaps], [s.attn_sum for s in swaps]], dtype=torch.float32,
+        device=dev)
+    recalled["changed_step"].fill_(step)
+    _put_rows(state.arena, state.ledger, leaving["slots"], recalled)
     _put_rows(cold.arena, cold.ledger, rows, leaving)
     _enter_cold(cold, rows)
 
@@ -577,18 +581,18 @@ def _cool(model: Model, state: State, slots: list[int],
     cold = state.cold
     direct = slots[: max(0, len(slots) - cold.capacity)]
     slots = slots[len(direct):]
-    dropped = state.ledger.uid[direct].tolist()
+    dropped = state.ledger.uid[direct].tolist() if direct else []
     state.ledger.dropped += len(dropped)
     dropped += _drop_oldest(state, cold.n + len(slots) - cold.capacity)
     _grow(model, cold, cold.n + len(slots))
     n, k = cold.n, len(slots)
+    leaving = _some_rows(leaving, slice(len(direct), None))
     if k:
-        dev = state.ledger.uid.device
-        rows = torch.arange(n, n + k, device=dev)
-        _put_rows(cold.arena, cold.ledger, rows, _some_rows(leaving, slice(len(direct), None)))
+        rows = torch.arange(n, n + k, device=state.ledger.device)
+        _put_rows(cold.arena, cold.ledger, rows, leaving)
         _enter_cold(cold, rows)
     cold.arena.n = cold.ledger.n = n + k
-    return state.ledger.uid[slots].tolist(), dropped
+    return leaving["uid"].tolist() if k else [], dropped
 
 
 def _append(state: State, gen: GenerateOut, position: int, model: Model,
