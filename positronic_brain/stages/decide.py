@@ -183,19 +183,16 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
     victims = victims[: len(picks)]
     rows = torch.tensor([r for r, _ in picks], device=victims.device)
     margin = params.recall_margin / view.n
-    out = []
-    for slot, uid, hot, (row, signal), cold_uid, source, born in zip(  # host values, read once
-            victims.tolist(), view.uid[victims].tolist(), scores.hot_signal[victims].tolist(),
-            picks, cold.uid[rows].tolist(), cold.source[rows].tolist(),
-            cold.born_step[rows].tolist()):
-        if signal <= hot + margin:
-            continue
-        queries = view.step + 1 - born + 1
-        out.append(Swap(slot=slot, uid=uid, cold_slot=row, cold_uid=cold_uid,
-                        brightness=float(params.seeds[source]),
-                        attn_sum=float(torch.tensor(signal * queries, dtype=torch.float32,
-                                                    device="cpu"))))
-    return tuple(out)
+    out = [(slot, uid, row, cold_uid, source, signal * (view.step + 1 - born + 1))
+           for slot, uid, hot, (row, signal), cold_uid, source, born in zip(  # read once
+               victims.tolist(), view.uid[victims].tolist(), scores.hot_signal[victims].tolist(),
+               picks, cold.uid[rows].tolist(), cold.source[rows].tolist(),
+               cold.born_step[rows].tolist())
+           if signal > hot + margin]  # attn_sum: signal x the queries since it was born
+    sums = torch.tensor([x[-1] for x in out], dtype=torch.float32, device="cpu").tolist()
+    return tuple(Swap(slot=slot, uid=uid, cold_slot=row, cold_uid=cold_uid,
+                      brightness=float(params.seeds[source]), attn_sum=attn_sum)
+                 for (slot, uid, row, cold_uid, source, _), attn_sum in zip(out, sums))
 
 
 def oldest_turns(view: View, need: int) -> tuple[int, ...]:

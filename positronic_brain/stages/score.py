@@ -53,7 +53,8 @@ def recall_signals(view: View, attention: torch.Tensor,
     query over the recall layers (None unless the step scans the cold store): attention,
     value-weighted if ``signal`` is value (a cold value's norm relative to the live ones'),
     then ``aggregate``d."""
-    layers = list(recall.layers)
+    runs = _runs(recall.layers)
+    layers = slice(*runs[0]) if len(runs) == 1 else list(recall.layers)  # a view if it can
     hot = attention[layers]  # (l, H, n)
     live = view.vnorm[layers] if recall.signal == "value" else None
     if live is not None:
