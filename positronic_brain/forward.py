@@ -183,8 +183,8 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     attention = (torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
                  if want_attention and T > 1 else None)
     rows = [] if want_attention and T == 1 else None
-    query = torch.empty(L, H, D, dtype=dtype, device=dev) if want_query else None
-    lse = torch.empty(L, H, dtype=torch.float32, device=dev) if want_query else None
+    # with want_query, each layer's last query and its score row, stacked after the loop
+    queries, last_scores = ([], []) if want_query else (None, None)
     received = window = None
     if received_from is not None:
         received = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
@@ -195,7 +195,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     # or on a GPU: torch's fused attention (scaled_dot_product_attention), which never
     # builds the scores (a CPU's bfloat16 prefill builds them, as HF's eager attention does)
     fused = (T > 1 and (dtype == torch.float32 or dev.type != "cpu") and attention is None
-             and received is None and query is None and past_log_mass is None)
+             and received is None and not want_query and past_log_mass is None)
     # What may be attended: for the fused kernel, True over [live slots | new tokens] (the
     # live slots unless masked, causal after); else an additive bias over the score
     # columns, None where nothing is masked.
@@ -256,10 +256,9 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                 s_past, s_new = as_dtype(s_past, torch.float32), as_dtype(s_new, torch.float32)
             scores = torch.cat((s_past, s_new), dim=-1)  # (KVH, gT, n + T)
             p = torch.softmax(scores, dim=-1, dtype=torch.float32)
-            if query is not None:
-                query[i] = qk[:H, -1]
-                last = as_dtype(scores.view(KVH, g, T, n + T)[:, :, -1], torch.float32)
-                lse[i] = last.logsumexp(-1).reshape(H)
+            if queries is not None:  # one token: its query and scores as they are
+                queries.append(qk if T == 1 else qk[:, -1:])  # (H + KVH, 1, D)
+                last_scores.append(scores if T == 1 else scores.view(KVH, g, T, n + T)[:, :, -1])
             if rows is not None:
                 rows.append(p)  # (KVH, g, n + 1): the one query's row
             elif attention is not None:
@@ -281,6 +280,11 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
         x = x.to(dev)
     h = rms_norm(x if all_logits else x[-1:], model.final_norm, s.rms_eps)
     logits = linear(h, model.lm_head).float()
+    query = lse = None
+    if queries is not None:  # stacked once: a few operators per token, not a few per layer
+        query = _gather(queries, dev, bool(moves))[:, :H, 0].contiguous()  # (L, H, D)
+        lse = as_dtype(_gather(last_scores, dev, bool(moves)), torch.float32).logsumexp(-1)
+        lse = lse.view(L, H)
     if rows is not None:
         attention = _gather(rows, dev, bool(moves)).view(L, H, n + 1)[..., :n]
     elif attention is not None:

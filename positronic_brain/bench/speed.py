@@ -664,7 +664,7 @@ def missed_notes(res: dict) -> list[str]:
                 f"- **{f['dtype']}, stage 1 allocates {f['bytes_per_token']:,.0f} B per context "
                 f"token per step, target < {f['kv_bytes_per_token']} B.** Our code reads the "
                 f"arena's live K/V in place, but they are views into the longer arena, and "
-                f"oneDNN's batched {f['dtype']} product copies a strided operand before it "
+                f"oneDNN's batched bfloat16 product copies a strided operand before it "
                 f"multiplies, in every layer. The count comes from the allocator's own events, "
                 f"so it sees copies made inside a kernel.")
     return notes
@@ -706,8 +706,9 @@ def tables(res: dict) -> list[Table]:
         llamacpp_note(llama) + "stage 1 / HF below 1: stage 1 is faster. "
         "floor: weights + live K/V read once per token at the measured copy bandwidth "
         f"({res['bandwidth_gb_s']:.1f} GB/s). HF runs a copy of the model with its weights "
-        "row-major, as its own loader leaves them; stage 1 reads float32 weights stored "
-        "input-major and bfloat16 weights packed by oneDNN.")
+        "row-major, as its own loader leaves them (for int8, the dequantized bfloat16 "
+        "weights); stage 1 reads float32 weights stored input-major, bfloat16 weights packed "
+        "by oneDNN and int8 weights through torch's weight-only int8 product.")
     fit = Table(
         "Decode cost model: ms/token = fixed + per 1k context tokens (least squares)",
         ("dtype", "who", "fixed ms", "ms per 1k tokens"),
@@ -860,7 +861,8 @@ METHOD = """\
 - **llama.cpp** (where `llama_cpp` and llama.cpp's converter are installed: `make
   bench-llamacpp`): the model's own Hugging Face folder written as a GGUF by llama.cpp's
   `convert_hf_to_gguf.py` (F32 weights and an f32 K/V cache for float32; BF16 weights and
-  llama.cpp's default f16 K/V cache for bfloat16), the same token ids evaluated up to each
+  llama.cpp's default f16 K/V cache for bfloat16; Q8_0 weights, int8 in blocks of 32 with
+  a float16 scale each, and the f16 K/V cache for int8), the same token ids evaluated up to each
   context, then one token decoded at that context per repetition and dropped from its
   cache again, alternating with stage 1 and HF, with as many threads as torch uses. "same
   next token": llama.cpp's greedy token equals stage 1's at that context.
@@ -869,7 +871,7 @@ METHOD = """\
   operator's kernel makes for itself; views and in-place writes cost nothing. HF's
   `DynamicCache` concatenates the past with the new row in every layer, so its allocation
   grows with the K/V. Stage 1 only reads the arena: in float32 its growth is the attention
-  weights (a few floats per head per context token); in bfloat16, oneDNN's batched
+  weights (a few floats per head per context token); in bfloat16 (int8's too), oneDNN's batched
   product first copies a strided operand (the live K and V of each layer are views into
   the longer arena), so there its growth is about one copy of the past.
 - **Prefill**: stage 0 `prime` (chunked, writes the arena and ledger) vs one HF forward over
