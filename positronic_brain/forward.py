@@ -225,10 +225,11 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                 for t in (x, cos_qk, sin_qk, mask_past, mask_new, allowed))
         h = rms_norm(x, w.ln1, s.rms_eps)
         qk, v = linear(h, w.qkv_w, w.qkv_b).split(qkv_split, dim=1)  # (T, (H + 2 KVH) D)
-        qk = qk.view(T, H + KVH, D).transpose(0, 1)  # (H + KVH, T, D)
+        # (H + KVH, T, D); one token's is a view of its row (moving a size-1 dimension)
+        qk = qk.view(H + KVH, 1, D) if T == 1 else qk.view(T, H + KVH, D).transpose(0, 1)
         qk = qk * cos_qk + qk.roll(D // 2, -1) * sin_qk
         q, k = qk.split((H, KVH))  # (H, T, D), (KVH, T, D)
-        v = v.view(T, KVH, D).transpose(0, 1)  # (KVH, T, D)
+        v = v.view(KVH, 1, D) if T == 1 else v.view(T, KVH, D).transpose(0, 1)  # (KVH, T, D)
         new_k.append(k)
         new_v.append(v)
         if kv_only and i == L - 1:
