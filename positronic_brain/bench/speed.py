@@ -531,6 +531,15 @@ def alloc_fit(res: dict) -> list[dict]:
     return fits
 
 
+def _loop_what(row: dict) -> str:
+    """A loop row's setting in words: its repair, and with recall the cold store it scans."""
+    repair = row["repair"].removesuffix(" + recall")
+    if not row.get("cold"):
+        return f"{repair} repair"
+    return (f"{repair} repair, recall over {row['cold']} cold tokens, scanned every "
+            f"{row.get('recall_every', 1)} steps")
+
+
 def loop_target(row: dict) -> float:
     return RECALL_LOOP_TARGET if row.get("cold") else LOOP_TARGET
 
@@ -570,9 +579,7 @@ def targets(res: dict) -> list[dict]:
                         "met": r["ratio"] >= PREFILL_TARGET})
     for r in res["loop"]:
         t = loop_target(r)
-        out.append({"what": f"loop step / stage 1 at budget {r['context']} ({r['repair']} repair"
-                            + (f", {r['cold']} cold tokens, recall every "
-                               f"{r.get('recall_every', 1)})" if r.get("cold") else ")"),
+        out.append({"what": f"loop step / stage 1 at budget {r['context']} ({_loop_what(r)})",
                     "dtype": r["dtype"], "value": r["overhead"], "target": f"<= {t}",
                     "met": r["overhead"] <= t})
     for f in res["alloc_fit"]:
@@ -639,7 +646,7 @@ def missed_notes(res: dict) -> list[str]:
                f" (`recall_layers`, `recall_every` trade that away)." if r.get("cold") else "")
         if r.get("cold") and r.get("recall_every", 1) > 1:
             notes.append(
-                f"- **{r['dtype']}, loop step with {r['repair']} repair: {r['overhead']:.2f}x "
+                f"- **{r['dtype']}, loop step ({_loop_what(r)}): {r['overhead']:.2f}x "
                 f"stage 1 (the mean of {r['recall_every']} steps, one of which scans the cold "
                 f"store), target <= {loop_target(r)}.** Stage 1 {r['stage1_ms']:.1f} ms; on the recall step "
                 f"stage 2 {r['score_ms']:.2f} ms and stage 3 {r['decide_ms']:.1f} ms." + why)
