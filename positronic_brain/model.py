@@ -46,6 +46,7 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 # each --dtype's compute dtype (activations, K/V); int8 is weight-only int8 (``Int8Weight``)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int8": torch.bfloat16}
+CPU_ONLY = frozenset({"int8"})  # torch's int8 weight-only product has no CUDA kernel
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -196,8 +197,8 @@ def resolve_device(device: str = "cpu") -> torch.device:
 def check_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The torch dtype for ``dtype`` on ``device``, or a UserError if the device cannot run it."""
     require(dtype in DTYPES, f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-    require(dtype != "int8" or device.type == "cpu", "int8 weights run on the CPU only (torch's "
-            "int8 weight-only product has no CUDA kernel); use bfloat16 or float16 on a GPU")
+    require(dtype not in CPU_ONLY or device.type == "cpu", f"{dtype} weights run on the CPU only "
+            "(torch's int8 weight-only product has no CUDA kernel); use bfloat16 or float16 on a GPU")
     if dtype == "bfloat16" and device.type == "cuda":
         require(torch.cuda.is_bf16_supported(),
                 f"{torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32")
@@ -585,8 +586,10 @@ def _wrap(name: str, hf: nn.Module, tok, precision: str, device: torch.device,
     def input_major(dev: torch.device) -> bool:
         return dev.type == "cpu" and dtype == torch.float32
 
-    def packed(dev: torch.device) -> bool:
-        return dev.type == "cpu" and dtype == torch.bfloat16 and not int8 and packable()
+    def prepare(dev: torch.device):  # what our forward reads of a matrix, None: the matrix
+        if int8:
+            return quantize
+        return pack if dev.type == "cpu" and dtype == torch.bfloat16 and packable() else None
 
     for layer in hf.model.layers:
         att = layer.self_attn
@@ -607,16 +610,15 @@ def _wrap(name: str, hf: nn.Module, tok, precision: str, device: torch.device,
             ln1=layer.input_layernorm.weight, qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, o_b=o_b,
             ln2=layer.post_attention_layernorm.weight, gate_up_w=gate_up_w,
             gate_up_b=gate_up_b, down_w=down_w, down_b=down_b, act=mlp.act_fn)
-        if packed(dev) or int8:
-            w = dataclasses.replace(w, **{f: (quantize if int8 else pack)(getattr(w, f))
-                                          for f in MATRICES})
+        if (f := prepare(dev)) is not None:
+            w = dataclasses.replace(w, **{m: f(getattr(w, m)) for m in MATRICES})
         layers.append(w)
     tied = hf.lm_head.weight is hf.model.embed_tokens.weight
     lm_head, _ = _fuse([hf.lm_head], input_major(device), int8)
     if tied:  # an int8 lm_head's dequantized values are then the embedding's too, as in HF
         hf.model.embed_tokens.weight = hf.lm_head.weight
-    if packed(device) or int8:
-        lm_head = (quantize if int8 else pack)(lm_head)
+    if (f := prepare(device)) is not None:
+        lm_head = f(lm_head)
     return Model(name=name, hf=hf, tokenizer=tok, spec=spec, layers=tuple(layers),
                  embed=hf.model.embed_tokens.weight, final_norm=hf.model.norm.weight,
                  lm_head=lm_head, rotary=hf.model.rotary_emb, dtype=dtype, device=device,

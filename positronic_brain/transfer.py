@@ -367,15 +367,16 @@ def window_kl(projector: Projector, source: Model, target: Model, windows: torch
 
 
 @torch.no_grad()
-def _paired_kv(source: Model, target: Model, prefixes: torch.Tensor) -> tuple[tuple, tuple]:
+def _paired_kv(source: Model, target: Model, prefixes: torch.Tensor,
+               device: torch.device | str = "cpu") -> tuple[tuple, tuple]:
     """The source's and the target's own K/V of each prefix (W, P), keys at position 0,
-    float32 on the CPU: ((k, v) of the source, (k, v) of the target), each (L, KVH, W * P,
-    D)."""
+    float32 on ``device``: ((k, v) of the source, (k, v) of the target), each (L, KVH,
+    W * P, D)."""
     positions = torch.arange(prefixes.shape[1]).repeat(len(prefixes))
     k, v = _prefix_kv(source, prefixes)
     kb, vb = (k, v) if source is target else _prefix_kv(target, prefixes)
-    return ((at_zero(source, k, positions).cpu(), v.float().cpu()),
-            (at_zero(target, kb, positions).cpu(), vb.float().cpu()))
+    return tuple((at_zero(m, keys, positions).to(device), values.to(device, torch.float32))
+                 for m, keys, values in ((source, k, v), (target, kb, vb)))
 
 
 @torch.no_grad()
@@ -386,12 +387,11 @@ def fit_linear(projector: Projector, source: Model, target: Model, windows: torc
     ``windows`` (W, >= prefix), ``batch`` at a time (``_Maps.solve``)."""
     sums: dict[str, list[torch.Tensor]] = {}
     for w in windows.split(batch):
-        ours, theirs = _paired_kv(source, target, w[:, :prefix])
-        dev = projector.index.device
+        ours, theirs = _paired_kv(source, target, w[:, :prefix], projector.index.device)
         for name, x, y in zip("kv", ours, theirs):
             maps = getattr(projector, name)
-            xs, ys = maps.scaled(projector._inputs(x.to(dev, torch.float32)),  # pylint: disable=protected-access
-                                 projector._outputs(y.to(dev, torch.float32)))  # pylint: disable=protected-access
+            xs, ys = maps.scaled(projector._inputs(x),  # pylint: disable=protected-access
+                                 projector._outputs(y))  # pylint: disable=protected-access
             pair = [xs.transpose(1, 2) @ xs, xs.transpose(1, 2) @ ys]
             sums[name] = pair if name not in sums else [a + b for a, b in zip(sums[name], pair)]
     for name, (xtx, xty) in sums.items():
