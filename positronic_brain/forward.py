@@ -10,6 +10,8 @@ scores joins them per layer for torch's fused attention instead.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -55,7 +57,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight,
         return y if b is None else y + b
     if w.is_mkldnn:  # a packed bfloat16 weight (model.pack)
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    parts = torch.get_num_threads()
+    # compiled (``Model.compiled``), inductor multiplies as it sees fit: the split is eager's
+    parts = 1 if torch.compiler.is_compiling() else torch.get_num_threads()
     if (x.shape[0] != 1 or not x.is_cpu or w.dtype != torch.float32 or parts < 2 or w.shape[1] % parts
             or w.stride() != (1, w.shape[0])):
         return F.linear(x, w, b)
@@ -158,7 +161,13 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     weight on its own token left out (as stage 1's row leaves out the pending token's):
     ``received`` (L, H, n + T) float32 over all of them, ``received_window`` over those from
     row ``received_from`` on (None if there are none).
+
+    On a compiled model (``Model.compiled``) one new token runs this function compiled
+    (``_compiled``), with the context length dynamic: one compilation per kind of call.
     """
+    if model.compiled and ids.shape[0] == 1 and not torch.compiler.is_compiling():
+        return _compiled()(model, past_k, past_v, ids, positions, past_mask, want_attention,
+                           all_logits, past_log_mass, kv_only, want_query, received_from)
     require(not (kv_only and (want_attention or want_query or received_from is not None)),
             "kv_only skips the last layer's attention")
     s = model.spec
@@ -294,6 +303,14 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                       v=_gather(new_v, dev, bool(moves)),
                       attention=attention, query=query, lse=lse, received=received,
                       received_window=window)
+
+
+@functools.cache
+def _compiled():
+    """``forward`` through ``torch.compile`` (made once; inductor fuses the elementwise work
+    between the products into a few kernels), the context length dynamic, so a longer
+    cache does not compile again."""
+    return torch.compile(forward, dynamic=True)
 
 
 def _received(p: torch.Tensor, n: int, start: int, out: torch.Tensor,

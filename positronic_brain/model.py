@@ -112,6 +112,7 @@ class Model:
     device: torch.device  # the embedding, final norm and lm_head; the ledger and generator
     layer_devices: tuple[torch.device, ...]  # each decoder layer's weights and arena slice
     precision: str  # the --dtype it was loaded with: a DTYPES key (int8: ``Int8Weight``s)
+    compiled: bool = False  # one-token forwards run compiled by torch.compile (``load_model``)
 
     @cached_property
     def blocks(self) -> tuple[tuple[slice, torch.device], ...]:
@@ -206,15 +207,25 @@ def check_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(name: str = "smollm2", dtype: str = "float32", device: str | None = None,
-               device_map: str | dict | None = None, max_memory: dict | None = None) -> Model:
+               device_map: str | dict | None = None, max_memory: dict | None = None,
+               compile: bool = False) -> Model:  # pylint: disable=redefined-builtin
     """Load a model by name (``smollm2`` or one of ``TINY_CONFIGS``), a ``.gguf`` file
     (converted once into ``cache_dir()``; see ``_gguf_folder``) or a Hugging Face folder,
     onto ``device`` (``resolve_device``; default the CPU), or with its layers placed by
     ``device_map`` (``place_layers``; ``max_memory`` goes to accelerate's ``auto`` and
-    ``balanced``). Not both."""
+    ``balanced``). Not both.
+
+    ``compile``: one-token forwards (stage 1) run through ``torch.compile`` (inductor; the
+    first call of each kind compiles, tens of seconds on a CPU). Its fused code rounds
+    differently from the plain path, so a compiled run equals HF's forward to the dtype's
+    rounding, not the plain run bit for bit; a capture says it was compiled and replays
+    compiled. bfloat16 weights then stay unpacked: inductor cannot read oneDNN's packed
+    tensors."""
     require(device is None or device_map is None, "give a device or a device map, not both")
     dev = resolve_device(device or "cpu") if device_map is None else torch.device("cpu")
     torch_dtype = check_dtype(dtype, dev)
+    require(not compile or dev.type != "cpu" or any(map(shutil.which, ("g++", "clang++", "c++"))),
+            "--compile on the CPU needs a C++ compiler (g++ or clang++) on the PATH")
     if name == "smollm2":
         hf, tok = _load_folder(_gguf_folder(smollm2_gguf()), torch_dtype, dev)
     elif name.lower().endswith(".gguf"):
@@ -224,11 +235,12 @@ def load_model(name: str = "smollm2", dtype: str = "float32", device: str | None
     else:
         hf, tok = _load_folder(Path(name), torch_dtype, dev)
     if device_map is None:
-        return _wrap(name, hf.to(dev), tok, dtype, dev, (dev,) * hf.config.num_hidden_layers)
+        return _wrap(name, hf.to(dev), tok, dtype, dev, (dev,) * hf.config.num_hidden_layers,
+                     compile)
     dev, layer_devices = place_layers(hf, device_map, max_memory)
     for d in {dev, *layer_devices}:
         check_dtype(dtype, d)
-    return _wrap(name, hf, tok, dtype, dev, layer_devices)
+    return _wrap(name, hf, tok, dtype, dev, layer_devices, compile)
 
 
 DEVICE_MAPS = ("auto", "balanced")
@@ -573,8 +585,8 @@ def _check_rope(rotary: nn.Module) -> None:
     require(scale == 1.0, f"unsupported rope scaling {kind!r}: it scales cos/sin by {scale:.4g}")
 
 
-def _wrap(name: str, hf: nn.Module, tok, precision: str, device: torch.device,
-          layer_devices: tuple[torch.device, ...]) -> Model:
+def _wrap(name: str, hf: nn.Module, tok, precision: str, device: torch.device,  # pylint: disable=too-many-arguments
+          layer_devices: tuple[torch.device, ...], compiled: bool = False) -> Model:
     dtype, int8 = DTYPES[precision], precision == "int8"
     _check_arch(hf.config)
     _check_rope(hf.model.rotary_emb)
@@ -589,7 +601,8 @@ def _wrap(name: str, hf: nn.Module, tok, precision: str, device: torch.device,
     def prepare(dev: torch.device):  # what our forward reads of a matrix, None: the matrix
         if int8:
             return quantize
-        return pack if dev.type == "cpu" and dtype == torch.bfloat16 and packable() else None
+        packed = dev.type == "cpu" and dtype == torch.bfloat16 and not compiled and packable()
+        return pack if packed else None
 
     for layer in hf.model.layers:
         att = layer.self_attn
@@ -622,7 +635,7 @@ def _wrap(name: str, hf: nn.Module, tok, precision: str, device: torch.device,
     return Model(name=name, hf=hf, tokenizer=tok, spec=spec, layers=tuple(layers),
                  embed=hf.model.embed_tokens.weight, final_norm=hf.model.norm.weight,
                  lm_head=lm_head, rotary=hf.model.rotary_emb, dtype=dtype, device=device,
-                 layer_devices=layer_devices, precision=precision)
+                 layer_devices=layer_devices, precision=precision, compiled=compiled)
 
 
 MATRICES = ("qkv_w", "o_w", "gate_up_w", "down_w")

@@ -234,7 +234,10 @@ def open_run(run_dir: str | Path, model: Model | None = None,
         here = captured.type == "cpu" or (torch.cuda.is_available()
                                           and (captured.index or 0) < torch.cuda.device_count())
         device = str(captured) if here else "cpu"
-    model = model or load_model(manifest["model"], manifest["dtype"], device)
+    compiled = manifest.get("compiled", False)  # its stage 1 rounds as the compiled code does
+    model = model or load_model(manifest["model"], manifest["dtype"], device, compile=compiled)
+    require(model.compiled == compiled, f"the capture ran {'with' if compiled else 'without'} "
+            f"--compile and the model given is {'' if model.compiled else 'not '}compiled")
     run.device = model.device  # the captured tensors load there
     require(json.loads(json.dumps(model.fingerprint)) == run.fingerprint,
             f"the capture is of model {manifest.get('model')!r} {manifest.get('dtype')}, which "

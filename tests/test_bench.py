@@ -38,6 +38,11 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
             [(d, c) for d in dtypes for c in contexts]
     for r in res["decode"]:
         assert r["ours_ms"] > 0 and r["hf_ms"] > 0 and r["ratio"] > 0 and r["floor_ms"] > 0
+        # stage 1 of a second copy loaded with compile, in the same rounds
+        assert r["compiled_ms"] > 0 and r["compiled_ratio"] > 0
+        assert isinstance(r["compiled_agrees"], bool)
+    assert [c["dtype"] for c in res["compile"]] == dtypes
+    assert all(c["compile_s"] > 0 for c in res["compile"])
     assert [r["tokens"] for r in res["prefill"]] == [256] * 3
     assert all(r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 for r in res["prefill"])
 
@@ -85,6 +90,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
         assert r["ops"] >= 2 * 10 and sum(k for _, k in r["top"]) <= r["ops"]
         assert any(name.endswith("matmul") for name, _ in r["top"]), r["top"]
     assert "Operators launched per token (stage 1)" in (out / "report.md").read_text()
+    assert "Stage 1 compiled (`--compile`" in (out / "report.md").read_text()
 
     for name in ("decode_ms.png", "alloc_bytes.png", "edits_ms.png"):
         assert (out / name).read_bytes().startswith(PNG)

@@ -239,10 +239,12 @@ def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[dict
     return rows, states
 
 
-def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig,
-                   task, llama: llamacpp.Contender | None = None) -> list[dict]:
-    """Stage 1 vs HF decode (and llama.cpp's, if ``llama``), ms per token, at each context
-    (prefixes of ``full``; llama.cpp's context is evaluated up to each in turn)."""
+def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig,  # pylint: disable=too-many-arguments
+                   task, llama: llamacpp.Contender | None = None,
+                   compiled: Model | None = None) -> list[dict]:
+    """Stage 1 vs HF decode (and llama.cpp's, if ``llama``; stage 1 of the model loaded
+    with ``compile``, if ``compiled``), ms per token, at each context (prefixes of ``full``;
+    llama.cpp's context is evaluated up to each in turn)."""
     dt = model.precision
     tick = task(f"{dt} decode", len(cfg.contexts) * cfg.reps)
     rows = []
@@ -255,6 +257,8 @@ def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfi
         if llama is not None:
             llama.prefill(ids[:n])
             contenders["llama.cpp"] = lambda: llama.decode(ids[n])
+        if compiled is not None:
+            contenders["compiled"] = lambda: generate(compiled, view, GREEDY, gen)
         t = common.interleaved_ms(contenders, cfg.reps, warmup=2,
                                   after={"hf": lambda: cache.crop(-1)}, tick=tick)
         row = {"dtype": dt, "context": n, "ours_ms": common.median(t["ours"]),
@@ -264,6 +268,14 @@ def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfi
                        llamacpp_ratio=common.median_ratio(t["ours"], t["llama.cpp"]),
                        llamacpp_agrees=llama.decode(ids[n]) == generate(
                            model, view, GREEDY, gen).token_id)
+        if compiled is not None:
+            row.update(compiled_ms=common.median(t["compiled"]),
+                       compiled_ratio=common.median_ratio(t["compiled"], t["ours"]),
+                       compiled_agrees=generate(compiled, view, GREEDY, gen).token_id
+                       == generate(model, view, GREEDY, gen).token_id)
+            if llama is not None:
+                row["compiled_llamacpp_ratio"] = common.median_ratio(t["compiled"],
+                                                                     t["llama.cpp"])
         rows.append(row)
         del cache
     return rows
@@ -432,6 +444,20 @@ def measure_ops(model: Model, full: View, ids: list[int], cfg: SpeedConfig) -> d
             "top": top}
 
 
+def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],
+                  task) -> tuple[Model, float]:
+    """The model loaded again with ``compile`` (bfloat16 weights unpacked), and the seconds
+    its first stage-1 call took (compiling; a longer context does not compile again)."""
+    tick = task(f"{dtype} compile", 1)
+    model = load_model(cfg.model, dtype, cfg.device, compile=True)
+    n = cfg.contexts[0]
+    t0 = time.perf_counter()
+    generate(model, prefix_view(full, n, ids[n]), GREEDY, make_generator(0, model.device))
+    common.sync()
+    tick()
+    return model, time.perf_counter() - t0
+
+
 def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     model = load_model(cfg.model, dtype, cfg.device)
     cfg = cfg.fitted(model.spec.max_positions)
@@ -445,7 +471,9 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     view = primed.view()
     why_not = llamacpp.unavailable(model, dtype)
     llama = None if why_not else llamacpp.Contender(model, dtype, cfg.contexts[-1] + 8)
-    decode = measure_decode(model, hf, view, ids, cfg, task, llama)
+    compiled, compile_s = compile_model(cfg, dtype, view, ids, task)
+    decode = measure_decode(model, hf, view, ids, cfg, task, llama, compiled)
+    del compiled
     if llama is not None:
         llama.close()
     ops = measure_ops(model, view, ids, cfg)
@@ -465,6 +493,7 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
                                             if r["cold"]), None)}
     return {"cfg": cfg, "prefill": prefill, "decode": decode, "alloc": alloc, "memory": memory,
             "loop": loop, "edits": edits, "ops": ops,
+            "compile": {"dtype": dtype, "compile_s": compile_s},
             "llamacpp": {"dtype": dtype, "measured": llama is not None, "why_not": why_not,
                          "gguf": llama and llama.path.name}}
 
@@ -490,6 +519,7 @@ def run(cfg: SpeedConfig, command: str) -> dict:
     res["memory"] = [p["memory"] for p in parts]
     res["ops"] = [p["ops"] for p in parts]
     res["llamacpp"] = [p["llamacpp"] for p in parts]
+    res["compile"] = [p["compile"] for p in parts]
     res["decode_fit"] = decode_fit(res)
     res["alloc_fit"] = alloc_fit(res)
     res["targets"] = targets(res)
@@ -766,6 +796,20 @@ def tables(res: dict) -> list[Table]:
         "Stage 4 of an edit is O(1) in the context; the decisions in stage 3 are not: a merge "
         "runs two one-token forwards over the context, and a fold's target search reads "
         "every live key once.")
+    compiled = Table(
+        "Stage 1 compiled (`--compile`: torch.compile, context length dynamic)",
+        ("dtype", "context", "stage 1 ms", "compiled ms", "compiled / stage 1")
+        + (("compiled / llama.cpp",) if measured else ()) + ("same next token",),
+        tuple((r["dtype"], str(r["context"]), fmt(r["ours_ms"], 2), fmt(r["compiled_ms"], 2),
+               fmt(r["compiled_ratio"], 2))
+              + ((fmt(r.get("compiled_llamacpp_ratio"), 2),) if measured else ())
+              + ("yes" if r["compiled_agrees"] else "no",)
+              for r in res["decode"] if "compiled_ms" in r),
+        "Timed in the same rounds as the decode table above, on a second copy of the model "
+        "loaded with `compile` (in bfloat16 its weights are not packed: inductor cannot read "
+        "oneDNN's packed tensors). Compiling took " + "; ".join(
+            f"{c['dtype']} {c['compile_s']:.0f} s" for c in res.get("compile", ()))
+        + " (the first stage-1 call; inductor's on-disk cache shortens a second run's).")
     ops = Table(
         "Operators launched per token (stage 1)",
         ("dtype", "context", "operators", "most frequent"),
@@ -795,7 +839,8 @@ def tables(res: dict) -> list[Table]:
         "speed (above 1 = faster than HF); the edit rows divide the cost at the longest "
         "context by the cost at the shortest (1 = flat).")
     # on a GPU no allocations are counted (the profiler's events are the host allocator's)
-    return [t for t in (target, decode, fit, ops, alloc, loop, edits, prefill, memory) if t.rows]
+    return [t for t in (target, decode, compiled, fit, ops, alloc, loop, edits, prefill, memory)
+            if t.rows]
 
 
 def plots(res: dict, out: Path) -> list[str]:

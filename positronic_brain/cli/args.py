@@ -50,13 +50,17 @@ def _add_model_args(p: argparse.ArgumentParser, session: bool = False) -> None:
     where.add_argument("--device", default="auto", help=DEVICE_HELP)
     where.add_argument("--device-map", default=None, metavar="auto|balanced|PATH.json",
                        help=DEVICE_MAP_HELP)
+    p.add_argument("--compile", action="store_true",
+                   help="run stage 1 through torch.compile (the first step compiles: tens of "
+                        "seconds; on the CPU it pays in int8: docs/BENCHMARKS.md)")
 
 
 def model_placement(args) -> dict:
-    """``load_model``'s placement arguments from ``--device`` / ``--device-map``."""
+    """``load_model``'s placement arguments from ``--device`` / ``--device-map``, and
+    ``--compile``."""
     if args.device_map is not None:
-        return {"device_map": args.device_map}
-    return {"device": args.device}
+        return {"device_map": args.device_map, "compile": args.compile}
+    return {"device": args.device, "compile": args.compile}
 
 
 def _add_sampler_args(p: argparse.ArgumentParser) -> None:
@@ -134,7 +138,7 @@ def _add_run_args(run: argparse.ArgumentParser) -> None:
 
 
 # The run options that go with --session; the others are the file's to say.
-WITH_SESSION = ("session", "model", "dtype", "device", "device_map", "max_new_tokens",
+WITH_SESSION = ("session", "model", "dtype", "device", "device_map", "compile", "max_new_tokens",
                 "ignore_eos", "json", "capture", "capture_level")
 
 
@@ -466,7 +470,7 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
     if args.capture is None:
         return NO_TAPE
     return CaptureTape(args.capture, {
-        "model": model.name, "dtype": model.precision,
+        "model": model.name, "dtype": model.precision, "compiled": model.compiled,
         "device": str(model.device), "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
         "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},
                    "sampler": asdict(sampler), "cache_params": asdict(params)},

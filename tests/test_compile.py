@@ -1,0 +1,112 @@
+"""``--compile``: stage 1's one-token forward through ``torch.compile``. Its fused code rounds
+differently from the plain path, so it is held to the same oracle (Hugging Face's forward on
+the same cache: <= 1e-4 in float32, bfloat16's rounding otherwise) and to the plain path, it
+must be one graph that a longer context does not compile again, and a compiled capture
+replays bit for bit (compiled)."""
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from positronic_brain import forward as fw
+from positronic_brain import model as model_module
+from positronic_brain.cli import main as cli
+from positronic_brain.loop import Session
+from positronic_brain.model import load_model
+from positronic_brain.replay import replay
+from positronic_brain.special_tokens import TokenPolicy
+from positronic_brain.stages.apply import apply, prime
+from positronic_brain.stages.generate import generate
+from positronic_brain.types import SamplerParams, UserError
+from tests.oracle import assert_close, hf_step_logits
+
+# relative to the largest logit: bfloat16 keeps 8 significant bits (as tests/test_int8.py)
+LOW_TOL = 0.03
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from nothing and counts its own graphs and graph breaks."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _rel(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return float((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max())
+
+
+@pytest.mark.parametrize("name,dtype", [
+    ("tiny-random", "float32"), ("tiny-random-qwen2", "float32"),
+    ("tiny-random-mistral", "float32"), ("tiny-random-llama3", "float32"),
+    ("tiny-random", "int8"), ("tiny-random-qwen2", "bfloat16")])
+def test_compiled_stage1_equals_hf_and_the_plain_path(name, dtype):
+    """Eight sampled steps over a growing cache: each compiled step's logits equal HF's on the
+    same live K/V and the plain path's, its new K/V and attention row (the scorers' input)
+    the plain path's; all of them ran one compiled graph, without a graph break."""
+    model = load_model(name, dtype, compile=True)
+    plain = dataclasses.replace(model, compiled=False)  # the same weights, uncompiled
+    assert model.compiled and not any(w.qkv_w.is_mkldnn for w in model.layers
+                                      if isinstance(w.qkv_w, torch.Tensor))
+    policy = TokenPolicy(model.tokenizer)
+    state, _ = prime(model, policy.raw_prompt("compiled, and still the oracle"), capacity=96)
+    session = Session(model, policy, SamplerParams(temperature=1.0, seed=2), state=state)
+    for step in range(8):
+        view = session.state.view()
+        gen = generate(model, view, session.sampler, session.generator)
+        ref = fw.forward(plain, view.k, view.v, view.token_id.new_tensor([view.pending_token]),
+                         view.token_id.new_tensor([view.next_position]), want_attention=True)
+        want = hf_step_logits(model, view)
+        if dtype == "float32":
+            assert_close(gen.logits, want, 1e-4, f"{name} step {step} vs HF")
+            assert_close(gen.logits, ref.logits[0], 1e-4, f"{name} step {step} vs plain")
+            assert_close(gen.attention, ref.attention, 1e-5, f"{name} step {step} attention")
+            assert_close(gen.k, ref.k, 1e-5, f"{name} step {step} keys")
+        else:
+            assert _rel(gen.logits, want) <= LOW_TOL and _rel(gen.logits, ref.logits[0]) <= LOW_TOL
+            assert_close(gen.attention, ref.attention, 0.02, f"{name} step {step} attention")
+            assert _rel(gen.k, ref.k) <= LOW_TOL and gen.k.dtype == torch.bfloat16
+        apply(model, session.state, gen)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_compiled_recall_query_equals_the_plain_path():
+    """With recall, stage 1 also returns each layer's query and log-sum-exp: compiled (a
+    second graph), they equal the plain path's."""
+    model = load_model("tiny-random", "float32", compile=True)
+    state, _ = prime(model, TokenPolicy(model.tokenizer).raw_prompt("what recall asks"),
+                     capacity=64)
+    view = state.view()
+    args = (view.k, view.v, view.token_id.new_tensor([view.pending_token]),
+            view.token_id.new_tensor([view.next_position]))
+    ours = fw.forward(model, *args, want_attention=True, want_query=True)
+    ref = fw.forward(dataclasses.replace(model, compiled=False), *args, want_attention=True,
+                     want_query=True)
+    assert_close(ours.query, ref.query, 1e-5, "query")
+    assert_close(ours.lse, ref.lse, 1e-5, "log-sum-exp")
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_compiled_capture_replays_bit_exact(tmp_path, capsys):
+    """A compiled run's capture says so and replays compiled, bit for bit."""
+    args = ["run", "--model", "tiny-random", "--dtype", "int8", "--compile", "--prompt",
+            "a compiled capture", "--max-new-tokens", "8", "--ignore-eos", "--seed", "3",
+            "--budget", "8", "--sinks", "1", "--recent", "2", "--capture", str(tmp_path), "--json"]
+    assert cli(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    manifest = json.loads((Path(out["capture"]) / "manifest.json").read_text())
+    assert manifest["compiled"] is True and manifest["dtype"] == "int8"
+    report = replay(out["capture"])
+    assert report.ok and report.tolerance is None
+    with pytest.raises(UserError, match="with --compile and the model given is not compiled"):
+        replay(out["capture"], model=load_model("tiny-random", "int8"))
+
+
+def test_compile_on_the_cpu_needs_a_compiler(monkeypatch):
+    monkeypatch.setattr(model_module.shutil, "which", lambda _: None)
+    with pytest.raises(UserError, match="needs a C.. compiler"):
+        load_model("tiny-random", "float32", compile=True)
