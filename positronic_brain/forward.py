@@ -166,6 +166,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     (``_compiled``), with the context length dynamic: one compilation per kind of call.
     """
     if model.compiled and ids.shape[0] == 1 and not torch.compiler.is_compiling():
+        _ = model.moves  # a cached property: computed here, since a trace breaks on its lock
         return _compiled()(model, past_k, past_v, ids, positions, past_mask, want_attention,
                            all_logits, past_log_mass, kv_only, want_query, received_from)
     require(not (kv_only and (want_attention or want_query or received_from is not None)),

@@ -40,20 +40,26 @@ def _rel(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max())
 
 
-@pytest.mark.parametrize("name,dtype", [
-    ("tiny-random", "float32"), ("tiny-random-qwen2", "float32"),
-    ("tiny-random-mistral", "float32"), ("tiny-random-llama3", "float32"),
-    ("tiny-random", "int8"), ("tiny-random-qwen2", "bfloat16")])
-def test_compiled_stage1_equals_hf_and_the_plain_path(name, dtype):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+
+
+@pytest.mark.parametrize("name,dtype,device", [
+    ("tiny-random", "float32", "cpu"), ("tiny-random-qwen2", "float32", "cpu"),
+    ("tiny-random-mistral", "float32", "cpu"), ("tiny-random-llama3", "float32", "cpu"),
+    ("tiny-random", "int8", "cpu"), ("tiny-random-qwen2", "bfloat16", "cpu"),
+    pytest.param("tiny-random", "float32", "cuda", marks=CUDA),
+    pytest.param("tiny-random-qwen2", "bfloat16", "cuda", marks=CUDA)])
+def test_compiled_stage1_equals_hf_and_the_plain_path(name, dtype, device):
     """Eight sampled steps over a growing cache: each compiled step's logits equal HF's on the
     same live K/V and the plain path's, its new K/V and attention row (the scorers' input)
     the plain path's; all of them ran one compiled graph, without a graph break."""
-    model = load_model(name, dtype, compile=True)
+    model = load_model(name, dtype, device, compile=True)
     plain = dataclasses.replace(model, compiled=False)  # the same weights, uncompiled
     assert model.compiled and not any(w.qkv_w.is_mkldnn for w in model.layers
                                       if isinstance(w.qkv_w, torch.Tensor))
     policy = TokenPolicy(model.tokenizer)
-    state, _ = prime(model, policy.raw_prompt("compiled, and still the oracle"), capacity=96)
+    # primed by the plain copy, so the compiled model's first use is its first one-token call
+    state, _ = prime(plain, policy.raw_prompt("compiled, and still the oracle"), capacity=96)
     session = Session(model, policy, SamplerParams(temperature=1.0, seed=2), state=state)
     for step in range(8):
         view = session.state.view()

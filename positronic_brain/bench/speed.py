@@ -916,6 +916,9 @@ METHOD = """\
   plus an argmax on a `DynamicCache` holding a copy of the same K/V, cropped back by one row
   after every call so the context stays fixed. Two warm-up rounds, then the median of the
   repetitions; stage 1 and HF alternate within each repetition, same threads.
+- **Compiled**: a second copy of the model loaded with `compile` (`--compile`), its first
+  stage-1 call (the compilation) timed apart, then timed as a third contender in the same
+  rounds on the same views.
 - **llama.cpp** (where `llama_cpp` and llama.cpp's converter are installed: `make
   bench-llamacpp`): the model's own Hugging Face folder written as a GGUF by llama.cpp's
   `convert_hf_to_gguf.py` (F32 weights and an f32 K/V cache for float32; BF16 weights and
