@@ -162,10 +162,12 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     ``received`` (L, H, n + T) float32 over all of them, ``received_window`` over those from
     row ``received_from`` on (None if there are none).
 
-    On a compiled model (``Model.compiled``) one new token runs this function compiled
-    (``_compiled``), with the context length dynamic: one compilation per kind of call.
+    On a compiled model (``Model.compiled``) stage 1's call (one new token, its attention
+    row wanted) runs this function compiled (``_compiled``), the context length dynamic;
+    every other call (prefill, a merge's forwards) runs as it is.
     """
-    if model.compiled and ids.shape[0] == 1 and not torch.compiler.is_compiling():
+    if (model.compiled and want_attention and ids.shape[0] == 1
+            and not torch.compiler.is_compiling()):
         _ = model.moves  # a cached property: computed here, since a trace breaks on its lock
         return _compiled()(model, past_k, past_v, ids, positions, past_mask, want_attention,
                            all_logits, past_log_mass, kv_only, want_query, received_from)
@@ -308,9 +310,8 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
 
 @functools.cache
 def _compiled():
-    """``forward`` through ``torch.compile`` (made once; inductor fuses the elementwise work
-    between the products into a few kernels), the context length dynamic, so a longer
-    cache does not compile again."""
+    """``forward`` through ``torch.compile`` (made once), the context length dynamic, so a
+    longer cache does not compile again (docs/DESIGN.md, stage 1)."""
     return torch.compile(forward, dynamic=True)
 
 

@@ -76,6 +76,7 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
     info = Table.grid(padding=(0, 2))
     for k in ("run_id", "model", "dtype", "level", "complete", "stop_reason", "last_step"):
         info.add_row(k, str(manifest.get(k)))
+    info.add_row("compiled", str(manifest.get("compiled", False)))
     for k, v in (manifest.get("params") or {}).items():
         info.add_row(k, _short(v))
     for f in run.restores():

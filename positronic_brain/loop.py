@@ -213,6 +213,7 @@ def drive(session: Session, max_new_tokens: int, ignore_eos: bool = False, on_te
     return {
         "model": model.name,
         "dtype": model.precision,
+        "compiled": model.compiled,
         "prompt_ids": session.prompt_ids,
         "generated_ids": session.generated_ids,
         "text": text.text,

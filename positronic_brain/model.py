@@ -206,6 +206,16 @@ def check_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_compile(devices) -> None:
+    """What ``torch.compile`` needs to write code for ``devices``, or a UserError: a C++
+    compiler for the CPU, triton for a GPU."""
+    kinds = {torch.device(d).type for d in devices}
+    require("cpu" not in kinds or any(map(shutil.which, ("g++", "clang++", "c++"))),
+            "--compile on the CPU needs a C++ compiler (g++ or clang++) on the PATH")
+    require("cuda" not in kinds or importlib.util.find_spec("triton") is not None,
+            "--compile on a GPU needs triton (pip install triton)")
+
+
 def load_model(name: str = "smollm2", dtype: str = "float32", device: str | None = None,
                device_map: str | dict | None = None, max_memory: dict | None = None,
                compile: bool = False) -> Model:  # pylint: disable=redefined-builtin
@@ -215,17 +225,11 @@ def load_model(name: str = "smollm2", dtype: str = "float32", device: str | None
     ``device_map`` (``place_layers``; ``max_memory`` goes to accelerate's ``auto`` and
     ``balanced``). Not both.
 
-    ``compile``: one-token forwards (stage 1) run through ``torch.compile`` (inductor; the
-    first call of each kind compiles, tens of seconds on a CPU). Its fused code rounds
-    differently from the plain path, so a compiled run equals HF's forward to the dtype's
-    rounding, not the plain run bit for bit; a capture says it was compiled and replays
-    compiled. bfloat16 weights then stay unpacked: inductor cannot read oneDNN's packed
-    tensors."""
+    ``compile``: stage 1 runs through ``torch.compile`` (``Model.compiled``; docs/DESIGN.md,
+    stage 1)."""
     require(device is None or device_map is None, "give a device or a device map, not both")
     dev = resolve_device(device or "cpu") if device_map is None else torch.device("cpu")
     torch_dtype = check_dtype(dtype, dev)
-    require(not compile or dev.type != "cpu" or any(map(shutil.which, ("g++", "clang++", "c++"))),
-            "--compile on the CPU needs a C++ compiler (g++ or clang++) on the PATH")
     if name == "smollm2":
         hf, tok = _load_folder(_gguf_folder(smollm2_gguf()), torch_dtype, dev)
     elif name.lower().endswith(".gguf"):
@@ -588,6 +592,8 @@ def _check_rope(rotary: nn.Module) -> None:
 def _wrap(name: str, hf: nn.Module, tok, precision: str, device: torch.device,  # pylint: disable=too-many-arguments
           layer_devices: tuple[torch.device, ...], compiled: bool = False) -> Model:
     dtype, int8 = DTYPES[precision], precision == "int8"
+    if compiled:
+        check_compile({device, *layer_devices})
     _check_arch(hf.config)
     _check_rope(hf.model.rotary_emb)
     hf.eval().requires_grad_(False)

@@ -40,7 +40,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
         assert r["ours_ms"] > 0 and r["hf_ms"] > 0 and r["ratio"] > 0 and r["floor_ms"] > 0
         # stage 1 of a second copy loaded with compile, in the same rounds
         assert r["compiled_ms"] > 0 and r["compiled_ratio"] > 0
-        assert isinstance(r["compiled_agrees"], bool)
+        assert r["compiled_agrees"] or r["dtype"] != "float32"  # float32 rounds alike
     assert [c["dtype"] for c in res["compile"]] == dtypes
     assert all(c["compile_s"] > 0 for c in res["compile"])
     assert [r["tokens"] for r in res["prefill"]] == [256] * 3

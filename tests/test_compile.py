@@ -81,8 +81,8 @@ def test_compiled_stage1_equals_hf_and_the_plain_path(name, dtype, device):
 
 
 def test_compiled_recall_query_equals_the_plain_path():
-    """With recall, stage 1 also returns each layer's query and log-sum-exp: compiled (a
-    second graph), they equal the plain path's."""
+    """With recall, stage 1 also returns each layer's query and log-sum-exp: compiled (a graph
+    of its own), they equal the plain path's."""
     model = load_model("tiny-random", "float32", compile=True)
     state, _ = prime(model, TokenPolicy(model.tokenizer).raw_prompt("what recall asks"),
                      capacity=64)
@@ -97,6 +97,20 @@ def test_compiled_recall_query_equals_the_plain_path():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
+@pytest.mark.parametrize("repair,done,graphs", [("merge", "merged", 1), ("fold", "folded", 2)])
+def test_only_stage1_compiles(capsys, repair, done, graphs):
+    """A run with repairs: a merge's two forwards run uncompiled, so stage 1 is the only graph;
+    with fold, stage 1 with a folded slot's log-mass is a second one. A longer context never
+    compiles again, and nothing breaks a graph."""
+    args = ["run", "--model", "tiny-random", "--compile", "--prompt", "repairs under a small "
+            "budget, compiled", "--max-new-tokens", "24", "--ignore-eos", "--seed", "1",
+            "--budget", "12", "--sinks", "1", "--recent", "2", "--repair", repair, "--json"]
+    assert cli(args) == 0
+    totals = json.loads(capsys.readouterr().out)["totals"]
+    assert totals[done] > 0, totals
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+
+
 def test_compiled_capture_replays_bit_exact(tmp_path, capsys):
     """A compiled run's capture says so and replays compiled, bit for bit."""
     args = ["run", "--model", "tiny-random", "--dtype", "int8", "--compile", "--prompt",
@@ -105,14 +119,17 @@ def test_compiled_capture_replays_bit_exact(tmp_path, capsys):
     assert cli(args) == 0
     out = json.loads(capsys.readouterr().out)
     manifest = json.loads((Path(out["capture"]) / "manifest.json").read_text())
-    assert manifest["compiled"] is True and manifest["dtype"] == "int8"
+    assert manifest["compiled"] is True and manifest["dtype"] == "int8" and out["compiled"]
     report = replay(out["capture"])
     assert report.ok and report.tolerance is None
     with pytest.raises(UserError, match="with --compile and the model given is not compiled"):
         replay(out["capture"], model=load_model("tiny-random", "int8"))
 
 
-def test_compile_on_the_cpu_needs_a_compiler(monkeypatch):
+def test_compile_needs_a_compiler_on_the_cpu_and_triton_on_a_gpu(monkeypatch):
     monkeypatch.setattr(model_module.shutil, "which", lambda _: None)
     with pytest.raises(UserError, match="needs a C.. compiler"):
         load_model("tiny-random", "float32", compile=True)
+    monkeypatch.setattr(model_module.importlib.util, "find_spec", lambda _: None)
+    with pytest.raises(UserError, match="needs triton"):
+        model_module.check_compile([torch.device("cuda", 0)])

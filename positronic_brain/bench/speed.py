@@ -806,8 +806,8 @@ def tables(res: dict) -> list[Table]:
               + ("yes" if r["compiled_agrees"] else "no",)
               for r in res["decode"] if "compiled_ms" in r),
         "Timed in the same rounds as the decode table above, on a second copy of the model "
-        "loaded with `compile` (in bfloat16 its weights are not packed: inductor cannot read "
-        "oneDNN's packed tensors). Compiling took " + "; ".join(
+        "loaded with `compile` (bfloat16 weights unpacked: docs/DESIGN.md, stage 1). "
+        "Compiling took " + "; ".join(
             f"{c['dtype']} {c['compile_s']:.0f} s" for c in res.get("compile", ()))
         + " (the first stage-1 call; inductor's on-disk cache shortens a second run's).")
     ops = Table(

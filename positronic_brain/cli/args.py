@@ -52,7 +52,7 @@ def _add_model_args(p: argparse.ArgumentParser, session: bool = False) -> None:
                        help=DEVICE_MAP_HELP)
     p.add_argument("--compile", action="store_true",
                    help="run stage 1 through torch.compile (the first step compiles: tens of "
-                        "seconds; on the CPU it pays in int8: docs/BENCHMARKS.md)")
+                        "seconds; docs/DESIGN.md, stage 1)")
 
 
 def model_placement(args) -> dict:
