@@ -161,16 +161,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     weight on its own token left out (as stage 1's row leaves out the pending token's):
     ``received`` (L, H, n + T) float32 over all of them, ``received_window`` over those from
     row ``received_from`` on (None if there are none).
-
-    On a compiled model (``Model.compiled``) stage 1's call (one new token, its attention
-    row wanted) runs this function compiled (``_compiled``), the context length dynamic;
-    every other call (prefill, a merge's forwards) runs as it is.
     """
-    if (model.compiled and want_attention and ids.shape[0] == 1
-            and not torch.compiler.is_compiling()):
-        _ = model.moves  # a cached property: computed here, since a trace breaks on its lock
-        return _compiled()(model, past_k, past_v, ids, positions, past_mask, want_attention,
-                           all_logits, past_log_mass, kv_only, want_query, received_from)
     require(not (kv_only and (want_attention or want_query or received_from is not None)),
             "kv_only skips the last layer's attention")
     s = model.spec
@@ -306,6 +297,15 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                       v=_gather(new_v, dev, bool(moves)),
                       attention=attention, query=query, lse=lse, received=received,
                       received_window=window)
+
+
+def stage1_forward(model: Model):
+    """The forward stage 1 calls: ``forward``, or on a compiled model (``Model.compiled``)
+    ``forward`` through ``torch.compile`` (``_compiled``)."""
+    if not model.compiled:
+        return forward
+    _ = model.moves  # a cached property: computed here, since a trace breaks on its lock
+    return _compiled()
 
 
 @functools.cache

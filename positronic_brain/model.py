@@ -112,7 +112,7 @@ class Model:
     device: torch.device  # the embedding, final norm and lm_head; the ledger and generator
     layer_devices: tuple[torch.device, ...]  # each decoder layer's weights and arena slice
     precision: str  # the --dtype it was loaded with: a DTYPES key (int8: ``Int8Weight``s)
-    compiled: bool = False  # one-token forwards run compiled by torch.compile (``load_model``)
+    compiled: bool = False  # stage 1 runs through torch.compile (``forward.stage1_forward``)
 
     @cached_property
     def blocks(self) -> tuple[tuple[slice, torch.device], ...]:

@@ -89,7 +89,7 @@ def test_compiled_recall_query_equals_the_plain_path():
     view = state.view()
     args = (view.k, view.v, view.token_id.new_tensor([view.pending_token]),
             view.token_id.new_tensor([view.next_position]))
-    ours = fw.forward(model, *args, want_attention=True, want_query=True)
+    ours = fw.stage1_forward(model)(model, *args, want_attention=True, want_query=True)
     ref = fw.forward(dataclasses.replace(model, compiled=False), *args, want_attention=True,
                      want_query=True)
     assert_close(ours.query, ref.query, 1e-5, "query")

@@ -263,16 +263,15 @@ def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfi
                                   after={"hf": lambda: cache.crop(-1)}, tick=tick)
         row = {"dtype": dt, "context": n, "ours_ms": common.median(t["ours"]),
                "hf_ms": common.median(t["hf"]), "ratio": common.median_ratio(t["ours"], t["hf"])}
+        token = generate(model, view, GREEDY, gen).token_id  # stage 1's next token
         if llama is not None:  # the same next token: the same model at both ends
             row.update(llamacpp_ms=common.median(t["llama.cpp"]),
                        llamacpp_ratio=common.median_ratio(t["ours"], t["llama.cpp"]),
-                       llamacpp_agrees=llama.decode(ids[n]) == generate(
-                           model, view, GREEDY, gen).token_id)
+                       llamacpp_agrees=llama.decode(ids[n]) == token)
         if compiled is not None:
             row.update(compiled_ms=common.median(t["compiled"]),
                        compiled_ratio=common.median_ratio(t["compiled"], t["ours"]),
-                       compiled_agrees=generate(compiled, view, GREEDY, gen).token_id
-                       == generate(model, view, GREEDY, gen).token_id)
+                       compiled_agrees=generate(compiled, view, GREEDY, gen).token_id == token)
             if llama is not None:
                 row["compiled_llamacpp_ratio"] = common.median_ratio(t["compiled"],
                                                                      t["llama.cpp"])

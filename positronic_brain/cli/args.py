@@ -58,9 +58,9 @@ def _add_model_args(p: argparse.ArgumentParser, session: bool = False) -> None:
 def model_placement(args) -> dict:
     """``load_model``'s placement arguments from ``--device`` / ``--device-map``, and
     ``--compile``."""
-    if args.device_map is not None:
-        return {"device_map": args.device_map, "compile": args.compile}
-    return {"device": args.device, "compile": args.compile}
+    where = ({"device_map": args.device_map} if args.device_map is not None
+             else {"device": args.device})
+    return {**where, "compile": args.compile}
 
 
 def _add_sampler_args(p: argparse.ArgumentParser) -> None:

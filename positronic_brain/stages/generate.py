@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..forward import forward
+from ..forward import stage1_forward
 from ..model import Model
 from ..sampler import sample
 from ..state import View
@@ -27,8 +27,8 @@ def generate(model: Model, view: View, params: SamplerParams,
             f"forced token {force} outside the model's vocabulary of {model.spec.vocab}")
     ids = view.token_id.new_tensor([view.pending_token])
     pos = view.position.new_tensor([view.next_position])
-    out = forward(model, view.k, view.v, ids, pos, want_attention=True,
-                  past_log_mass=view.log_mass, want_query=view.cold is not None)
+    out = stage1_forward(model)(model, view.k, view.v, ids, pos, want_attention=True,
+                                past_log_mass=view.log_mass, want_query=view.cold is not None)
     logits = out.logits[0]  # (V,)
     seen = torch.cat((view.token_id, ids)) if params.repetition_penalty != 1.0 else ids
     report = sample(logits, params, seen, generator, force)
