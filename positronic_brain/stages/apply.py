@@ -485,12 +485,14 @@ def _take_keys(a: Arena, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _put_keys(a: Arena, slots: torch.Tensor, k: torch.Tensor) -> None:
-    """Write keys ``k`` (L, kv_heads, k, head_dim) into ``slots`` (k,). (``scatter_``
-    would be no faster on uncached rows, and in bfloat16 it copies the whole block twice.)"""
+    """Write keys ``k`` (L, kv_heads, k, head_dim) into ``slots`` (k,); transposed keys by
+    indexed assignment, about half the time of ``index_copy_`` along the strided slot
+    dimension (``scatter_`` would be no faster on uncached rows, and in bfloat16 it copies
+    the whole block twice)."""
     if a.key_rows:
         a.k.index_copy_(2, slots, k)
     else:
-        a.kt.index_copy_(3, slots, k.transpose(2, 3))
+        a.kt[..., slots] = k.transpose(2, 3)
 
 
 ROWS = ("k", "v", "knorm", "vnorm")  # what a slot's row holds besides its ledger row

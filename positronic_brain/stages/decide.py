@@ -141,8 +141,7 @@ def recalled(view: View, scores: ScoreOut, params: CacheParams, room: int) -> li
     N = signal.numel()
     finite = torch.isfinite(signal).nonzero()[:, 0]
     # the anchors, best first: enough for ``room`` cold ones past every hot one
-    anchors = finite[torch.argsort(signal[finite], descending=True, stable=True)]
-    anchors = anchors[: room + scores.hot_signal.numel()]
+    anchors = finite[_best(signal[finite], room + scores.hot_signal.numel())]
     # A cold row follows an anchor within the span when 0 <= its position - the anchor's <
     # span: read from a table of the cold row at each position (-1: none; positions are
     # unique and below the next one), span entries per anchor
@@ -157,6 +156,18 @@ def recalled(view: View, scores: ScoreOut, params: CacheParams, room: int) -> li
     # each row once, at its best anchor: in the anchors' order, then in text order
     rows = at[ok & (best[at.clamp_min(0)] == place)][:room]
     return list(zip(rows.tolist(), signal[anchors[best[rows]]].tolist()))
+
+
+def _best(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the ``k`` largest of ``x`` (1-D, no NaN), largest first, ties in index
+    order: ``argsort(x, descending=True, stable=True)[:k]``, without sorting all of ``x``
+    when ``k`` is a small part of it (a scan step's anchors among thousands of cold rows)."""
+    if 4 * k >= x.numel():
+        return torch.argsort(x, descending=True, stable=True)[:k]
+    kth = torch.topk(x, k, sorted=False).values.min()
+    above, tied = (x > kth).nonzero()[:, 0], (x == kth).nonzero()[:, 0]
+    picked = torch.cat((above, tied[: k - above.numel()])).sort().values  # index order
+    return picked[torch.argsort(x[picked], descending=True, stable=True)]
 
 
 def swaps(view: View, scores: ScoreOut, params: CacheParams,
