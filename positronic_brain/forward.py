@@ -304,7 +304,6 @@ def stage1_forward(model: Model):
     ``forward`` through ``torch.compile`` (``_compiled``)."""
     if not model.compiled:
         return forward
-    _ = model.moves  # a cached property: computed here, since a trace breaks on its lock
     return _compiled()
 
 

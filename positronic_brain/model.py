@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -114,35 +114,31 @@ class Model:
     precision: str  # the --dtype it was loaded with: a DTYPES key (int8: ``Int8Weight``s)
     compiled: bool = False  # stage 1 runs through torch.compile (``forward.stage1_forward``)
 
-    @cached_property
-    def blocks(self) -> tuple[tuple[slice, torch.device], ...]:
-        """Runs of consecutive layers on one device: (layers, device) each."""
+    # derived from the placement at construction (plain fields, not cached properties: a
+    # cached property's lock breaks a compiled trace that reads it first)
+    blocks: tuple[tuple[slice, torch.device], ...] = field(init=False)
+    split: bool = field(init=False)
+    moves: dict[int, torch.device] = field(init=False)
+
+    def __post_init__(self) -> None:
+        """``blocks``: runs of consecutive layers on one device, (layers, device) each.
+        ``split``: whether any layer runs elsewhere than ``device`` (a device map): then the
+        arena is one block per run of layers (``state.SplitArena``). ``moves``: where the
+        forward moves the hidden state to another device: before layer i (to its device)
+        and before the final norm (index ``n_layers``, back to ``device``); empty on one
+        device."""
         runs: list[list] = []
         for i, dev in enumerate(self.layer_devices):
             if runs and runs[-1][1] == dev:
                 runs[-1][0] = slice(runs[-1][0].start, i + 1)
             else:
                 runs.append([slice(i, i + 1), dev])
-        return tuple((sl, dev) for sl, dev in runs)
-
-    @cached_property
-    def split(self) -> bool:
-        """Whether any layer runs elsewhere than ``device`` (a device map): then the arena is
-        one block per run of layers (``state.SplitArena``)."""
-        return any(d != self.device for d in self.layer_devices)
-
-    @cached_property
-    def moves(self) -> dict[int, torch.device]:
-        """Where the forward moves the hidden state to another device: before layer i (to
-        its device) and before the final norm (index ``n_layers``, back to ``device``).
-        Empty on one device."""
-        if not self.split:
-            return {}
-        out, at = {}, self.device
-        for i, dev in enumerate(self.layer_devices + (self.device,)):
+        self.blocks = tuple((sl, dev) for sl, dev in runs)
+        self.split = any(d != self.device for d in self.layer_devices)
+        self.moves, at = {}, self.device
+        for i, dev in enumerate(self.layer_devices + (self.device,) if self.split else ()):
             if dev != at:
-                out[i], at = dev, dev
-        return out
+                self.moves[i], at = dev, dev
 
     @property
     def fingerprint(self) -> dict:
