@@ -279,6 +279,39 @@ def test_recalled_equals_the_loop_by_hand(seed):
     assert recalled(view, scores, CacheParams(recall_span=span), room) == want
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_the_best_anchors_are_a_stable_sort_s_first(seed):
+    """``_best`` (a top-k when k is a small part) gives argsort(descending, stable)[:k]: ties
+    in index order, -inf last, whichever path it takes."""
+    from positronic_brain.stages.decide import _best
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 4000, (1,), generator=g))
+    x = (torch.randint(0, 40, (n,), generator=g) / 8) if seed % 2 else torch.randn(n, generator=g)
+    x[torch.randint(0, n, (n // 4,), generator=g)] = float("-inf")
+    for k in {1, max(1, n // 9), max(1, n // 3), n}:
+        assert torch.equal(_best(x, k), torch.argsort(x, descending=True, stable=True)[:k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_scan_s_group_max_is_the_max_of_its_logits(tiny_model, tiny_policy, dtype):
+    """``cold_logits`` with ``group_max`` (a running maximum over whole rows) has the bits of
+    the max over each KV head's group of its full q.k - lse, over runs and lone layers."""
+    from positronic_brain.state import ColdView
+    from positronic_brain.types import RecallQuery
+    from positronic_brain.stages.score import cold_logits
+    s = _session(tiny_model, tiny_policy)
+    view = s.state.view()
+    gen = generate(tiny_model, view, GREEDY, s.generator)
+    k = view.k.to(dtype)  # the tiny model's keys, as a store of either dtype would hold them
+    twin = ColdView(k=k, v=view.v.to(dtype), vnorm=view.vnorm, uid=view.uid,
+                    position=view.position, source=view.source, born_step=view.born_step)
+    for layers in ((0, 1), (1,)):
+        rq = RecallQuery(query=gen.query.to(dtype), lse=gen.lse, layers=layers,
+                         signal="attention", aggregate="max-max")
+        full = cold_logits(twin, rq)  # (l, KVH, G, c)
+        assert torch.equal(cold_logits(twin, rq, group_max=True), full.amax(2, keepdim=True))
+
+
 @pytest.mark.parametrize("how, signal, layers", [  # the tiny models have 2 layers
     ("max-max", "value", (0, 1)), ("all-mean", "value", (0, 1)),
     ("max-max", "attention", (1,)), ("last-max", "attention", (0,))])
