@@ -288,7 +288,7 @@ def test_the_best_anchors_are_a_stable_sort_s_first(seed):
     n = int(torch.randint(1, 4000, (1,), generator=g))
     x = (torch.randint(0, 40, (n,), generator=g) / 8) if seed % 2 else torch.randn(n, generator=g)
     x[torch.randint(0, n, (n // 4,), generator=g)] = float("-inf")
-    for k in {1, max(1, n // 9), max(1, n // 3), n}:
+    for k in {0, 1, max(1, n // 9), max(1, n // 3), n}:
         assert torch.equal(_best(x, k), torch.argsort(x, descending=True, stable=True)[:k]), k
 
 

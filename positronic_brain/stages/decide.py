@@ -162,7 +162,7 @@ def _best(x: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of the ``k`` largest of ``x`` (1-D, no NaN), largest first, ties in index
     order: ``argsort(x, descending=True, stable=True)[:k]``, without sorting all of ``x``
     when ``k`` is a small part of it (a scan step's anchors among thousands of cold rows)."""
-    if 4 * k >= x.numel():
+    if k <= 0 or 4 * k >= x.numel():
         return torch.argsort(x, descending=True, stable=True)[:k]
     kth = torch.topk(x, k, sorted=False).values.min()
     above, tied = (x > kth).nonzero()[:, 0], (x == kth).nonzero()[:, 0]
