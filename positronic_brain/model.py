@@ -136,9 +136,10 @@ class Model:
         self.blocks = tuple((sl, dev) for sl, dev in runs)
         self.split = any(d != self.device for d in self.layer_devices)
         self.moves, at = {}, self.device
-        for i, dev in enumerate(self.layer_devices + (self.device,) if self.split else ()):
-            if dev != at:
-                self.moves[i], at = dev, dev
+        if self.split:
+            for i, dev in enumerate(self.layer_devices + (self.device,)):
+                if dev != at:
+                    self.moves[i], at = dev, dev
 
     @property
     def fingerprint(self) -> dict:

@@ -53,8 +53,7 @@ def recall_signals(view: View, attention: torch.Tensor,
     query over the recall layers (None unless the step scans the cold store): attention,
     value-weighted if ``signal`` is value (a cold value's norm relative to the live ones'),
     then ``aggregate``d."""
-    runs = _runs(recall.layers)
-    layers = slice(*runs[0]) if len(runs) == 1 else list(recall.layers)  # a view if it can
+    layers = _index(recall.layers)
     hot = attention[layers]  # (l, H, n)
     live = view.vnorm[layers] if recall.signal == "value" else None
     if live is not None:
@@ -85,15 +84,14 @@ def cold_logits(cold: ColdView, recall: RecallQuery, group_max: bool = False) ->
     G, l = H // KVH, len(layers)
     products = torch.empty(l * KVH, c, G, dtype=cold.k.dtype, device=cold.k.device)
     one_by_one, at = cold.k.device.type == "cpu" and cold.k.dtype != torch.float32, 0
-    for first, last in ([(i, i + 1) for i in layers] if one_by_one else _runs(layers)):
+    for first, last in [(i, i + 1) for i in layers] if one_by_one else _runs(layers):
         n = (last - first) * KVH
         q = recall.query[first:last].reshape(n, G, D)
         k = cold.k[first:last].reshape(n, c, D)  # a view: no copy
         torch.bmm(k, q.transpose(1, 2), out=products[at:at + n])
         at += n
     s = products.view(l, KVH, c, G).float()
-    runs = _runs(layers)
-    lse = recall.lse[slice(*runs[0]) if len(runs) == 1 else list(layers)].view(l, KVH, 1, G)
+    lse = recall.lse[_index(layers)].view(l, KVH, 1, G)
     return _group_max(s, lse)[:, :, None] if group_max else (s - lse).transpose(2, 3)
 
 
@@ -106,6 +104,13 @@ def _group_max(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     for j in range(1, s.shape[-1]):
         out = torch.maximum(out, s[..., j] - lse[..., j])
     return out
+
+
+def _index(layers: tuple[int, ...]) -> slice | list[int]:
+    """What selects increasing ``layers`` along a tensor's first dimension: a slice (a view)
+    when they are one run of consecutive layers, else the list."""
+    runs = _runs(layers)
+    return slice(*runs[0]) if len(runs) == 1 else list(layers)
 
 
 def _runs(layers: tuple[int, ...]) -> list[tuple[int, int]]:
