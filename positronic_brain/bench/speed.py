@@ -444,17 +444,24 @@ def measure_ops(model: Model, full: View, ids: list[int], cfg: SpeedConfig) -> d
 
 
 def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],
-                  task) -> tuple[Model, float]:
-    """The model loaded again with ``compile`` (bfloat16 weights unpacked), and the seconds
-    its first stage-1 call took (compiling; a longer context does not compile again)."""
+                  task) -> tuple[Model | None, dict]:
+    """The model loaded again with ``compile`` (bfloat16 weights unpacked), and what its
+    first stage-1 call took (compiling; a longer context does not compile again); or None
+    and why, if compiling failed, so the rest of the run still reports."""
     tick = task(f"{dtype} compile", 1)
-    model = load_model(cfg.model, dtype, cfg.device, compile=True)
-    n = cfg.contexts[0]
     t0 = time.perf_counter()
-    generate(model, prefix_view(full, n, ids[n]), GREEDY, make_generator(0, model.device))
-    common.sync()
+    try:
+        model = load_model(cfg.model, dtype, cfg.device, compile=True)
+        t0 = time.perf_counter()
+        n = cfg.contexts[0]
+        generate(model, prefix_view(full, n, ids[n]), GREEDY, make_generator(0, model.device))
+        common.sync()
+    except Exception as e:  # pylint: disable=broad-exception-caught  # reported, not raised
+        model, why_not = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    else:
+        why_not = None
     tick()
-    return model, time.perf_counter() - t0
+    return model, {"dtype": dtype, "compile_s": time.perf_counter() - t0, "why_not": why_not}
 
 
 def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
@@ -470,7 +477,7 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     view = primed.view()
     why_not = llamacpp.unavailable(model, dtype)
     llama = None if why_not else llamacpp.Contender(model, dtype, cfg.contexts[-1] + 8)
-    compiled, compile_s = compile_model(cfg, dtype, view, ids, task)
+    compiled, compile_info = compile_model(cfg, dtype, view, ids, task)
     decode = measure_decode(model, hf, view, ids, cfg, task, llama, compiled)
     del compiled
     if llama is not None:
@@ -492,7 +499,7 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
                                             if r["cold"]), None)}
     return {"cfg": cfg, "prefill": prefill, "decode": decode, "alloc": alloc, "memory": memory,
             "loop": loop, "edits": edits, "ops": ops,
-            "compile": {"dtype": dtype, "compile_s": compile_s},
+            "compile": compile_info,
             "llamacpp": {"dtype": dtype, "measured": llama is not None, "why_not": why_not,
                          "gguf": llama and llama.path.name}}
 
@@ -807,7 +814,9 @@ def tables(res: dict) -> list[Table]:
         "Timed in the same rounds as the decode table above, on a second copy of the model "
         "loaded with `compile` (bfloat16 weights unpacked: docs/DESIGN.md, stage 1). "
         "Compiling took " + "; ".join(
-            f"{c['dtype']} {c['compile_s']:.0f} s" for c in res.get("compile", ()))
+            f"{c['dtype']} {c['compile_s']:.0f} s" if c.get("why_not") is None
+            else f"{c['dtype']} failed, not measured ({c['why_not']})"
+            for c in res.get("compile", ()))
         + " (the first stage-1 call; inductor's on-disk cache shortens a second run's).")
     ops = Table(
         "Operators launched per token (stage 1)",
