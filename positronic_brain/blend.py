@@ -32,7 +32,7 @@ import torch
 
 from .forward import forward
 from .model import Model
-from .stages.apply import PREFILL_CHUNK
+from .stages.apply import chunks
 from .state import State
 from .types import require
 
@@ -52,9 +52,9 @@ def _buffer(model: Model, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, 
 @torch.no_grad()
 def chunked(model: Model, past: Cache, ids: torch.Tensor, positions: torch.Tensor,
         past_mask: torch.Tensor | None = None, logits: bool = False,
-        chunk: int = PREFILL_CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``ids`` (T,) at ``positions`` over the rows ``past`` (copied once into a buffer, which
-    the new rows follow), in chunks of ``chunk`` tokens, each over the past and the chunks
+    the new rows follow), in chunks (``stages.apply.chunks``), each over the past and the chunks
     before it; query t sees past row j where ``past_mask`` (T, n) is True (None: every row).
     Returns the new K/V (L, kv_heads, T, head_dim) and, with ``logits``, every new token's
     logits (T, V) float32."""
@@ -67,8 +67,9 @@ def chunked(model: Model, past: Cache, ids: torch.Tensor, positions: torch.Tenso
         lm = torch.zeros(k.shape[:3], device=model.device)
         lm[:, :, :n] = lm0
     rows = []
-    for start in range(0, T, chunk):
-        sl, m = slice(start, start + chunk), n + start
+    for sl in chunks(model, n, T, chunk, logits=logits):
+        start = sl.start
+        m = n + start
         mask = None
         if past_mask is not None:
             mask = past_mask[sl]
@@ -115,7 +116,7 @@ class Blend:
     """A live state's cache in text order (copies) beside the joint prefill of its text."""
 
     @torch.no_grad()
-    def __init__(self, model: Model, state: State, chunk: int = PREFILL_CHUNK):
+    def __init__(self, model: Model, state: State, chunk: int | None = None):
         require(not model.split, "blend measures a model on one device (no device map)")
         a, m, n = state.arena, state.ledger, state.ledger.n
         require(n > 0, "the cache is empty: nothing to measure")
@@ -195,7 +196,7 @@ def gap_closed(composed: float, joint: float, nll: float) -> float | None:
 
 @torch.no_grad()
 def measure(model: Model, state: State, continuation: list[int], percents: tuple[float, ...] = (),
-            layer: int = SELECT_LAYER, chunk: int = PREFILL_CHUNK
+            layer: int = SELECT_LAYER, chunk: int | None = None
             ) -> tuple[dict, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """Measure ``state``'s cache against the joint prefill of its text (the module's
     docstring) with ``continuation`` (ids) as the text that follows, recomputing each of

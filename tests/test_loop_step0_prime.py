@@ -1,8 +1,11 @@
 """Stage 0: priming builds the arena and ledger with our own chunked prefill."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from positronic_brain.stages.apply import prime
+from positronic_brain.stages import apply as apply_module
+from positronic_brain.stages.apply import chunks, prime
 from positronic_brain.types import Segment, UserError
 from tests.oracle import assert_close, hf_prompt_logits
 
@@ -65,3 +68,26 @@ def test_single_token_prompt_caches_nothing(tiny_model):
 def test_prime_rejects_bad_input(tiny_model, segs, capacity, message):
     with pytest.raises(UserError, match=message):
         prime(tiny_model, segs, capacity=capacity)
+
+
+def test_prefill_chunks_by_device(monkeypatch):
+    """256 tokens a chunk on the CPU; on a GPU as many as keep chunk x context within a 16th
+    of its memory (one layer's scores, probabilities and mask over every head, all logits)."""
+    monkeypatch.setattr(apply_module, "gpu_chunk_bytes", lambda device: 1 << 32)  # 64 GiB / 16
+    spec = SimpleNamespace(n_heads=32, vocab=128_000)
+    cpu = SimpleNamespace(device=torch.device("cpu"), spec=spec)
+    gpu = SimpleNamespace(device=torch.device("cuda", 0), spec=spec)
+
+    def cut(model, *args, **kwargs):
+        return [(s.start, s.stop) for s in chunks(model, *args, **kwargs)]
+    assert cut(cpu, 10, 600) == [(0, 256), (256, 512), (512, 600)]
+    assert cut(gpu, 10, 600, chunk=7)[-1] == (595, 600)  # an explicit chunk wins anywhere
+    # 4 float32 buffers of 32 heads x 4,096 slots a token: 2 MiB, so 2,048 a chunk
+    assert cut(gpu, 0, 4096) == [(0, 2048), (2048, 4096)]
+    assert cut(gpu, 0, 1024) == [(0, 1024)]
+    assert cut(gpu, 0, 1024, logits=True) == [(0, 1024)]
+    assert cut(gpu, 0, 4096, logits=True)[0] == (0, (1 << 32) // (4 * (4 * 32 * 4096 + 128_000)))
+    assert cut(gpu, 0, 100_000)[0] == (0, 256)  # never below the CPU's chunk
+    assert cut(gpu, 0, 0) == []
+    with pytest.raises(UserError, match="prefill chunk must be >= 1"):
+        cut(cpu, 0, 10, chunk=0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -28,7 +29,34 @@ from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Cold, Ledger, SplitA
 from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Merge, Patch, PrefillStats,
                      PrimeOut, ScoreOut, Segment, Swap, require)
 
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 256  # tokens per prefill chunk on the CPU (longer ones measured slower there)
+
+
+def gpu_chunk_bytes(device: torch.device) -> int:
+    """What a GPU prefill chunk's buffers that grow with chunk x context may take: a 16th of
+    the device's memory (its total, not what is free, so one kind of GPU always cuts a
+    prompt the same way: a replay's bits)."""
+    return torch.cuda.get_device_properties(device).total_memory // 16
+
+
+def chunks(model: Model, n: int, total: int, chunk: int | None = None,
+           logits: bool = False) -> Iterator[slice]:
+    """The slices of ``total`` new tokens prefilled, a chunk at a time, after ``n`` live
+    slots: ``chunk`` tokens each if given. Else ``PREFILL_CHUNK`` on the CPU; on a GPU, where
+    a chunk's kernel launches cost about what a decode step's do however many tokens it
+    holds, as many as keep what grows with chunk x context within ``gpu_chunk_bytes``: one
+    layer's float32 scores over every head (torch's fused kernel builds them too when given
+    a mask and grouped K/V heads), their probabilities and mask, and with ``logits`` every
+    token's logits."""
+    if chunk is None and model.device.type == "cpu":
+        chunk = PREFILL_CHUNK
+    if chunk is None:
+        s = model.spec
+        per_token = 4 * (4 * s.n_heads * (n + total) + s.vocab * logits)
+        chunk = max(PREFILL_CHUNK, gpu_chunk_bytes(model.device) // max(1, per_token))
+    require(chunk >= 1, f"prefill chunk must be >= 1, got {chunk}")
+    for start in range(0, total, chunk):
+        yield slice(start, min(total, start + chunk))
 
 
 def arena(model: Model, capacity: int) -> Arena | SplitArena:
@@ -84,7 +112,7 @@ def _write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: tor
 
 
 def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Tensor,
-             sources: torch.Tensor, flags: torch.Tensor, chunk: int, all_logits: bool,
+             sources: torch.Tensor, flags: torch.Tensor, chunk: int | None, all_logits: bool,
              received: tuple[torch.Tensor, torch.Tensor, int] | None = None,
              ) -> tuple[list[torch.Tensor], list[int], list[int]]:
     """Append ``ids`` at ``positions`` in causal chunks; each chunk attends to all live slots.
@@ -93,9 +121,8 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
     on paid (``forward``'s ``received``), without a second forward."""
     a, m = state.arena, state.ledger
     logits, slots, uids = [], [], []
-    for start in range(0, ids.shape[0], chunk):
-        sl = slice(start, start + chunk)
-        n = a.n
+    for sl in chunks(model, a.n, ids.shape[0], chunk, logits=all_logits):
+        start, n = sl.start, a.n
         past_k, past_v, log_mass = a.past(n)
         out = forward(model, past_k, past_v, ids[sl], positions[sl], all_logits=all_logits,
                       past_log_mass=log_mass,
@@ -116,7 +143,7 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
 
 @torch.no_grad()
 def prime(model: Model, segments: list[Segment], capacity: int,
-          pinned: frozenset[str] = frozenset(), chunk: int = PREFILL_CHUNK,
+          pinned: frozenset[str] = frozenset(), chunk: int | None = None,
           all_logits: bool = False, seeds: tuple[float, ...] | None = None,
           cold_capacity: int | None = None, prefill_window: int | None = None,
           scorer=None) -> tuple[State, PrimeOut]:
@@ -142,7 +169,7 @@ def prime(model: Model, segments: list[Segment], capacity: int,
             f"{model.spec.max_positions} positions")
     bad = [i for i in ids_list if not 0 <= i < model.spec.vocab]
     require(not bad, f"token id {bad[:1]} outside the model's vocabulary of {model.spec.vocab}")
-    require(chunk >= 1, f"prefill chunk must be >= 1, got {chunk}")
+    require(chunk is None or chunk >= 1, f"prefill chunk must be >= 1, got {chunk}")
 
     src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
     flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
@@ -200,7 +227,7 @@ def seed(state: State, scorer, stats: PrefillStats) -> ScoreOut | None:
 
 
 @torch.no_grad()
-def extend(model: Model, state: State, segments: list[Segment], chunk: int = PREFILL_CHUNK,
+def extend(model: Model, state: State, segments: list[Segment], chunk: int | None = None,
            pending: int | None = None) -> Patch:
     """Stage 0 on a live state: prefill the pending token, then every new id but the last,
     which becomes the pending token (a chat turn, or an imported session's next prompt).
@@ -703,7 +730,7 @@ def rewrite(model: Model, state: State, slots: torch.Tensor, k: torch.Tensor,
 
 
 @torch.no_grad()
-def rebuild_from_ledger(model: Model, state: State, chunk: int = PREFILL_CHUNK) -> None:
+def rebuild_from_ledger(model: Model, state: State, chunk: int | None = None) -> None:
     """Re-prefill every live token (in position order, at its position) so the arena
     agrees with the ledger again. Slot order becomes position order; folds are lost (every
     slot holds its own token's K/V again)."""
@@ -716,8 +743,8 @@ def rebuild_from_ledger(model: Model, state: State, chunk: int = PREFILL_CHUNK) 
         b.log_mass.zero_()
     a.folded = False
     n = cols["uid"].shape[0]
-    for start in range(0, n, chunk):
-        sl = slice(start, start + chunk)
+    for sl in chunks(model, 0, n, chunk):
+        start = sl.start
         past_k, past_v, _ = a.past(start)
         out = forward(model, past_k, past_v, cols["token_id"][sl], cols["position"][sl],
                       kv_only=True)
