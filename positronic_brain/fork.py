@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .capture import NO_TAPE, CaptureTape
 from .loop import Session, drive
+from .model import device_kind
 from .replay import open_run, rebuild
 from .scorers import make_scorer, user
 from .special_tokens import TokenPolicy
@@ -62,7 +63,8 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
     if capture is not None:
         own = {k: v for k, v in manifest.items() if k not in OWN}
         tape = CaptureTape(capture, {
-            **own, "command": command,
+            **own, "command": command, "device": str(model.device),
+            "device_kind": device_kind(model.device),
             "params": {**params, "cache_params": dataclasses.asdict(cache_params),
                        "sampler": dataclasses.asdict(new_sampler)},
             "scorer_sha256": user.file_sha256(cache_params.scorer),

@@ -192,6 +192,15 @@ def resolve_device(device: str = "cpu") -> torch.device:
     return torch.device("cuda", index)
 
 
+def device_kind(device: torch.device) -> str:
+    """What decides a run's bits beside its inputs: ``cpu``, or the GPU's name and memory
+    (the memory sets the prefill's chunks there: ``stages.apply.chunks``)."""
+    if device.type == "cpu":
+        return "cpu"
+    props = torch.cuda.get_device_properties(device)
+    return f"{props.name}, {props.total_memory // 2**20} MiB"
+
+
 def check_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The torch dtype for ``dtype`` on ``device``, or a UserError if the device cannot run it."""
     require(dtype in DTYPES, f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")

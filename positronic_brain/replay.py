@@ -26,7 +26,7 @@ from rich.console import Console
 
 from .capture import (EXTEND, LEDGER_COLUMNS, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
                       extend_outputs, file_name, gen_outputs, prime_outputs)
-from .model import Model, load_model, resolve_device
+from .model import Model, device_kind, load_model, resolve_device
 from .plain import to_plain
 from .sampler import make_generator
 from .scorers import make_scorer, prefill_scorer, user
@@ -120,10 +120,14 @@ class _Replay:
         self.run, self.model, self.report = run, model, report
         self.only_stage, self.only_step = stage, step
         self.state: State | None = None
-        captured_on = run.manifest.get("device", "cpu")
-        if torch.device(captured_on) != model.device:
+        captured_on = str(torch.device(run.manifest.get("device", "cpu")))
+        here = str(model.device)
+        kind, here_kind = run.manifest.get("device_kind"), device_kind(model.device)
+        if kind not in (None, here_kind):  # another GPU of the same index
+            captured_on, here = f"{captured_on} ({kind})", f"{here} ({here_kind})"
+        if captured_on != here:
             report.tolerance = TOLERANCE[run.manifest["dtype"]]
-            report.notes.append(f"captured on {captured_on}, replayed on {model.device}: "
+            report.notes.append(f"captured on {captured_on}, replayed on {here}: "
                                 f"floating-point outputs compared within {report.tolerance:g} "
                                 "(relative), sampled tokens taken from the capture")
 

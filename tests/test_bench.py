@@ -1,5 +1,6 @@
 """`bench speed --quick` on the tiny model: well-formed JSON, a report and real PNG plots."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -140,16 +141,45 @@ def test_the_hf_contender_is_row_major_and_computes_the_same(tiny_model):
         assert torch.allclose(hf(ids).logits, tiny_model.hf(ids).logits, atol=1e-5)
 
 
-def test_a_compile_that_fails_is_reported_not_fatal(monkeypatch):
-    """One optional contender failing (no triton kernel for an operator, say) must not lose
-    a long run's other numbers: the compiled copy is None and the reason is kept."""
+@pytest.mark.parametrize("where", ["load", "first call"])
+def test_a_compile_that_fails_is_reported_not_fatal(monkeypatch, where):
+    """One optional contender failing (no triton kernel for an operator, say), as it loads or
+    as its first call compiles, must not lose a long run's other numbers: the compiled copy
+    is None and the reason is kept."""
     from positronic_brain.bench import speed  # pylint: disable=import-outside-toplevel
 
-    def load(*_, compile=False):  # pylint: disable=redefined-builtin
-        assert compile
+    def fail(*_, **__):
         raise RuntimeError("no kernel for this\nsecond line")
-    monkeypatch.setattr(speed, "load_model", load)
+    loaded = SimpleNamespace(device=torch.device("cpu"))  # the first call's model
+    monkeypatch.setattr(speed, "load_model", fail if where == "load" else lambda *_, **__: loaded)
+    monkeypatch.setattr(speed, "prefix_view", lambda *_: None)
+    monkeypatch.setattr(speed, "generate", fail)
     cfg = speed.SpeedConfig(model="tiny-random", device="cpu", quick=True)
-    model, info = speed.compile_model(cfg, "bfloat16", None, [], lambda *_: lambda: None)
+    model, info = speed.compile_model(cfg, "bfloat16", None, [0] * 300, lambda *_: lambda: None)
     assert model is None
     assert info["dtype"] == "bfloat16" and info["why_not"] == "RuntimeError: no kernel for this"
+
+
+@pytest.mark.parametrize("error, expected", [
+    (RuntimeError("no kernel\nsecond line"), "RuntimeError: no kernel"),
+    (AssertionError(), "AssertionError"),  # a bare assert: no message at all
+    (RuntimeError("\n  \n  first words later\n"), "RuntimeError: first words later")])
+def test_a_failure_reason_is_one_line_whatever_the_message(error, expected):
+    from positronic_brain.bench.speed import reason  # pylint: disable=import-outside-toplevel
+    assert reason(error) == expected
+
+
+def test_a_wrapped_compiler_error_is_reported_as_its_own(monkeypatch):
+    """torch wraps the compiler's error (BackendCompilerFailed), whose first line only says
+    which backend raised: the report gives the error inside."""
+    from positronic_brain.bench.speed import reason  # pylint: disable=import-outside-toplevel
+    wrapped = RuntimeError("backend='inductor' raised:\nTypeError: bad")
+    wrapped.inner_exception = TypeError("bad operand")
+    assert reason(wrapped) == "TypeError: bad operand"
+
+
+def test_a_note_with_brackets_prints(capsys):
+    from positronic_brain.bench.common import Table, print_tables  # pylint: disable=import-outside-toplevel
+    print_tables([Table("t", ("a",), (("1",),), "failed (see [/tmp/x] and [bold])")])
+    out = "".join(capsys.readouterr().out.split())  # the caption wraps at the table's width
+    assert "failed(see[/tmp/x]and[bold])" in out  # as written, not read as markup

@@ -2,6 +2,7 @@
 a tampered value is reported by file, key and max difference; bad files exit 2."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,3 +128,26 @@ def test_run_capture_then_replay_from_the_command_line(tmp_path, capsys):
     assert "12 steps" in capsys.readouterr().err
     assert cli(args) == 0 and cli(["replay", str(tmp_path)]) == 2  # now two runs: name one
     assert "holds 2 capture runs" in capsys.readouterr().err
+
+
+def test_a_capture_from_another_kind_of_gpu_is_compared_within_tolerance(tmp_path, capsys):
+    """The manifest names the kind of device (on a GPU its name and memory, which sets the
+    prefill's chunks); replayed on another kind, floats are compared within the dtype's
+    tolerance, with a note, as on another device."""
+    assert cli(["run", "--model", "tiny-random", "--prompt", "which card", "--max-new-tokens",
+                "4", "--ignore-eos", "--capture", str(tmp_path), "--json"]) == 0
+    run_dir = json.loads(capsys.readouterr().out)["capture"]
+    manifest = read_manifest(run_dir)
+    assert manifest["device"] == "cpu" and manifest["device_kind"] == "cpu"
+    report = replay(run_dir)
+    assert report.tolerance is None and not report.notes and not report.mismatches
+    path = Path(run_dir) / "manifest.json"
+    data = json.loads(path.read_text())
+    data["device_kind"] = "NVIDIA H100 80GB HBM3, 81559 MiB"
+    path.write_text(json.dumps(data))
+    report = replay(run_dir)
+    assert report.tolerance is not None and not report.mismatches
+    assert report.notes == [f"captured on cpu (NVIDIA H100 80GB HBM3, 81559 MiB), replayed on "
+                            f"cpu (cpu): floating-point outputs compared within "
+                            f"{report.tolerance:g} (relative), sampled tokens taken from the "
+                            "capture"]

@@ -171,11 +171,12 @@ class Table:
 
 def print_tables(tables: Sequence[Table]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table as RichTable
 
     console = Console()
     for t in tables:
-        rt = RichTable(title=t.title, title_justify="left", caption=t.note or None,
+        rt = RichTable(title=t.title, title_justify="left", caption=escape(t.note) if t.note else None,
                        caption_justify="left")
         for i, h in enumerate(t.headers):
             rt.add_column(h, justify="left" if i == 0 else "right")

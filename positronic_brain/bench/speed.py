@@ -457,11 +457,20 @@ def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],
         generate(model, prefix_view(full, n, ids[n]), GREEDY, make_generator(0, model.device))
         common.sync()
     except Exception as e:  # pylint: disable=broad-exception-caught  # reported, not raised
-        model, why_not = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        model, why_not = None, reason(e)
     else:
         why_not = None
     tick()
     return model, {"dtype": dtype, "compile_s": time.perf_counter() - t0, "why_not": why_not}
+
+
+def reason(e: BaseException) -> str:
+    """An exception as one short line: its type and first non-empty line, the compiler's
+    own error where torch wraps it (``BackendCompilerFailed``'s first line only says which
+    backend raised)."""
+    e = getattr(e, "inner_exception", None) or e
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
 def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:

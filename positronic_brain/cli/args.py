@@ -10,7 +10,7 @@ from dataclasses import asdict
 from ..bench import passkey
 from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
-from ..model import DTYPES
+from ..model import DTYPES, device_kind
 from ..scorers import SCORERS, make_scorer, user
 from ..transfer import INITS, KINDS, TrainParams
 from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
@@ -471,7 +471,8 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
         return NO_TAPE
     return CaptureTape(args.capture, {
         "model": model.name, "dtype": model.precision, "compiled": model.compiled,
-        "device": str(model.device), "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
+        "device": str(model.device), "device_kind": device_kind(model.device),
+        "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
         "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},
                    "sampler": asdict(sampler), "cache_params": asdict(params)},
         "scorer_sha256": user.file_sha256(params.scorer),
