@@ -449,19 +449,17 @@ def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],
     first stage-1 call took (compiling; a longer context does not compile again); or None
     and why, if compiling failed, so the rest of the run still reports."""
     tick = task(f"{dtype} compile", 1)
-    t0 = time.perf_counter()
     try:
         model = load_model(cfg.model, dtype, cfg.device, compile=True)
         t0 = time.perf_counter()
         n = cfg.contexts[0]
         generate(model, prefix_view(full, n, ids[n]), GREEDY, make_generator(0, model.device))
         common.sync()
+        return model, {"dtype": dtype, "compile_s": time.perf_counter() - t0, "why_not": None}
     except Exception as e:  # pylint: disable=broad-exception-caught  # reported, not raised
-        model, why_not = None, reason(e)
-    else:
-        why_not = None
-    tick()
-    return model, {"dtype": dtype, "compile_s": time.perf_counter() - t0, "why_not": why_not}
+        return None, {"dtype": dtype, "compile_s": None, "why_not": reason(e)}
+    finally:
+        tick()
 
 
 def reason(e: BaseException) -> str:

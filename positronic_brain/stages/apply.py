@@ -169,7 +169,6 @@ def prime(model: Model, segments: list[Segment], capacity: int,
             f"{model.spec.max_positions} positions")
     bad = [i for i in ids_list if not 0 <= i < model.spec.vocab]
     require(not bad, f"token id {bad[:1]} outside the model's vocabulary of {model.spec.vocab}")
-    require(chunk is None or chunk >= 1, f"prefill chunk must be >= 1, got {chunk}")
 
     src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
     flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
@@ -735,6 +734,7 @@ def rebuild_from_ledger(model: Model, state: State, chunk: int | None = None) ->
     agrees with the ledger again. Slot order becomes position order; folds are lost (every
     slot holds its own token's K/V again)."""
     m = state.ledger
+    parts = list(chunks(model, 0, m.n, chunk))  # a bad chunk refused before anything changes
     order = torch.argsort(m.live("position"))
     cols = {c: m.live(c)[order].clone() for c in Ledger.COLUMNS}
     a = state.arena
@@ -743,7 +743,7 @@ def rebuild_from_ledger(model: Model, state: State, chunk: int | None = None) ->
         b.log_mass.zero_()
     a.folded = False
     n = cols["uid"].shape[0]
-    for sl in chunks(model, 0, n, chunk):
+    for sl in parts:
         start = sl.start
         past_k, past_v, _ = a.past(start)
         out = forward(model, past_k, past_v, cols["token_id"][sl], cols["position"][sl],
