@@ -130,6 +130,29 @@ def _gather(ts: list[torch.Tensor], device: torch.device, split: bool) -> torch.
     return torch.stack([t.to(device) for t in ts] if split else ts)
 
 
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                    causal: bool, grouped: bool) -> torch.Tensor:
+    """torch's fused attention (H, T, D) of the new queries ``q`` (H, T, D), scaled already,
+    over ``k``/``v`` (kv_heads, S, D) where ``allowed`` (T, S) bool. ``grouped``: the
+    kernel is given the grouped K/V heads with the mask (the CPU's flash kernel takes both).
+    Else, as on a GPU, where a mask with grouped heads leaves only torch's plain
+    implementation, which builds every head's float32 scores: without past slots to mask
+    (``causal``: ``allowed`` is the causal triangle) it is given no mask (its flash kernel
+    takes the grouped heads then), and with them each K/V head is repeated for its group of
+    query heads, so its memory-efficient kernel takes the mask. The same attention; its
+    bits are the kernel's."""
+    q = q.unsqueeze(0)
+    if grouped:
+        return F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=allowed,
+                                              scale=1.0, enable_gqa=True)[0]
+    if causal:
+        return F.scaled_dot_product_attention(q, k[None], v[None], is_causal=True, scale=1.0,
+                                              enable_gqa=True)[0]
+    g = q.shape[1] // k.shape[0]
+    k, v = (x.repeat_interleave(g, dim=0)[None] for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=1.0)[0]
+
+
 @torch.no_grad()
 def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
@@ -241,9 +264,8 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
 
         if fused:
             keys, values = torch.cat((past_ks[i], k), 1), torch.cat((past_vs[i], v), 1)
-            out = F.scaled_dot_product_attention(  # (H, T, D); q is scaled already
-                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=allowed,
-                scale=1.0, enable_gqa=True)[0]
+            out = fused_attention(q, keys, values, allowed, causal=n == 0 and past_mask is None,
+                                  grouped=q.device.type == "cpu")
         else:
             qg = q.reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
             # scores in the model's dtype, as its products round them; float32 from the first

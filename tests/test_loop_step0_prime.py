@@ -4,6 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from positronic_brain import forward as forward_module
 from positronic_brain.stages import apply as apply_module
 from positronic_brain.stages.apply import chunks, prime
 from positronic_brain.types import Segment, UserError
@@ -52,6 +53,32 @@ def test_prime_chunking_does_not_change_the_cache(tiny_model, tiny_policy):
     n = a.arena.n
     assert torch.allclose(a.arena.k[:, :, :n], b.arena.k[:, :, :n], atol=1e-5)
     assert torch.allclose(a.arena.v[:, :, :n], b.arena.v[:, :, :n], atol=1e-5)
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_each_fused_attention_path_primes_what_hf_computes(monkeypatch, tiny_model,
+                                                            tiny_policy, cpu_kernel):
+    """The fused prefill attention given the grouped K/V heads with a mask (the CPU's), or
+    as on a GPU: the first chunk with no mask (causal), later ones with each K/V head
+    repeated for its query heads (``forward.fused_attention``). Both paths run here, on
+    any device, and give HF's logits and the cache of the path the device takes."""
+    real, causal_calls = forward_module.fused_attention, []
+    monkeypatch.setattr(forward_module, "fused_attention", lambda *args, causal, grouped: (
+        causal_calls.append(causal) or real(*args, causal=causal, grouped=cpu_kernel)))
+    segs = tiny_policy.raw_prompt("a fused prefill, chunk by chunk, over grouped heads " * 3)
+    ids = [i for s in segs for i in s.ids]
+    state, out = prime(tiny_model, segs, capacity=200, chunk=16, all_logits=True)
+    spec = tiny_model.spec
+    assert spec.n_kv_heads < spec.n_heads
+    first = spec.n_layers  # one call per layer: the first chunk's, then later chunks'
+    assert all(causal_calls[:first]) and len(causal_calls) > first
+    assert not any(causal_calls[first:])
+    assert_close(out.logits, hf_prompt_logits(tiny_model, ids[:-1]), 1e-4, "prime logits")
+    monkeypatch.setattr(forward_module, "fused_attention", real)
+    plain, _ = prime(tiny_model, segs, capacity=200, chunk=16)
+    n = state.arena.n
+    assert torch.allclose(state.arena.k[:, :, :n], plain.arena.k[:, :, :n], atol=1e-5)
+    assert torch.allclose(state.arena.v[:, :, :n], plain.arena.v[:, :, :n], atol=1e-5)
 
 
 def test_single_token_prompt_caches_nothing(tiny_model):

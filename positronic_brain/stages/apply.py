@@ -45,9 +45,10 @@ def chunks(model: Model, n: int, total: int, chunk: int | None = None,
     slots: ``chunk`` tokens each if given. Else ``PREFILL_CHUNK`` on the CPU; on a GPU, where
     a chunk's kernel launches cost about what a decode step's do however many tokens it
     holds, as many as keep what grows with chunk x context within ``gpu_chunk_bytes``, but
-    at least ``PREFILL_CHUNK``: one layer's float32 scores over every head (torch's fused
-    kernel builds them too when given a mask and grouped K/V heads), their probabilities and
-    mask, and with ``logits`` every token's logits."""
+    at least ``PREFILL_CHUNK``: one layer's float32 scores over every head, their
+    probabilities and mask (what torch's plain attention builds, the bound kept since
+    ``forward.fused_attention`` gives its fused kernels what they take), and with
+    ``logits`` every token's logits."""
     if chunk is None and model.device.type == "cpu":
         chunk = PREFILL_CHUNK
     if chunk is None:
