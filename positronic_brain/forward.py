@@ -153,6 +153,24 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=1.0)[0]
 
 
+def _score_buffers(bufs: dict, qg: torch.Tensor, n: int, T: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The buffers every layer of a prefill that builds its scores reuses on ``qg``'s device
+    (made at its first layer there): one block in the model's dtype seen as the products
+    over the ``n`` past slots (kv_heads, group x ``T``, n) and, once they are joined into
+    the scores, as the probabilities cast back (kv_heads, group x T, n + T), and the float32
+    scores (that shape), which the softmax overwrites with its probabilities. Each
+    layer allocating its own, at thousands of slots tens of MB each, had the allocator map
+    fresh pages and fault them in every time."""
+    if qg.device not in bufs:
+        KVH, rows = qg.shape[:2]
+        block = torch.empty(KVH * rows * (n + T), dtype=dtype, device=qg.device)
+        bufs[qg.device] = (block[: KVH * rows * n].view(KVH, rows, n),
+                           torch.empty(KVH, rows, n + T, device=qg.device),
+                           block.view(KVH, rows, n + T))
+    return bufs[qg.device]
+
+
 @torch.no_grad()
 def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
@@ -243,6 +261,13 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     past_vs = _layers(past_v)
     log_mass = _layers(past_log_mass) if past_log_mass is not None else None
     qkv_split = ((H + KVH) * D, KVH * D)
+    # the queries each layer answers: all T, but in the last layer of a forward that wants
+    # nothing but the new K/V and the last token's logits only that token's (the others'
+    # outputs there feed nothing; every K/V is computed before)
+    Tq = T
+    bufs: dict = {}  # a prefill's score buffers per device (``_score_buffers``)
+    last_only = (T > 1 and not all_logits and not kv_only and attention is None and rows is None
+                 and queries is None and received is None)
     moves = model.moves  # empty on one device
     for i, w in enumerate(model.layers):
         if moves and i in moves:  # this layer runs on another device: take what it reads there
@@ -261,27 +286,36 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
         if kv_only and i == L - 1:
             return ForwardOut(logits=None, k=_gather(new_k, dev, bool(moves)),
                               v=_gather(new_v, dev, bool(moves)), attention=None)
+        if last_only and i == L - 1:  # from here only the last token's row is wanted
+            x, q, Tq = x[-1:], q[:, -1:], 1
+            allowed, mask_past, mask_new = (t if t is None else t[-1:]
+                                            for t in (allowed, mask_past, mask_new))
 
         if fused:
             keys, values = torch.cat((past_ks[i], k), 1), torch.cat((past_vs[i], v), 1)
-            out = fused_attention(q, keys, values, allowed, causal=n == 0 and past_mask is None,
-                                  grouped=q.device.type == "cpu")
+            out = fused_attention(q, keys, values, allowed, grouped=q.device.type == "cpu",
+                                  causal=n == 0 and past_mask is None and Tq == T)
         else:
-            qg = q.reshape(KVH, g * T, D)  # heads of one KV group share its keys (GQA)
+            qg = q.reshape(KVH, g * Tq, D)  # heads of one KV group share its keys (GQA)
             # scores in the model's dtype, as its products round them; float32 from the first
             # addition on (the softmax takes them to float32 itself: the same bits as a cast)
-            s_past = torch.matmul(qg, past_kt[i])  # (KVH, gT, n)
+            buf = _score_buffers(bufs, qg, n, T, dtype) if Tq > 1 and queries is None else None
+            s_past = torch.matmul(qg, past_kt[i], out=None if buf is None else buf[0])
             s_new = torch.matmul(qg, k.transpose(1, 2))  # (KVH, gT, T)
             if log_mass is not None:
                 s_past = as_dtype(s_past, torch.float32) + log_mass[i].unsqueeze(1)  # (KVH, 1, n)
             if mask_past is not None:
-                s_past = (s_past.view(KVH, g, T, n) + mask_past).view(KVH, g * T, n)
+                s_past = (s_past.view(KVH, g, Tq, n) + mask_past).view(KVH, g * Tq, n)
             if mask_new is not None:
-                s_new = (s_new.view(KVH, g, T, T) + mask_new).view(KVH, g * T, T)
-            if s_past.dtype != s_new.dtype:
-                s_past, s_new = as_dtype(s_past, torch.float32), as_dtype(s_new, torch.float32)
-            scores = torch.cat((s_past, s_new), dim=-1)  # (KVH, gT, n + T)
-            p = torch.softmax(scores, dim=-1, dtype=torch.float32)
+                s_new = (s_new.view(KVH, g, Tq, T) + mask_new).view(KVH, g * Tq, T)
+            if buf is not None:  # float32 (the causal mask's), cast as joined: the same bits
+                scores = torch.cat((s_past, s_new), dim=-1, out=buf[1])  # (KVH, gT, n + T)
+                p = torch.softmax(scores, dim=-1, out=buf[1])  # over its scores, row by row
+            else:
+                if s_past.dtype != s_new.dtype:
+                    s_past, s_new = as_dtype(s_past, torch.float32), as_dtype(s_new, torch.float32)
+                scores = torch.cat((s_past, s_new), dim=-1)  # (KVH, gT, n + T)
+                p = torch.softmax(scores, dim=-1, dtype=torch.float32)
             if queries is not None:  # one token: its query and scores as they are
                 queries.append(qk if T == 1 else qk[:, -1:])  # (H + KVH, 1, D)
                 last_scores.append(scores if T == 1 else scores.view(KVH, g, T, n + T)[:, :, -1])
@@ -292,10 +326,11 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             if received is not None:
                 _received(p.view(KVH, g, T, n + T), n, received_from, received[i],
                           None if window is None else window[i])
-            p_past, p_new = as_dtype(p, dtype).split((n, T), dim=-1)
+            p = as_dtype(p, dtype) if buf is None or dtype == torch.float32 else buf[2].copy_(p)
+            p_past, p_new = p.split((n, T), dim=-1)
             out = torch.matmul(p_past, past_vs[i]) + torch.matmul(p_new, v)  # (KVH, gT, D)
         # (H, T, D) -> (T, H * D); with one token the transpose moves nothing
-        out = out.reshape(T, H * D) if T == 1 else out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
+        out = out.reshape(Tq, H * D) if Tq == 1 else out.reshape(H, Tq, D).transpose(0, 1).reshape(Tq, H * D)
         x = x + linear(out, w.o_w, w.o_b)
 
         h = rms_norm(x, w.ln2, s.rms_eps)

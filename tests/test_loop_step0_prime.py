@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from positronic_brain import forward as forward_module
+from positronic_brain.model import load_model
 from positronic_brain.stages import apply as apply_module
 from positronic_brain.stages.apply import chunks, prime
 from positronic_brain.types import Segment, UserError
@@ -79,6 +80,45 @@ def test_each_fused_attention_path_primes_what_hf_computes(monkeypatch, tiny_mod
     n = state.arena.n
     assert torch.allclose(state.arena.k[:, :, :n], plain.arena.k[:, :, :n], atol=1e-5)
     assert torch.allclose(state.arena.v[:, :, :n], plain.arena.v[:, :, :n], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_last_layer_answers_only_the_last_query(tiny_policy, dtype):
+    """Without all logits, a prefill chunk's last layer runs its attention output and MLP
+    for the chunk's last token only (nothing reads the others'): the cache has the same
+    bits as with all logits, and each chunk's last logits are HF's."""
+    model = load_model("tiny-random", dtype)
+    segs = tiny_policy.raw_prompt("only the last row of the last layer is wanted " * 3)
+    ids = [i for s in segs for i in s.ids]
+    every, _ = prime(model, segs, capacity=200, chunk=16, all_logits=True)
+    last, out = prime(model, segs, capacity=200, chunk=16)
+    n = last.arena.n
+    assert torch.equal(every.arena.k[:, :, :n], last.arena.k[:, :, :n])
+    assert torch.equal(every.arena.v[:, :, :n], last.arena.v[:, :, :n])
+    rows = list(range(15, n, 16)) + ([n - 1] if n % 16 else [])
+    tol = 1e-4 if dtype == "float32" else 0.1
+    assert_close(out.logits, hf_prompt_logits(model, ids[:-1])[rows], tol, "chunks' last logits")
+
+
+@pytest.mark.parametrize("dtype, window", [("bfloat16", None), ("float32", 4)])
+def test_reused_score_buffers_give_the_same_bits(monkeypatch, tiny_policy, dtype, window):
+    """A prefill that builds its scores (bfloat16 on the CPU; any dtype gathering prompt
+    statistics) reuses one set of buffers over its layers (``forward._score_buffers``):
+    the cache, logits and statistics have the bits of each layer allocating its own."""
+    model = load_model("tiny-random", dtype)
+    segs = tiny_policy.raw_prompt("one buffer for every layer's scores " * 4)
+    run = lambda: prime(model, segs, capacity=200, chunk=16, all_logits=True,  # noqa: E731
+                        prefill_window=window)
+    reused, out = run()
+    monkeypatch.setattr(forward_module, "_score_buffers", lambda *args: None)
+    fresh, plain = run()
+    n = reused.arena.n
+    assert torch.equal(reused.arena.k[:, :, :n], fresh.arena.k[:, :, :n])
+    assert torch.equal(reused.arena.v[:, :, :n], fresh.arena.v[:, :, :n])
+    assert torch.equal(out.logits, plain.logits)
+    if window is not None:
+        assert torch.equal(out.stats.total, plain.stats.total)
+        assert torch.equal(out.stats.window, plain.stats.window)
 
 
 def test_single_token_prompt_caches_nothing(tiny_model):
