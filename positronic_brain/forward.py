@@ -133,7 +133,8 @@ def _gather(ts: list[torch.Tensor], device: torch.device, split: bool) -> torch.
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                     causal: bool, grouped: bool) -> torch.Tensor:
     """torch's fused attention (H, T, D) of the new queries ``q`` (H, T, D), scaled already,
-    over ``k``/``v`` (kv_heads, S, D) where ``allowed`` (T, S) bool. ``grouped``: the
+    over ``k``/``v`` (kv_heads, S, D) plus the bias ``allowed`` (T, S): 0 where a query
+    may attend, -inf where not (``q``'s dtype). ``grouped``: the
     kernel is given the grouped K/V heads with the mask (the CPU's flash kernel takes both).
     Else, as on a GPU, where a mask with grouped heads leaves only torch's plain
     implementation, which builds every head's float32 scores: without past slots to mask
@@ -240,14 +241,17 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     # builds the scores (a CPU's bfloat16 prefill builds them, as HF's eager attention does)
     fused = (T > 1 and (dtype == torch.float32 or dev.type != "cpu") and attention is None
              and received is None and not want_query and past_log_mass is None)
-    # What may be attended: for the fused kernel, True over [live slots | new tokens] (the
-    # live slots unless masked, causal after); else an additive bias over the score
-    # columns, None where nothing is masked.
+    # What may be attended: an additive bias, 0 or -inf. For the fused kernel one over
+    # [live slots | new tokens] (the live slots unless masked, causal after), in the
+    # queries' dtype: what the kernel would turn a boolean mask into in every layer;
+    # else one over the score columns of each block, None where nothing is masked.
     allowed = mask_past = mask_new = None
     if fused:
         allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
         if past_mask is not None:
             allowed[:, :n] = past_mask
+        allowed = torch.zeros(T, n + T, dtype=dtype, device=dev).masked_fill_(
+            ~allowed, float("-inf"))
     else:
         if past_mask is not None:
             mask_past = torch.zeros(T, n, device=dev).masked_fill_(~past_mask, float("-inf"))
