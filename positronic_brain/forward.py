@@ -130,28 +130,28 @@ def _gather(ts: list[torch.Tensor], device: torch.device, split: bool) -> torch.
     return torch.stack([t.to(device) for t in ts] if split else ts)
 
 
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                     causal: bool, grouped: bool) -> torch.Tensor:
     """torch's fused attention (H, T, D) of the new queries ``q`` (H, T, D), scaled already,
-    over ``k``/``v`` (kv_heads, S, D) plus the bias ``allowed`` (T, S): 0 where a query
+    over ``k``/``v`` (kv_heads, S, D) plus ``bias`` (T, S): 0 where a query
     may attend, -inf where not (``q``'s dtype). ``grouped``: the
     kernel is given the grouped K/V heads with the mask (the CPU's flash kernel takes both).
     Else, as on a GPU, where a mask with grouped heads leaves only torch's plain
     implementation, which builds every head's float32 scores: without past slots to mask
-    (``causal``: ``allowed`` is the causal triangle) it is given no mask (its flash kernel
+    (``causal``: ``bias`` is the causal triangle's) it is given no mask (its flash kernel
     takes the grouped heads then), and with them each K/V head is repeated for its group of
     query heads, so its memory-efficient kernel takes the mask. The same attention; its
     bits are the kernel's."""
     q = q.unsqueeze(0)
     if grouped:
-        return F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=allowed,
+        return F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=bias,
                                               scale=1.0, enable_gqa=True)[0]
     if causal:
         return F.scaled_dot_product_attention(q, k[None], v[None], is_causal=True, scale=1.0,
                                               enable_gqa=True)[0]
     g = q.shape[1] // k.shape[0]
     k, v = (x.repeat_interleave(g, dim=0)[None] for x in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=1.0)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)[0]
 
 
 def _score_buffers(bufs: dict, qg: torch.Tensor, n: int, T: int,
@@ -245,13 +245,13 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     # [live slots | new tokens] (the live slots unless masked, causal after), in the
     # queries' dtype: what the kernel would turn a boolean mask into in every layer;
     # else one over the score columns of each block, None where nothing is masked.
-    allowed = mask_past = mask_new = None
+    bias = mask_past = mask_new = None
     if fused:
         allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
         if past_mask is not None:
             allowed[:, :n] = past_mask
-        allowed = torch.zeros(T, n + T, dtype=dtype, device=dev).masked_fill_(
-            ~allowed, float("-inf"))
+        bias = torch.zeros(T, n + T, dtype=dtype, device=dev).masked_fill_(~allowed,
+                                                                           float("-inf"))
     else:
         if past_mask is not None:
             mask_past = torch.zeros(T, n, device=dev).masked_fill_(~past_mask, float("-inf"))
@@ -269,15 +269,15 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     # nothing but the new K/V and the last token's logits only that token's (the others'
     # outputs there feed nothing; every K/V is computed before)
     Tq = T
+    last_only = T > 1 and not (all_logits or kv_only or want_attention or want_query
+                               or received is not None)
     bufs: dict = {}  # a prefill's score buffers per device (``_score_buffers``)
-    last_only = (T > 1 and not all_logits and not kv_only and attention is None and rows is None
-                 and queries is None and received is None)
     moves = model.moves  # empty on one device
     for i, w in enumerate(model.layers):
         if moves and i in moves:  # this layer runs on another device: take what it reads there
-            x, cos_qk, sin_qk, mask_past, mask_new, allowed = (
+            x, cos_qk, sin_qk, mask_past, mask_new, bias = (
                 t if t is None else t.to(moves[i])
-                for t in (x, cos_qk, sin_qk, mask_past, mask_new, allowed))
+                for t in (x, cos_qk, sin_qk, mask_past, mask_new, bias))
         h = rms_norm(x, w.ln1, s.rms_eps)
         qk, v = linear(h, w.qkv_w, w.qkv_b).split(qkv_split, dim=1)  # (T, (H + 2 KVH) D)
         # (H + KVH, T, D); one token's is a view of its row (moving a size-1 dimension)
@@ -292,12 +292,12 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                               v=_gather(new_v, dev, bool(moves)), attention=None)
         if last_only and i == L - 1:  # from here only the last token's row is wanted
             x, q, Tq = x[-1:], q[:, -1:], 1
-            allowed, mask_past, mask_new = (t if t is None else t[-1:]
-                                            for t in (allowed, mask_past, mask_new))
+            bias, mask_past, mask_new = (t if t is None else t[-1:]
+                                         for t in (bias, mask_past, mask_new))
 
         if fused:
             keys, values = torch.cat((past_ks[i], k), 1), torch.cat((past_vs[i], v), 1)
-            out = fused_attention(q, keys, values, allowed, grouped=q.device.type == "cpu",
+            out = fused_attention(q, keys, values, bias, grouped=q.device.type == "cpu",
                                   causal=n == 0 and past_mask is None and Tq == T)
         else:
             qg = q.reshape(KVH, g * Tq, D)  # heads of one KV group share its keys (GQA)
@@ -312,14 +312,12 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                 s_past = (s_past.view(KVH, g, Tq, n) + mask_past).view(KVH, g * Tq, n)
             if mask_new is not None:
                 s_new = (s_new.view(KVH, g, Tq, T) + mask_new).view(KVH, g * Tq, T)
-            if buf is not None:  # float32 (the causal mask's), cast as joined: the same bits
-                scores = torch.cat((s_past, s_new), dim=-1, out=buf[1])  # (KVH, gT, n + T)
-                p = torch.softmax(scores, dim=-1, out=buf[1])  # over its scores, row by row
-            else:
-                if s_past.dtype != s_new.dtype:
-                    s_past, s_new = as_dtype(s_past, torch.float32), as_dtype(s_new, torch.float32)
-                scores = torch.cat((s_past, s_new), dim=-1)  # (KVH, gT, n + T)
-                p = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            # joined in the wider dtype (a float32 block casts the other as it joins: the
+            # same bits as casting first); a buffer's softmax overwrites its scores row by row
+            scores = torch.cat((s_past, s_new), dim=-1,  # (KVH, gT, n + T)
+                               out=None if buf is None else buf[1])
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32,
+                              out=None if buf is None else scores)
             if queries is not None:  # one token: its query and scores as they are
                 queries.append(qk if T == 1 else qk[:, -1:])  # (H + KVH, 1, D)
                 last_scores.append(scores if T == 1 else scores.view(KVH, g, T, n + T)[:, :, -1])
