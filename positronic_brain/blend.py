@@ -67,7 +67,7 @@ def chunked(model: Model, past: Cache, ids: torch.Tensor, positions: torch.Tenso
         lm = torch.zeros(k.shape[:3], device=model.device)
         lm[:, :, :n] = lm0
     rows = []
-    for sl in chunks(model, n, T, chunk, logits=logits):
+    for sl in chunks(model, n, T, chunk, logits=logits, scores=lm is not None):
         start = sl.start
         m = n + start
         mask = None

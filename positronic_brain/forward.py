@@ -138,19 +138,21 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
     kernel is given the grouped K/V heads with the mask (the CPU's flash kernel takes both).
     Else, as on a GPU, where a mask with grouped heads leaves only torch's plain
     implementation, which builds every head's float32 scores: without past slots to mask
-    (``causal``: ``bias`` is the causal triangle's) it is given no mask (its flash kernel
-    takes the grouped heads then), and with them each K/V head is repeated for its group of
-    query heads, so its memory-efficient kernel takes the mask. The same attention; its
-    bits are the kernel's."""
+    (``causal``: ``bias`` is the causal triangle's) it is given no mask, and its flash
+    kernel the grouped heads in half precision; otherwise each K/V head is repeated for its
+    group of query heads, so its memory-efficient kernel takes the mask or the float32. The
+    same attention; its bits are the kernel's."""
     q = q.unsqueeze(0)
     if grouped:
         return F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=bias,
                                               scale=1.0, enable_gqa=True)[0]
-    if causal:
+    if causal and q.dtype in (torch.float16, torch.bfloat16):
         return F.scaled_dot_product_attention(q, k[None], v[None], is_causal=True, scale=1.0,
                                               enable_gqa=True)[0]
     g = q.shape[1] // k.shape[0]
     k, v = (x.repeat_interleave(g, dim=0)[None] for x in (k, v))
+    if causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)[0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)[0]
 
 

@@ -82,6 +82,30 @@ def test_each_fused_attention_path_primes_what_hf_computes(monkeypatch, tiny_mod
     assert torch.allclose(state.arena.v[:, :, :n], plain.arena.v[:, :, :n], atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [0, 5])
+def test_every_fused_attention_branch_attends_as_the_masked_grouped_one(dtype, n):
+    """Without past slots (causal: grouped heads in half precision, repeated in float32) or
+    with them (repeated, masked), what a GPU is given attends as the CPU's masked call over
+    the grouped heads, to the dtype's rounding; a masked-out past slot is not attended."""
+    gen = torch.Generator().manual_seed(0)
+    T, S, D = 6, n + 6, 8
+    q = torch.randn(4, T, D, generator=gen).to(dtype)
+    k, v = (torch.randn(2, S, D, generator=gen).to(dtype) for _ in range(2))
+    allowed = torch.ones(T, S, dtype=torch.bool).tril_(n)
+    allowed[:, :n][1::2] = False
+    if n:
+        allowed[:, 0] = False
+    bias = torch.zeros(T, S, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    want = forward_module.fused_attention(q, k, v, bias, causal=n == 0, grouped=True)
+    got = forward_module.fused_attention(q, k, v, bias, causal=n == 0, grouped=False)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol)
+    probs = torch.softmax((q.float() @ k.float().repeat_interleave(2, 0).transpose(1, 2))
+                          + bias.float(), dim=-1)
+    assert torch.allclose(got.float(), probs @ v.float().repeat_interleave(2, 0), atol=tol * 4)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_last_layer_answers_only_the_last_query(tiny_policy, dtype):
     """Without all logits, a prefill chunk's last layer runs its attention output and MLP
@@ -138,23 +162,31 @@ def test_prime_rejects_bad_input(tiny_model, segs, capacity, message):
 
 
 def test_prefill_chunks_by_device(monkeypatch):
-    """256 tokens a chunk on the CPU; on a GPU as many as keep chunk x context within a 16th
-    of its memory (one layer's scores, probabilities and mask over every head, all logits)."""
+    """256 tokens a chunk on the CPU; on a GPU as many as keep what grows with the chunk
+    within a 16th of its memory: one layer's scores, probabilities and mask over every head
+    where the forward builds them, the mask's row and the MLP's activations where its fused
+    kernels do not; all logits where wanted."""
     monkeypatch.setattr(apply_module, "gpu_chunk_bytes", lambda device: 1 << 32)  # 64 GiB / 16
-    spec = SimpleNamespace(n_heads=32, vocab=128_000)
+    spec = SimpleNamespace(n_heads=32, vocab=128_000, intermediate=14_336)
     cpu = SimpleNamespace(device=torch.device("cpu"), spec=spec)
     gpu = SimpleNamespace(device=torch.device("cuda", 0), spec=spec)
 
     def cut(model, *args, **kwargs):
         return [(s.start, s.stop) for s in chunks(model, *args, **kwargs)]
     assert cut(cpu, 10, 600) == [(0, 256), (256, 512), (512, 600)]
+    assert cut(cpu, 10, 600, scores=True) == cut(cpu, 10, 600)
     assert cut(gpu, 10, 600, chunk=7)[-1] == (595, 600)  # an explicit chunk wins anywhere
-    # 4 float32 buffers of 32 heads x 4,096 slots a token: 2 MiB, so 2,048 a chunk
-    assert cut(gpu, 0, 4096) == [(0, 2048), (2048, 4096)]
-    assert cut(gpu, 0, 1024) == [(0, 1024)]
-    assert cut(gpu, 0, 1024, logits=True) == [(0, 1024)]
-    assert cut(gpu, 0, 4096, logits=True)[0] == (0, (1 << 32) // (4 * (4 * 32 * 4096 + 128_000)))
-    assert cut(gpu, 0, 100_000)[0] == (0, 256)  # never below the CPU's chunk
+    # built: 4 float32 buffers of 32 heads x 4,096 slots a token, 2 MiB, so 2,048 a chunk
+    assert cut(gpu, 0, 4096, scores=True) == [(0, 2048), (2048, 4096)]
+    assert cut(gpu, 0, 1024, scores=True) == [(0, 1024)]
+    assert cut(gpu, 0, 4096, logits=True, scores=True)[0] == (
+        0, (1 << 32) // (4 * (4 * 32 * 4096 + 128_000)))
+    assert cut(gpu, 0, 100_000, scores=True)[0] == (0, 256)  # never below the CPU's chunk
+    # fused: a mask row of 4,096 slots and 3 x 14,336 activations, 4 bytes each
+    assert cut(gpu, 0, 4096) == [(0, 4096)]
+    assert cut(gpu, 0, 100_000)[0] == (0, (1 << 32) // (4 * (100_000 + 3 * 14_336)))
+    assert cut(gpu, 0, 100_000, logits=True)[0] == (
+        0, (1 << 32) // (4 * (100_000 + 3 * 14_336 + 128_000)))
     assert cut(gpu, 0, 0) == []
     with pytest.raises(UserError, match="prefill chunk must be >= 1"):
         cut(cpu, 0, 10, chunk=0)

@@ -40,20 +40,22 @@ def gpu_chunk_bytes(device: torch.device) -> int:
 
 
 def chunks(model: Model, n: int, total: int, chunk: int | None = None,
-           logits: bool = False) -> Iterator[slice]:
+           logits: bool = False, scores: bool = False) -> Iterator[slice]:
     """The slices of ``total`` new tokens prefilled, a chunk at a time, after ``n`` live
     slots: ``chunk`` tokens each if given. Else ``PREFILL_CHUNK`` on the CPU; on a GPU, where
     a chunk's kernel launches cost about what a decode step's do however many tokens it
-    holds, as many as keep what grows with chunk x context within ``gpu_chunk_bytes``, but
-    at least ``PREFILL_CHUNK``: one layer's float32 scores over every head, their
-    probabilities and mask (what torch's plain attention builds, the bound kept since
-    ``forward.fused_attention`` gives its fused kernels what they take), and with
-    ``logits`` every token's logits."""
+    holds, as many as keep what grows with the chunk within ``gpu_chunk_bytes``, but at
+    least ``PREFILL_CHUNK``: with ``scores`` (the forward builds them: statistics or
+    log-mass wanted) one layer's float32 scores, probabilities and mask over every head and
+    slot; else (``forward.fused_attention``, whose kernels never build them) the mask's row
+    over every slot and the MLP's activations, 4 bytes each at most; with ``logits`` every
+    token's logits."""
     if chunk is None and model.device.type == "cpu":
         chunk = PREFILL_CHUNK
     if chunk is None:
         s = model.spec
-        per_token = 4 * (4 * s.n_heads * (n + total) + s.vocab * logits)
+        row = 4 * s.n_heads * (n + total) if scores else n + total + 3 * s.intermediate
+        per_token = 4 * (row + s.vocab * logits)
         chunk = max(PREFILL_CHUNK, gpu_chunk_bytes(model.device) // max(1, per_token))
     require(chunk >= 1, f"prefill chunk must be >= 1, got {chunk}")
     for start in range(0, total, chunk):
@@ -122,7 +124,8 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
     on paid (``forward``'s ``received``), without a second forward."""
     a, m = state.arena, state.ledger
     logits, slots, uids = [], [], []
-    for sl in chunks(model, a.n, ids.shape[0], chunk, logits=all_logits):
+    built = received is not None or a.folded  # the forward builds its scores
+    for sl in chunks(model, a.n, ids.shape[0], chunk, logits=all_logits, scores=built):
         start, n = sl.start, a.n
         past_k, past_v, log_mass = a.past(n)
         out = forward(model, past_k, past_v, ids[sl], positions[sl], all_logits=all_logits,
