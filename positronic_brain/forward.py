@@ -130,30 +130,28 @@ def _gather(ts: list[torch.Tensor], device: torch.device, split: bool) -> torch.
     return torch.stack([t.to(device) for t in ts] if split else ts)
 
 
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                    causal: bool, grouped: bool) -> torch.Tensor:
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    bias: torch.Tensor | None, grouped: bool) -> torch.Tensor:
     """torch's fused attention (H, T, D) of the new queries ``q`` (H, T, D), scaled already,
-    over ``k``/``v`` (kv_heads, S, D) plus ``bias`` (T, S): 0 where a query
-    may attend, -inf where not (``q``'s dtype). ``grouped``: the
-    kernel is given the grouped K/V heads with the mask (the CPU's flash kernel takes both).
-    Else, as on a GPU, where a mask with grouped heads leaves only torch's plain
-    implementation, which builds every head's float32 scores: without past slots to mask
-    (``causal``: ``bias`` is the causal triangle's) it is given no mask, and its flash
-    kernel the grouped heads in half precision; otherwise each K/V head is repeated for its
-    group of query heads, so its memory-efficient kernel takes the mask or the float32. The
-    same attention; its bits are the kernel's."""
-    q = q.unsqueeze(0)
-    if grouped:
+    over ``k``/``v`` (kv_heads, S, D) plus ``bias`` (T, S): 0 where a query may attend,
+    -inf where not (``q``'s dtype). ``bias`` None: causal if T > 1 (the keys are the
+    queries' own: a first chunk, with no past), else unmasked. Causal, the kernel gets no
+    mask but the causal flag, and skips the blocks the triangle hides (on the CPU the same
+    bits as with the mask). ``grouped``: the kernel is given the grouped K/V heads (the
+    CPU's flash kernel takes them with a mask). Else, as on a GPU, where a mask with grouped
+    heads, or grouped heads in float32, leave only torch's plain implementation, which
+    builds every head's float32 scores: the grouped heads go only to the flash kernel,
+    causal in half precision; otherwise each K/V head is repeated for its group of query
+    heads, which the memory-efficient kernel takes, masked or in float32. The same
+    attention; its bits are the kernel's."""
+    q, causal = q.unsqueeze(0), bias is None and q.shape[1] > 1
+    if grouped or (causal and q.dtype in (torch.float16, torch.bfloat16)):
         return F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=bias,
-                                              scale=1.0, enable_gqa=True)[0]
-    if causal and q.dtype in (torch.float16, torch.bfloat16):
-        return F.scaled_dot_product_attention(q, k[None], v[None], is_causal=True, scale=1.0,
-                                              enable_gqa=True)[0]
+                                              is_causal=causal, scale=1.0, enable_gqa=True)[0]
     g = q.shape[1] // k.shape[0]
     k, v = (x.repeat_interleave(g, dim=0)[None] for x in (k, v))
-    if causal:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)[0]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal,
+                                          scale=1.0)[0]
 
 
 def _score_buffers(bufs: dict, qg: torch.Tensor, n: int, T: int,
@@ -248,12 +246,13 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     # queries' dtype: what the kernel would turn a boolean mask into in every layer;
     # else one over the score columns of each block, None where nothing is masked.
     bias = mask_past = mask_new = None
-    if fused:
-        allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
-        if past_mask is not None:
-            allowed[:, :n] = past_mask
-        bias = torch.zeros(T, n + T, dtype=dtype, device=dev).masked_fill_(~allowed,
-                                                                           float("-inf"))
+    if fused:  # none without past slots: causal (``fused_attention``)
+        if n or past_mask is not None:
+            allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
+            if past_mask is not None:
+                allowed[:, :n] = past_mask
+            bias = torch.zeros(T, n + T, dtype=dtype, device=dev).masked_fill_(
+                ~allowed, float("-inf"))
     else:
         if past_mask is not None:
             mask_past = torch.zeros(T, n, device=dev).masked_fill_(~past_mask, float("-inf"))
@@ -299,8 +298,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
 
         if fused:
             keys, values = torch.cat((past_ks[i], k), 1), torch.cat((past_vs[i], v), 1)
-            out = fused_attention(q, keys, values, bias, grouped=q.device.type == "cpu",
-                                  causal=n == 0 and past_mask is None and Tq == T)
+            out = fused_attention(q, keys, values, bias, grouped=q.device.type == "cpu")
         else:
             qg = q.reshape(KVH, g * Tq, D)  # heads of one KV group share its keys (GQA)
             # scores in the model's dtype, as its products round them; float32 from the first

@@ -64,8 +64,8 @@ def test_each_fused_attention_path_primes_what_hf_computes(monkeypatch, tiny_mod
     repeated for its query heads (``forward.fused_attention``). Both paths run here, on
     any device, and give HF's logits and the cache of the path the device takes."""
     real, causal_calls = forward_module.fused_attention, []
-    monkeypatch.setattr(forward_module, "fused_attention", lambda *args, causal, grouped: (
-        causal_calls.append(causal) or real(*args, causal=causal, grouped=cpu_kernel)))
+    monkeypatch.setattr(forward_module, "fused_attention", lambda q, k, v, bias, grouped: (
+        causal_calls.append(bias is None) or real(q, k, v, bias, grouped=cpu_kernel)))
     segs = tiny_policy.raw_prompt("a fused prefill, chunk by chunk, over grouped heads " * 3)
     ids = [i for s in segs for i in s.ids]
     state, out = prime(tiny_model, segs, capacity=200, chunk=16, all_logits=True)
@@ -85,25 +85,33 @@ def test_each_fused_attention_path_primes_what_hf_computes(monkeypatch, tiny_mod
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [0, 5])
 def test_every_fused_attention_branch_attends_as_the_masked_grouped_one(dtype, n):
-    """Without past slots (causal: grouped heads in half precision, repeated in float32) or
-    with them (repeated, masked), what a GPU is given attends as the CPU's masked call over
-    the grouped heads, to the dtype's rounding; a masked-out past slot is not attended."""
+    """Without past slots (no mask, causal: grouped heads on the CPU and in half precision,
+    repeated in float32 elsewhere) or with them (masked: grouped on the CPU, repeated
+    elsewhere), and one query unmasked, each branch attends as the softmax over the
+    allowed slots, to the dtype's rounding; causal on the CPU, the bits of the masked call."""
     gen = torch.Generator().manual_seed(0)
     T, S, D = 6, n + 6, 8
     q = torch.randn(4, T, D, generator=gen).to(dtype)
     k, v = (torch.randn(2, S, D, generator=gen).to(dtype) for _ in range(2))
     allowed = torch.ones(T, S, dtype=torch.bool).tril_(n)
-    allowed[:, :n][1::2] = False
     if n:
+        allowed[1::2, :n] = False
         allowed[:, 0] = False
     bias = torch.zeros(T, S, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-    want = forward_module.fused_attention(q, k, v, bias, causal=n == 0, grouped=True)
-    got = forward_module.fused_attention(q, k, v, bias, causal=n == 0, grouped=False)
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    assert torch.allclose(got.float(), want.float(), atol=tol)
     probs = torch.softmax((q.float() @ k.float().repeat_interleave(2, 0).transpose(1, 2))
                           + bias.float(), dim=-1)
-    assert torch.allclose(got.float(), probs @ v.float().repeat_interleave(2, 0), atol=tol * 4)
+    want = probs @ v.float().repeat_interleave(2, 0)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    given = None if n == 0 else bias  # no past: no mask, causal
+    for grouped in (True, False):
+        got = forward_module.fused_attention(q, k, v, given, grouped=grouped)
+        assert torch.allclose(got.float(), want, atol=tol), grouped
+        one = forward_module.fused_attention(q[:, -1:], k, v, None if n == 0 else bias[-1:],
+                                             grouped=grouped)
+        assert torch.allclose(one.float(), want[:, -1:], atol=tol), grouped
+    if n == 0:
+        masked = forward_module.fused_attention(q, k, v, bias, grouped=True)
+        assert torch.equal(forward_module.fused_attention(q, k, v, None, grouped=True), masked)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
