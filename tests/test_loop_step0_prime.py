@@ -114,6 +114,31 @@ def test_every_fused_attention_branch_attends_as_the_masked_grouped_one(dtype, n
         assert torch.equal(forward_module.fused_attention(q, k, v, None, grouped=True), masked)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_off_the_cpu_grouped_heads_go_only_where_a_fused_kernel_takes_them(monkeypatch, dtype):
+    """Off the CPU (``grouped`` False), torch's fused kernels take grouped K/V heads only
+    causal, without a mask, in half precision (flash); a mask with grouped heads, or grouped
+    heads in float32, leave its plain implementation, which builds every head's float32
+    scores (64 GiB for a 32,768-token float32 chunk on an H100). So every other call gets
+    one K/V head per query head."""
+    calls = []
+    real = forward_module.F.scaled_dot_product_attention
+    monkeypatch.setattr(forward_module.F, "scaled_dot_product_attention", lambda q, k, v, **kw: (
+        calls.append((k.shape[1] == q.shape[1], kw.get("attn_mask") is not None,
+                      kw.get("is_causal", False), kw.get("enable_gqa", False)))
+        or real(q, k, v, **kw)))
+    q = torch.randn(4, 6, 8).to(dtype)
+    k, v = (torch.randn(2, 9, 8).to(dtype) for _ in range(2))
+    bias = torch.zeros(6, 9, dtype=dtype)
+    forward_module.fused_attention(q, k[:, :6], v[:, :6], None, grouped=False)  # causal
+    forward_module.fused_attention(q, k, v, bias, grouped=False)  # masked
+    forward_module.fused_attention(q[:, -1:], k, v, None, grouped=False)  # one query
+    half = dtype != torch.float32
+    # (one K/V head per query head, masked, causal, enable_gqa)
+    assert calls == [(not half, False, True, half), (True, True, False, False),
+                     (True, False, False, False)]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_last_layer_answers_only_the_last_query(tiny_policy, dtype):
     """Without all logits, a prefill chunk's last layer runs its attention output and MLP
