@@ -142,7 +142,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     heads, or grouped heads in float32, leave only torch's plain implementation, which
     builds every head's float32 scores: the grouped heads go only to the flash kernel,
     causal in half precision; otherwise each K/V head is repeated for its group of query
-    heads, which the memory-efficient kernel takes, masked or in float32. The same
+    heads, which the memory-efficient kernel takes, masked or in float32. (A GPU without the
+    flash kernel, before sm80 or past its head size, would take the plain implementation
+    for the causal call, which ``stages.apply.chunks`` does not budget for.) The same
     attention; its bits are the kernel's."""
     q, causal = q.unsqueeze(0), bias is None and q.shape[1] > 1
     if grouped or (causal and q.dtype in (torch.float16, torch.bfloat16)):

@@ -60,7 +60,6 @@ class ModelSpec:
     n_kv_heads: int
     head_dim: int
     hidden: int
-    intermediate: int
     vocab: int
     max_positions: int
     rms_eps: float
@@ -74,8 +73,7 @@ class ModelSpec:
         window = getattr(c, "sliding_window", None) or c.max_position_embeddings
         return cls(c.model_type, c.num_hidden_layers, c.num_attention_heads,
                    c.num_key_value_heads or c.num_attention_heads, head_dim, c.hidden_size,
-                   c.intermediate_size, c.vocab_size, min(c.max_position_embeddings, window),
-                   float(c.rms_norm_eps))
+                   c.vocab_size, min(c.max_position_embeddings, window), float(c.rms_norm_eps))
 
 
 @dataclass(frozen=True)

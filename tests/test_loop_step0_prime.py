@@ -200,9 +200,10 @@ def test_prefill_chunks_by_device(monkeypatch):
     where the forward builds them, the mask's row and the MLP's activations where its fused
     kernels do not; all logits where wanted."""
     monkeypatch.setattr(apply_module, "gpu_chunk_bytes", lambda device: 1 << 32)  # 64 GiB / 16
-    spec = SimpleNamespace(n_heads=32, vocab=128_000, intermediate=14_336)
-    cpu = SimpleNamespace(device=torch.device("cpu"), spec=spec)
-    gpu = SimpleNamespace(device=torch.device("cuda", 0), spec=spec)
+    spec = SimpleNamespace(n_heads=32, vocab=128_000)
+    hf = SimpleNamespace(config=SimpleNamespace(intermediate_size=14_336))
+    cpu = SimpleNamespace(device=torch.device("cpu"), spec=spec, hf=hf)
+    gpu = SimpleNamespace(device=torch.device("cuda", 0), spec=spec, hf=hf)
 
     def cut(model, *args, **kwargs):
         return [(s.start, s.stop) for s in chunks(model, *args, **kwargs)]
@@ -215,11 +216,11 @@ def test_prefill_chunks_by_device(monkeypatch):
     assert cut(gpu, 0, 4096, logits=True, scores=True)[0] == (
         0, (1 << 32) // (4 * (4 * 32 * 4096 + 128_000)))
     assert cut(gpu, 0, 100_000, scores=True)[0] == (0, 256)  # never below the CPU's chunk
-    # fused: a mask row of 4,096 slots and 3 x 14,336 activations, 4 bytes each
+    # fused: a mask row of 4,096 slots and 4 x 14,336 activations, 4 bytes each
     assert cut(gpu, 0, 4096) == [(0, 4096)]
-    assert cut(gpu, 0, 100_000)[0] == (0, (1 << 32) // (4 * (100_000 + 3 * 14_336)))
+    assert cut(gpu, 0, 100_000)[0] == (0, (1 << 32) // (4 * (100_000 + 4 * 14_336)))
     assert cut(gpu, 0, 100_000, logits=True)[0] == (
-        0, (1 << 32) // (4 * (100_000 + 3 * 14_336 + 128_000)))
+        0, (1 << 32) // (4 * (100_000 + 4 * 14_336 + 128_000)))
     assert cut(gpu, 0, 0) == []
     with pytest.raises(UserError, match="prefill chunk must be >= 1"):
         cut(cpu, 0, 10, chunk=0)

@@ -115,6 +115,17 @@ def test_another_model_is_refused(captured_run, tiny_model):
         replay(captured_run[0], model=tiny_model)
 
 
+def test_the_fingerprint_keeps_its_fields(tiny_model):
+    """Replay refuses a capture whose recorded fingerprint differs from the loaded model's in
+    anything, so a field added to it (``ModelSpec``'s among them) would refuse every capture
+    made before: what a new computation needs that the fingerprint lacks is read elsewhere
+    (the config, as ``stages.apply.chunks`` reads the intermediate size)."""
+    fp = tiny_model.fingerprint
+    assert sorted(fp) == ["dtype", "model_type", "name", "rope", "spec", "weights"]
+    assert sorted(fp["spec"]) == ["head_dim", "hidden", "max_positions", "model_type",
+                                  "n_heads", "n_kv_heads", "n_layers", "rms_eps", "vocab"]
+
+
 def test_run_capture_then_replay_from_the_command_line(tmp_path, capsys):
     args = ["run", "--model", "tiny-random", "--prompt", "capture me", "--max-new-tokens", "12",
             "--ignore-eos", "--seed", "5", "--budget", "10", "--sinks", "1", "--recent", "3",

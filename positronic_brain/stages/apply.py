@@ -48,13 +48,15 @@ def chunks(model: Model, n: int, total: int, chunk: int | None = None,
     least ``PREFILL_CHUNK``: with ``scores`` (the forward builds them: statistics or
     log-mass wanted) one layer's float32 scores, probabilities and mask over every head and
     slot; else (``forward.fused_attention``, whose kernels never build them) the mask's row
-    over every slot and the MLP's activations, 4 bytes each at most; with ``logits`` every
-    token's logits."""
+    over every slot and the MLP's activations (gate and up, the activation, their product),
+    4 bytes each at most; with ``logits`` every token's logits. (The intermediate size comes
+    from the config: ``ModelSpec`` is part of the fingerprint that captures record.)"""
     if chunk is None and model.device.type == "cpu":
         chunk = PREFILL_CHUNK
     if chunk is None:
         s = model.spec
-        row = 4 * s.n_heads * (n + total) if scores else n + total + 3 * s.intermediate
+        mlp = 4 * model.hf.config.intermediate_size
+        row = 4 * s.n_heads * (n + total) if scores else n + total + mlp
         per_token = 4 * (row + s.vocab * logits)
         chunk = max(PREFILL_CHUNK, gpu_chunk_bytes(model.device) // max(1, per_token))
     require(chunk >= 1, f"prefill chunk must be >= 1, got {chunk}")
