@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .forward import forward
+from .forward import builds_scores, forward
 from .model import Model
 from .stages.apply import chunks
 from .state import State
@@ -67,7 +67,8 @@ def chunked(model: Model, past: Cache, ids: torch.Tensor, positions: torch.Tenso
         lm = torch.zeros(k.shape[:3], device=model.device)
         lm[:, :, :n] = lm0
     rows = []
-    for sl in chunks(model, n, T, chunk, logits=logits, scores=lm is not None):
+    for sl in chunks(model, n, T, chunk, logits=logits,
+                     scores=builds_scores(model, False, lm is not None)):
         start = sl.start
         m = n + start
         mask = None

@@ -130,6 +130,15 @@ def _gather(ts: list[torch.Tensor], device: torch.device, split: bool) -> torch.
     return torch.stack([t.to(device) for t in ts] if split else ts)
 
 
+def builds_scores(model: Model, statistics: bool, log_mass: bool) -> bool:
+    """Whether ``forward`` builds the scores of several new tokens (a prefill): with the
+    prompt's ``statistics`` or a folded slot's ``log_mass`` wanted, and in bfloat16 or int8
+    on the CPU, as HF's eager attention does; else torch's fused attention
+    (``fused_attention``) attends, which never builds them. ``stages.apply.chunks`` sizes a
+    GPU's prefill chunks by it."""
+    return statistics or log_mass or (model.dtype != torch.float32 and model.device.type == "cpu")
+
+
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     bias: torch.Tensor | None, grouped: bool) -> torch.Tensor:
     """torch's fused attention (H, T, D) of the new queries ``q`` (H, T, D), scaled already,
@@ -238,11 +247,10 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
         if received_from < T:
             window = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
 
-    # several new tokens and nothing wanted but the K/V and logits (a prefill), in float32
-    # or on a GPU: torch's fused attention (scaled_dot_product_attention), which never
-    # builds the scores (a CPU's bfloat16 prefill builds them, as HF's eager attention does)
-    fused = (T > 1 and (dtype == torch.float32 or dev.type != "cpu") and attention is None
-             and received is None and not want_query and past_log_mass is None)
+    # several new tokens and nothing wanted but the K/V and logits (a prefill), unless the
+    # prefill builds its scores anyway (``builds_scores``): torch's fused attention
+    fused = (T > 1 and attention is None and not want_query
+             and not builds_scores(model, received is not None, past_log_mass is not None))
     # What may be attended: an additive bias, 0 or -inf. For the fused kernel one over
     # [live slots | new tokens] (the live slots unless masked, causal after), in the
     # queries' dtype: what the kernel would turn a boolean mask into in every layer;

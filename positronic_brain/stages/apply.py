@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..forward import apply_rope, forward, rerotation
+from ..forward import apply_rope, builds_scores, forward, rerotation
 from ..model import Model
 from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Cold, Ledger, SplitArena, State,
                      key_norms, value_norms)
@@ -45,9 +45,9 @@ def chunks(model: Model, n: int, total: int, chunk: int | None = None,
     slots: ``chunk`` tokens each if given. Else ``PREFILL_CHUNK`` on the CPU; on a GPU, where
     a chunk's kernel launches cost about what a decode step's do however many tokens it
     holds, as many as keep what grows with the chunk within ``gpu_chunk_bytes``, but at
-    least ``PREFILL_CHUNK``: with ``scores`` (the forward builds them: statistics or
-    log-mass wanted) one layer's float32 scores, probabilities and mask over every head and
-    slot; else (``forward.fused_attention``, whose kernels never build them) the mask's row
+    least ``PREFILL_CHUNK``: with ``scores`` (the forward builds them:
+    ``forward.builds_scores``) one layer's float32 scores, probabilities and mask over every
+    head and slot; else (``forward.fused_attention``, whose kernels never build them) the mask's row
     over every slot and the MLP's activations (gate and up, the activation, their product),
     4 bytes each at most; with ``logits`` every token's logits. (The intermediate size comes
     from the config: ``ModelSpec`` is part of the fingerprint that captures record.)"""
@@ -55,8 +55,8 @@ def chunks(model: Model, n: int, total: int, chunk: int | None = None,
         chunk = PREFILL_CHUNK
     if chunk is None:
         s = model.spec
-        mlp = 4 * model.hf.config.intermediate_size
-        row = 4 * s.n_heads * (n + total) if scores else n + total + mlp
+        row = (4 * s.n_heads * (n + total) if scores
+               else n + total + 4 * model.hf.config.intermediate_size)
         per_token = 4 * (row + s.vocab * logits)
         chunk = max(PREFILL_CHUNK, gpu_chunk_bytes(model.device) // max(1, per_token))
     require(chunk >= 1, f"prefill chunk must be >= 1, got {chunk}")
@@ -126,7 +126,7 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
     on paid (``forward``'s ``received``), without a second forward."""
     a, m = state.arena, state.ledger
     logits, slots, uids = [], [], []
-    built = received is not None or a.folded  # the forward builds its scores
+    built = builds_scores(model, received is not None, a.folded)
     for sl in chunks(model, a.n, ids.shape[0], chunk, logits=all_logits, scores=built):
         start, n = sl.start, a.n
         past_k, past_v, log_mass = a.past(n)
