@@ -15,7 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .model import Int8Weight, Model
+from .model import Int8Weight, Model, PackedWeight
 from .types import ForwardOut, require
 
 
@@ -38,7 +38,21 @@ INT8_ROWS = 16  # the most rows an int8 product multiplies by its int8 weight (`
 # SmolLM2's gate/up and two cores, the int8 product is the faster up to 16 rows, not from 24
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight,
+@torch.library.custom_op("positronic_brain::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product by a packed bfloat16 weight (``model.pack``), as an operator
+    ``torch.compile`` calls as it is: inductor has its own lowering of oneDNN's, which takes
+    only weights it packed itself, so a compiled stage 1 reaches the packed weights here."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    del b
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
            b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except for an int8 weight (``model.Int8Weight``: torch's weight-only
     int8 product up to ``INT8_ROWS`` rows, which reads half a bfloat16 weight's bytes; for
@@ -55,8 +69,10 @@ def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight,
             return F.linear(x, w.plain, b)
         y = torch.ops.aten._weight_int8pack_mm(x, w.q, w.scale)
         return y if b is None else y + b
-    if w.is_mkldnn:  # a packed bfloat16 weight (model.pack)
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    if isinstance(w, PackedWeight):
+        if torch.compiler.is_compiling():
+            return torch.ops.positronic_brain.packed_linear(x, w.w, b)
+        return torch.ops.mkldnn._linear_pointwise(x, w.w, b, "none", [], "")
     # compiled (``Model.compiled``), inductor multiplies as it sees fit: the split is eager's
     parts = 1 if torch.compiler.is_compiling() else torch.get_num_threads()
     if (x.shape[0] != 1 or not x.is_cpu or w.dtype != torch.float32 or parts < 2 or w.shape[1] % parts

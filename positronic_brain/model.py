@@ -81,18 +81,18 @@ class LayerWeights:
     """One decoder layer's weights. q/k/v (and gate/up) are fused into one matrix;
     the Hugging Face modules keep views into it. Shapes are (out, in) as in ``nn.Linear``;
     float32 storage is input-major (``w.t()`` contiguous), so nothing is stored twice.
-    bfloat16 matrices are oneDNN-packed copies (``pack``), read by our forward only; int8's
-    are ``Int8Weight``s."""
+    bfloat16 matrices on the CPU are oneDNN-packed copies (``PackedWeight``), read by our
+    forward only; int8's are ``Int8Weight``s."""
 
     ln1: torch.Tensor  # (hidden,)
-    qkv_w: "torch.Tensor | Int8Weight"  # ((H + 2*KVH) * D, hidden)
+    qkv_w: "torch.Tensor | PackedWeight | Int8Weight"  # ((H + 2*KVH) * D, hidden)
     qkv_b: torch.Tensor | None
-    o_w: "torch.Tensor | Int8Weight"  # (hidden, H * D)
+    o_w: "torch.Tensor | PackedWeight | Int8Weight"  # (hidden, H * D)
     o_b: torch.Tensor | None
     ln2: torch.Tensor
-    gate_up_w: "torch.Tensor | Int8Weight"  # (2 * intermediate, hidden)
+    gate_up_w: "torch.Tensor | PackedWeight | Int8Weight"  # (2 * intermediate, hidden)
     gate_up_b: torch.Tensor | None
-    down_w: "torch.Tensor | Int8Weight"
+    down_w: "torch.Tensor | PackedWeight | Int8Weight"
     down_b: torch.Tensor | None
     act: nn.Module
 
@@ -106,7 +106,7 @@ class Model:
     layers: tuple[LayerWeights, ...]
     embed: torch.Tensor  # (V, hidden)
     final_norm: torch.Tensor  # (hidden,)
-    lm_head: "torch.Tensor | Int8Weight"  # (V, hidden)
+    lm_head: "torch.Tensor | PackedWeight | Int8Weight"  # (V, hidden)
     rotary: nn.Module  # the model's own rotary embedding (gives cos/sin)
     dtype: torch.dtype  # of the activations and K/V
     device: torch.device  # the embedding, final norm and lm_head; the ledger and generator
@@ -613,7 +613,7 @@ def _wrap(name: str, hf: nn.Module, tok, precision: str, device: torch.device,  
     def prepare(dev: torch.device):  # what our forward reads of a matrix, None: the matrix
         if int8:
             return quantize
-        packed = dev.type == "cpu" and dtype == torch.bfloat16 and not compiled and packable()
+        packed = dev.type == "cpu" and dtype == torch.bfloat16 and packable()
         return pack if packed else None
 
     for layer in hf.model.layers:
@@ -665,12 +665,25 @@ def packable() -> bool:
         return False
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class PackedWeight:
+    """A bfloat16 (out, in) matrix in oneDNN's blocked layout (``pack``), an opaque tensor
+    ``w``. A type of its own because a compiled trace sees an opaque tensor as a plain one,
+    so ``forward.linear`` could not tell them apart there."""
+
+    w: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.w.shape
+
+
+def pack(w: torch.Tensor) -> PackedWeight:
     """A bfloat16 (out, in) weight in oneDNN's blocked layout, which ``forward.linear``
     multiplies faster than ``F.linear`` multiplies the plain one, with the same bits. It
     is a copy (Hugging Face's modules keep the plain weight), so bfloat16 weights take
     twice their size in memory."""
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from positronic_brain.loop import Session
-from positronic_brain.model import load_model, packable
+from positronic_brain.model import PackedWeight, load_model, packable
 from positronic_brain.sampler import make_generator
 from positronic_brain.stages.apply import apply, prime
 from positronic_brain.stages.generate import generate
@@ -102,7 +102,7 @@ def test_bfloat16_weights_are_packed_and_their_product_has_f_linears_bits():
              "o_w": hf.self_attn.o_proj.weight, "down_w": hf.mlp.down_proj.weight}
     g = torch.Generator().manual_seed(0)
     for name, weight in [(n, getattr(w, n)) for n in plain] + [("lm_head", model.lm_head)]:
-        assert weight.is_mkldnn and weight.dtype == torch.bfloat16, name
+        assert isinstance(weight, PackedWeight) and weight.w.dtype == torch.bfloat16, name
         ref = plain.get(name, model.hf.lm_head.weight)
         for rows in (1, 7):
             x = torch.randn(rows, ref.shape[1], generator=g).bfloat16()

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..loop import Session
-from ..model import CPU_ONLY, Int8Weight, Model, load_model, resolve_device
+from ..model import CPU_ONLY, Int8Weight, Model, PackedWeight, load_model, resolve_device
 from ..sampler import make_generator
 from ..special_tokens import TokenPolicy
 from ..stages.apply import apply, prime
@@ -179,12 +179,14 @@ def weight_bytes(model: Model) -> int:
     """Bytes of weights one decode step reads (each storage once; the embedding row is
     negligible unless the table is also the tied lm_head)."""
     def read(t) -> list[torch.Tensor]:  # what a one-row product reads of a weight
-        return [t.q, t.scale] if isinstance(t, Int8Weight) else [t]
+        if isinstance(t, Int8Weight):
+            return [t.q, t.scale]
+        return [t.w] if isinstance(t, PackedWeight) else [t]
 
     tensors = [model.final_norm, *read(model.lm_head)]
     for w in model.layers:
         tensors += [x for f in dataclasses.fields(w)
-                    if isinstance(t := getattr(w, f.name), (torch.Tensor, Int8Weight))
+                    if isinstance(t := getattr(w, f.name), (torch.Tensor, PackedWeight, Int8Weight))
                     for x in read(t)]
     unique = {(id(t), t.numel() * t.element_size()) if t.is_mkldnn  # packed: no storage
               else (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
