@@ -447,8 +447,8 @@ def measure_ops(model: Model, full: View, ids: list[int], cfg: SpeedConfig) -> d
 
 def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],
                   task) -> tuple[Model | None, dict]:
-    """The model loaded again with ``compile`` (bfloat16 weights unpacked), and what its
-    first stage-1 call took (compiling; a longer context does not compile again); or None
+    """The model loaded again with ``compile``, and what its first stage-1 call took
+    (compiling; a longer context compiles again only past 4,095 slots); or None
     and why, if compiling failed, so the rest of the run still reports."""
     tick = task(f"{dtype} compile", 1)
     try:
@@ -821,7 +821,7 @@ def tables(res: dict) -> list[Table]:
               + ("yes" if r["compiled_agrees"] else "no",)
               for r in res["decode"] if "compiled_ms" in r),
         "Timed in the same rounds as the decode table above, on a second copy of the model "
-        "loaded with `compile` (bfloat16 weights unpacked: docs/DESIGN.md, stage 1). "
+        "loaded with `compile` (docs/DESIGN.md, stage 1). "
         "Compiling took " + "; ".join(
             f"{c['dtype']} {c['compile_s']:.0f} s" if c.get("why_not") is None
             else f"{c['dtype']} failed, not measured ({c['why_not']})"
