@@ -92,7 +92,8 @@ def test_stage1_equals_hf_on_tiny_models(name):
 def test_bfloat16_weights_are_packed_and_their_product_has_f_linears_bits():
     """bfloat16 projections and the lm_head are oneDNN-packed copies for our forward (HF
     keeps the plain weights); their product equals F.linear on the plain weight bit for
-    bit, for a decode row, a prefill chunk and with a bias."""
+    bit, for a decode row, a prefill chunk and with a bias, also through the operator a
+    compiled stage 1 calls."""
     from positronic_brain.forward import linear
 
     model = load_model("tiny-random", "bfloat16")
@@ -109,6 +110,9 @@ def test_bfloat16_weights_are_packed_and_their_product_has_f_linears_bits():
             b = torch.randn(ref.shape[0], generator=g).bfloat16()
             assert torch.equal(linear(x, weight), F.linear(x, ref)), (name, rows)
             assert torch.equal(linear(x, weight, b), F.linear(x, ref, b)), (name, rows, "bias")
+            # the operator a compiled stage 1 calls: the same product
+            assert torch.equal(torch.ops.positronic_brain.packed_linear(x, weight.w, b),
+                               F.linear(x, ref, b)), (name, rows, "operator")
 
 
 def test_float32_weights_are_input_major_shared_with_hf_and_linear_equals_f_linear(real_model):
