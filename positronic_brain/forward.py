@@ -75,10 +75,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
             return F.linear(x, w.plain, b)
         y = torch.ops.aten._weight_int8pack_mm(x, w.q, w.scale)
         return y if b is None else y + b
-    if isinstance(w, PackedWeight):
-        if torch.compiler.is_compiling():
-            return torch.ops.positronic_brain.packed_linear(x, w.w, b)
-        return torch.ops.mkldnn._linear_pointwise(x, w.w, b, "none", [], "")
+    if isinstance(w, PackedWeight):  # compiled, through the operator inductor calls as it is
+        compiled = torch.compiler.is_compiling()
+        return (torch.ops.positronic_brain.packed_linear if compiled else packed_linear)(x, w.w, b)
     # compiled (``Model.compiled``), inductor multiplies as it sees fit: the split is eager's
     parts = 1 if torch.compiler.is_compiling() else torch.get_num_threads()
     if (x.shape[0] != 1 or not x.is_cpu or w.dtype != torch.float32 or parts < 2 or w.shape[1] % parts

@@ -673,10 +673,6 @@ class PackedWeight:
 
     w: torch.Tensor
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.w.shape
-
 
 def pack(w: torch.Tensor) -> PackedWeight:
     """A bfloat16 (out, in) weight in oneDNN's blocked layout, which ``forward.linear``
