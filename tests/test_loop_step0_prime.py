@@ -56,14 +56,36 @@ def test_prime_chunking_does_not_change_the_cache(tiny_model, tiny_policy):
     assert torch.allclose(a.arena.v[:, :, :n], b.arena.v[:, :, :n], atol=1e-5)
 
 
+def test_cpu_prefill_attends_past_and_new_apart_as_hf(monkeypatch, tiny_model, tiny_policy):
+    """On the CPU a fused prefill's chunks after the first attend to the past slots and to
+    their own tokens apart (``forward.cpu_attention``, merged by log-sum-exp), the first to
+    its own only; the logits are HF's, and the cache is a masked call's to rounding."""
+    real, calls = forward_module.cpu_attention, []
+    monkeypatch.setattr(forward_module, "cpu_attention", lambda q, k, v, *past: (
+        calls.append(len(past)) or real(q, k, v, *past)))
+    segs = tiny_policy.raw_prompt("a fused prefill, chunk by chunk, over grouped heads " * 3)
+    ids = [i for s in segs for i in s.ids]
+    state, out = prime(tiny_model, segs, capacity=200, chunk=16, all_logits=True)
+    first = tiny_model.spec.n_layers
+    assert calls[:first] == [0] * first and len(calls) > first and set(calls[first:]) == {2}
+    assert_close(out.logits, hf_prompt_logits(tiny_model, ids[:-1]), 1e-4, "prime logits")
+    monkeypatch.setattr(forward_module, "APART", ())  # a bias over [past | new] instead
+    masked, _ = prime(tiny_model, segs, capacity=200, chunk=16)
+    n = state.arena.n
+    assert torch.allclose(state.arena.k[:, :, :n], masked.arena.k[:, :, :n], atol=1e-5)
+    assert torch.allclose(state.arena.v[:, :, :n], masked.arena.v[:, :, :n], atol=1e-5)
+
+
 @pytest.mark.parametrize("cpu_kernel", [True, False])
 def test_each_fused_attention_path_primes_what_hf_computes(monkeypatch, tiny_model,
                                                             tiny_policy, cpu_kernel):
-    """The fused prefill attention given the grouped K/V heads with a mask (the CPU's), or
-    as on a GPU: the first chunk with no mask (causal), later ones with each K/V head
-    repeated for its query heads (``forward.fused_attention``). Both paths run here, on
-    any device, and give HF's logits and the cache of the path the device takes."""
+    """Where past and new are not taken apart (a masked past, a GPU), the fused prefill
+    attention given the grouped K/V heads with a mask (the CPU's), or as on a GPU: the
+    first chunk with no mask (causal), later ones with each K/V head repeated for its query
+    heads (``forward.fused_attention``). Both paths run here, on any device, and give HF's
+    logits and the cache of the path the device takes."""
     real, causal_calls = forward_module.fused_attention, []
+    monkeypatch.setattr(forward_module, "APART", ())
     monkeypatch.setattr(forward_module, "fused_attention", lambda q, k, v, bias, grouped: (
         causal_calls.append(bias is None) or real(q, k, v, bias, grouped=cpu_kernel)))
     segs = tiny_policy.raw_prompt("a fused prefill, chunk by chunk, over grouped heads " * 3)
@@ -112,6 +134,28 @@ def test_every_fused_attention_branch_attends_as_the_masked_grouped_one(dtype, n
     if n == 0:
         masked = forward_module.fused_attention(q, k, v, bias, grouped=True)
         assert torch.equal(forward_module.fused_attention(q, k, v, None, grouped=True), masked)
+        assert torch.equal(forward_module.cpu_attention(q, k, v), masked)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_over_past_and_new_apart_is_the_softmax_over_both(dtype):
+    """``cpu_attention`` with past slots: the new queries over every past slot and causally
+    over their own tokens (one query: over all), merged by log-sum-exp, is the softmax over
+    [past | new] to the dtype's rounding."""
+    gen = torch.Generator().manual_seed(1)
+    n, T, D = 9, 6, 8
+    q = torch.randn(4, T, D, generator=gen).to(dtype)
+    k, v = (torch.randn(2, n + T, D, generator=gen).to(dtype) for _ in range(2))
+    allowed = torch.ones(T, n + T, dtype=torch.bool).tril_(n)
+    scores = q.float() @ k.float().repeat_interleave(2, 0).transpose(1, 2)
+    want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ (
+        v.float().repeat_interleave(2, 0))
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    past_k = k[:, :n].transpose(1, 2).contiguous().transpose(1, 2)  # as an arena stores keys
+    got = forward_module.cpu_attention(q, k[:, n:], v[:, n:], past_k, v[:, :n])
+    assert got.dtype == dtype and torch.allclose(got.float(), want, atol=tol)
+    one = forward_module.cpu_attention(q[:, -1:], k[:, n:], v[:, n:], past_k, v[:, :n])
+    assert torch.allclose(one.float(), want[:, -1:], atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -195,10 +239,11 @@ def test_prime_rejects_bad_input(tiny_model, segs, capacity, message):
 
 
 def test_prefill_chunks_by_device(monkeypatch):
-    """256 tokens a chunk on the CPU; on a GPU as many as keep what grows with the chunk
-    within a 16th of its memory: one layer's scores, probabilities and mask over every head
-    where the forward builds them, the mask's row and the MLP's activations where its fused
-    kernels do not; all logits where wanted."""
+    """On the CPU 1,024 tokens a chunk through the fused attention, 256 where the forward
+    builds the scores or every token's logits are wanted; on a GPU as many as keep what
+    grows with the chunk within a 16th of its memory: one layer's scores, probabilities and
+    mask over every head where the forward builds them, the mask's row and the MLP's
+    activations where its fused kernels do not; all logits where wanted."""
     monkeypatch.setattr(apply_module, "gpu_chunk_bytes", lambda device: 1 << 32)  # 64 GiB / 16
     spec = SimpleNamespace(n_heads=32, vocab=128_000)
     hf = SimpleNamespace(config=SimpleNamespace(intermediate_size=14_336))
@@ -207,8 +252,9 @@ def test_prefill_chunks_by_device(monkeypatch):
 
     def cut(model, *args, **kwargs):
         return [(s.start, s.stop) for s in chunks(model, *args, **kwargs)]
-    assert cut(cpu, 10, 600) == [(0, 256), (256, 512), (512, 600)]
-    assert cut(cpu, 10, 600, scores=True) == cut(cpu, 10, 600)
+    assert cut(cpu, 10, 2500) == [(0, 1024), (1024, 2048), (2048, 2500)]
+    assert cut(cpu, 10, 600, scores=True) == [(0, 256), (256, 512), (512, 600)]
+    assert cut(cpu, 10, 600, logits=True) == cut(cpu, 10, 600, scores=True)
     assert cut(gpu, 10, 600, chunk=7)[-1] == (595, 600)  # an explicit chunk wins anywhere
     # built: 4 float32 buffers of 32 heads x 4,096 slots a token, 2 MiB, so 2,048 a chunk
     assert cut(gpu, 0, 4096, scores=True) == [(0, 2048), (2048, 4096)]

@@ -30,6 +30,7 @@ from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Merge, Pat
                      PrimeOut, ScoreOut, Segment, Swap, require)
 
 PREFILL_CHUNK = 256  # tokens per prefill chunk on the CPU (longer ones measured slower there)
+FUSED_CHUNK = 1024  # ... through torch's fused attention, without every token's logits
 
 
 def gpu_chunk_bytes(device: torch.device) -> int:
@@ -42,7 +43,11 @@ def gpu_chunk_bytes(device: torch.device) -> int:
 def chunks(model: Model, n: int, total: int, chunk: int | None = None,
            logits: bool = False, scores: bool = False) -> Iterator[slice]:
     """The slices of ``total`` new tokens prefilled, a chunk at a time, after ``n`` live
-    slots: ``chunk`` tokens each if given. Else ``PREFILL_CHUNK`` on the CPU; on a GPU, where
+    slots: ``chunk`` tokens each if given. Else on the CPU ``FUSED_CHUNK`` where the forward
+    attends through torch's fused attention (not ``scores``) without every token's
+    ``logits`` (a float32 prefill: fewer, larger products, and each chunk copies the past
+    keys once; at 4,096 tokens 256 or 512 measured slower, and so did 2,048 or one chunk,
+    whose MLP activations outgrow the caches), else ``PREFILL_CHUNK``; on a GPU, where
     a chunk's kernel launches cost about what a decode step's do however many tokens it
     holds, as many as keep what grows with the chunk within ``gpu_chunk_bytes``, but at
     least ``PREFILL_CHUNK``: with ``scores`` (the forward builds them:
@@ -52,7 +57,7 @@ def chunks(model: Model, n: int, total: int, chunk: int | None = None,
     4 bytes each at most; with ``logits`` every token's logits. (The intermediate size comes
     from the config: ``ModelSpec`` is part of the fingerprint that captures record.)"""
     if chunk is None and model.device.type == "cpu":
-        chunk = PREFILL_CHUNK
+        chunk = PREFILL_CHUNK if scores or logits else FUSED_CHUNK
     if chunk is None:
         s = model.spec
         row = (4 * s.n_heads * (n + total) if scores
