@@ -279,7 +279,13 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     dev = model.device
     heads = torch.tensor([scale] * H + [1.0] * KVH, dtype=dtype, device=dev).view(H + KVH, 1, 1)
     cos_qk, sin_qk = cos * heads, sin * heads  # (H + KVH, T, D)
+    # the new K/V: a prefill's copied into one block layer by layer (a layer's k and v are
+    # views of its q/k/v products, which would otherwise stay alive to the end: 200 MB at
+    # 1,024 float32 tokens of SmolLM2, which the allocator maps and faults in afresh every
+    # time); one token's stacked after the loop (one operator, not one a layer)
     new_k, new_v = [], []
+    moves = model.moves  # empty on one device
+    kv = torch.empty(2, L, KVH, T, D, dtype=dtype, device=dev) if T > 1 and not moves else None
     # the last query's whole softmax row per layer (a contiguous copy); live slots returned.
     # One new token: each layer's softmax is that row already, stacked after the loop.
     attention = (torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
@@ -331,7 +337,6 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     last_only = T > 1 and not (all_logits or kv_only or want_attention or want_query
                                or received is not None)
     bufs: dict = {}  # a prefill's score buffers per device (``_score_buffers``)
-    moves = model.moves  # empty on one device
     for i, w in enumerate(model.layers):
         if moves and i in moves:  # this layer runs on another device: take what it reads there
             x, cos_qk, sin_qk, mask_past, mask_new, bias = (
@@ -344,11 +349,15 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
         qk = qk * cos_qk + qk.roll(D // 2, -1) * sin_qk
         q, k = qk.split((H, KVH))  # (H, T, D), (KVH, T, D)
         v = v.view(KVH, 1, D) if T == 1 else v.view(T, KVH, D).transpose(0, 1)  # (KVH, T, D)
-        new_k.append(k)
-        new_v.append(v)
+        if kv is None:
+            new_k.append(k)
+            new_v.append(v)
+        else:
+            kv[0, i], kv[1, i] = k, v
         if kv_only and i == L - 1:
-            return ForwardOut(logits=None, k=_gather(new_k, dev, bool(moves)),
-                              v=_gather(new_v, dev, bool(moves)), attention=None)
+            k, v = (_gather(new_k, dev, bool(moves)), _gather(new_v, dev, bool(moves))
+                    ) if kv is None else kv
+            return ForwardOut(logits=None, k=k, v=v, attention=None)
         if last_only and i == L - 1:  # from here only the last token's row is wanted
             x, q, Tq = x[-1:], q[:, -1:], 1
             bias, mask_past, mask_new = (t if t is None else t[-1:]
@@ -412,8 +421,9 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
         attention = _gather(rows, dev, bool(moves)).view(L, H, n + 1)[..., :n]
     elif attention is not None:
         attention = attention[..., :n]
-    return ForwardOut(logits=logits, k=_gather(new_k, dev, bool(moves)),
-                      v=_gather(new_v, dev, bool(moves)),
+    if kv is None:
+        kv = _gather(new_k, dev, bool(moves)), _gather(new_v, dev, bool(moves))
+    return ForwardOut(logits=logits, k=kv[0], v=kv[1],
                       attention=attention, query=query, lse=lse, received=received,
                       received_window=window)
 
