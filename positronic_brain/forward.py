@@ -197,8 +197,8 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     all of them), and over every past slot ``past_k``/``past_v`` (kv_heads, n, D) apart,
     the two merged by their log-sum-exps: the kernel then skips the blocks the causal
     triangle hides, which a bias over [past slots | new tokens] would have it compute and
-    add (and copying the past keys alone, not past and new joined). The kernel takes grouped
-    K/V heads. Alone (no past), the bits of ``fused_attention``'s causal call; with the
+    add, and only the past keys are copied (out of the arena's transposed layout), not past
+    and new joined. The kernel takes grouped K/V heads. Alone (no past), the bits of ``fused_attention``'s causal call; with the
     past, the same attention to float rounding."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = flash(q[None], k[None], v[None], 0.0, q.shape[1] > 1, scale=1.0)[:2]
@@ -311,7 +311,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     # past slots and the new tokens apart.
     bias = mask_past = mask_new = None
     if fused:  # none without past slots: causal (``fused_attention``)
-        if past_mask is not None or (n and (dev.type not in APART or model.moves)):
+        if past_mask is not None or (n and (dev.type not in APART or moves)):
             allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
             if past_mask is not None:
                 allowed[:, :n] = past_mask
@@ -448,8 +448,8 @@ def _gate_up(h: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
     """The MLP's gate and up projections of ``h`` from their joined weight: one product
     split by views for one row (a decode step), two over the weight's halves for several
     rows of a plain weight on the CPU (a prefill chunk), where the joined product was slower
-    (float32, 1,024 rows of SmolLM2: 20.8 vs 2 x 8.9 ms) and leaves gate and up strided for
-    the product after (the same bits)."""
+    (float32, 1,024 rows of SmolLM2's shapes: 18.4 vs 2 x 8.8 ms) and leaves gate and up
+    strided for the product after (the same bits)."""
     if h.shape[0] == 1 or not h.is_cpu or not isinstance(w, torch.Tensor):
         return linear(h, w, b).chunk(2, dim=-1)
     half = w.shape[0] // 2
