@@ -151,6 +151,12 @@ def _gather(ts: list[torch.Tensor], device: torch.device, split: bool) -> torch.
     return torch.stack([t.to(device) for t in ts] if split else ts)
 
 
+def _stacked(ks: list[torch.Tensor], vs: list[torch.Tensor], device: torch.device,
+             split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new K/V kept per layer, each stacked (L, kv_heads, T, head_dim) (``_gather``)."""
+    return _gather(ks, device, split), _gather(vs, device, split)
+
+
 def builds_scores(model: Model, statistics: bool, log_mass: bool) -> bool:
     """Whether ``forward`` builds the scores of several new tokens (a prefill): with the
     prompt's ``statistics`` or a folded slot's ``log_mass`` wanted, and in bfloat16 or int8
@@ -198,8 +204,8 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     the two merged by their log-sum-exps: the kernel then skips the blocks the causal
     triangle hides, which a bias over [past slots | new tokens] would have it compute and
     add, and only the past keys are copied (out of the arena's transposed layout), not past
-    and new joined. The kernel takes grouped K/V heads. Alone (no past), the bits of ``fused_attention``'s causal call; with the
-    past, the same attention to float rounding."""
+    and new joined. The kernel takes grouped K/V heads. Alone (no past), the bits of
+    ``fused_attention``'s causal call; with the past, the same attention to float rounding."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = flash(q[None], k[None], v[None], 0.0, q.shape[1] > 1, scale=1.0)[:2]
     if past_k is None:
@@ -355,8 +361,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
         else:
             kv[0, i], kv[1, i] = k, v
         if kv_only and i == L - 1:
-            k, v = (_gather(new_k, dev, bool(moves)), _gather(new_v, dev, bool(moves))
-                    ) if kv is None else kv
+            k, v = kv if kv is not None else _stacked(new_k, new_v, dev, bool(moves))
             return ForwardOut(logits=None, k=k, v=v, attention=None)
         if last_only and i == L - 1:  # from here only the last token's row is wanted
             x, q, Tq = x[-1:], q[:, -1:], 1
@@ -421,9 +426,8 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
         attention = _gather(rows, dev, bool(moves)).view(L, H, n + 1)[..., :n]
     elif attention is not None:
         attention = attention[..., :n]
-    if kv is None:
-        kv = _gather(new_k, dev, bool(moves)), _gather(new_v, dev, bool(moves))
-    return ForwardOut(logits=logits, k=kv[0], v=kv[1],
+    k, v = kv if kv is not None else _stacked(new_k, new_v, dev, bool(moves))
+    return ForwardOut(logits=logits, k=k, v=v,
                       attention=attention, query=query, lse=lse, received=received,
                       received_window=window)
 
