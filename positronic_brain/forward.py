@@ -286,7 +286,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     heads = torch.tensor([scale] * H + [1.0] * KVH, dtype=dtype, device=dev).view(H + KVH, 1, 1)
     cos_qk, sin_qk = cos * heads, sin * heads  # (H + KVH, T, D)
     # the new K/V: a prefill's copied into one block layer by layer (a layer's k and v are
-    # views of its q/k/v products, which would otherwise stay alive to the end: 200 MB at
+    # views of its q/k/v products, which would otherwise stay alive to the end: 212 MB at
     # 1,024 float32 tokens of SmolLM2, which the allocator maps and faults in afresh every
     # time); one token's stacked after the loop (one operator, not one a layer)
     new_k, new_v = [], []
