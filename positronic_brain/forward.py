@@ -404,6 +404,11 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                           None if window is None else window[i])
             p = as_dtype(p, dtype) if buf is None or dtype == torch.float32 else buf[2].copy_(p)
             p_past, p_new = p.split((n, T), dim=-1)
+            if p.dtype != torch.float32 and p.device.type != "cpu":
+                # a half-precision product on a GPU over weights whose rows are n + T apart
+                # (a stride not aligned as cuBLAS's fast kernels want) falls to a kernel for
+                # small products; over a contiguous copy it does not (docs/DESIGN.md, stage 1)
+                p_past = p_past.contiguous()
             out = torch.matmul(p_past, past_vs[i]) + torch.matmul(p_new, v)  # (KVH, gT, D)
         # (H, T, D) -> (T, H * D); with one token the transpose moves nothing
         out = out.reshape(Tq, H * D) if Tq == 1 else out.reshape(H, Tq, D).transpose(0, 1).reshape(Tq, H * D)
