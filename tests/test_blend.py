@@ -154,7 +154,10 @@ def test_compose_files_saves_the_recomputed_cache(tiny_model, tiny_policy, tmp_p
     cont = tiny_policy.encode(MORE)
     out = compose_files(tiny_model, paths, tmp_path / "c.pbs", cont, (10, 100))
     curve = out["measure"]["recompute"]
-    assert [r["percent"] for r in curve] == [10, 100] and curve[1]["gap_closed"] == 1.0
+    # all rows recomputed close the whole gap, to rounding: the rebuild attends through a
+    # mask over its past, the joint prefill to past and new apart on the CPU
+    assert [r["percent"] for r in curve] == [10, 100]
+    assert curve[1]["gap_closed"] == pytest.approx(1.0, abs=1e-3)
     assert curve[1]["deviation"]["k"] <= 1e-5 and curve[1]["deviation"]["v"] <= 1e-5
     loaded = load_session(tiny_model, tmp_path / "c.pbs")
     loaded.state.check_valid()
