@@ -37,6 +37,7 @@ from .blend import SELECT_LAYER, check_percents, chunked, measure
 from .forward import rerotate
 from .loop import Session
 from .model import Model
+from .plain import output_file
 from .session_io import load_saved, save_session
 from .special_tokens import TokenPolicy
 from .stages.apply import restore, rewrite
@@ -91,6 +92,7 @@ def compose_files(model: Model, paths: list[str | Path], out: str | Path,
     require(continuation is not None or not percents,
             "a recompute needs a continuation to measure")
     check_percents(percents)
+    output_file(out, *paths)
     names = [Path(p).name for p in paths]
     parts = [Part.read(model, p, name if names.count(name) == 1 else str(p))
              for p, name in zip(paths, names)]

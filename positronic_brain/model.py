@@ -373,7 +373,10 @@ def _load_folder(path: Path, dtype: torch.dtype, device: torch.device):
     except Exception as e:  # an unknown model_type or a broken config
         raise UserError(f"cannot read {path / 'config.json'}: {_first_line(e)}") from None
     _check_arch(config)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # no tokenizer files, or none this machine can read
+        raise UserError(f"cannot read a tokenizer in {path}: {_first_line(e)}") from None
     # straight onto a GPU (a large model need not fit in host memory first); on the CPU the
     # plain load, whose memory map _copy_the_rest lets go of
     placement = {"device_map": {"": device}} if device.type != "cpu" else {}

@@ -18,6 +18,7 @@ from .blend import nll
 from .compose import Part, compose
 from .loop import Session
 from .model import Model
+from .plain import output_file
 from .session_io import load_session, save_session, spans
 from .special_tokens import TokenPolicy
 from .types import SOURCES, SamplerParams, require
@@ -27,8 +28,8 @@ def parse_span(text: str, what: str) -> tuple[int, int]:
     """``N`` or ``LO-HI`` (inclusive, LO <= HI, not negative) as (LO, HI)."""
     lo, dash, hi = text.strip().partition("-")
     hi = hi if dash else lo
-    require(lo.isdigit() and hi.isdigit() and int(lo) <= int(hi),
-            f"{what} {text!r}: expected N or LO-HI with LO <= HI, e.g. 0-11")
+    require(lo.isdigit() and hi.isdigit() and int(lo) <= int(hi) < 2 ** 63,
+            f"{what} {text!r}: expected N or LO-HI with LO <= HI < 2**63, e.g. 0-11")
     return int(lo), int(hi)
 
 
@@ -84,8 +85,7 @@ def export_file(model: Model, path: str | os.PathLike, out: str | os.PathLike,
                 **filters) -> dict:
     """``save_partial`` of the session file ``path`` (loaded into ``model``) to ``out``,
     which must be another file (a partial export would replace the session)."""
-    require(Path(out).resolve() != Path(path).resolve(),
-            f"{out}: the session file itself; export to another file")
+    output_file(out, path)
     return save_partial(load_session(model, path), out, **filters)
 
 

@@ -13,6 +13,7 @@ JSON cannot hold, and refuses tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -83,7 +84,7 @@ def sha256(data: bytes) -> str:
 def atomic_write(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temp file and a rename: a reader sees the old file
     or the whole new one. An OS error is a one-line UserError."""
-    path = Path(path)
+    path = output_file(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -92,8 +93,23 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # none was made where the folder is not one
+            tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write {path}: {e.strerror}") from None
+    return path
+
+
+def output_file(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
+    """``out`` as a file about to be written, checked before the work that fills it: a file
+    name, not a folder, in a folder that exists, and none of the ``inputs`` the work reads
+    (it would replace them)."""
+    path = Path(out)
+    require(str(out) != "" and path.name not in ("", ".", ".."), f"{str(out)!r} is not a file name")
+    require(path.parent.is_dir(), f"cannot write {out}: no folder {path.parent}")
+    require(not path.is_dir(), f"cannot write {out}: it is a folder")
+    for given in inputs:
+        require(not (path.exists() and os.path.exists(given) and os.path.samefile(path, given)),
+                f"{out}: a file this command reads; write to another file")
     return path
 
 

@@ -55,7 +55,13 @@ class TokenPolicy:
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids; special-token strings in text are encoded as special tokens
-        only when the chat format puts them there (never added implicitly)."""
+        only when the chat format puts them there (never added implicitly). Text that is
+        not Unicode (bytes not UTF-8 in a command-line argument) is a UserError."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UserError(f"the text is not valid UTF-8 (at character {e.start}): "
+                            f"{text[:40]!r}") from None
         return list(self._tok(text, add_special_tokens=False).input_ids)
 
     def raw_prompt(self, text: str, source: str = "user") -> list[Segment]:

@@ -51,7 +51,7 @@ from .plain import load_signed, save_signed, to_plain
 from .session_io import restore_session, session_body, session_tensors
 from .special_tokens import require_same_tokens
 from .stages.apply import arena
-from .types import UserError, require
+from .types import UserError, require, require_seed
 
 FORMAT = "positronic-brain-projector/2"
 KINDS = ("linear", "mlp")
@@ -283,6 +283,7 @@ class TrainParams:
         for name in ("batch", "prefix", "continuation", "eval_windows", "hidden"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         require(self.steps >= 0, f"steps must be >= 0, got {self.steps}")
+        require_seed(self.seed)
         require(self.lr > 0, f"the learning rate must be > 0, got {self.lr}")
         require(0 < self.holdout < 1, f"holdout must be in (0, 1), got {self.holdout}")
         require(self.kind in KINDS,

@@ -23,6 +23,11 @@ def require(ok: bool, message: str) -> None:
         raise UserError(message)
 
 
+def require_seed(seed: int) -> None:
+    """A seed torch's generators take (64 bits: in [-2**63, 2**64))."""
+    require(-2 ** 63 <= seed < 2 ** 64, f"the seed must fit in 64 bits, got {seed}")
+
+
 @dataclass(frozen=True)
 class SamplerParams:
     """Sampling rule applied to one row of logits.
@@ -49,6 +54,7 @@ class SamplerParams:
         require(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
                 f"repetition penalty must be > 0, got {self.repetition_penalty}")
         require(self.report_top >= 1, f"report_top must be >= 1, got {self.report_top}")
+        require_seed(self.seed)
 
     @property
     def is_greedy(self) -> bool:

@@ -63,6 +63,10 @@ def test_run_streams_text(capsys):
     (["--prompt", "x", "--device", "cuda:99"], "cuda:99"),
     (["--prompt", "x", "--max-new-tokens", "-2"], "max-new-tokens"),
     (["--prompt", "x", "--repetition-penalty", "0"], "repetition penalty"),
+    (["--prompt", "x", "--seed", str(2 ** 70)], "64 bits"),
+    (["--prompt", "hi \udcff there"], "not valid UTF-8"),  # a byte 0xff in argv
+    (["--prompt", "x", "--system", "\udcfe"], "not valid UTF-8"),
+    (["--prompt", "x", "--capacity", "999999999999"], "positions"),
     ([], "--prompt"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
@@ -109,3 +113,77 @@ def test_model_help_names_every_tiny_model():
     from positronic_brain.model import TINY_CONFIGS
 
     assert all(name in MODEL_HELP for name in TINY_CONFIGS)
+
+
+def _one_line_exit_2(capsys, *argv) -> str:
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_outputs_are_checked_before_the_work_and_never_replace_an_input(capsys, tmp_path):
+    """--out: a file name in a folder that exists, not a folder, not a file the command
+    reads (compose, export, transfer apply); a failed write is one line; an input is left
+    as it was."""
+    one, two = tmp_path / "a.pbs", tmp_path / "b.pbs"
+    for path, prompt in ((one, "first part"), (two, "second part")):
+        script = tmp_path / "script.txt"
+        script.write_text(f"{prompt}\n/save {path}\n")
+        code, _, err = _run(capsys, "chat", "--model", "tiny-random", "--script", str(script),
+                            "--max-new-tokens", "2")
+        assert code == 0 and path.exists(), err
+    before = one.read_bytes()
+    inside_a_file = str(one / "c.pbs")
+    for argv, message in (
+            (["compose", str(one), str(two), "--out", str(one)], "a file this command reads"),
+            (["compose", str(one), str(two), "--out", ""], "not a file name"),
+            (["compose", str(one), str(two), "--out", inside_a_file], "no folder"),
+            (["compose", str(one), str(two), "--out", str(tmp_path)], "is a folder"),
+            (["export", str(one), "--out", str(tmp_path / "." / "a.pbs")], "reads"),
+            (["export", str(one), "--out", ""], "not a file name"),
+            (["export", str(one), "--out", inside_a_file], "no folder"),
+            (["export", str(one), "--out", str(tmp_path / "p.pbs"), "--uids", f"0-{2 ** 70}"],
+             "--uids"),
+            (["transfer", "apply", str(one), "--projector", str(two), "--source", "tiny-random",
+              "--target", "tiny-random", "--out", str(one)], "reads"),
+            (["bench", "quality", "--model", "tiny-random", "--quick", "--out", inside_a_file],
+             "cannot make the folder")):
+        assert message in _one_line_exit_2(capsys, *argv), argv
+    assert one.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["compare", "RUN"]])
+@pytest.mark.parametrize("last", ["0", "-3"])
+def test_last_below_one_is_refused_in_every_mode(capsys, tmp_path, command, last):
+    run = tmp_path / "cap"
+    code, _, err = _run(capsys, "run", "--model", "tiny-random", "--prompt", "hello",
+                        "--max-new-tokens", "2", "--capture", str(run))
+    assert code == 0, err
+    (runs,) = list(run.iterdir())
+    argv = [a.replace("RUN", str(runs)) for a in command] + [str(runs), "--last", last]
+    assert "--last must be >= 1" in _one_line_exit_2(capsys, *argv)
+
+
+def test_a_script_that_is_not_text_is_one_line(capsys, tmp_path):
+    script = tmp_path / "s.bin"
+    script.write_bytes(b"\xa8\xff\x00binary")
+    err = _one_line_exit_2(capsys, "chat", "--model", "tiny-random", "--script", str(script))
+    assert "not UTF-8" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--param", "x=1"], "--param is for a scorer of your own"),
+    (["--policies", "NOFILE:X"], "no such file"),
+])
+def test_bench_quality_checks_its_scorers_before_measuring(capsys, tmp_path, argv, message):
+    argv = [a.replace("NOFILE", str(tmp_path / "nofile.py")) for a in argv]
+    err = _one_line_exit_2(capsys, "bench", "quality", "--model", "tiny-random", "--quick", *argv)
+    assert message in err
+
+
+def test_a_folder_without_a_tokenizer_is_one_line(capsys, tmp_path):
+    from transformers import LlamaConfig  # pylint: disable=import-outside-toplevel
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=300).save_pretrained(tmp_path)
+    err = _one_line_exit_2(capsys, "run", "--model", str(tmp_path), "--prompt", "hi")
+    assert "cannot read a tokenizer" in err

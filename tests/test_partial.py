@@ -160,7 +160,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_model, tiny_policy, tmp_p
                         (["--layers", ""], "--layers"), (["--layers", "0-2"], "out of range"),
                         (["--uids", "9000-9999"], "empty"), (["--uids", "5-"], "--uids"),
                         (["--source", "robot"], "unknown source"),
-                        (["--min-brightness", "1e9"], "empty"), (["--out", a], "itself")):
+                        (["--min-brightness", "1e9"], "empty"),
+                        (["--out", a], "a file this command reads")):
         assert main(["export", a, "--out", out] + flags) == 2, flags
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "error:" in err and says in err, (flags, err)

@@ -222,9 +222,14 @@ def line_plot(path: Path, title: str, xlabel: str, ylabel: str,
 
 def prepare_out_dir(out: str) -> Path:
     path = Path(out)
+    if str(out) == "":
+        raise UserError("--out '' is not a folder name")
     if path.exists() and not path.is_dir():
         raise UserError(f"--out {out!r} exists and is not a folder")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out!r}: cannot make the folder: {e.strerror}") from None
     return path
 
 
@@ -241,9 +246,9 @@ def write_json(path: Path, obj: dict) -> None:
 
 def out_dir(args) -> Path | None:
     """The ``--out`` folder, created; checked with ``--report`` before any measuring."""
-    if args.report and not args.out:
+    if args.report and args.out is None:
         raise UserError("--report needs --out (the plots and results.json go there)")
-    return prepare_out_dir(args.out) if args.out else None
+    return None if args.out is None else prepare_out_dir(args.out)
 
 
 def emit(res: dict, args, out: Path | None, name: str,

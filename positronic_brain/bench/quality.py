@@ -917,7 +917,14 @@ def config_from_args(args) -> QualityConfig:
     if args.params is not None:
         kw["base"] = dataclasses.replace(base_params(args.params),
                                          scorer_params=kw.get("base", CacheParams()).scorer_params)
-    return QualityConfig.preset(args.quick, **kw)
+    cfg = QualityConfig.preset(args.quick, **kw)
+    # scorers of your own built now, not after minutes of measuring (file, class, --param)
+    mine = [p for p in cfg.policies if user.is_user(p)]
+    require(not cfg.base.scorer_params or mine,
+            "--param is for a scorer of your own (--policies path/to/file.py:ClassName)")
+    for policy in mine:
+        user.build(dataclasses.replace(cfg.base, scorer=policy))
+    return cfg
 
 
 BOOLS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}

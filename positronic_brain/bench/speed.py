@@ -967,8 +967,8 @@ def command_line(args) -> str:
 
 def main(args) -> int:
     """The CLI entry: measure, then print tables (or one JSON object) and write files."""
+    device = str(resolve_device(args.device))  # before the folder is made
     out = common.out_dir(args)  # fail before the long run
-    device = str(resolve_device(args.device))
     res = run(SpeedConfig.preset(args.model, args.quick, device), command_line(args))
     gpu = "" if device == "cpu" else "-" + torch.device(device).type
     common.emit(res, args, out, "speed" + gpu, plots, report_md, tables)

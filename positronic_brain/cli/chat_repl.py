@@ -164,9 +164,13 @@ def cmd_chat(args) -> int:
     lines = None
     if args.script is not None:
         try:
-            lines = (sys.stdin.read() if args.script == "-" else open(args.script).read())
+            lines = (sys.stdin.read() if args.script == "-"
+                     else open(args.script, encoding="utf-8").read())
         except OSError as e:
             raise UserError(f"cannot read the script {args.script}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"the script {args.script} is not UTF-8 text (byte {e.start})") \
+                from None
         lines = lines.splitlines()
     model = load_model(args.model, args.dtype, **model_placement(args))
     policy = TokenPolicy(model.tokenizer, bos=args.bos)

@@ -12,6 +12,7 @@ from ..bench import transfer as transfer_bench
 from ..bench.common import Table, fmt, print_tables
 from ..loop import drive, run
 from ..model import load_model
+from ..plain import output_file
 from ..session_io import load_session, save_session, saved_model, spans
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError, require
@@ -37,6 +38,9 @@ def cmd_run(args) -> int:
     if args.capacity is not None and args.capacity < 1:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
     model = load_model(args.model or MODEL, args.dtype or DTYPE, **model_placement(args))
+    require(args.capacity is None or args.capacity <= model.spec.max_positions,
+            f"capacity must be at most the model's {model.spec.max_positions} positions (the "
+            f"live slots never outnumber them), got {args.capacity}")
     policy = TokenPolicy(model.tokenizer, bos=args.bos)
     if args.system is not None or args.chat:
         turns = ([("system", args.system)] if args.system is not None else []) \
@@ -108,7 +112,12 @@ def cmd_fork(args) -> int:
     return 0
 
 
+def _check_last(args) -> None:
+    require(args.last is None or args.last >= 1, f"--last must be >= 1, got {args.last}")
+
+
 def cmd_compare(args) -> int:
+    _check_last(args)
     return compare.main(args.run_dirs, args.jump, args.top, args.json, args.last, args.html)
 
 
@@ -117,6 +126,7 @@ def cmd_replay(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    _check_last(args)
     return inspector.main(args.path, args.step, args.last, html=args.html)
 
 
@@ -181,8 +191,8 @@ def measure_tables(m: dict) -> list[Table]:
 
 
 def cmd_transfer(args) -> int:
-    out = Path(args.out)
-    require(out.parent.is_dir(), f"--out {out}: no folder {out.parent}")
+    reads = (args.text,) if args.action == "train" else (args.session, args.projector)
+    out = output_file(args.out, *(p for p in reads if p))
     if args.action == "train":
         return _transfer_train(args, out)
     source, target = (load_model(name, args.dtype, args.device)
