@@ -126,6 +126,7 @@ def main(paths: list[str], jump: float = JUMP, top: int = TOP, as_json: bool = F
          last: int | None = None, html: str | None = None) -> int:
     require(len(paths) >= 2, "compare needs at least two runs")
     require(not (as_json and html), "--json and --html: one at a time")
+    last = page.shown_steps(last, page.DEFAULT_STEPS if html is not None else 20)
     manifest = CaptureRun(paths[0]).manifest
     policy = TokenPolicy(load_model(manifest["model"], manifest["dtype"]).tokenizer)
     decode = policy.decode
@@ -134,13 +135,12 @@ def main(paths: list[str], jump: float = JUMP, top: int = TOP, as_json: bool = F
         captures = [CaptureRun(p) for p in paths]
         common = sorted(set.intersection(*(set(page.done_steps(c)) for c in captures)))
         require(common, "the runs share no captured step to draw side by side")
-        common = common[-(page.DEFAULT_STEPS if last is None else max(last, 1)):]
+        common = common[-last:]
         runs = [page.run_data(c, policy.token_text, last, steps=common) for c in captures]
         written = page.write(html, "positronic-brain compare " + " vs ".join(
             Path(r["dir"]).name for r in runs), runs, res)
         print(f"wrote {written}", file=sys.stderr)
         return 0
-    last = 20 if last is None else last
     if as_json:
         json.dump(res, sys.stdout)
         sys.stdout.write("\n")

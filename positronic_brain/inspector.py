@@ -137,6 +137,7 @@ def main(path: str, step: int | None = None, last: int | None = None, out=None,
     console = Console(file=out, highlight=False)
     p = Path(path)
     require(p.exists(), f"{p}: no such file or folder")
+    last = page.shown_steps(last, page.DEFAULT_STEPS if html is not None else 30)
     if html is not None:
         require(p.is_dir(), f"{p}: --html draws a capture run folder, not one file")
         require(step is None, "--step: the page has a slider over every step (or #step=T)")
@@ -145,5 +146,5 @@ def main(path: str, step: int | None = None, last: int | None = None, out=None,
     elif p.is_file():
         inspect_file(p, console)
     else:
-        inspect_run(CaptureRun(p), console, step, 30 if last is None else last)
+        inspect_run(CaptureRun(p), console, step, last)
     return 0

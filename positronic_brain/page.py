@@ -36,14 +36,21 @@ def done_steps(run: CaptureRun) -> list[int]:
     return [t for t in run.steps if run.has(file_name(t, "s4_apply"))]
 
 
+def shown_steps(last: int | None, default: int) -> int:
+    """``--last``: how many of the last steps a table or page shows, ``default`` unless
+    given; at least one."""
+    last = default if last is None else last
+    require(last >= 1, f"--last must be >= 1, got {last}")
+    return last
+
+
 def run_data(run: CaptureRun, token_text, last: int | None = None,
              steps: list[int] | None = None) -> dict:
     """A captured run as the page draws it: per step (``steps``, or the last ``last``,
     default ``DEFAULT_STEPS``) the live ledger the step's query read in position order, the
     attention it paid each token, the step's edits, its token and NLL, the cache length
     after it; ``vocab`` maps the token ids shown to their text."""
-    last = DEFAULT_STEPS if last is None else last
-    require(last >= 1, f"--last must be >= 1, got {last}")
+    last = shown_steps(last, DEFAULT_STEPS)
     done = done_steps(run)
     require(done, f"{run.dir}: no complete step captured: nothing to draw")
     shown = done[-last:] if steps is None else [t for t in done if t in set(steps)]

@@ -104,7 +104,7 @@ def output_file(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
     name, not a folder, in a folder that exists, and none of the ``inputs`` the work reads
     (it would replace them)."""
     path = Path(out)
-    require(str(out) != "" and path.name not in ("", ".", ".."), f"{str(out)!r} is not a file name")
+    require(path.name not in ("", ".", ".."), f"{str(out)!r} is not a file name")
     require(path.parent.is_dir(), f"cannot write {out}: no folder {path.parent}")
     require(not path.is_dir(), f"cannot write {out}: it is a folder")
     for given in inputs:

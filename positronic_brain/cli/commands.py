@@ -112,12 +112,7 @@ def cmd_fork(args) -> int:
     return 0
 
 
-def _check_last(args) -> None:
-    require(args.last is None or args.last >= 1, f"--last must be >= 1, got {args.last}")
-
-
 def cmd_compare(args) -> int:
-    _check_last(args)
     return compare.main(args.run_dirs, args.jump, args.top, args.json, args.last, args.html)
 
 
@@ -126,7 +121,6 @@ def cmd_replay(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    _check_last(args)
     return inspector.main(args.path, args.step, args.last, html=args.html)
 
 
@@ -192,7 +186,7 @@ def measure_tables(m: dict) -> list[Table]:
 
 def cmd_transfer(args) -> int:
     reads = (args.text,) if args.action == "train" else (args.session, args.projector)
-    out = output_file(args.out, *(p for p in reads if p))
+    out = output_file(args.out, *reads)
     if args.action == "train":
         return _transfer_train(args, out)
     source, target = (load_model(name, args.dtype, args.device)
