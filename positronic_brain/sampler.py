@@ -50,12 +50,16 @@ def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor,
     (teacher forcing) is taken as is, without a draw; the report still ranks the others."""
     x = process(logits, params, seen)
     probs = x.softmax(-1)
+    top = torch.topk(probs, min(params.report_top, probs.numel()))
+    ids, ps = top.indices.tolist(), top.values.tolist()
     if force is not None:
         token = force
     elif params.is_greedy:
-        token = int(torch.argmax(x))
+        # the report's first token is the argmax when its probability is above the
+        # second's (a larger probability comes only from a larger logit); an argmax over
+        # the vocabulary (tens of µs on the CPU) only settles a tie
+        token = ids[0] if len(ps) > 1 and ps[0] > ps[1] else int(torch.argmax(x))
     else:
         token = int(torch.multinomial(probs, 1, generator=generator))
-    top = torch.topk(probs, min(params.report_top, probs.numel()))
-    return SamplerReport(token_id=token, top_ids=tuple(top.indices.tolist()),
-                         top_probs=tuple(round(p, 6) for p in top.values.tolist()))
+    return SamplerReport(token_id=token, top_ids=tuple(ids),
+                         top_probs=tuple(round(p, 6) for p in ps))

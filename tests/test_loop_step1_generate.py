@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from positronic_brain.loop import Session
 from positronic_brain.model import PackedWeight, load_model, packable
-from positronic_brain.sampler import make_generator
+from positronic_brain.sampler import make_generator, sample
 from positronic_brain.stages.apply import apply, prime
 from positronic_brain.stages.generate import generate
 from positronic_brain.types import SamplerParams
@@ -61,6 +61,21 @@ def test_stage1_outputs(tiny_model, tiny_policy):
     assert (gen.attention.sum(-1) <= 1 + 1e-5).all() and (gen.attention >= 0).all()
     assert gen.token_id == int(gen.logits.argmax()) == gen.report.top_ids[0]
     assert gen.input_token == state.pending_token and gen.position == state.next_position
+
+
+@pytest.mark.parametrize("report_top", [1, 2, 5])
+def test_greedy_takes_the_first_of_tied_maxima(report_top):
+    """Greedy is the argmax: the lowest id among equal maxima, whatever order the report's
+    ranking gives them; a unique maximum is the report's first token."""
+    params = SamplerParams(greedy=True, report_top=report_top)
+    seen, gen = torch.empty(0, dtype=torch.int64), make_generator(0)
+    for ties in ([7, 40], [3, 11, 12], [40, 7, 63]):
+        logits = torch.randn(64, generator=torch.Generator().manual_seed(len(ties)))
+        logits[ties] = 10.0
+        assert sample(logits, params, seen, gen).token_id == min(ties)
+        logits[ties[-1]] = 11.0
+        report = sample(logits, params, seen, gen)
+        assert report.token_id == ties[-1] == report.top_ids[0]
 
 
 def test_stage1_is_deterministic_and_sampling_is_seeded(tiny_model, tiny_policy):
