@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from positronic_brain.bench import speed
 from positronic_brain.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -183,3 +184,22 @@ def test_a_note_with_brackets_prints(capsys):
     print_tables([Table("t", ("a",), (("1",),), "failed (see [/tmp/x] and [bold])")])
     out = "".join(capsys.readouterr().out.split())  # the caption wraps at the table's width
     assert "failed(see[/tmp/x]and[bold])" in out  # as written, not read as markup
+
+
+def test_missed_decode_targets_are_explained_without_llama_cpp():
+    """A CPU run without llama.cpp judges bfloat16 by the HF yardstick; when that and the
+    plain decode target are missed, each gets its note (the report once failed there)."""
+    decode = [{"dtype": "bfloat16", "context": n, "ours_ms": 30.0, "hf_ms": 40.0,
+               "ratio": 0.75, "floor_ms": 10.0} for n in (1024, 4096)]
+    res = {"config": {"device": "cpu"}, "decode": decode, "llamacpp": [], "prefill": [],
+           "loop": [], "alloc_fit": [], "edits": [],
+           "decode_fit": [{"dtype": "bfloat16", "who": who, "fixed_ms": 25.0, "ms_per_1k": 1.0}
+                          for who in ("ours", "hf")],
+           "memory": [{"dtype": "bfloat16", "weight_bytes": 2 ** 28, "floor_ms": 10.0}]}
+    res["targets"] = speed.targets(res)
+    missed = [t["what"] for t in res["targets"] if not t["met"]]
+    assert any("yardstick" in w for w in missed)
+    notes = speed.missed_notes(res)
+    # 4096 misses its plain target (0.6); both miss the yardstick's (0.25, 0.20)
+    assert [n.split(":")[0] for n in notes if n.startswith("- **bfloat16, context")] == \
+        ["- **bfloat16, context 4096", "- **bfloat16, context 1024", "- **bfloat16, context 4096"]

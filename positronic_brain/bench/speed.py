@@ -598,7 +598,8 @@ def targets(res: dict) -> list[dict]:
         if gpu or r["context"] in DECODE_TARGETS:
             t = GPU_DECODE_TARGET if gpu else DECODE_TARGETS[r["context"]]
             out.append({"what": f"stage 1 / HF decode at {r['context']}", "dtype": r["dtype"],
-                        "value": r["ratio"], "target": f"<= {t}", "met": r["ratio"] <= t})
+                        "context": r["context"], "value": r["ratio"], "target": f"<= {t}",
+                        "met": r["ratio"] <= t})
     llama = {x["dtype"] for x in res.get("llamacpp", ()) if x["measured"]}
     for r in res["decode"]:
         if gpu:
@@ -612,7 +613,8 @@ def targets(res: dict) -> list[dict]:
             t = YARDSTICK_TARGETS[r["context"]]
             out.append({"what": f"stage 1 / HF decode at {r['context']} (the yardstick where "
                                 "llama.cpp is not measured)", "dtype": r["dtype"],
-                        "value": r["ratio"], "target": f"<= {t}", "met": r["ratio"] <= t})
+                        "context": r["context"], "value": r["ratio"], "target": f"<= {t}",
+                        "met": r["ratio"] <= t})
     for r in res["decode"]:
         if not gpu and r["dtype"] == "bfloat16" and r["context"] == 1024:
             share = r["floor_ms"] / r["ours_ms"]
@@ -660,8 +662,7 @@ def missed_notes(res: dict) -> list[str]:
     for t in res["targets"]:
         if t["met"] or not t["what"].startswith("stage 1 / HF decode"):
             continue
-        n = int(t["what"].rsplit(" ", 1)[1])
-        dt = t["dtype"]
+        n, dt = t["context"], t["dtype"]
         r = next(r for r in res["decode"] if r["dtype"] == dt and r["context"] == n)
         ours, hf = fits[(dt, "ours")], fits[(dt, "hf")]
         notes.append(
