@@ -462,8 +462,8 @@ def _gate_up(h: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
     split by views for one row (a decode step), two over the weight's halves for several
     rows of a plain weight (a prefill chunk), where the joined product was slower (on the
     CPU in float32, 1,024 rows of SmolLM2's shapes: 18.4 vs 2 x 8.8 ms; the same bits) and
-    leaves gate and up strided for the elementwise kernels after (on a GPU those took 2.5x
-    as long as over contiguous rows: docs/DESIGN.md, stage 0)."""
+    leaves gate and up strided for the elementwise kernels after (on a GPU those were the
+    slower for it: docs/DESIGN.md, stage 0)."""
     if h.shape[0] == 1 or not isinstance(w, torch.Tensor):
         return linear(h, w, b).chunk(2, dim=-1)
     half = w.shape[0] // 2
