@@ -10,7 +10,6 @@ scores joins them per layer for torch's fused attention instead.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +102,20 @@ def rope_cos_sin(model: Model, positions: torch.Tensor, dtype: torch.dtype):
     dummy = torch.empty(1, dtype=dtype, device=positions.device)
     cos, sin = model.rotary(dummy, positions.view(1, -1))
     return cos[0], sin[0]
+
+
+def rope_tables(model: Model, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin (H + kv_heads, T, head_dim) that rope the q and k heads at once, as x * cos +
+    roll(x, D/2) * sin (= apply_rope, since rotate_half(x) = roll(x, D/2) with its first half
+    negated: sin's first half is). q's rows carry the 1/sqrt(D) score scale, which for a
+    power-of-two scale (D = 64) gives exactly (rope q) * scale."""
+    s = model.spec
+    H, KVH, D = s.n_heads, s.n_kv_heads, s.head_dim
+    cos, sin = rope_cos_sin(model, positions, dtype)  # (T, D)
+    sin = torch.cat((-sin[:, : D // 2], sin[:, D // 2:]), dim=-1)
+    heads = torch.tensor([D ** -0.5] * H + [1.0] * KVH, dtype=dtype,
+                         device=model.device).view(H + KVH, 1, 1)
+    return cos * heads, sin * heads
 
 
 def rerotation(model: Model, old: torch.Tensor, new: torch.Tensor):
@@ -274,17 +287,10 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     g = H // KVH
     T, n = ids.shape[0], _blocks(past_k)[0].shape[2]
     dtype = model.dtype
-    scale = D ** -0.5
 
     x = F.embedding(ids, model.embed)  # (T, hidden)
-    # RoPE for q and k heads at once, as x * cos + roll(x) * signed sin (= apply_rope, since
-    # rotate_half(x) = roll(x, D/2) with its first half negated); q's rows carry the 1/sqrt(D)
-    # score scale, which for a power-of-two scale (D = 64) gives exactly (rope q) * scale.
-    cos, sin = rope_cos_sin(model, positions, dtype)  # (T, D)
-    sin = torch.cat((-sin[:, : D // 2], sin[:, D // 2:]), dim=-1)
+    cos_qk, sin_qk = rope_tables(model, positions, dtype)  # (H + KVH, T, D)
     dev = model.device
-    heads = torch.tensor([scale] * H + [1.0] * KVH, dtype=dtype, device=dev).view(H + KVH, 1, 1)
-    cos_qk, sin_qk = cos * heads, sin * heads  # (H + KVH, T, D)
     # the new K/V: a prefill's copied into one block layer by layer (a layer's k and v are
     # views of its q/k/v products, which would otherwise stay alive to the end: 212 MB at
     # 1,024 float32 tokens of SmolLM2, which the allocator maps and faults in afresh every
@@ -439,21 +445,6 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     return ForwardOut(logits=logits, k=k, v=v,
                       attention=attention, query=query, lse=lse, received=received,
                       received_window=window)
-
-
-def stage1_forward(model: Model):
-    """The forward stage 1 calls: ``forward``, or on a compiled model (``Model.compiled``)
-    ``forward`` through ``torch.compile`` (``_compiled``)."""
-    if not model.compiled:
-        return forward
-    return _compiled()
-
-
-@functools.cache
-def _compiled():
-    """``forward`` through ``torch.compile`` (made once), the context length dynamic, so a
-    longer cache does not compile again (docs/DESIGN.md, stage 1)."""
-    return torch.compile(forward, dynamic=True)
 
 
 def _gate_up(h: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,

@@ -20,7 +20,7 @@ from rich.tree import Tree
 
 from . import page
 from .capture import CaptureRun, file_name, load_file
-from .model import load_model
+from .model import compile_mode, load_model
 from .render import context_text, origin_legend, sparkline, steps_table
 from .special_tokens import TokenPolicy
 from .types import SOURCES, require
@@ -76,7 +76,7 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
     info = Table.grid(padding=(0, 2))
     for k in ("run_id", "model", "dtype", "level", "complete", "stop_reason", "last_step"):
         info.add_row(k, str(manifest.get(k)))
-    info.add_row("compiled", str(manifest.get("compiled", False)))
+    info.add_row("compiled", compile_mode(manifest.get("compiled")) or "no")
     for k, v in (manifest.get("params") or {}).items():
         info.add_row(k, _short(v))
     for f in run.restores():

@@ -112,7 +112,9 @@ class Model:
     device: torch.device  # the embedding, final norm and lm_head; the ledger and generator
     layer_devices: tuple[torch.device, ...]  # each decoder layer's weights and arena slice
     precision: str  # the --dtype it was loaded with: a DTYPES key (int8: ``Int8Weight``s)
-    compiled: bool = False  # stage 1 runs through torch.compile (``forward.stage1_forward``)
+    # how stage 1 runs (``stages.generate.stage1_forward``): "" plain, "inductor" through
+    # torch.compile, "native" through native kernels (``native``); a ``COMPILERS`` key
+    compiled: str = ""
 
     # derived from the placement at construction (plain fields, not cached properties: a
     # cached property's lock breaks a compiled trace that reads it first)
@@ -212,27 +214,49 @@ def check_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def check_compile(devices) -> None:
-    """What ``torch.compile`` needs to write code for ``devices``, or a UserError: a C++
-    compiler for the CPU, triton for a GPU."""
+COMPILERS = ("inductor", "native")  # --compile's choices; --compile alone: the first
+
+
+def compile_mode(value: bool | str | None) -> str:
+    """``load_model``'s ``compile`` (or a capture's ``compiled``) as a ``Model.compiled``:
+    True (as older captures say) is "inductor", False or None plain ("")."""
+    mode = COMPILERS[0] if value is True else (value or "")
+    require(mode in ("",) + COMPILERS, f"compile must be one of {', '.join(COMPILERS)}, "
+            f"got {value!r}")
+    return mode
+
+
+def check_compile(devices, mode: str = "inductor") -> None:
+    """What compiling stage 1 (a ``COMPILERS`` ``mode``) needs for ``devices``, or a
+    UserError: for ``torch.compile`` a C++ compiler for the CPU, triton for a GPU; for the
+    native kernels (built at the first step: ``native.kernels``) the CPU, a C++ compiler and
+    ninja, which torch runs from the PATH (the ``ninja`` package's own is put there when the
+    PATH has none)."""
     kinds = {torch.device(d).type for d in devices}
+    flag = "--compile" if mode == "inductor" else f"--compile {mode}"
+    require(mode == "inductor" or kinds == {"cpu"}, f"{flag} runs on the CPU only")
     require("cpu" not in kinds or any(map(shutil.which, ("g++", "clang++", "c++"))),
-            "--compile on the CPU needs a C++ compiler (g++ or clang++) on the PATH")
+            f"{flag} on the CPU needs a C++ compiler (g++ or clang++) on the PATH")
     require("cuda" not in kinds or importlib.util.find_spec("triton") is not None,
             "--compile on a GPU needs triton (pip install triton)")
+    if mode == "native" and shutil.which("ninja") is None:
+        ninja = importlib.util.find_spec("ninja")
+        require(ninja is not None, "--compile native needs ninja (pip install ninja)")
+        os.environ["PATH"] = os.pathsep.join((importlib.import_module("ninja").BIN_DIR,
+                                              os.environ.get("PATH", "")))
 
 
 def load_model(name: str = "smollm2", dtype: str = "float32", device: str | None = None,
                device_map: str | dict | None = None, max_memory: dict | None = None,
-               compile: bool = False) -> Model:  # pylint: disable=redefined-builtin
+               compile: bool | str = False) -> Model:  # pylint: disable=redefined-builtin
     """Load a model by name (``smollm2`` or one of ``TINY_CONFIGS``), a ``.gguf`` file
     (converted once into ``cache_dir()``; see ``_gguf_folder``) or a Hugging Face folder,
     onto ``device`` (``resolve_device``; default the CPU), or with its layers placed by
     ``device_map`` (``place_layers``; ``max_memory`` goes to accelerate's ``auto`` and
     ``balanced``). Not both.
 
-    ``compile``: stage 1 runs through ``torch.compile`` (``Model.compiled``; docs/DESIGN.md,
-    stage 1)."""
+    ``compile``: stage 1 runs through ``torch.compile`` (True or "inductor") or through
+    native kernels ("native"; ``Model.compiled``, docs/DESIGN.md, stage 1)."""
     require(device is None or device_map is None, "give a device or a device map, not both")
     dev = resolve_device(device or "cpu") if device_map is None else torch.device("cpu")
     torch_dtype = check_dtype(dtype, dev)
@@ -246,11 +270,11 @@ def load_model(name: str = "smollm2", dtype: str = "float32", device: str | None
         hf, tok = _load_folder(Path(name), torch_dtype, dev)
     if device_map is None:
         return _wrap(name, hf.to(dev), tok, dtype, dev, (dev,) * hf.config.num_hidden_layers,
-                     compile)
+                     compile_mode(compile))
     dev, layer_devices = place_layers(hf, device_map, max_memory)
     for d in {dev, *layer_devices}:
         check_dtype(dtype, d)
-    return _wrap(name, hf, tok, dtype, dev, layer_devices, compile)
+    return _wrap(name, hf, tok, dtype, dev, layer_devices, compile_mode(compile))
 
 
 DEVICE_MAPS = ("auto", "balanced")
@@ -599,10 +623,10 @@ def _check_rope(rotary: nn.Module) -> None:
 
 
 def _wrap(name: str, hf: nn.Module, tok, precision: str, device: torch.device,  # pylint: disable=too-many-arguments
-          layer_devices: tuple[torch.device, ...], compiled: bool = False) -> Model:
+          layer_devices: tuple[torch.device, ...], compiled: str = "") -> Model:
     dtype, int8 = DTYPES[precision], precision == "int8"
     if compiled:
-        check_compile({device, *layer_devices})
+        check_compile({device, *layer_devices}, compiled)
     _check_arch(hf.config)
     _check_rope(hf.model.rotary_emb)
     hf.eval().requires_grad_(False)

@@ -26,7 +26,7 @@ from rich.console import Console
 
 from .capture import (EXTEND, LEDGER_COLUMNS, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
                       extend_outputs, file_name, gen_outputs, prime_outputs)
-from .model import Model, device_kind, load_model, resolve_device
+from .model import COMPILERS, Model, compile_mode, device_kind, load_model, resolve_device
 from .plain import to_plain
 from .sampler import make_generator
 from .scorers import make_scorer, prefill_scorer, user
@@ -238,15 +238,22 @@ def open_run(run_dir: str | Path, model: Model | None = None,
         here = captured.type == "cpu" or (torch.cuda.is_available()
                                           and (captured.index or 0) < torch.cuda.device_count())
         device = str(captured) if here else "cpu"
-    compiled = manifest.get("compiled", False)  # its stage 1 rounds as the compiled code does
+    compiled = compile_mode(manifest.get("compiled"))  # its stage 1 rounds as that code does
     model = model or load_model(manifest["model"], manifest["dtype"], device, compile=compiled)
-    require(model.compiled == compiled, f"the capture ran {'with' if compiled else 'without'} "
-            f"--compile and the model given is {'' if model.compiled else 'not '}compiled")
+    require(compile_mode(model.compiled) == compiled,
+            f"the capture ran {_compiled_words(compiled)} and the model given runs "
+            f"{_compiled_words(compile_mode(model.compiled))}")
     run.device = model.device  # the captured tensors load there
     require(json.loads(json.dumps(model.fingerprint)) == run.fingerprint,
             f"the capture is of model {manifest.get('model')!r} {manifest.get('dtype')}, which "
             f"does not match the loaded {model.name!r}")
     return run, model
+
+
+def _compiled_words(mode: str) -> str:
+    """A ``Model.compiled`` as the flag that gives it."""
+    return "without --compile" if not mode else (
+        "with --compile" if mode == COMPILERS[0] else f"with --compile {mode}")
 
 
 def rebuild(run: CaptureRun, model: Model, before: int) -> tuple[State, list[int]]:

@@ -40,10 +40,12 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
             [(d, c) for d in dtypes for c in contexts]
     for r in res["decode"]:
         assert r["ours_ms"] > 0 and r["hf_ms"] > 0 and r["ratio"] > 0 and r["floor_ms"] > 0
-        # stage 1 of a second copy loaded with compile, in the same rounds
-        assert r["compiled_ms"] > 0 and r["compiled_ratio"] > 0
-        assert r["compiled_agrees"] or r["dtype"] != "float32"  # float32 rounds alike
-    assert [c["dtype"] for c in res["compile"]] == dtypes
+        # stage 1 of copies loaded with compile (inductor, native), in the same rounds
+        for key in ("compiled", "native"):
+            assert r[f"{key}_ms"] > 0 and r[f"{key}_ratio"] > 0 and r[f"{key}_hf_ratio"] > 0
+            assert r[f"{key}_agrees"] or r["dtype"] != "float32"  # float32 rounds alike
+    assert [(c["dtype"], c["mode"]) for c in res["compile"]] == \
+        [(d, m) for d in dtypes for m in ("inductor", "native")]
     assert all(c["compile_s"] > 0 and c["why_not"] is None for c in res["compile"])
     assert [r["tokens"] for r in res["prefill"]] == [256] * 3
     assert all(r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 for r in res["prefill"])
@@ -93,6 +95,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
         assert any(name.endswith("matmul") for name, _ in r["top"]), r["top"]
     assert "Operators launched per token (stage 1)" in (out / "report.md").read_text()
     assert "Stage 1 compiled (`--compile`" in (out / "report.md").read_text()
+    assert "Stage 1 native (`--compile native`" in (out / "report.md").read_text()
 
     for name in ("decode_ms.png", "alloc_bytes.png", "edits_ms.png"):
         assert (out / name).read_bytes().startswith(PNG)

@@ -61,6 +61,27 @@ def test_targets_compare_with_llama_cpp_where_measured_else_with_the_yardstick()
     assert got[("float32", "stage 0 / HF prefill tokens/s at 1024")] == (0.9, ">= 1.0", False)
     assert got[("bfloat16", "stage 0 / HF prefill tokens/s at 4096")] == (1.1, ">= 1.0", True)
     assert not any("prefill tokens/s at 256" in what for _, what in got)
+    assert not any("native" in what for _, what in got)  # no native stage 1 in this run
+
+
+def test_a_native_stage1_is_held_to_the_same_targets():
+    """Where the run has stage 1 with native kernels, it gets the rows stage 1 gets beyond
+    HF's: against llama.cpp where measured, else the yardstick, and the bandwidth share."""
+    decode = [_decode("float32", 1024, 10.0, 20.0, 12.0), _decode("bfloat16", 1024, 10.0, 50.0)]
+    for r, ms in zip(decode, (8.0, 5.0)):  # native: 8 / 12 = 0.67 of llama.cpp; 5 / 50 of HF
+        r.update(native_ms=ms, native_hf_ratio=ms / r["hf_ms"],
+                 native_llamacpp_ratio=ms / r["llamacpp_ms"] if "llamacpp_ms" in r else None)
+    res = {"config": {"device": "cpu"}, "loop": [], "alloc_fit": [], "edits": [],
+           "prefill": [], "decode": decode,
+           "llamacpp": [{"dtype": "float32", "measured": True},
+                        {"dtype": "bfloat16", "measured": False, "why_not": "not installed"}]}
+    got = {(t["dtype"], t["what"]): (round(t["value"], 3), t["met"]) for t in targets(res)}
+    yard = "(the yardstick where llama.cpp is not measured)"
+    assert got[("float32", "stage 1 native / llama.cpp decode at 1024 (same precision)")] == \
+        (0.667, True)
+    assert got[("bfloat16", f"stage 1 native / HF decode at 1024 {yard}")] == (0.1, True)
+    assert got[("bfloat16", "share of the bandwidth limit at 1024 (floor / stage 1 native)")] \
+        == (1.0, True)  # floor 5 ms / 5 ms
 
 
 @pytest.mark.slow

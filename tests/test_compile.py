@@ -1,8 +1,9 @@
-"""``--compile``: stage 1's one-token forward through ``torch.compile``. Its fused code rounds
-differently from the plain path, so it is held to the same oracle (Hugging Face's forward on
-the same cache: <= 1e-4 in float32, bfloat16's rounding otherwise) and to the plain path, it
-must be one graph that a longer context does not compile again, and a compiled capture
-replays bit for bit (compiled)."""
+"""``--compile``: stage 1's one-token forward through ``torch.compile`` (``inductor``) or
+through native kernels (``--compile native``). Each rounds differently from the plain path,
+so it is held to the same oracle (Hugging Face's forward on the same cache: <= 1e-4 in
+float32, bfloat16's rounding otherwise) and to the plain path; inductor's must be one graph
+that a longer context does not compile again; a compiled capture replays bit for bit
+(compiled the same way)."""
 import dataclasses
 import json
 from pathlib import Path
@@ -13,13 +14,14 @@ from torch._dynamo.utils import counters
 
 from positronic_brain import forward as fw
 from positronic_brain import model as model_module
+from positronic_brain import native
 from positronic_brain.cli import main as cli
 from positronic_brain.loop import Session
 from positronic_brain.model import PackedWeight, load_model, packable
 from positronic_brain.replay import replay
 from positronic_brain.special_tokens import TokenPolicy
 from positronic_brain.stages.apply import apply, prime
-from positronic_brain.stages.generate import generate
+from positronic_brain.stages.generate import generate, stage1_forward
 from positronic_brain.types import SamplerParams, UserError
 from tests.oracle import assert_close, hf_step_logits
 
@@ -43,18 +45,22 @@ def _rel(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
 
-@pytest.mark.parametrize("name,dtype,device", [
-    ("tiny-random", "float32", "cpu"), ("tiny-random-qwen2", "float32", "cpu"),
-    ("tiny-random-mistral", "float32", "cpu"), ("tiny-random-llama3", "float32", "cpu"),
-    ("tiny-random", "int8", "cpu"), ("tiny-random-qwen2", "bfloat16", "cpu"),
-    pytest.param("tiny-random", "float32", "cuda", marks=CUDA),
-    pytest.param("tiny-random-qwen2", "bfloat16", "cuda", marks=CUDA)])
-def test_compiled_stage1_equals_hf_and_the_plain_path(name, dtype, device):
+CPU_CASES = [("tiny-random", "float32", "cpu"), ("tiny-random-qwen2", "float32", "cpu"),
+             ("tiny-random-mistral", "float32", "cpu"), ("tiny-random-llama3", "float32", "cpu"),
+             ("tiny-random", "int8", "cpu"), ("tiny-random-qwen2", "bfloat16", "cpu")]
+
+
+@pytest.mark.parametrize("mode,name,dtype,device", [
+    *(("inductor", *case) for case in CPU_CASES),
+    pytest.param("inductor", "tiny-random", "float32", "cuda", marks=CUDA),
+    pytest.param("inductor", "tiny-random-qwen2", "bfloat16", "cuda", marks=CUDA),
+    *(("native", *case) for case in CPU_CASES), ("native", "tiny-random", "bfloat16", "cpu")])
+def test_compiled_stage1_equals_hf_and_the_plain_path(mode, name, dtype, device):
     """Eight sampled steps over a growing cache: each compiled step's logits equal HF's on the
     same live K/V and the plain path's, its new K/V and attention row (the scorers' input)
-    the plain path's; all of them ran one compiled graph, without a graph break."""
-    model = load_model(name, dtype, device, compile=True)
-    plain = dataclasses.replace(model, compiled=False)  # the same weights, uncompiled
+    the plain path's; inductor's all ran one compiled graph, without a graph break."""
+    model = load_model(name, dtype, device, compile=mode)
+    plain = dataclasses.replace(model, compiled="")  # the same weights, uncompiled
     # bfloat16 on the CPU multiplies by oneDNN's packed weights, compiled too
     packed = dtype == "bfloat16" and device == "cpu" and packable()
     assert model.compiled and all(isinstance(w.qkv_w, PackedWeight) == packed
@@ -66,8 +72,11 @@ def test_compiled_stage1_equals_hf_and_the_plain_path(name, dtype, device):
     for step in range(8):
         view = session.state.view()
         gen = generate(model, view, session.sampler, session.generator)
-        ref = fw.forward(plain, view.k, view.v, view.token_id.new_tensor([view.pending_token]),
+        ids = view.token_id.new_tensor([view.pending_token])
+        ref = fw.forward(plain, view.k, view.v, ids,
                          view.token_id.new_tensor([view.next_position]), want_attention=True)
+        # the native kernels ran, not their fallback
+        assert mode != "native" or native.applies(model, view.k, ids, None, False, None)
         want = hf_step_logits(model, view)
         if dtype == "float32":
             assert_close(gen.logits, want, 1e-4, f"{name} step {step} vs HF")
@@ -79,24 +88,27 @@ def test_compiled_stage1_equals_hf_and_the_plain_path(name, dtype, device):
             assert_close(gen.attention, ref.attention, 0.02, f"{name} step {step} attention")
             assert _rel(gen.k, ref.k) <= LOW_TOL and gen.k.dtype == torch.bfloat16
         apply(model, session.state, gen)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert mode != "inductor" or (counters["stats"]["unique_graphs"] == 1
+                                  and not counters["graph_break"])
 
 
-def test_compiled_recall_query_equals_the_plain_path():
-    """With recall, stage 1 also returns each layer's query and log-sum-exp: compiled (a graph
-    of its own), they equal the plain path's."""
-    model = load_model("tiny-random", "float32", compile=True)
+@pytest.mark.parametrize("mode", ("inductor", "native"))
+def test_compiled_recall_query_equals_the_plain_path(mode):
+    """With recall, stage 1 also returns each layer's query and log-sum-exp: compiled (by
+    inductor, a graph of its own), they equal the plain path's."""
+    model = load_model("tiny-random", "float32", compile=mode)
     state, _ = prime(model, TokenPolicy(model.tokenizer).raw_prompt("what recall asks"),
                      capacity=64)
     view = state.view()
     args = (view.k, view.v, view.token_id.new_tensor([view.pending_token]),
             view.token_id.new_tensor([view.next_position]))
-    ours = fw.stage1_forward(model)(model, *args, want_attention=True, want_query=True)
-    ref = fw.forward(dataclasses.replace(model, compiled=False), *args, want_attention=True,
+    ours = stage1_forward(model)(model, *args, want_attention=True, want_query=True)
+    ref = fw.forward(dataclasses.replace(model, compiled=""), *args, want_attention=True,
                      want_query=True)
     assert_close(ours.query, ref.query, 1e-5, "query")
     assert_close(ours.lse, ref.lse, 1e-5, "log-sum-exp")
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert mode != "inductor" or (counters["stats"]["unique_graphs"] == 1
+                                  and not counters["graph_break"])
 
 
 @pytest.mark.parametrize("repair,done,graphs", [("merge", "merged", 1), ("fold", "folded", 2)])
@@ -113,19 +125,30 @@ def test_only_stage1_compiles(capsys, repair, done, graphs):
     assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
 
 
-def test_compiled_capture_replays_bit_exact(tmp_path, capsys):
-    """A compiled run's capture says so and replays compiled, bit for bit."""
-    args = ["run", "--model", "tiny-random", "--dtype", "int8", "--compile", "--prompt",
+@pytest.mark.parametrize("flag,mode", [(["--compile"], "inductor"),
+                                       (["--compile", "native"], "native")])
+def test_compiled_capture_replays_bit_exact(tmp_path, capsys, flag, mode):
+    """A compiled run's capture says how and replays compiled so, bit for bit."""
+    args = ["run", "--model", "tiny-random", "--dtype", "int8", *flag, "--prompt",
             "a compiled capture", "--max-new-tokens", "8", "--ignore-eos", "--seed", "3",
             "--budget", "8", "--sinks", "1", "--recent", "2", "--capture", str(tmp_path), "--json"]
     assert cli(args) == 0
     out = json.loads(capsys.readouterr().out)
     manifest = json.loads((Path(out["capture"]) / "manifest.json").read_text())
-    assert manifest["compiled"] is True and manifest["dtype"] == "int8" and out["compiled"]
+    assert manifest["compiled"] == mode == out["compiled"] and manifest["dtype"] == "int8"
     report = replay(out["capture"])
     assert report.ok and report.tolerance is None
-    with pytest.raises(UserError, match="with --compile and the model given is not compiled"):
+    with pytest.raises(UserError, match=f"ran {' '.join(['with', *flag])} and the model given "
+                                        "runs without --compile"):
         replay(out["capture"], model=load_model("tiny-random", "int8"))
+
+
+def test_a_capture_from_before_compile_modes_replays_as_inductor():
+    """Older captures say ``compiled: true`` for torch.compile."""
+    assert model_module.compile_mode(True) == "inductor"
+    assert model_module.compile_mode(False) == model_module.compile_mode(None) == ""
+    with pytest.raises(UserError, match="compile must be one of inductor, native, got 'jit'"):
+        model_module.compile_mode("jit")
 
 
 def test_compile_needs_a_compiler_on_the_cpu_and_triton_on_a_gpu(monkeypatch):
@@ -135,3 +158,25 @@ def test_compile_needs_a_compiler_on_the_cpu_and_triton_on_a_gpu(monkeypatch):
     monkeypatch.setattr(model_module.importlib.util, "find_spec", lambda _: None)
     with pytest.raises(UserError, match="needs triton"):
         model_module.check_compile([torch.device("cuda", 0)])
+
+
+def test_native_needs_the_cpu_a_compiler_and_ninja(monkeypatch):
+    """Where the kernels cannot be built, loading says why in one line."""
+    cpu = [torch.device("cpu")]
+    with pytest.raises(UserError, match="--compile native runs on the CPU only"):
+        model_module.check_compile([torch.device("cuda", 0)], "native")
+    monkeypatch.setattr(model_module.shutil, "which", lambda _: None)
+    with pytest.raises(UserError, match="--compile native on the CPU needs a C.. compiler"):
+        model_module.check_compile(cpu, "native")
+    monkeypatch.setattr(model_module.shutil, "which",
+                        lambda name: None if name == "ninja" else name)
+    real = model_module.importlib.util.find_spec
+    monkeypatch.setattr(model_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ninja" else real(name, *a))
+    with pytest.raises(UserError, match="--compile native needs ninja"):
+        model_module.check_compile(cpu, "native")
+
+
+def test_compile_takes_only_its_modes(capsys):
+    assert cli(["run", "--model", "tiny-random", "--compile", "jit", "--prompt", "x"]) == 2
+    assert "invalid choice: 'jit'" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -243,10 +244,11 @@ def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[dict
 
 def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig,  # pylint: disable=too-many-arguments
                    task, llama: llamacpp.Contender | None = None,
-                   compiled: Model | None = None) -> list[dict]:
-    """Stage 1 vs HF decode (and llama.cpp's, if ``llama``; stage 1 of the model loaded
-    with ``compile``, if ``compiled``), ms per token, at each context (prefixes of ``full``;
-    llama.cpp's context is evaluated up to each in turn)."""
+                   compiled: dict[str, Model] | None = None) -> list[dict]:
+    """Stage 1 vs HF decode (and llama.cpp's, if ``llama``; stage 1 of each model in
+    ``compiled``, loaded with a ``compile`` mode: ``COMPILED``), ms per token, at each context
+    (prefixes of ``full``; llama.cpp's context is evaluated up to each in turn)."""
+    compiled = compiled or {}
     dt = model.precision
     tick = task(f"{dt} decode", len(cfg.contexts) * cfg.reps)
     rows = []
@@ -259,8 +261,8 @@ def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfi
         if llama is not None:
             llama.prefill(ids[:n])
             contenders["llama.cpp"] = lambda: llama.decode(ids[n])
-        if compiled is not None:
-            contenders["compiled"] = lambda: generate(compiled, view, GREEDY, gen)
+        for key, other in compiled.items():
+            contenders[key] = functools.partial(generate, other, view, GREEDY, gen)
         t = common.interleaved_ms(contenders, cfg.reps, warmup=2,
                                   after={"hf": lambda: cache.crop(-1)}, tick=tick)
         row = {"dtype": dt, "context": n, "ours_ms": common.median(t["ours"]),
@@ -270,13 +272,13 @@ def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfi
             row.update(llamacpp_ms=common.median(t["llama.cpp"]),
                        llamacpp_ratio=common.median_ratio(t["ours"], t["llama.cpp"]),
                        llamacpp_agrees=llama.decode(ids[n]) == token)
-        if compiled is not None:
-            row.update(compiled_ms=common.median(t["compiled"]),
-                       compiled_ratio=common.median_ratio(t["compiled"], t["ours"]),
-                       compiled_agrees=generate(compiled, view, GREEDY, gen).token_id == token)
+        for key, other in compiled.items():
+            row.update({f"{key}_ms": common.median(t[key]),
+                        f"{key}_ratio": common.median_ratio(t[key], t["ours"]),
+                        f"{key}_hf_ratio": common.median_ratio(t[key], t["hf"]),
+                        f"{key}_agrees": generate(other, view, GREEDY, gen).token_id == token})
             if llama is not None:
-                row["compiled_llamacpp_ratio"] = common.median_ratio(t["compiled"],
-                                                                     t["llama.cpp"])
+                row[f"{key}_llamacpp_ratio"] = common.median_ratio(t[key], t["llama.cpp"])
         rows.append(row)
         del cache
     return rows
@@ -445,21 +447,27 @@ def measure_ops(model: Model, full: View, ids: list[int], cfg: SpeedConfig) -> d
             "top": top}
 
 
+# the decode table's other stage 1s: a row's key -> the ``compile`` mode its model loads with
+COMPILED = {"compiled": "inductor", "native": "native"}
+
+
 def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],
-                  task) -> tuple[Model | None, dict]:
-    """The model loaded again with ``compile``, and what its first stage-1 call took
-    (compiling; a longer context compiles again only past 4,095 slots); or None
+                  task, mode: str = "inductor") -> tuple[Model | None, dict]:
+    """The model loaded again with ``compile`` ``mode``, and what loading it and its first
+    stage-1 call took (inductor compiles at that call, a longer context again only past
+    4,095 slots; the native kernels are built, or found built, as the model loads); or None
     and why, if compiling failed, so the rest of the run still reports."""
-    tick = task(f"{dtype} compile", 1)
+    tick = task(f"{dtype} compile {mode}", 1)
     try:
-        model = load_model(cfg.model, dtype, cfg.device, compile=True)
         t0 = time.perf_counter()
+        model = load_model(cfg.model, dtype, cfg.device, compile=mode)
         n = cfg.contexts[0]
         generate(model, prefix_view(full, n, ids[n]), GREEDY, make_generator(0, model.device))
         common.sync()
-        return model, {"dtype": dtype, "compile_s": time.perf_counter() - t0, "why_not": None}
+        return model, {"dtype": dtype, "mode": mode, "compile_s": time.perf_counter() - t0,
+                       "why_not": None}
     except Exception as e:  # pylint: disable=broad-exception-caught  # reported, not raised
-        return None, {"dtype": dtype, "compile_s": None, "why_not": reason(e)}
+        return None, {"dtype": dtype, "mode": mode, "compile_s": None, "why_not": reason(e)}
     finally:
         tick()
 
@@ -486,7 +494,14 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     view = primed.view()
     why_not = llamacpp.unavailable(model, dtype)
     llama = None if why_not else llamacpp.Contender(model, dtype, cfg.contexts[-1] + 8)
-    compiled, compile_info = compile_model(cfg, dtype, view, ids, task)
+    compiled, compile_info = {}, []
+    for key, mode in COMPILED.items():
+        if mode == "native" and cfg.device != "cpu":
+            continue  # the native kernels are the CPU's
+        other, info = compile_model(cfg, dtype, view, ids, task, mode)
+        compile_info.append(info)
+        if other is not None:
+            compiled[key] = other
     decode = measure_decode(model, hf, view, ids, cfg, task, llama, compiled)
     del compiled
     if llama is not None:
@@ -534,7 +549,7 @@ def run(cfg: SpeedConfig, command: str) -> dict:
     res["memory"] = [p["memory"] for p in parts]
     res["ops"] = [p["ops"] for p in parts]
     res["llamacpp"] = [p["llamacpp"] for p in parts]
-    res["compile"] = [p["compile"] for p in parts]
+    res["compile"] = [c for p in parts for c in p["compile"]]
     res["decode_fit"] = decode_fit(res)
     res["alloc_fit"] = alloc_fit(res)
     res["targets"] = targets(res)
@@ -591,6 +606,36 @@ def loop_target(row: dict) -> float:
     return RECALL_LOOP_TARGET if row.get("cold") else LOOP_TARGET
 
 
+def _cpu_decode_targets(res: dict, who: str, ms: str, hf: str, llama_ratio: str) -> list[dict]:
+    """The CPU's decode targets beyond HF's for ``who``, from a decode row's fields ``ms``
+    (its ms per token), ``hf`` and ``llama_ratio`` (its ratios to HF and llama.cpp): against
+    llama.cpp at the same precision where it was measured, else bfloat16's yardstick against
+    HF; and bfloat16's share of the bandwidth limit at 1024."""
+    out = []
+    llama = {x["dtype"] for x in res.get("llamacpp", ()) if x["measured"]}
+    for r in res["decode"]:
+        if ms not in r:
+            continue
+        limit, contexts = LLAMACPP_TARGETS.get(r["dtype"], (None, ()))
+        if r["dtype"] in llama and (contexts is None or r["context"] in contexts):
+            out.append({"what": f"{who} / llama.cpp decode at {r['context']} (same precision)",
+                        "dtype": r["dtype"], "value": r[llama_ratio],
+                        "target": f"<= {limit}", "met": r[llama_ratio] <= limit})
+        elif r["dtype"] == "bfloat16" and r["dtype"] not in llama and r["context"] in YARDSTICK_TARGETS:
+            t = YARDSTICK_TARGETS[r["context"]]
+            out.append({"what": f"{who} / HF decode at {r['context']} (the yardstick where "
+                                "llama.cpp is not measured)", "dtype": r["dtype"],
+                        "context": r["context"], "value": r[hf], "target": f"<= {t}",
+                        "met": r[hf] <= t})
+    for r in res["decode"]:
+        if ms in r and r["dtype"] == "bfloat16" and r["context"] == 1024:
+            share = r["floor_ms"] / r[ms]
+            out.append({"what": f"share of the bandwidth limit at 1024 (floor / {who})",
+                        "dtype": r["dtype"], "value": share, "target": f">= {BANDWIDTH_TARGET}",
+                        "met": share >= BANDWIDTH_TARGET})
+    return out
+
+
 def targets(res: dict) -> list[dict]:
     out = []
     gpu = res["config"].get("device", "cpu") != "cpu"
@@ -600,27 +645,10 @@ def targets(res: dict) -> list[dict]:
             out.append({"what": f"stage 1 / HF decode at {r['context']}", "dtype": r["dtype"],
                         "context": r["context"], "value": r["ratio"], "target": f"<= {t}",
                         "met": r["ratio"] <= t})
-    llama = {x["dtype"] for x in res.get("llamacpp", ()) if x["measured"]}
-    for r in res["decode"]:
-        if gpu:
-            continue
-        limit, contexts = LLAMACPP_TARGETS.get(r["dtype"], (None, ()))
-        if r["dtype"] in llama and (contexts is None or r["context"] in contexts):
-            out.append({"what": f"stage 1 / llama.cpp decode at {r['context']} (same precision)",
-                        "dtype": r["dtype"], "value": r["llamacpp_ratio"],
-                        "target": f"<= {limit}", "met": r["llamacpp_ratio"] <= limit})
-        elif r["dtype"] == "bfloat16" and r["dtype"] not in llama and r["context"] in YARDSTICK_TARGETS:
-            t = YARDSTICK_TARGETS[r["context"]]
-            out.append({"what": f"stage 1 / HF decode at {r['context']} (the yardstick where "
-                                "llama.cpp is not measured)", "dtype": r["dtype"],
-                        "context": r["context"], "value": r["ratio"], "target": f"<= {t}",
-                        "met": r["ratio"] <= t})
-    for r in res["decode"]:
-        if not gpu and r["dtype"] == "bfloat16" and r["context"] == 1024:
-            share = r["floor_ms"] / r["ours_ms"]
-            out.append({"what": "share of the bandwidth limit at 1024 (floor / stage 1)",
-                        "dtype": r["dtype"], "value": share, "target": f">= {BANDWIDTH_TARGET}",
-                        "met": share >= BANDWIDTH_TARGET})
+    if not gpu:  # stage 1, then stage 1 with native kernels where the run has it
+        out += _cpu_decode_targets(res, "stage 1", "ours_ms", "ratio", "llamacpp_ratio")
+        out += _cpu_decode_targets(res, "stage 1 native", "native_ms", "native_hf_ratio",
+                                   "native_llamacpp_ratio")
     for r in res["prefill"]:
         if not gpu and r["tokens"] in PREFILL_TARGET_TOKENS and r["dtype"] in PREFILL_TARGET_DTYPES:
             out.append({"what": f"stage 0 / HF prefill tokens/s at {r['tokens']}",
@@ -652,6 +680,40 @@ def targets(res: dict) -> list[dict]:
                         "value": hi[key] / lo[key], "target": f"<= {EDIT_TARGET}",
                         "met": hi[key] / lo[key] <= EDIT_TARGET})
     return out
+
+
+COMPILED_TITLES = {
+    "compiled": ("Stage 1 compiled (`--compile`: torch.compile, context length dynamic)",
+                 "Compiling took", " (the first stage-1 call; inductor's on-disk cache "
+                 "shortens a second run's)"),
+    "native": ("Stage 1 native (`--compile native`: native kernels between the weight "
+               "products)", "Loading the model with its kernels and the first stage-1 call "
+               "took", " (building the kernels the first time on a machine takes tens of "
+               "seconds more)")}
+
+
+def _compiled_table(res: dict, key: str, measured: bool):
+    """The decode table's ``key`` contender (a ``COMPILED`` key) against stage 1, or None if
+    the run has none."""
+    mode = COMPILED[key]
+    rows = [r for r in res["decode"] if f"{key}_ms" in r]
+    tried = [c for c in res.get("compile", ()) if c.get("mode", "inductor") == mode]
+    if not rows and not tried:
+        return None
+    title, took, after = COMPILED_TITLES[key]
+    flag = "`--compile`" if mode == "inductor" else f"`--compile {mode}`"
+    return Table(
+        title, ("dtype", "context", "stage 1 ms", f"{key} ms", f"{key} / stage 1", f"{key} / HF")
+        + ((f"{key} / llama.cpp",) if measured else ()) + ("same next token",),
+        tuple((r["dtype"], str(r["context"]), fmt(r["ours_ms"], 2), fmt(r[f"{key}_ms"], 2),
+               fmt(r[f"{key}_ratio"], 2), fmt(r.get(f"{key}_hf_ratio"), 2))
+              + ((fmt(r.get(f"{key}_llamacpp_ratio"), 2),) if measured else ())
+              + ("yes" if r[f"{key}_agrees"] else "no",) for r in rows),
+        f"Timed in the same rounds as the decode table above, on a second copy of the model "
+        f"loaded with {flag} (docs/DESIGN.md, stage 1). {took} " + "; ".join(
+            f"{c['dtype']} {c['compile_s']:.0f} s" if c.get("why_not") is None
+            else f"{c['dtype']} failed, not measured ({c['why_not']})" for c in tried)
+        + after + ".")
 
 
 def missed_notes(res: dict) -> list[str]:
@@ -812,22 +874,7 @@ def tables(res: dict) -> list[Table]:
         "Stage 4 of an edit is O(1) in the context; the decisions in stage 3 are not: a merge "
         "runs two one-token forwards over the context, and a fold's target search reads "
         "every live key once.")
-    compiled = Table(
-        "Stage 1 compiled (`--compile`: torch.compile, context length dynamic)",
-        ("dtype", "context", "stage 1 ms", "compiled ms", "compiled / stage 1")
-        + (("compiled / llama.cpp",) if measured else ()) + ("same next token",),
-        tuple((r["dtype"], str(r["context"]), fmt(r["ours_ms"], 2), fmt(r["compiled_ms"], 2),
-               fmt(r["compiled_ratio"], 2))
-              + ((fmt(r.get("compiled_llamacpp_ratio"), 2),) if measured else ())
-              + ("yes" if r["compiled_agrees"] else "no",)
-              for r in res["decode"] if "compiled_ms" in r),
-        "Timed in the same rounds as the decode table above, on a second copy of the model "
-        "loaded with `compile` (docs/DESIGN.md, stage 1). "
-        "Compiling took " + "; ".join(
-            f"{c['dtype']} {c['compile_s']:.0f} s" if c.get("why_not") is None
-            else f"{c['dtype']} failed, not measured ({c['why_not']})"
-            for c in res.get("compile", ()))
-        + " (the first stage-1 call; inductor's on-disk cache shortens a second run's).")
+    compiled = [_compiled_table(res, key, measured) for key in COMPILED]
     ops = Table(
         "Operators launched per token (stage 1)",
         ("dtype", "context", "operators", "most frequent"),
@@ -857,8 +904,8 @@ def tables(res: dict) -> list[Table]:
         "speed (above 1 = faster than HF); the edit rows divide the cost at the longest "
         "context by the cost at the shortest (1 = flat).")
     # on a GPU no allocations are counted (the profiler's events are the host allocator's)
-    return [t for t in (target, decode, compiled, fit, ops, alloc, loop, edits, prefill, memory)
-            if t.rows]
+    return [t for t in (target, decode, *compiled, fit, ops, alloc, loop, edits, prefill, memory)
+            if t is not None and t.rows]
 
 
 def plots(res: dict, out: Path) -> list[str]:
@@ -934,8 +981,9 @@ METHOD = """\
   plus an argmax on a `DynamicCache` holding a copy of the same K/V, cropped back by one row
   after every call so the context stays fixed. Two warm-up rounds, then the median of the
   repetitions; stage 1 and HF alternate within each repetition, same threads.
-- **Compiled**: a second copy of the model loaded with `compile` (`--compile`), its first
-  stage-1 call (the compilation) timed apart, then timed as a third contender in the same
+- **Compiled** and **native**: copies of the model loaded with `compile` (`--compile`) and
+  with `compile="native"` (`--compile native`; the CPU only), each one's loading and first
+  stage-1 call (the compilation) timed apart, then timed as further contenders in the same
   rounds on the same views.
 - **llama.cpp** (where `llama_cpp` and llama.cpp's converter are installed: `make
   bench-llamacpp`): the model's own Hugging Face folder written as a GGUF by llama.cpp's

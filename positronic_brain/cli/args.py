@@ -10,7 +10,7 @@ from dataclasses import asdict
 from ..bench import passkey
 from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
-from ..model import DTYPES, device_kind
+from ..model import COMPILERS, DTYPES, device_kind
 from ..scorers import SCORERS, make_scorer, user
 from ..transfer import INITS, KINDS, TrainParams
 from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
@@ -50,9 +50,11 @@ def _add_model_args(p: argparse.ArgumentParser, session: bool = False) -> None:
     where.add_argument("--device", default="auto", help=DEVICE_HELP)
     where.add_argument("--device-map", default=None, metavar="auto|balanced|PATH.json",
                        help=DEVICE_MAP_HELP)
-    p.add_argument("--compile", action="store_true",
-                   help="run stage 1 through torch.compile (the first step compiles: tens of "
-                        "seconds; docs/DESIGN.md, stage 1)")
+    p.add_argument("--compile", nargs="?", const=COMPILERS[0], default="", choices=COMPILERS,
+                   help="run stage 1 through torch.compile (--compile: the first step "
+                        "compiles, tens of seconds), or through native kernels built for this "
+                        "CPU (--compile native: built once, tens of seconds; docs/DESIGN.md, "
+                        "stage 1)")
 
 
 def model_placement(args) -> dict:

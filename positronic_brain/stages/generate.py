@@ -5,9 +5,12 @@ then the sampler. Returns the new token's K/V as outputs for stage 4 to append.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..forward import stage1_forward
+from .. import native
+from ..forward import forward
 from ..model import Model
 from ..sampler import sample
 from ..state import View
@@ -35,3 +38,18 @@ def generate(model: Model, view: View, params: SamplerParams,
     return GenerateOut(input_token=view.pending_token, position=view.next_position,
                        logits=logits, token_id=report.token_id, report=report,
                        k=out.k, v=out.v, attention=out.attention, query=out.query, lse=out.lse)
+
+
+def stage1_forward(model: Model):
+    """The forward stage 1 calls (``Model.compiled``): ``forward``, ``forward`` through
+    ``torch.compile`` (``_compiled``) or the native kernels' (``native.stage1``)."""
+    if not model.compiled:
+        return forward
+    return native.stage1 if model.compiled == "native" else _compiled()
+
+
+@functools.cache
+def _compiled():
+    """``forward`` through ``torch.compile`` (made once), the context length dynamic, so a
+    longer cache does not compile again (docs/DESIGN.md, stage 1)."""
+    return torch.compile(forward, dynamic=True)

@@ -1,0 +1,387 @@
+// Native kernels for one decode token on the CPU (positronic_brain/native.py): everything
+// of a layer between its weight products, each a loop over raw rows. Between two products
+// that stream megabytes of weights, torch's small operators find their code and data
+// evicted from the caches and cost several times their warm time; these loops touch little
+// of either. Each rounds where the plain path's operators round (bfloat16: every
+// elementwise result; a product accumulates in float32 and rounds once); only the order
+// of a sum may differ from the plain path's kernels, so results agree to float rounding.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline float from_bf16(bf16 h) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16);
+}
+
+inline bf16 to_bf16(float f) {  // round to nearest even, as c10::BFloat16
+  if (std::isnan(f)) return 0x7fc0;
+  uint32_t u = __builtin_bit_cast(uint32_t, f);
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<bf16>(u >> 16);
+}
+
+// a value of the model's dtype: float, or bfloat16 held as its bits
+template <typename T> inline float load(const T* p, int64_t i);
+template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float load<bf16>(const bf16* p, int64_t i) { return from_bf16(p[i]); }
+template <typename T> inline T store(float f);
+template <> inline float store<float>(float f) { return f; }
+template <> inline bf16 store<bf16>(float f) { return to_bf16(f); }
+// a float rounded to the model's dtype and back: what an operator's output holds
+template <typename T> inline float round_to(float f);
+template <> inline float round_to<float>(float f) { return f; }
+template <> inline float round_to<bf16>(float f) { return from_bf16(to_bf16(f)); }
+
+// exp in float32, within about an ulp of the library's, as plain arithmetic the compiler
+// vectorizes (Cephes' expf: exp(r) on |r| <= ln 2 / 2 by a polynomial, times 2^k); 0 below
+// the smallest normal result, so exp(-inf) = 0 as a masked score needs
+inline float vexp(float x) {
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - k * 0.693359375f;
+  r = r + k * 2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const float kc = k < -126.f ? -126.f : (k > 127.f ? 127.f : k);
+  const int32_t e = (static_cast<int32_t>(kc) + 127) << 23;
+  const float scale = __builtin_bit_cast(float, e);
+  return x < -87.3f ? 0.f : (x > 88.7f ? INFINITY : y * scale);
+}
+
+template <typename T> T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+void check_row(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+// y = w * round(x * rsqrt(mean(x^2) + eps)), the normalised row rounded to the dtype before
+// the weight scales it (Llama's RMSNorm, as torch's fused CPU kernel computes it)
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; i++) {
+    float v = load<T>(x, i);
+    s += v * v;
+  }
+  float r = 1.f / std::sqrt(s / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; i++)
+    out[i] = store<T>(load<T>(w, i) * round_to<T>(load<T>(x, i) * r));
+}
+
+template <typename T>
+void add_rms(T* x, const T* y, const T* w, T* h, int64_t n, float eps) {
+  for (int64_t i = 0; i < n; i++) x[i] = store<T>(load<T>(x, i) + load<T>(y, i));
+  rms_row<T>(x, w, h, n, eps);
+}
+
+// x += y (the residual, in place), then h = rms_norm(x) * w: the two returned
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor w,
+                                        double eps) {
+  check_row(x, "x");
+  check_row(y, "y");
+  check_row(w, "w");
+  TORCH_CHECK(x.numel() == y.numel() && x.size(-1) == w.numel(), "shapes do not match");
+  auto h = torch::empty_like(x);
+  int64_t n = x.size(-1);
+  for (int64_t r = 0; r < x.numel() / n; r++) {
+    if (x.scalar_type() == at::kFloat)
+      add_rms<float>(ptr<float>(x) + r * n, ptr<float>(y) + r * n, ptr<float>(w),
+                     ptr<float>(h) + r * n, n, static_cast<float>(eps));
+    else
+      add_rms<bf16>(ptr<bf16>(x) + r * n, ptr<bf16>(y) + r * n, ptr<bf16>(w),
+                    ptr<bf16>(h) + r * n, n, static_cast<float>(eps));
+  }
+  return {x, h};
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_row(x, "x");
+  check_row(w, "w");
+  TORCH_CHECK(x.size(-1) == w.numel(), "shapes do not match");
+  auto h = torch::empty_like(x);
+  int64_t n = x.size(-1);
+  for (int64_t r = 0; r < x.numel() / n; r++) {
+    if (x.scalar_type() == at::kFloat)
+      rms_row<float>(ptr<float>(x) + r * n, ptr<float>(w), ptr<float>(h) + r * n, n,
+                     static_cast<float>(eps));
+    else
+      rms_row<bf16>(ptr<bf16>(x) + r * n, ptr<bf16>(w), ptr<bf16>(h) + r * n, n,
+                    static_cast<float>(eps));
+  }
+  return h;
+}
+
+// silu(gate) * up of a [gate | up] row, each result rounded as its operator's
+template <typename T>
+void silu_mul_row(const T* gu, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float g = load<T>(gu, i);
+    float a = round_to<T>(g / (1.f + vexp(-g)));
+    out[i] = store<T>(a * load<T>(gu, n + i));
+  }
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_row(gate_up, "gate_up");
+  int64_t n = gate_up.size(-1) / 2;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = n;
+  auto out = torch::empty(sizes, gate_up.options());
+  for (int64_t r = 0; r < gate_up.numel() / (2 * n); r++) {
+    if (gate_up.scalar_type() == at::kFloat)
+      silu_mul_row<float>(ptr<float>(gate_up) + 2 * r * n, ptr<float>(out) + r * n, n);
+    else
+      silu_mul_row<bf16>(ptr<bf16>(gate_up) + 2 * r * n, ptr<bf16>(out) + r * n, n);
+  }
+  return out;
+}
+
+#ifdef __AVX512F__
+// 16 values of the dtype as floats
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// out[0:64] = the sum over i < count of scale(i) * x_i[0:64], x_i = x + i * stride: the 64
+// sums held in four registers over all the rows
+template <typename T, typename Scale>
+inline void sum64(const T* x, int64_t stride, int64_t count, Scale scale, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < count; i++) {
+    const __m512 c = _mm512_set1_ps(scale(i));
+    const T* xi = x + i * stride;
+    a0 = _mm512_fmadd_ps(c, load16(xi), a0);
+    a1 = _mm512_fmadd_ps(c, load16(xi + 16), a1);
+    a2 = _mm512_fmadd_ps(c, load16(xi + 32), a2);
+    a3 = _mm512_fmadd_ps(c, load16(xi + 48), a3);
+  }
+  _mm512_storeu_ps(out, a0);
+  _mm512_storeu_ps(out + 16, a1);
+  _mm512_storeu_ps(out + 32, a2);
+  _mm512_storeu_ps(out + 48, a3);
+}
+#endif
+
+// q . k over the live slots, float32 sums (``row``, n): each key dimension ``d`` is one run
+// of slots at ``kt + d * kt_d``; 64 slots at a time held in registers over all dimensions
+template <typename T>
+void scores(const T* q, const T* kt, int64_t kt_d, int64_t D, int64_t n,
+            float* __restrict__ row) {
+  int64_t j0 = 0;
+#ifdef __AVX512F__
+  for (; j0 + 64 <= n; j0 += 64)
+    sum64(kt + j0, kt_d, D, [&](int64_t d) { return load<T>(q, d); }, row + j0);
+#endif
+  for (int64_t j = j0; j < n; j++) row[j] = 0.f;
+  for (int64_t d = 0; d < D; d++) {
+    const float qd = load<T>(q, d);
+    const T* __restrict__ kd = kt + d * kt_d;
+    for (int64_t j = j0; j < n; j++) row[j] += qd * load<T>(kd, j);
+  }
+}
+
+#ifdef __AVX512F__
+// ``vexp`` of 16 floats at once, the same arithmetic
+inline __m512 vexp16(__m512 x) {
+  const __m512 k = _mm512_roundscale_ps(
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(2.12194440e-4f)));
+  const __m512 z = _mm512_mul_ps(r, r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, z), r), _mm512_set1_ps(1.0f));
+  const __m512 kc = _mm512_min_ps(_mm512_max_ps(k, _mm512_set1_ps(-126.f)), _mm512_set1_ps(127.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(kc), _mm512_set1_epi32(127)), 23);
+  __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ), out,
+                             _mm512_set1_ps(INFINITY));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), out);
+}
+#endif
+
+// the softmax of ``row`` (n) in place, in float32; returns its log-sum-exp. Its maximum
+// and sum run in 16 lanes, combined in a fixed order
+inline float softmax(float* __restrict__ row, int64_t n) {
+  constexpr int64_t W = 16;
+  const int64_t body = n - n % W;
+  float lane[W];
+  for (int64_t l = 0; l < W; l++) lane[l] = row[0];
+  for (int64_t j = 0; j < body; j += W)
+    for (int64_t l = 0; l < W; l++) lane[l] = row[j + l] > lane[l] ? row[j + l] : lane[l];
+  float m = row[0];
+  for (int64_t l = 0; l < W; l++) m = lane[l] > m ? lane[l] : m;
+  for (int64_t j = body; j < n; j++) m = row[j] > m ? row[j] : m;
+  for (int64_t l = 0; l < W; l++) lane[l] = 0.f;
+  int64_t j0 = 0;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (; j0 < body; j0 += W) {
+    const __m512 e = vexp16(_mm512_sub_ps(_mm512_loadu_ps(row + j0), _mm512_set1_ps(m)));
+    _mm512_storeu_ps(row + j0, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  _mm512_storeu_ps(lane, acc);
+#endif
+  for (; j0 < body; j0 += W)
+    for (int64_t l = 0; l < W; l++) {
+      row[j0 + l] = vexp(row[j0 + l] - m);
+      lane[l] += row[j0 + l];
+    }
+  float sum = 0.f;
+  for (int64_t l = 0; l < W; l++) sum += lane[l];
+  for (int64_t j = body; j < n; j++) {
+    row[j] = vexp(row[j] - m);
+    sum += row[j];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < n; j++) row[j] *= inv;
+  return m + std::log(sum);
+}
+
+// acc (D) = the weights ``row`` (n), each rounded to the dtype, times the values (rows
+// ``v_j`` apart): 64 columns at a time held in registers over all the rows
+template <typename T>
+void weighted(const float* __restrict__ row, const T* v, int64_t v_j, int64_t D, int64_t n,
+              float* __restrict__ acc) {
+  int64_t d0 = 0;
+#ifdef __AVX512F__
+  for (; d0 + 64 <= D; d0 += 64)
+    sum64(v + d0, v_j, n, [&](int64_t j) { return round_to<T>(row[j]); }, acc + d0);
+#endif
+  for (int64_t d = d0; d < D; d++) acc[d] = 0.f;
+  for (int64_t j = 0; j < n && d0 < D; j++) {
+    const float p = round_to<T>(row[j]);
+    const T* __restrict__ vj = v + j * v_j;
+    for (int64_t d = d0; d < D; d++) acc[d] += p * load<T>(vj, d);
+  }
+}
+
+// One new token's attention in one layer. ``qkv`` (1, (H + 2 KVH) D): its q, k, v heads;
+// ``cos``/``sin`` (H + KVH, 1, D), sin signed and q's rows scaled, so that the roped heads
+// are qk * cos + roll(qk, D/2) * sin; ``kt`` (KVH, D, n) the live keys transposed, ``v``
+// (KVH, n, D) the live values (strided views of the arena); ``log_mass`` (KVH, n) float32
+// or empty. Returns the attention output (1, H D), the roped q/k heads (H + KVH, 1, D),
+// the softmax rows (KVH, g, n + 1) float32 and, with ``want_lse``, the log-sum-exp of each
+// head's scores (H,) float32.
+template <typename T>
+void attend_kernel(const T* qkv, const T* cos, const T* sin, const T* kt, const T* vv,
+                   const float* lm, int64_t H, int64_t KVH, int64_t D, int64_t n,
+                   int64_t kt_h, int64_t kt_d, int64_t v_h, int64_t v_j, int64_t lm_h,
+                   T* out, T* qk, float* p, float* lse) {
+  const int64_t g = H / KVH, half = D / 2;
+  // RoPE: three rounded results per element, as the plain path's three operators
+  for (int64_t r = 0; r < H + KVH; r++) {
+    const T* x = qkv + r * D;
+    for (int64_t d = 0; d < D; d++) {
+      float a = round_to<T>(load<T>(x, d) * load<T>(cos, r * D + d));
+      float b = round_to<T>(load<T>(x, (d + half) % D) * load<T>(sin, r * D + d));
+      qk[r * D + d] = store<T>(a + b);
+    }
+  }
+  const T* knew = qk + H * D;
+  const T* vnew = qkv + (H + KVH) * D;
+  at::parallel_for(0, KVH * g, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t hq = begin; hq < end; hq++) {
+      const int64_t h = hq / g;
+      const T* q = qk + hq * D;
+      float* row = p + hq * (n + 1);
+      scores<T>(q, kt + h * kt_h, kt_d, D, n, row);
+      float s_new = 0.f;
+      for (int64_t d = 0; d < D; d++) s_new += load<T>(q, d) * load<T>(knew, h * D + d);
+#pragma omp simd
+      for (int64_t j = 0; j < n; j++) row[j] = round_to<T>(row[j]);  // the product's output
+      if (lm != nullptr) {  // a folded slot's log-mass adds after
+        const float* __restrict__ l = lm + h * lm_h;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) row[j] += l[j];
+      }
+      row[n] = round_to<T>(s_new);
+      const float l = softmax(row, n + 1);
+      if (lse != nullptr) lse[hq] = l;
+      weighted<T>(row, vv + h * v_h, v_j, D, n, acc.data());
+      const float wn = round_to<T>(row[n]);
+      for (int64_t d = 0; d < D; d++) {
+        const float nv = round_to<T>(wn * load<T>(vnew, h * D + d));
+        out[hq * D + d] = store<T>(round_to<T>(acc[d]) + nv);
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                  torch::Tensor kt, torch::Tensor v, torch::Tensor log_mass,
+                                  int64_t H, int64_t KVH, bool want_lse) {
+  check_row(qkv, "qkv");
+  check_row(cos, "cos");
+  check_row(sin, "sin");
+  const int64_t D = cos.size(-1), n = kt.size(2), g = H / KVH;
+  TORCH_CHECK(qkv.numel() == (H + 2 * KVH) * D && cos.numel() == (H + KVH) * D,
+              "qkv or cos/sin do not match the heads");
+  TORCH_CHECK(kt.size(0) == KVH && kt.size(1) == D && kt.stride(2) == 1,
+              "kt must be (KVH, D, n) with its slots contiguous");
+  TORCH_CHECK(v.size(0) == KVH && v.size(1) == n && v.size(2) == D && v.stride(2) == 1,
+              "v must be (KVH, n, D) with its rows contiguous");
+  TORCH_CHECK(kt.scalar_type() == qkv.scalar_type() && v.scalar_type() == qkv.scalar_type(),
+              "dtypes differ");
+  const bool mass = log_mass.numel() > 0;
+  if (mass)
+    TORCH_CHECK(log_mass.scalar_type() == at::kFloat && log_mass.size(1) == n &&
+                log_mass.stride(1) == 1, "log_mass must be (KVH, n) float32");
+  auto out = torch::empty({1, H * D}, qkv.options());
+  auto qk = torch::empty({H + KVH, 1, D}, qkv.options());
+  auto p = torch::empty({KVH, g, n + 1}, qkv.options().dtype(at::kFloat));
+  auto lse = want_lse ? torch::empty({H}, p.options()) : torch::empty({0}, p.options());
+  const float* lm = mass ? log_mass.data_ptr<float>() : nullptr;
+  const int64_t lm_h = mass ? log_mass.stride(0) : 0;
+  float* l = want_lse ? lse.data_ptr<float>() : nullptr;
+  if (qkv.scalar_type() == at::kFloat)
+    attend_kernel<float>(ptr<float>(qkv), ptr<float>(cos), ptr<float>(sin), ptr<float>(kt),
+                         ptr<float>(v), lm, H, KVH, D, n, kt.stride(0), kt.stride(1),
+                         v.stride(0), v.stride(1), lm_h, ptr<float>(out), ptr<float>(qk),
+                         p.data_ptr<float>(), l);
+  else
+    attend_kernel<bf16>(ptr<bf16>(qkv), ptr<bf16>(cos), ptr<bf16>(sin), ptr<bf16>(kt),
+                        ptr<bf16>(v), lm, H, KVH, D, n, kt.stride(0), kt.stride(1),
+                        v.stride(0), v.stride(1), lm_h, ptr<bf16>(out), ptr<bf16>(qk),
+                        p.data_ptr<float>(), l);
+  return {out, qk, p, lse};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "w * rms_norm(x)");
+  m.def("add_rms_norm", &add_rms_norm, "x += y in place, then w * rms_norm(x)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
+  m.def("attend", &attend, "one new token's attention in one layer");
+}

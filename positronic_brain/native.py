@@ -1,0 +1,114 @@
+"""Stage 1 with native kernels (``--compile native``; docs/DESIGN.md, stage 1).
+
+One decode token on the CPU spends a third of its time in a thousand small operators
+between the weight products, and each of them costs several times its warm time there:
+every product streams megabytes of weights through the caches and evicts the code and data
+the next operator needs. ``native.cpp`` does all of a layer's work between its
+products in four loops over raw rows (RMSNorm, the residual, RoPE, attention with the
+softmax rows the scorers read, SiLU times up), compiled for this machine at first use
+(``kernels``); the products stay ``forward.linear``'s.
+
+Each kernel rounds where the plain path's operators do, so only the order of a sum differs:
+stage 1 agrees with the plain one to float rounding (not bit for bit), like a compiled one.
+Anything else, a prefill, several devices, a GPU or a masked past, runs ``forward``.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .forward import forward, linear, rope_tables
+from .model import Model
+from .types import ForwardOut
+
+SOURCE = Path(__file__).with_name("native.cpp")
+
+
+@functools.cache
+def kernels():
+    """The compiled kernels, built once per source, machine and torch (tens of seconds the
+    first time; then loaded from the build folder): built for this machine's instruction set
+    (``-march=native``), so the folder's name carries a digest of the CPU's flags."""
+    from torch.utils.cpp_extension import load  # pylint: disable=import-outside-toplevel
+    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()
+                         + torch.__version__.encode()).hexdigest()[:12]
+    build = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "positronic_brain" / f"native-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    # no floating-point contraction: each product and sum rounds as torch's operators do
+    return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def applies(model: Model, past_k, ids: torch.Tensor, past_mask, kv_only: bool,
+            received_from) -> bool:
+    """Whether ``decode`` runs this forward: one new token on one CPU, nothing masked, the
+    live keys stored transposed (each key dimension a run of slots) and a SiLU MLP."""
+    return (ids.shape[0] == 1 and past_mask is None and not kv_only and received_from is None
+            and isinstance(past_k, torch.Tensor) and past_k.is_cpu and not model.moves
+            and past_k.stride(2) == 1 and type(model.layers[0].act).__name__ in SILU)
+
+
+SILU = ("SiLU", "SiLUActivation")  # the MLP activations ``silu_mul`` computes
+
+
+def stage1(model: Model, past_k, past_v, ids: torch.Tensor, positions: torch.Tensor,
+           past_mask: torch.Tensor | None = None, want_attention: bool = False,
+           all_logits: bool = False, past_log_mass=None, kv_only: bool = False,
+           want_query: bool = False, received_from: int | None = None) -> ForwardOut:
+    """``forward``'s signature and outputs: ``decode`` where it ``applies``, else ``forward``."""
+    if applies(model, past_k, ids, past_mask, kv_only, received_from):
+        return decode(model, past_k, past_v, ids, positions, want_attention, past_log_mass,
+                      want_query)
+    return forward(model, past_k, past_v, ids, positions, past_mask, want_attention,
+                   all_logits, past_log_mass, kv_only, want_query, received_from)
+
+
+@torch.no_grad()
+def decode(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.Tensor,
+           positions: torch.Tensor, want_attention: bool, past_log_mass: torch.Tensor | None,
+           want_query: bool) -> ForwardOut:
+    """One token through the model (``forward``'s outputs for T = 1): per layer its three
+    products and the native kernels between them."""
+    nat, s = kernels(), model.spec
+    H, KVH, D, eps = s.n_heads, s.n_kv_heads, s.head_dim, s.rms_eps
+    n = past_k.shape[2]
+    cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, 1, D)
+    none = torch.empty(0)
+    kts, vs = past_k.transpose(2, 3).unbind(0), past_v.unbind(0)
+    masses = past_log_mass.unbind(0) if past_log_mass is not None else (none,) * s.n_layers
+    ks, news, rows, queries, lses = [], [], [], [], []
+    x = F.embedding(ids, model.embed)  # (1, hidden): a fresh row, updated in place
+    h = nat.rms_norm(x, model.layers[0].ln1, eps)
+    for i, w in enumerate(model.layers):
+        qkv = linear(h, w.qkv_w, w.qkv_b)  # (1, (H + 2 KVH) D)
+        out, qk, p, lse = nat.attend(qkv, cos_qk, sin_qk, kts[i], vs[i], masses[i], H, KVH,
+                                     want_query)
+        ks.append(qk[H:])
+        news.append(qkv[0, (H + KVH) * D:].view(KVH, 1, D))
+        rows.append(p)
+        queries.append(qk[:H, 0])
+        lses.append(lse)
+        x, h = nat.add_rms_norm(x, linear(out, w.o_w, w.o_b), w.ln2, eps)
+        a = nat.silu_mul(linear(h, w.gate_up_w, w.gate_up_b))
+        last = i + 1 == len(model.layers)
+        x, h = nat.add_rms_norm(x, linear(a, w.down_w, w.down_b),
+                                model.final_norm if last else model.layers[i + 1].ln1, eps)
+    logits = linear(h, model.lm_head).float()
+    attention = torch.stack(rows).view(s.n_layers, H, n + 1)[..., :n] if want_attention else None
+    query, lse = (torch.stack(queries), torch.stack(lses)) if want_query else (None, None)
+    return ForwardOut(logits=logits, k=torch.stack(ks), v=torch.stack(news),
+                      attention=attention, query=query, lse=lse)

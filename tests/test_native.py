@@ -1,0 +1,79 @@
+"""The native kernels (``--compile native``) against the plain path's operators, at real
+head sizes, where their vector loops run (the tiny models' 16-wide heads take the scalar
+ones): one layer's attention over strided views of an arena, with and without a folded
+slot's log-mass, RMSNorm with the residual, and SiLU times up."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from positronic_brain import native
+
+
+@pytest.fixture(scope="module")
+def nat():
+    return native.kernels()
+
+
+def reference(qkv, cos, sin, kt, v, log_mass, H, KVH):
+    """The plain path's operators (``forward.forward`` for one token) on one layer."""
+    D, n = cos.shape[-1], kt.shape[-1]
+    qk = qkv[0, :(H + KVH) * D].view(H + KVH, 1, D)
+    qk = qk * cos + qk.roll(D // 2, -1) * sin
+    q, k = qk.split((H, KVH))
+    vn = qkv[0, (H + KVH) * D:].view(KVH, 1, D)
+    qg = q.reshape(KVH, H // KVH, D)
+    s_past = torch.matmul(qg, kt)
+    if log_mass is not None:
+        s_past = s_past.float() + log_mass.unsqueeze(1)
+    scores = torch.cat((s_past, torch.matmul(qg, k.transpose(1, 2))), dim=-1)
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    lse = scores.float().logsumexp(-1).reshape(H)
+    p_past, p_new = p.to(qkv.dtype).split((n, 1), dim=-1)
+    out = torch.matmul(p_past, v) + p_new * vn
+    return out.reshape(1, H * D), qk, p, lse
+
+
+def _rel(ours, theirs):
+    return float((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("D,H,KVH,n,mass", [(64, 9, 3, 1000, False), (64, 9, 3, 77, True),
+                                            (128, 8, 2, 130, False), (64, 4, 4, 1, True)])
+def test_attend_equals_the_plain_operators(nat, dtype, D, H, KVH, n, mass):
+    gen = torch.Generator().manual_seed(n + D)
+    cap = n + 37  # the live slots are a prefix of a longer arena: strided views
+    qkv = torch.randn(1, (H + 2 * KVH) * D, generator=gen).to(dtype)
+    angle = torch.rand(H + KVH, 1, D, generator=gen) * 6.3
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    kt = torch.randn(KVH, D, cap, generator=gen).to(dtype)[..., :n]
+    v = torch.randn(KVH, cap, D, generator=gen).to(dtype)[:, :n]
+    log_mass = torch.rand(KVH, cap, generator=gen)[:, :n] * 2 if mass else None
+    out, qk, p, lse = nat.attend(qkv, cos, sin, kt, v, torch.empty(0) if log_mass is None
+                                 else log_mass, H, KVH, True)
+    want = reference(qkv, cos, sin, kt, v, log_mass, H, KVH)
+    assert qk.dtype == out.dtype == dtype and p.dtype == lse.dtype == torch.float32
+    assert torch.equal(qk, want[1])  # RoPE: the same three roundings, the same bits
+    if dtype == torch.float32:
+        for ours, theirs in zip((out, p, lse), (want[0], want[2], want[3])):
+            assert _rel(ours, theirs) <= 1e-5
+    else:  # a score rounded to bfloat16 from another sum order can move by one step
+        assert (p - want[2]).abs().max() <= 0.02 and _rel(out, want[0]) <= 0.03
+        assert (lse - want[3]).abs().max() <= 0.05
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_add_rms_norm_and_silu_mul_equal_the_plain_operators(nat, dtype):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 576, generator=gen).to(dtype)
+    y, w = torch.randn(1, 576, generator=gen).to(dtype), torch.randn(576, generator=gen).to(dtype)
+    want_x = x + y
+    want_h = w * F.rms_norm(want_x, (576,), eps=1e-5)
+    got_x, got_h = nat.add_rms_norm(x.clone(), y, w, 1e-5)
+    assert torch.equal(got_x, want_x)  # the residual: one rounded sum
+    assert _rel(got_h, want_h) <= (1e-6 if dtype == torch.float32 else 0.01)
+    assert _rel(nat.rms_norm(want_x, w, 1e-5), want_h) <= (1e-6 if dtype == torch.float32 else 0.01)
+    gate_up = torch.randn(1, 2 * 1536, generator=gen).to(dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert _rel(nat.silu_mul(gate_up), F.silu(gate) * up) <= (1e-6 if dtype == torch.float32
+                                                               else 0.01)
