@@ -56,8 +56,10 @@ def _cpu_flags() -> str:
 def applies(model: Model, past_k, ids: torch.Tensor, past_mask, kv_only: bool,
             received_from) -> bool:
     """Whether ``decode`` runs this forward: one new token on one CPU, nothing masked, the
-    live keys stored transposed (each key dimension a run of slots) and a SiLU MLP."""
+    live keys stored transposed (each key dimension a run of slots), float32 or bfloat16
+    activations (int8's too) and a SiLU MLP."""
     return (ids.shape[0] == 1 and past_mask is None and not kv_only and received_from is None
+            and model.dtype in (torch.float32, torch.bfloat16)
             and isinstance(past_k, torch.Tensor) and past_k.is_cpu and not model.moves
             and past_k.stride(2) == 1 and type(model.layers[0].act).__name__ in SILU)
 

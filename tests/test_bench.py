@@ -124,6 +124,18 @@ def test_report_sections_share_one_document(tmp_path):
                                "<!-- bench quality: end -->\n")
 
 
+def test_a_report_naming_the_out_folders_own_is_written_once(tmp_path):
+    """``--report OUT/report.md`` names the report ``--out`` writes anyway: it is not also
+    appended to itself as a section."""
+    from types import SimpleNamespace
+    from positronic_brain.bench.common import emit
+
+    args = SimpleNamespace(report=str(tmp_path / "report.md"), json=True)
+    emit({"x": 1}, args, tmp_path, "speed", lambda *_: [],
+         lambda _res, _images, _dir, level: "#" * level + " Speed\n", lambda _: [])
+    assert (tmp_path / "report.md").read_text() == "# Speed\n"
+
+
 def test_bench_report_needs_out(capsys):
     code = main(["bench", "speed", "--model", "tiny-random", "--report", "x.md"])
     _, err = capsys.readouterr()

@@ -125,6 +125,21 @@ def test_only_stage1_compiles(capsys, repair, done, graphs):
     assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
 
 
+def test_native_falls_back_to_the_plain_forward_where_it_does_not_apply():
+    """float16 has no native kernels: its stage 1 runs ``forward``, the plain model's bits
+    (as a prefill, a masked past or a split model do)."""
+    model = load_model("tiny-random", "float16", compile="native")
+    state, _ = prime(model, TokenPolicy(model.tokenizer).raw_prompt("half precision"),
+                     capacity=32)
+    view = state.view()
+    args = (view.k, view.v, view.token_id.new_tensor([view.pending_token]),
+            view.token_id.new_tensor([view.next_position]))
+    assert not native.applies(model, view.k, args[2], None, False, None)
+    ours = stage1_forward(model)(model, *args, want_attention=True)
+    ref = fw.forward(dataclasses.replace(model, compiled=""), *args, want_attention=True)
+    assert torch.equal(ours.logits, ref.logits) and torch.equal(ours.attention, ref.attention)
+
+
 @pytest.mark.parametrize("flag,mode", [(["--compile"], "inductor"),
                                        (["--compile", "native"], "native")])
 def test_compiled_capture_replays_bit_exact(tmp_path, capsys, flag, mode):

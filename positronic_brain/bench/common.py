@@ -255,7 +255,8 @@ def emit(res: dict, args, out: Path | None, name: str,
          plots: Callable[[dict, Path], list[str]], report_md: Callable[..., str],
          tables: Callable[[dict], list[Table]]) -> None:
     """A benchmark's outputs: into ``out``, results.json, the PNG ``plots`` and report.md;
-    with ``--report``, the report also as section ``name`` of that shared document; on
+    with ``--report``, the report also as section ``name`` of that shared document (unless
+    it names ``out``'s own report.md, which holds the report already); on
     stdout, one JSON object (``--json``) or the tables.
 
     ``report_md(res, images, image_dir, level)`` -> markdown whose title has that level."""
@@ -263,7 +264,7 @@ def emit(res: dict, args, out: Path | None, name: str,
         images = plots(res, out)
         write_json(out / "results.json", res)
         write_text(out / "report.md", report_md(res, images, ".", 1))
-        if args.report:
+        if args.report and Path(args.report).resolve() != (out / "report.md").resolve():
             doc = Path(args.report)
             write_section(doc, name, report_md(res, images, os.path.relpath(out, doc.parent), 2))
     if args.json:
