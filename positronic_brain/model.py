@@ -226,6 +226,11 @@ def compile_mode(value: bool | str | None) -> str:
     return mode
 
 
+def compile_flag(mode: str) -> str:
+    """The option that gives a ``Model.compiled``: ``--compile`` or ``--compile MODE``."""
+    return "--compile" if mode == COMPILERS[0] else f"--compile {mode}"
+
+
 def check_compile(devices, mode: str = "inductor") -> None:
     """What compiling stage 1 (a ``COMPILERS`` ``mode``) needs for ``devices``, or a
     UserError: for ``torch.compile`` a C++ compiler for the CPU, triton for a GPU; for the
@@ -233,7 +238,7 @@ def check_compile(devices, mode: str = "inductor") -> None:
     ninja, which torch runs from the PATH (the ``ninja`` package's own is put there when the
     PATH has none)."""
     kinds = {torch.device(d).type for d in devices}
-    flag = "--compile" if mode == "inductor" else f"--compile {mode}"
+    flag = compile_flag(mode)
     require(mode == "inductor" or kinds == {"cpu"}, f"{flag} runs on the CPU only")
     require("cpu" not in kinds or any(map(shutil.which, ("g++", "clang++", "c++"))),
             f"{flag} on the CPU needs a C++ compiler (g++ or clang++) on the PATH")

@@ -355,7 +355,8 @@ std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::T
               "dtypes differ");
   const bool mass = log_mass.numel() > 0;
   if (mass)
-    TORCH_CHECK(log_mass.scalar_type() == at::kFloat && log_mass.size(1) == n &&
+    TORCH_CHECK(log_mass.scalar_type() == at::kFloat && log_mass.dim() == 2 &&
+                log_mass.size(0) == KVH && log_mass.size(1) == n &&
                 log_mass.stride(1) == 1, "log_mass must be (KVH, n) float32");
   auto out = torch::empty({1, H * D}, qkv.options());
   auto qk = torch::empty({H + KVH, 1, D}, qkv.options());

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .forward import forward, linear, rope_tables
-from .model import Model
+from .model import Model, check_compile
 from .types import ForwardOut
 
 SOURCE = Path(__file__).with_name("native.cpp")
@@ -34,14 +34,17 @@ def kernels():
     """The compiled kernels, built once per source, machine and torch (tens of seconds the
     first time; then loaded from the build folder): built for this machine's instruction set
     (``-march=native``), so the folder's name carries a digest of the CPU's flags."""
+    check_compile([torch.device("cpu")], "native")  # a compiler, and ninja on the PATH
     from torch.utils.cpp_extension import load  # pylint: disable=import-outside-toplevel
     key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()
                          + torch.__version__.encode()).hexdigest()[:12]
-    build = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "positronic_brain" / f"native-{key}"
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    build = cache / "positronic_brain" / f"native-{key}"
     build.mkdir(parents=True, exist_ok=True)
     # no floating-point contraction: each product and sum rounds as torch's operators do
     return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno",
+                              "-fopenmp"],
                 extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
 
 
@@ -50,7 +53,8 @@ def _cpu_flags() -> str:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
     except OSError:
         return ""
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    return next((line for line in text.splitlines()
+                 if line.startswith(("flags", "Features"))), "")
 
 
 def applies(model: Model, past_k, ids: torch.Tensor, past_mask, kv_only: bool,

@@ -26,7 +26,7 @@ from rich.console import Console
 
 from .capture import (EXTEND, LEDGER_COLUMNS, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
                       extend_outputs, file_name, gen_outputs, prime_outputs)
-from .model import COMPILERS, Model, compile_mode, device_kind, load_model, resolve_device
+from .model import Model, compile_flag, compile_mode, device_kind, load_model, resolve_device
 from .plain import to_plain
 from .sampler import make_generator
 from .scorers import make_scorer, prefill_scorer, user
@@ -251,9 +251,8 @@ def open_run(run_dir: str | Path, model: Model | None = None,
 
 
 def _compiled_words(mode: str) -> str:
-    """A ``Model.compiled`` as the flag that gives it."""
-    return "without --compile" if not mode else (
-        "with --compile" if mode == COMPILERS[0] else f"with --compile {mode}")
+    """A ``Model.compiled`` as words: with the flag that gives it, or without one."""
+    return f"with {compile_flag(mode)}" if mode else "without --compile"
 
 
 def rebuild(run: CaptureRun, model: Model, before: int) -> tuple[State, list[int]]:

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from ..loop import Session
-from ..model import CPU_ONLY, Int8Weight, Model, PackedWeight, load_model, resolve_device
+from ..model import (CPU_ONLY, Int8Weight, Model, PackedWeight, compile_flag, load_model,
+                     resolve_device)
 from ..sampler import make_generator
 from ..special_tokens import TokenPolicy
 from ..stages.apply import apply, prime
@@ -701,7 +702,7 @@ def _compiled_table(res: dict, key: str, measured: bool):
     if not rows and not tried:
         return None
     title, took, after = COMPILED_TITLES[key]
-    flag = "`--compile`" if mode == "inductor" else f"`--compile {mode}`"
+    flag = f"`{compile_flag(mode)}`"
     return Table(
         title, ("dtype", "context", "stage 1 ms", f"{key} ms", f"{key} / stage 1", f"{key} / HF")
         + ((f"{key} / llama.cpp",) if measured else ()) + ("same next token",),
