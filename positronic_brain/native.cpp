@@ -10,12 +10,11 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdint>
+#include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#include <cstdint>
-#include <cstring>
-#include <vector>
 
 namespace {
 
@@ -102,6 +101,8 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch:
   check_row(y, "y");
   check_row(w, "w");
   TORCH_CHECK(x.numel() == y.numel() && x.size(-1) == w.numel(), "shapes do not match");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && w.scalar_type() == x.scalar_type(),
+              "dtypes differ");
   auto h = torch::empty_like(x);
   int64_t n = x.size(-1);
   for (int64_t r = 0; r < x.numel() / n; r++) {
@@ -119,6 +120,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_row(x, "x");
   check_row(w, "w");
   TORCH_CHECK(x.size(-1) == w.numel(), "shapes do not match");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "dtypes differ");
   auto h = torch::empty_like(x);
   int64_t n = x.size(-1);
   for (int64_t r = 0; r < x.numel() / n; r++) {
@@ -351,7 +353,8 @@ std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::T
               "kt must be (KVH, D, n) with its slots contiguous");
   TORCH_CHECK(v.size(0) == KVH && v.size(1) == n && v.size(2) == D && v.stride(2) == 1,
               "v must be (KVH, n, D) with its rows contiguous");
-  TORCH_CHECK(kt.scalar_type() == qkv.scalar_type() && v.scalar_type() == qkv.scalar_type(),
+  TORCH_CHECK(kt.scalar_type() == qkv.scalar_type() && v.scalar_type() == qkv.scalar_type() &&
+              cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "dtypes differ");
   const bool mass = log_mass.numel() > 0;
   if (mass)
