@@ -10,7 +10,6 @@ scores joins them per layer for torch's fused attention instead.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
