@@ -235,8 +235,7 @@ def check_compile(devices, mode: str = "inductor") -> None:
     """What compiling stage 1 (a ``COMPILERS`` ``mode``) needs for ``devices``, or a
     UserError: for ``torch.compile`` a C++ compiler for the CPU, triton for a GPU; for the
     native kernels (built at the first step: ``native.kernels``) the CPU, a C++ compiler and
-    ninja, which torch runs from the PATH (the ``ninja`` package's own is put there when the
-    PATH has none)."""
+    ninja, on the PATH or as the ``ninja`` package."""
     kinds = {torch.device(d).type for d in devices}
     flag = compile_flag(mode)
     require(mode == "inductor" or kinds == {"cpu"}, f"{flag} runs on the CPU only")
@@ -244,11 +243,9 @@ def check_compile(devices, mode: str = "inductor") -> None:
             f"{flag} on the CPU needs a C++ compiler (g++ or clang++) on the PATH")
     require("cuda" not in kinds or importlib.util.find_spec("triton") is not None,
             "--compile on a GPU needs triton (pip install triton)")
-    if mode == "native" and shutil.which("ninja") is None:
-        ninja = importlib.util.find_spec("ninja")
-        require(ninja is not None, "--compile native needs ninja (pip install ninja)")
-        os.environ["PATH"] = os.pathsep.join((importlib.import_module("ninja").BIN_DIR,
-                                              os.environ.get("PATH", "")))
+    require(mode != "native" or shutil.which("ninja") is not None
+            or importlib.util.find_spec("ninja") is not None,
+            "--compile native needs ninja (pip install ninja)")
 
 
 def load_model(name: str = "smollm2", dtype: str = "float32", device: str | None = None,

@@ -17,13 +17,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .forward import forward, linear, rope_tables
-from .model import Model, check_compile
+from .model import Model, cache_dir, check_compile
 from .types import ForwardOut
 
 SOURCE = Path(__file__).with_name("native.cpp")
@@ -34,12 +35,14 @@ def kernels():
     """The compiled kernels, built once per source, machine and torch (tens of seconds the
     first time; then loaded from the build folder): built for this machine's instruction set
     (``-march=native``), so the folder's name carries a digest of the CPU's flags."""
-    check_compile([torch.device("cpu")], "native")  # a compiler, and ninja on the PATH
+    check_compile([torch.device("cpu")], "native")  # a compiler, and ninja
+    if shutil.which("ninja") is None:  # torch runs ninja from the PATH: the package's own
+        import ninja  # pylint: disable=import-outside-toplevel
+        os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
     from torch.utils.cpp_extension import load  # pylint: disable=import-outside-toplevel
     key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()
                          + torch.__version__.encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    build = cache / "positronic_brain" / f"native-{key}"
+    build = cache_dir() / f"native-{key}"
     build.mkdir(parents=True, exist_ok=True)
     # no floating-point contraction: each product and sum rounds as torch's operators do
     return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],

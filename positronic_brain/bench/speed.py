@@ -448,8 +448,27 @@ def measure_ops(model: Model, full: View, ids: list[int], cfg: SpeedConfig) -> d
             "top": top}
 
 
-# the decode table's other stage 1s: a row's key -> the ``compile`` mode its model loads with
-COMPILED = {"compiled": "inductor", "native": "native"}
+@dataclass(frozen=True)
+class Compiled:
+    """One of the decode table's other stage 1s: the ``compile`` mode its model loads with,
+    and its own table's title and what its note says the loading took."""
+
+    mode: str
+    title: str
+    took: str
+    after: str
+
+
+# a decode row's key (its fields' prefix) -> that stage 1
+COMPILED = {
+    "compiled": Compiled("inductor",
+                         "Stage 1 compiled (`--compile`: torch.compile, context length dynamic)",
+                         "Compiling took", " (the first stage-1 call; inductor's on-disk cache "
+                         "shortens a second run's)"),
+    "native": Compiled("native", "Stage 1 native (`--compile native`: native kernels between "
+                       "the weight products)", "Loading the model with its kernels and the "
+                       "first stage-1 call took", " (building the kernels the first time on a "
+                       "machine takes tens of seconds more)")}
 
 
 def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],
@@ -496,10 +515,10 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     why_not = llamacpp.unavailable(model, dtype)
     llama = None if why_not else llamacpp.Contender(model, dtype, cfg.contexts[-1] + 8)
     compiled, compile_info = {}, []
-    for key, mode in COMPILED.items():
-        if mode == "native" and cfg.device != "cpu":
+    for key, how in COMPILED.items():
+        if how.mode == "native" and cfg.device != "cpu":
             continue  # the native kernels are the CPU's
-        other, info = compile_model(cfg, dtype, view, ids, task, mode)
+        other, info = compile_model(cfg, dtype, view, ids, task, how.mode)
         compile_info.append(info)
         if other is not None:
             compiled[key] = other
@@ -683,38 +702,26 @@ def targets(res: dict) -> list[dict]:
     return out
 
 
-COMPILED_TITLES = {
-    "compiled": ("Stage 1 compiled (`--compile`: torch.compile, context length dynamic)",
-                 "Compiling took", " (the first stage-1 call; inductor's on-disk cache "
-                 "shortens a second run's)"),
-    "native": ("Stage 1 native (`--compile native`: native kernels between the weight "
-               "products)", "Loading the model with its kernels and the first stage-1 call "
-               "took", " (building the kernels the first time on a machine takes tens of "
-               "seconds more)")}
-
-
 def _compiled_table(res: dict, key: str, measured: bool):
     """The decode table's ``key`` contender (a ``COMPILED`` key) against stage 1, or None if
     the run has none."""
-    mode = COMPILED[key]
+    how = COMPILED[key]
     rows = [r for r in res["decode"] if f"{key}_ms" in r]
-    tried = [c for c in res.get("compile", ()) if c.get("mode", "inductor") == mode]
+    tried = [c for c in res.get("compile", ()) if c.get("mode", "inductor") == how.mode]
     if not rows and not tried:
         return None
-    title, took, after = COMPILED_TITLES[key]
-    flag = f"`{compile_flag(mode)}`"
     return Table(
-        title, ("dtype", "context", "stage 1 ms", f"{key} ms", f"{key} / stage 1", f"{key} / HF")
+        how.title, ("dtype", "context", "stage 1 ms", f"{key} ms", f"{key} / stage 1", f"{key} / HF")
         + ((f"{key} / llama.cpp",) if measured else ()) + ("same next token",),
         tuple((r["dtype"], str(r["context"]), fmt(r["ours_ms"], 2), fmt(r[f"{key}_ms"], 2),
                fmt(r[f"{key}_ratio"], 2), fmt(r.get(f"{key}_hf_ratio"), 2))
               + ((fmt(r.get(f"{key}_llamacpp_ratio"), 2),) if measured else ())
               + ("yes" if r[f"{key}_agrees"] else "no",) for r in rows),
         f"Timed in the same rounds as the decode table above, on a second copy of the model "
-        f"loaded with {flag} (docs/DESIGN.md, stage 1). {took} " + "; ".join(
+        f"loaded with `{compile_flag(how.mode)}` (docs/DESIGN.md, stage 1). {how.took} " + "; ".join(
             f"{c['dtype']} {c['compile_s']:.0f} s" if c.get("why_not") is None
             else f"{c['dtype']} failed, not measured ({c['why_not']})" for c in tried)
-        + after + ".")
+        + how.after + ".")
 
 
 def missed_notes(res: dict) -> list[str]:
