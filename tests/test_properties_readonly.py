@@ -291,10 +291,13 @@ def test_only_stage_4_writes_and_it_does_what_its_actions_say(tiny_model):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("dtype,compiled", [("int8", False), ("float32", True)],
-                         ids=("int8", "compiled"))
+@pytest.mark.parametrize("dtype,compiled", [("int8", False), ("float32", True),
+                                           ("bfloat16", "native")],
+                         ids=("int8", "compiled", "native"))
 def test_only_stage_4_writes_with_int8_weights_and_compiled(dtype, compiled):
-    """The same walk with int8 weights, and with stage 1 compiled (``--compile``)."""
+    """The same walk with int8 weights, with stage 1 compiled (``--compile``) and through the
+    native kernels (``--compile native``, which write through raw pointers: the content hash
+    is what would see them touch the arena)."""
     torch._dynamo.reset()
     _walk(load_model("tiny-random", dtype, compile=compiled))
     torch._dynamo.reset()
