@@ -697,10 +697,12 @@ def packable() -> bool:
 @dataclass(frozen=True)
 class PackedWeight:
     """A bfloat16 (out, in) matrix in oneDNN's blocked layout (``pack``), an opaque tensor
-    ``w``. A type of its own because a compiled trace sees an opaque tensor as a plain one,
-    so ``forward.linear`` could not tell them apart there."""
+    ``w``, beside ``plain``, the same matrix row-major (Hugging Face's modules hold views of
+    it; ``native`` reads it). A type of its own because a compiled trace sees an opaque
+    tensor as a plain one, so ``forward.linear`` could not tell them apart there."""
 
     w: torch.Tensor
+    plain: torch.Tensor
 
 
 def pack(w: torch.Tensor) -> PackedWeight:
@@ -708,7 +710,8 @@ def pack(w: torch.Tensor) -> PackedWeight:
     multiplies faster than ``F.linear`` multiplies the plain one, with the same bits. It
     is a copy (Hugging Face's modules keep the plain weight), so bfloat16 weights take
     twice their size in memory."""
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1))
+    w = w.contiguous()
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 1), w)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,15 @@
-// Native kernels for one decode token on the CPU (positronic_brain/native.py): everything
-// of a layer between its weight products, each a loop over raw rows. Between two products
-// that stream megabytes of weights, torch's small operators find their code and data
-// evicted from the caches and cost several times their warm time; these loops touch little
-// of either. Each rounds where the plain path's operators round (bfloat16: every
+// Native kernels for one decode token on the CPU (positronic_brain/native.py): a layer's
+// weight products and everything between them, each a loop over raw rows. Between two
+// products that stream megabytes of weights, torch's small operators find their code and
+// data evicted from the caches and cost several times their warm time; these loops touch
+// little of either, and the products read their weights ahead of use. Each rounds where the plain path's operators round (bfloat16: every
 // elementwise result; a product accumulates in float32 and rounds once); only the order
 // of a sum may differ from the plain path's kernels, so results agree to float rounding.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -381,6 +382,151 @@ std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::T
   return {out, qk, p, lse};
 }
 
+// ---- one row times a weight matrix -----------------------------------------------------
+// y = x W^T (+ b) for one row x, W (out, in) stored row-major (each output's weights one
+// run: bfloat16, float32, or int8 with a scale per output) or, float32 only, input-major
+// (strides (1, out): each input's weights one run, as load_model stores float32 matrices).
+// Each output's sum runs in float32 in a fixed order whatever the threads, and rounds once.
+// The weights stream from memory: each block of outputs prefetches the next block's rows.
+
+inline float wload(const float* p, int64_t i) { return p[i]; }
+inline float wload(const bf16* p, int64_t i) { return from_bf16(p[i]); }
+inline float wload(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+
+#ifdef __AVX512F__
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+constexpr int64_t kRows = 8;  // outputs summed at once, in registers
+
+// y[0:R] = the dot products of R consecutive rows of w with x (floats); ``next`` is
+// prefetched over the loop (``next_bytes`` of it: the next block's rows)
+template <int64_t R, typename W>
+inline void dot_rows(const W* w, int64_t in, const float* x, float* y, const char* next,
+                     int64_t next_bytes) {
+  int64_t k = 0;
+#ifdef __AVX512F__
+  __m512 a[R][2];
+  for (int64_t q = 0; q < R; q++) a[q][0] = a[q][1] = _mm512_setzero_ps();
+  const int64_t steps = in / 32, lines = steps ? (next_bytes / 64 + steps) / steps : 0;
+  int64_t fetched = 0;
+  for (; k + 32 <= in; k += 32) {
+    for (int64_t l = 0; l < lines && fetched < next_bytes; l++, fetched += 64)
+      _mm_prefetch(next + fetched, _MM_HINT_T0);
+    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+    for (int64_t q = 0; q < R; q++) {
+      a[q][0] = _mm512_fmadd_ps(load16(w + q * in + k), x0, a[q][0]);
+      a[q][1] = _mm512_fmadd_ps(load16(w + q * in + k + 16), x1, a[q][1]);
+    }
+  }
+  for (int64_t q = 0; q < R; q++) y[q] = _mm512_reduce_add_ps(_mm512_add_ps(a[q][0], a[q][1]));
+#else
+  (void)next;
+  (void)next_bytes;
+  for (int64_t q = 0; q < R; q++) y[q] = 0.f;
+#endif
+  for (int64_t q = 0; q < R; q++)
+    for (int64_t j = k; j < in; j++) y[q] = std::fma(wload(w, q * in + j), x[j], y[q]);
+}
+
+// the outputs' sums of a row-major W, kRows at a time over the threads
+template <typename W>
+void rows_product(const W* w, int64_t out, int64_t in, const float* x, float* y) {
+  const int64_t blocks = out / kRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; r++) {
+      const W* wr = w + r * kRows * in;
+      const int64_t next = r + 1 < blocks ? kRows * in * static_cast<int64_t>(sizeof(W)) : 0;
+      dot_rows<kRows>(wr, in, x, y + r * kRows, reinterpret_cast<const char*>(wr + kRows * in),
+                      next);
+    }
+  });
+  for (int64_t o = blocks * kRows; o < out; o++) dot_rows<1>(w + o * in, in, x, y + o, nullptr, 0);
+}
+
+// the sums of ``G`` x 16 consecutive outputs of an input-major float32 W (input i's weights
+// at w + i * out), each over the inputs in order, with row i + 8's weights prefetched
+template <int64_t G>
+inline void cols_tile(const float* w, int64_t out, int64_t in, const float* x, float* y) {
+#ifdef __AVX512F__
+  __m512 a[G];
+  for (auto& v : a) v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < in; i++) {
+    const float* wi = w + i * out;
+    if (i + 8 < in)
+      for (int64_t q = 0; q < G; q++)
+        _mm_prefetch(reinterpret_cast<const char*>(wi + 8 * out + 16 * q), _MM_HINT_T0);
+    const __m512 xi = _mm512_set1_ps(x[i]);
+    for (int64_t q = 0; q < G; q++) a[q] = _mm512_fmadd_ps(xi, _mm512_loadu_ps(wi + 16 * q), a[q]);
+  }
+  for (int64_t q = 0; q < G; q++) _mm512_storeu_ps(y + 16 * q, a[q]);
+#else
+  for (int64_t c = 0; c < 16 * G; c++) {
+    float s = 0.f;
+    for (int64_t i = 0; i < in; i++) s = std::fma(x[i], w[i * out + c], s);
+    y[c] = s;
+  }
+#endif
+}
+
+template <int64_t G>
+void cols_product(const float* w, int64_t out, int64_t in, const float* x, float* y) {
+  const int64_t tiles = out / (16 * G), groups = out / 16;
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) cols_tile<G>(w + t * 16 * G, out, in, x, y + t * 16 * G);
+  });
+  for (int64_t g = tiles * G; g < groups; g++) cols_tile<1>(w + g * 16, out, in, x, y + g * 16);
+  for (int64_t c = groups * 16; c < out; c++) {
+    float s = 0.f;
+    for (int64_t i = 0; i < in; i++) s = std::fma(x[i], w[i * out + c], s);
+    y[c] = s;
+  }
+}
+
+// x (1, in) float32 or bfloat16 times w (out, in), plus ``b`` (out) if given; (1, out) in
+// x's dtype. An int8 w's sums are times ``scale`` (out, bfloat16) and rounded before the
+// bias is added, as forward.linear adds it to torch's int8 product
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor b) {
+  check_row(x, "x");
+  const int64_t in = x.numel(), out = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == in && w.is_cpu(), "w must be a CPU (", out, ", ",
+              in, ") matrix");
+  const bool input_major = w.stride(0) == 1 && w.stride(1) == out && in > 1;
+  TORCH_CHECK(w.is_contiguous() || (input_major && w.scalar_type() == at::kFloat),
+              "w must be row-major (float32 also input-major)");
+  const bool int8 = w.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 ? scale.numel() == out && scale.scalar_type() == at::kBFloat16
+                   : scale.numel() == 0, "an int8 w takes a bfloat16 scale per output");
+  TORCH_CHECK(int8 || w.scalar_type() == x.scalar_type(), "dtypes differ");
+  TORCH_CHECK(b.numel() == 0 || (b.numel() == out && b.scalar_type() == x.scalar_type()),
+              "b must be (out,) in x's dtype");
+  std::vector<float> xf(in), sums(out);
+  for (int64_t i = 0; i < in; i++)
+    xf[i] = x.scalar_type() == at::kFloat ? ptr<float>(x)[i] : from_bf16(ptr<bf16>(x)[i]);
+  if (int8)
+    rows_product(ptr<int8_t>(w), out, in, xf.data(), sums.data());
+  else if (w.scalar_type() == at::kBFloat16)
+    rows_product(ptr<bf16>(w), out, in, xf.data(), sums.data());
+  else if (input_major)
+    cols_product<4>(ptr<float>(w), out, in, xf.data(), sums.data());
+  else
+    rows_product(ptr<float>(w), out, in, xf.data(), sums.data());
+  auto y = torch::empty({1, out}, x.options());
+  for (int64_t o = 0; o < out; o++) {
+    float s = sums[o];
+    if (int8) s = round_to<bf16>(s * from_bf16(ptr<bf16>(scale)[o]));  // then + b, rounded
+    if (b.numel()) s += x.scalar_type() == at::kFloat ? ptr<float>(b)[o] : from_bf16(ptr<bf16>(b)[o]);
+    if (x.scalar_type() == at::kFloat)
+      ptr<float>(y)[o] = s;
+    else
+      ptr<bf16>(y)[o] = to_bf16(s);
+  }
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -388,4 +534,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += y in place, then w * rms_norm(x)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
   m.def("attend", &attend, "one new token's attention in one layer");
+  m.def("linear", &linear, "one row times a weight matrix, plus a bias");
 }

@@ -5,8 +5,9 @@ between the weight products, and each of them costs several times its warm time 
 every product streams megabytes of weights through the caches and evicts the code and data
 the next operator needs. ``native.cpp`` does all of a layer's work between its
 products in four loops over raw rows (RMSNorm, the residual, RoPE, attention with the
-softmax rows the scorers read, SiLU times up), compiled for this machine at first use
-(``kernels``); the products stay ``forward.linear``'s.
+softmax rows the scorers read, SiLU times up), and the products themselves (``linear``:
+one row times the matrix's plain values, reading the next rows ahead), compiled for this
+machine at first use (``kernels``).
 
 Each kernel rounds where the plain path's operators do, so only the order of a sum differs:
 stage 1 agrees with the plain one to float rounding (not bit for bit), like a compiled one.
@@ -23,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .forward import forward, linear, rope_tables
-from .model import Model, cache_dir, check_compile
+from .forward import forward, rope_tables
+from .model import Int8Weight, Model, PackedWeight, cache_dir, check_compile
 from .types import ForwardOut
 
 SOURCE = Path(__file__).with_name("native.cpp")
@@ -91,12 +92,20 @@ def decode(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.
            positions: torch.Tensor, want_attention: bool, past_log_mass: torch.Tensor | None,
            want_query: bool) -> ForwardOut:
     """One token through the model (``forward``'s outputs for T = 1): per layer its three
-    products and the native kernels between them."""
+    products and the kernels between them, all native."""
     nat, s = kernels(), model.spec
+    none = torch.empty(0)
+
+    def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
+               b: torch.Tensor | None = None) -> torch.Tensor:  # forward.linear's, natively
+        if isinstance(w, Int8Weight):
+            return nat.linear(x, w.q, w.scale, none if b is None else b)
+        return nat.linear(x, w.plain if isinstance(w, PackedWeight) else w, none,
+                          none if b is None else b)
+
     H, KVH, D, eps = s.n_heads, s.n_kv_heads, s.head_dim, s.rms_eps
     n = past_k.shape[2]
     cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, 1, D)
-    none = torch.empty(0)
     kts, vs = past_k.transpose(2, 3).unbind(0), past_v.unbind(0)
     masses = past_log_mass.unbind(0) if past_log_mass is not None else (none,) * s.n_layers
     ks, news, rows, queries, lses = [], [], [], [], []

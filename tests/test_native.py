@@ -1,12 +1,15 @@
 """The native kernels (``--compile native``) against the plain path's operators, at real
 head sizes, where their vector loops run (the tiny models' 16-wide heads take the scalar
 ones): one layer's attention over strided views of an arena, with and without a folded
-slot's log-mass, RMSNorm with the residual, and SiLU times up."""
+slot's log-mass, RMSNorm with the residual, SiLU times up, and one row times each kind of
+weight matrix."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from positronic_brain import native
+from positronic_brain.forward import linear
+from positronic_brain.model import quantize
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +80,69 @@ def test_add_rms_norm_and_silu_mul_equal_the_plain_operators(nat, dtype):
     gate, up = gate_up.chunk(2, dim=-1)
     assert _rel(nat.silu_mul(gate_up), F.silu(gate) * up) <= (1e-6 if dtype == torch.float32
                                                                else 0.01)
+
+
+SHAPES = [(960, 576), (576, 1536), (13, 70), (130, 33), (7, 1)]  # blocks, tails, one input
+
+
+def _weights(out, inp, gen):
+    """(name, x dtype, forward.linear's weight, the native kernel's w and scale) of one
+    float32 matrix: row-major and input-major float32, bfloat16, int8."""
+    w = torch.randn(out, inp, generator=gen) * 0.05
+    b16 = w.bfloat16()
+    q = quantize(b16.clone())
+    yield "float32", torch.float32, w, w, None
+    yield "float32 input-major", torch.float32, w.t().contiguous().t(), w.t().contiguous().t(), None
+    yield "bfloat16", torch.bfloat16, b16, b16, None
+    yield "int8", torch.bfloat16, q, q.q, q.scale
+
+
+@pytest.mark.parametrize("out,inp", SHAPES)
+@pytest.mark.parametrize("bias", (False, True))
+def test_linear_equals_the_plain_product(nat, out, inp, bias):
+    """One row times each kind of weight: float32 to its rounding; bfloat16 and int8 (the
+    sum times the row's scale) within a bfloat16 step of the float64 product, as the plain
+    product is."""
+    gen = torch.Generator().manual_seed(out * inp)
+    for name, dtype, plain, w, scale in _weights(out, inp, gen):
+        x = torch.randn(1, inp, generator=gen).to(dtype)
+        b = torch.randn(out, generator=gen).to(dtype) if bias else None
+        got = nat.linear(x, w, torch.empty(0) if scale is None else scale,
+                         torch.empty(0) if b is None else b)
+        assert got.dtype == dtype and got.shape == (1, out), name
+        product = F.linear(x.double(), w.double()) * (1 if scale is None else scale.double())
+        exact = product if b is None else product + b.double()
+        if dtype == torch.float32:
+            assert _rel(got, exact) <= 1e-6, name
+            assert _rel(got, linear(x, plain, b)) <= 1e-6, name
+        else:  # at most a bfloat16 step of the product and one of the sum with the bias
+            step = (product.abs() + (0 if b is None else b.double().abs())) * 2 ** -7 + 1e-6
+            assert ((got.double() - exact).abs() <= step).all(), name
+            if name == "bfloat16" or inp % 32 == 0:  # torch's int8 product needs K % 32 == 0
+                assert ((got.double() - linear(x, plain, b).double()).abs() <= step).all(), name
+
+
+def test_linear_sums_in_the_same_order_on_any_number_of_threads(nat):
+    gen = torch.Generator().manual_seed(3)
+    threads = torch.get_num_threads()
+    for name, dtype, _, w, scale in _weights(576, 1536, gen):
+        x = torch.randn(1, 1536, generator=gen).to(dtype)
+        scale = torch.empty(0) if scale is None else scale
+        try:
+            torch.set_num_threads(1)
+            one = nat.linear(x, w, scale, torch.empty(0))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(nat.linear(x, w, scale, torch.empty(0)), one), name
+
+
+def test_linear_refuses_what_it_cannot_multiply(nat):
+    x, none = torch.randn(1, 8), torch.empty(0)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        nat.linear(x, torch.randn(4, 8).bfloat16(), none, none)
+    with pytest.raises(RuntimeError, match="matrix"):
+        nat.linear(x, torch.randn(4, 9), none, none)
+    with pytest.raises(RuntimeError, match="row-major"):
+        nat.linear(x, torch.randn(4, 16)[:, ::2], none, none)
+    with pytest.raises(RuntimeError, match="scale per output"):
+        nat.linear(x.bfloat16(), torch.zeros(4, 8, dtype=torch.int8), none, none)
