@@ -65,10 +65,12 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
         assert r["ours_bytes"] > 0 and (r["hf_bytes"] > r["ours_bytes"] or r["dtype"] != "float32")
 
     # the loop runs at its budget (half the tiny model's positions); edits at every context
-    assert [(r["dtype"], r["repair"], r["context"]) for r in res["loop"]] == \
-        [(d, m, 256) for d in dtypes for m in ("none", "merge", "fold", "none + recall")]
+    # ... with the plain stage 1, then with the native copy's
+    assert [(r["dtype"], r["stage1"], r["repair"], r["context"]) for r in res["loop"]] == \
+        [(d, s, m, 256) for d in dtypes for s in ("plain", "native")
+         for m in ("none", "merge", "fold", "none + recall")]
     assert [r["cold"] > res["config"]["recall_cold"] // 2 for r in res["loop"]] == \
-        [False, False, False, True] * 3  # with recall, over the prompt's culled tokens
+        [False, False, False, True] * 6  # with recall, over the prompt's culled tokens
     assert all(r["stage1_ms"] > 0 and r["step_ms"] > 0 and r["overhead"] > 0 for r in res["loop"])
     assert [(r["dtype"], r["context"]) for r in res["edits"]] == \
         [(d, c) for d in dtypes for c in contexts]
@@ -86,7 +88,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     for m in res["memory"]:
         assert m["cold_bytes_per_token"] > m["kv_bytes_per_token"]
     assert [r["cold_bytes_per_token"] is not None for r in res["loop"]] == \
-        [False, False, False, True] * 3
+        [False, False, False, True] * 6
 
     # the operators one stage-1 call launches, counted by the profiler (one per layer at least)
     assert [(r["dtype"], r["context"]) for r in res["ops"]] == [(d, 256) for d in dtypes]

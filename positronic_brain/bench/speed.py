@@ -307,12 +307,13 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
     """A full loop step (stages 1-4, brightness scorer, at the budget: one removal per
     step) vs stage 1 alone on the same view, for each repair (none, merge, fold), and
     without repair with recall over ``recall_cold`` cold tokens (the prompt's first step
-    culls them into the cold store)."""
-    dt = model.precision
+    culls them into the cold store). A row's ``stage1`` is how the model runs stage 1:
+    plain, or a ``Model.compiled`` mode."""
+    dt, how = model.precision, model.compiled or "plain"
     rows = []
     for repair, cold in (("none", 0), ("merge", 0), ("fold", 0), ("none", cfg.recall_cold)):
         what = repair + (" + recall" if cold else "")
-        tick = task(f"{dt} loop ({what})", cfg.reps)
+        tick = task(f"{dt} {how} loop ({what})", cfg.reps)
         params = CacheParams(budget=cfg.budget, scorer="brightness", repair=repair,
                              recall=bool(cold))
         session = Session(model, TokenPolicy(model.tokenizer), GREEDY, params)
@@ -345,7 +346,7 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
         t["loop step"] = [x / every for x in t["loop step"]]
         assert session.state.arena.n == cfg.budget, "the loop is not at its budget"
         ms = {k: common.median(v) for k, v in t.items()}
-        rows.append({"dtype": dt, "repair": what, "context": cfg.budget,
+        rows.append({"dtype": dt, "stage1": how, "repair": what, "context": cfg.budget,
                      "cold": session.state.cold.n if cold else 0, "recall_every": every,
                      "cold_bytes_per_token": session.state.cold.bytes_per_token if cold else None,
                      "stage1_ms": ms["stage 1"], "score_ms": ms["stage 2"],
@@ -523,6 +524,7 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
         if other is not None:
             compiled[key] = other
     decode = measure_decode(model, hf, view, ids, cfg, task, llama, compiled)
+    native = compiled.pop("native", None)  # its loop too, below
     del compiled
     if llama is not None:
         llama.close()
@@ -534,6 +536,9 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     edits = measure_edits(model, primed, cfg, task)  # changes the primed arena: last
     del primed
     loop = measure_loop(model, cfg, task)
+    if native is not None:
+        loop += measure_loop(native, cfg, task)
+        del native
     wb, kvb = weight_bytes(model), kv_bytes_per_token(model)
     for r in decode:  # the physical floor: weights + live K/V read once per token
         r["floor_ms"] = (wb + r["context"] * kvb) / (bandwidth * 1e9) * 1e3
@@ -614,12 +619,14 @@ def alloc_fit(res: dict) -> list[dict]:
 
 
 def _loop_what(row: dict) -> str:
-    """A loop row's setting in words: its repair, and with recall the cold store it scans."""
+    """A loop row's setting in words: its repair, with recall the cold store it scans, and
+    a stage 1 other than the plain one."""
     repair = row["repair"].removesuffix(" + recall")
+    how = "" if row.get("stage1", "plain") == "plain" else f", stage 1 {row['stage1']}"
     if not row.get("cold"):
-        return f"{repair} repair"
+        return f"{repair} repair{how}"
     return (f"{repair} repair, recall over {row['cold']} cold tokens, scanned every "
-            f"{row.get('recall_every', 1)} steps")
+            f"{row.get('recall_every', 1)} steps{how}")
 
 
 def loop_target(row: dict) -> float:
@@ -861,14 +868,17 @@ def tables(res: dict) -> list[Table]:
               for r in res["prefill"]))
     loop = Table(
         "Loop step (stages 1-4, brightness scorer, one removal per step at the budget)",
-        ("dtype", "repair", "live slots", "stage 1 ms", "stage 2 ms", "stage 3 ms", "step ms",
-         "step / stage 1"),
-        tuple((r["dtype"], r["repair"], str(r["context"]), fmt(r["stage1_ms"], 2),
+        ("dtype", "stage 1", "repair", "live slots", "stage 1 ms", "stage 2 ms", "stage 3 ms",
+         "step ms", "step / stage 1"),
+        tuple((r["dtype"], r.get("stage1", "plain"), r["repair"], str(r["context"]),
+               fmt(r["stage1_ms"], 2),
                fmt(r["score_ms"], 2), fmt(r["decide_ms"], 2), fmt(r["step_ms"], 2),
                fmt(r["overhead"], 2)) for r in res["loop"]),
         "Medians per stage, timed on the same view within each repetition; the step is "
         "`Session.step` (all four stages). With recall, stage 1 is timed as without it: the "
-        "query and log-sum-exp it also hands stage 2 count as recall's cost, in the step.")
+        "query and log-sum-exp it also hands stage 2 count as recall's cost, in the step. "
+        "Stage 1 native: the same loop on the `--compile native` copy (stages 2-4 as they "
+        "are), so the same stages 2-4 weigh more against a shorter stage 1.")
     edits = Table(
         "Cost of one edit vs context (stage 4 `apply`, which always appends the pending token too)",
         ("dtype", "context", "append only ms", "+ 1 cull ms", "+ cull + full re-index ms",
