@@ -527,6 +527,86 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torc
   return y;
 }
 
+// ---- recall's scan of the cold keys ----------------------------------------------------
+// For every cold key j: the max over the recall layers, the KV heads and each head's group
+// of query heads of round(q . k_j) - lse (+ log_w[layer, head, j] if given), float32: what
+// stages/score.py's cold_logits with group_max and its max over layers and heads give, the
+// products summed in another order. Each thread takes a run of keys and reads their rows
+// once per layer and head, all of a group's queries at once; a max is exact, so the
+// result does not depend on the threads.
+template <typename T>
+void cold_max_kernel(const T* q, const float* lse, const T* k, const float* log_w,
+                     const std::vector<int64_t>& layers, int64_t H, int64_t KVH, int64_t D,
+                     int64_t c, int64_t q_l, int64_t k_l, int64_t k_h, int64_t w_l, int64_t w_h,
+                     float* out) {
+  const int64_t G = H / KVH;
+  at::parallel_for(0, c, 64, [&](int64_t b, int64_t e) {
+    std::vector<float> qf(G * D);
+    for (int64_t j = b; j < e; j++) out[j] = -INFINITY;
+    for (size_t li = 0; li < layers.size(); li++) {
+      const int64_t l = layers[li];
+      for (int64_t h = 0; h < KVH; h++) {
+        for (int64_t i = 0; i < G * D; i++) qf[i] = load<T>(q + l * q_l + h * G * D, i);
+        const float* lse_h = lse + l * H + h * G;
+        const T* kh = k + l * k_l + h * k_h;
+        const float* w = log_w ? log_w + li * w_l + h * w_h : nullptr;
+        for (int64_t j = b; j < e; j++) {
+          const T* kj = kh + j * D;
+          float m = -INFINITY;
+          for (int64_t g = 0; g < G; g++) {
+            const float* qg = qf.data() + g * D;
+            float dot = 0.f;
+            int64_t d = 0;
+#ifdef __AVX512F__
+            __m512 acc = _mm512_setzero_ps();
+            for (; d + 16 <= D; d += 16)
+              acc = _mm512_fmadd_ps(load16(kj + d), _mm512_loadu_ps(qg + d), acc);
+            dot = _mm512_reduce_add_ps(acc);
+#endif
+            for (; d < D; d++) dot = std::fma(load<T>(kj, d), qg[d], dot);
+            m = std::max(m, round_to<T>(dot) - lse_h[g]);
+          }
+          if (w) m += w[j];
+          out[j] = std::max(out[j], m);
+        }
+      }
+    }
+  });
+}
+
+// q (L, H, D) and lse (L, H) float32: stage 1's query and log-sum-exp; k (L, KVH, c, D) the
+// cold keys (rows contiguous); log_w (len(layers), KVH, c) float32 or empty; -> (c,) float32
+torch::Tensor cold_max(torch::Tensor q, torch::Tensor lse, torch::Tensor k, torch::Tensor log_w,
+                       std::vector<int64_t> layers) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && q.is_contiguous() && k.stride(3) == 1 &&
+              k.stride(2) == k.size(3) && q.size(2) == k.size(3) && q.size(0) == k.size(0) &&
+              q.size(1) % k.size(1) == 0 && k.is_cpu() && q.is_cpu(),
+              "q (L, H, D) contiguous, k (L, KVH, c, D) with contiguous rows, on the CPU");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && (k.scalar_type() == at::kFloat ||
+              k.scalar_type() == at::kBFloat16), "q and k: one dtype, float32 or bfloat16");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat &&
+              lse.numel() == q.size(0) * q.size(1), "lse must be (L, H) float32");
+  const int64_t c = k.size(2);
+  for (int64_t l : layers) TORCH_CHECK(0 <= l && l < q.size(0), "layer ", l, " out of range");
+  const bool weighted = log_w.numel() > 0;
+  TORCH_CHECK(!weighted || (log_w.dim() == 3 && log_w.scalar_type() == at::kFloat &&
+              log_w.size(0) == static_cast<int64_t>(layers.size()) && log_w.size(1) == k.size(1) &&
+              log_w.size(2) == c && log_w.stride(2) == 1),
+              "log_w must be (layers, KVH, c) float32");
+  auto out = torch::empty({c}, lse.options());
+  const float* w = weighted ? log_w.data_ptr<float>() : nullptr;
+  const int64_t w_l = weighted ? log_w.stride(0) : 0, w_h = weighted ? log_w.stride(1) : 0;
+  if (k.scalar_type() == at::kFloat)
+    cold_max_kernel<float>(ptr<float>(q), lse.data_ptr<float>(), ptr<float>(k), w, layers,
+                           q.size(1), k.size(1), k.size(3), c, q.stride(0), k.stride(0),
+                           k.stride(1), w_l, w_h, out.data_ptr<float>());
+  else
+    cold_max_kernel<bf16>(ptr<bf16>(q), lse.data_ptr<float>(), ptr<bf16>(k), w, layers,
+                          q.size(1), k.size(1), k.size(3), c, q.stride(0), k.stride(0),
+                          k.stride(1), w_l, w_h, out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -535,4 +615,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
   m.def("attend", &attend, "one new token's attention in one layer");
   m.def("linear", &linear, "one row times a weight matrix, plus a bias");
+  m.def("cold_max", &cold_max, "recall's scan: each cold key's largest logit");
 }

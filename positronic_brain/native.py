@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from .forward import forward, rope_tables
 from .model import Int8Weight, Model, PackedWeight, cache_dir, check_compile
-from .types import ForwardOut
+from .state import ColdView
+from .types import ForwardOut, RecallQuery
 
 SOURCE = Path(__file__).with_name("native.cpp")
 
@@ -70,6 +71,14 @@ def applies(model: Model, past_k, ids: torch.Tensor, past_mask, kv_only: bool,
             and model.dtype in (torch.float32, torch.bfloat16)
             and isinstance(past_k, torch.Tensor) and past_k.is_cpu and not model.moves
             and past_k.stride(2) == 1 and type(model.layers[0].act).__name__ in SILU)
+
+
+def cold_max(cold: ColdView, recall: RecallQuery, log_w: torch.Tensor | None) -> torch.Tensor:
+    """Each cold key's largest q.k - lse (+ ``log_w``, (len(layers), KVH, c) float32) over
+    the recall layers and all query heads, (c,) float32: ``score.cold_logits(cold, recall,
+    group_max=True)`` (+ log_w) maxed over layers and heads, in one pass over the keys."""
+    return kernels().cold_max(recall.query, recall.lse, cold.k,
+                              torch.empty(0) if log_w is None else log_w, list(recall.layers))
 
 
 SILU = ("SiLU", "SiLUActivation")  # the MLP activations ``silu_mul`` computes

@@ -285,7 +285,8 @@ class RecallQuery:
     """Stage 2's recall input: stage 1's query (L, heads, head_dim) and its softmax's
     log-sum-exp (L, heads), the ``layers`` whose attention gives the signals, how it becomes
     one value per token (CacheParams' ``signal`` and ``aggregate``), and whether this step
-    ``scan``s the cold keys too (every ``recall_every``-th step; else the hot signals only)."""
+    ``scan``s the cold keys too (every ``recall_every``-th step; else the hot signals only),
+    with the ``native`` kernel where stage 1 runs natively (``--compile native``)."""
 
     query: torch.Tensor
     lse: torch.Tensor
@@ -293,6 +294,7 @@ class RecallQuery:
     signal: str
     aggregate: str
     scan: bool = True
+    native: bool = False
 
 
 @dataclass(frozen=True)

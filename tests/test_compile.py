@@ -158,6 +158,26 @@ def test_compiled_capture_replays_bit_exact(tmp_path, capsys, flag, mode):
         replay(out["capture"], model=load_model("tiny-random", "int8"))
 
 
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_a_native_run_scans_the_cold_store_natively_and_replays_bit_exact(tmp_path, capsys,
+                                                                          monkeypatch, dtype):
+    """With recall, a native model's stage 2 scans the cold keys with the native kernel
+    (``native.cold_max``); tokens come back, and the capture replays it bit for bit."""
+    scans = []
+    real = native.cold_max
+    monkeypatch.setattr(native, "cold_max", lambda *a: scans.append(1) or real(*a))
+    args = ["run", "--model", "tiny-random", "--dtype", dtype, "--compile", "native",
+            "--prompt", "bring back what the query attends to, " * 3, "--max-new-tokens", "24",
+            "--ignore-eos", "--seed", "2", "--budget", "16", "--sinks", "1", "--recent", "2",
+            "--recall", "--recall-every", "2", "--capture", str(tmp_path), "--json"]
+    assert cli(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["totals"]["recalled"] > 0 and len(scans) >= 12, (out["totals"], len(scans))
+    scans.clear()
+    report = replay(out["capture"])
+    assert report.ok and report.tolerance is None and scans
+
+
 def test_a_capture_from_before_compile_modes_replays_as_inductor():
     """Older captures say ``compiled: true`` for torch.compile."""
     assert model_module.compile_mode(True) == "inductor"

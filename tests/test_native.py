@@ -146,3 +146,42 @@ def test_linear_refuses_what_it_cannot_multiply(nat):
         nat.linear(x, torch.randn(4, 16)[:, ::2], none, none)
     with pytest.raises(RuntimeError, match="scale per output"):
         nat.linear(x.bfloat16(), torch.zeros(4, 8, dtype=torch.int8), none, none)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("c,layers,weighted", [(1000, (1, 2, 4), True), (77, (0,), False),
+                                               (1, (3, 4), True)])
+def test_cold_max_is_the_scan_s_maximum(nat, dtype, c, layers, weighted):
+    """Recall's native scan: each cold key's largest q.k - lse (+ its log value weight) over
+    the layers and heads, as the plain scan's products and maxima give it (at SmolLM2's
+    head size and groups of three query heads, over a strided store's rows)."""
+    from positronic_brain.stages.score import cold_logits
+    from positronic_brain.state import ColdView
+    from positronic_brain.types import RecallQuery
+    gen = torch.Generator().manual_seed(c)
+    L, H, KVH, D = 5, 9, 3, 64
+    k = torch.randn(L, KVH, c + 50, D, generator=gen).to(dtype)[:, :, :c]  # a store's prefix
+    q = torch.randn(L, H, D, generator=gen).to(dtype)
+    lse = torch.randn(L, H, generator=gen) * 3
+    log_w = torch.randn(len(layers), KVH, c, generator=gen) if weighted else None
+    cold = ColdView(k=k, v=k, vnorm=k.float().norm(dim=-1), uid=torch.arange(c),
+                    position=torch.arange(c), source=torch.zeros(c), born_step=torch.zeros(c))
+    rq = RecallQuery(query=q, lse=lse, layers=layers, signal="attention", aggregate="max-max")
+    want = cold_logits(cold, rq, group_max=True)[:, :, 0]  # (l, KVH, c)
+    want = (want if log_w is None else want + log_w).amax((0, 1))
+    got = native.cold_max(cold, rq, log_w)
+    assert got.shape == (c,) and got.dtype == torch.float32
+    # a bfloat16 product rounds once; from another sum order, one step away at most
+    tol = 1e-5 * want.abs().max() if dtype == torch.float32 else 2 ** -7 * (want.abs() + lse.abs().max())
+    assert ((got - want).abs() <= tol).all()
+
+
+def test_cold_max_refuses_what_it_cannot_scan(nat):
+    q, lse = torch.randn(2, 4, 16), torch.randn(2, 4)
+    k, none = torch.randn(2, 2, 5, 16), torch.empty(0)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        nat.cold_max(q, lse, k.bfloat16(), none, [0])
+    with pytest.raises(RuntimeError, match="out of range"):
+        nat.cold_max(q, lse, k, none, [2])
+    with pytest.raises(RuntimeError, match="log_w must be"):
+        nat.cold_max(q, lse, k, torch.zeros(2, 2, 5), [0])

@@ -331,7 +331,7 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
             kept["gen"] = generate(model, kept["view"], GREEDY, gen)
 
         def stage2():
-            recall = recall_query(kept["view"], kept["gen"], each)
+            recall = recall_query(kept["view"], kept["gen"], each, how == "native")
             kept["scores"] = score(kept["view"], kept["gen"].attention, scorer, recall)
 
         def steps():  # with recall, one round of ``recall_every`` steps: the mean step

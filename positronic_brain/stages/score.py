@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from .. import native
 from ..scorers import Scorer
 from ..scorers.attention import aggregate, value_weighted, value_weights
 from ..state import ColdView, View
@@ -36,15 +37,18 @@ def _spread(skip_layers: float, wanted: int | None, n_layers: int) -> tuple[int,
     return tuple(sorted({round(x) for x in spread.tolist()}))
 
 
-def recall_query(view: View, gen: GenerateOut, params: CacheParams) -> RecallQuery | None:
+def recall_query(view: View, gen: GenerateOut, params: CacheParams,
+                 native: bool = False) -> RecallQuery | None:
     """Stage 2's recall input for this step, or None (no recall or an empty cold store); it
-    scans the cold keys on every ``recall_every``-th step."""
+    scans the cold keys on every ``recall_every``-th step, with the native kernel if
+    ``native`` (the model's stage 1 is: ``Model.compiled``) and the aggregate is max-max."""
     if not params.recall or view.cold is None or view.cold.n == 0 or gen.query is None:
         return None
     return RecallQuery(query=gen.query, lse=gen.lse,
                        layers=recall_layers(params, gen.query.shape[0]),
                        signal=params.signal, aggregate=params.recall_aggregate,
-                       scan=(view.step + 1) % params.recall_every == 0)
+                       scan=(view.step + 1) % params.recall_every == 0,
+                       native=native and params.recall_aggregate == "max-max")
 
 
 def recall_signals(view: View, attention: torch.Tensor,
@@ -61,6 +65,9 @@ def recall_signals(view: View, attention: torch.Tensor,
     if not recall.scan:
         return aggregate(hot, recall.aggregate), None
     most = recall.aggregate == "max-max"
+    if recall.native:  # max-max in one pass over the cold keys: the same maximum of sums
+        log_w = None if live is None else value_weights(view.cold.vnorm[layers], live).log()
+        return aggregate(hot, recall.aggregate), native.cold_max(view.cold, recall, log_w).exp()
     logits = cold_logits(view.cold, recall, most)  # (l, KVH, G or 1, c) float32: q.k - lse
     if live is not None:
         logits += value_weights(view.cold.vnorm[layers], live).log()[:, :, None]
