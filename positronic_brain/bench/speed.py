@@ -466,8 +466,8 @@ COMPILED = {
                          "Stage 1 compiled (`--compile`: torch.compile, context length dynamic)",
                          "Compiling took", " (the first stage-1 call; inductor's on-disk cache "
                          "shortens a second run's)"),
-    "native": Compiled("native", "Stage 1 native (`--compile native`: native kernels between "
-                       "the weight products)", "Loading the model with its kernels and the "
+    "native": Compiled("native", "Stage 1 native (`--compile native`: the weight products "
+                       "and the work between them in native kernels)", "Loading the model with its kernels and the "
                        "first stage-1 call took", " (building the kernels the first time on a "
                        "machine takes tens of seconds more)")}
 
