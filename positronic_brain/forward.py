@@ -34,6 +34,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 INT8_ROWS = 16  # the most rows an int8 product multiplies by its int8 weight (``linear``): on
 # SmolLM2's gate/up and two cores, the int8 product is the faster up to 16 rows, not from 24
+INT8_INPUTS = 16  # torch's int8 product needs a multiple of 16 inputs (else garbage or a crash)
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -60,8 +61,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
            b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except for an int8 weight (``model.Int8Weight``: torch's weight-only
     int8 product up to ``INT8_ROWS`` rows, which reads half a bfloat16 weight's bytes; for
-    more rows, a prefill chunk, where it is slower than the bfloat16 product, ``F.linear`` on
-    its bfloat16 values), a packed bfloat16 weight (``model.pack``: oneDNN's own
+    more rows, a prefill chunk, where it is slower than the bfloat16 product, or inputs not a
+    multiple of ``INT8_INPUTS``, which that product gets wrong, ``F.linear`` on its bfloat16
+    values), a packed bfloat16 weight (``model.pack``: oneDNN's own
     product) and one float32 row (a decode step) with an input-major weight
     (``w.t()`` contiguous, as ``load_model`` stores float32 weights): MKL would compute that
     matrix-vector product on one thread, so the weight's input rows are split into one
@@ -69,7 +71,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
     storage order) and are summed. About 2x faster than ``F.linear`` on SmolLM2's shapes on
     2 cores; equal to it up to float rounding (the sum is split in a different order)."""
     if isinstance(w, Int8Weight):
-        if x.shape[0] > INT8_ROWS:
+        if x.shape[0] > INT8_ROWS or w.shape[1] % INT8_INPUTS:
             return F.linear(x, w.plain, b)
         y = torch.ops.aten._weight_int8pack_mm(x, w.q, w.scale)
         return y if b is None else y + b

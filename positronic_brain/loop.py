@@ -137,7 +137,7 @@ class Session:
         tape.begin(self.state, self.generator)  # a recording tape keeps its state (an input)
         gen = generate(self.model, view, self.sampler, self.generator, force)  # 1) read-only
         tape.generated(view, self.sampler, force, gen)
-        recall = recall_query(view, gen, self.cache_params, self.model.compiled == "native")
+        recall = recall_query(view, gen, self.cache_params, self.model.compiled)
         scores = score(view, gen.attention, self.scorer, recall)  # 2) read-only
         tape.scored(view, self.cache_params, scores)
         actions = decide(self.model, view, scores, self.cache_params)  # 3) read-only

@@ -214,7 +214,7 @@ class _Replay:
             self.check(g, gen_outputs(out))
         params = files.cache_params
         if self.wanted(files.score.stage, t):  # 2) score the captured attention
-            recall = recall_query(view, files.gen, params, model.compiled == "native")
+            recall = recall_query(view, files.gen, params, model.compiled)
             self.check(files.score, {"out": score(view, files.gen.attention, make_scorer(params),
                                                   recall)})
         if self.wanted(files.decide.stage, t):  # 3) decide from the captured scores

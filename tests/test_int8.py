@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from positronic_brain.cli import main as cli
-from positronic_brain.forward import INT8_ROWS, linear
+from positronic_brain.forward import INT8_INPUTS, INT8_ROWS, linear
 from positronic_brain.loop import Session
-from positronic_brain.model import MATRICES, TINY_CONFIGS, Int8Weight, check_dtype, load_model
+from positronic_brain.model import (MATRICES, TINY_CONFIGS, Int8Weight, check_dtype, load_model,
+                                    quantize)
 from positronic_brain.replay import replay
 from positronic_brain.special_tokens import TokenPolicy
 from positronic_brain.stages.apply import apply, prime
@@ -77,6 +78,19 @@ def test_int8_product_is_the_exact_product_to_bfloat16_rounding():
             assert _rel(linear(x, w, b), want + b.float()) <= 2 ** -7, (name, rows, "bias")
         x = torch.randn(INT8_ROWS + 1, w.shape[1], generator=g).bfloat16()
         assert torch.equal(linear(x, w), F.linear(x, w.plain))  # a prefill chunk's product
+
+
+def test_an_int8_weight_of_any_input_size_multiplies_correctly():
+    """torch's int8 product gives garbage (or crashes) unless the inputs are a multiple of
+    ``INT8_INPUTS``: a weight of another size multiplies by its bfloat16 values."""
+    g = torch.Generator().manual_seed(1)
+    for inputs in (40, 100, 16):
+        w = quantize(torch.randn(13, inputs, generator=g).bfloat16())
+        x = torch.randn(1, inputs, generator=g).bfloat16()
+        want = x.float() @ (w.q.float() * w.scale.float()[:, None]).t()
+        assert _rel(linear(x, w), want) <= 2 ** -7, inputs
+        if inputs % INT8_INPUTS:
+            assert torch.equal(linear(x, w), F.linear(x, w.plain)), inputs
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -331,7 +331,7 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
             kept["gen"] = generate(model, kept["view"], GREEDY, gen)
 
         def stage2():
-            recall = recall_query(kept["view"], kept["gen"], each, how == "native")
+            recall = recall_query(kept["view"], kept["gen"], each, model.compiled)
             kept["scores"] = score(kept["view"], kept["gen"].attention, scorer, recall)
 
         def steps():  # with recall, one round of ``recall_every`` steps: the mean step
@@ -467,9 +467,10 @@ COMPILED = {
                          "Compiling took", " (the first stage-1 call; inductor's on-disk cache "
                          "shortens a second run's)"),
     "native": Compiled("native", "Stage 1 native (`--compile native`: the weight products "
-                       "and the work between them in native kernels)", "Loading the model with its kernels and the "
-                       "first stage-1 call took", " (building the kernels the first time on a "
-                       "machine takes tens of seconds more)")}
+                       "and the work between them in native kernels)",
+                       "Loading the model with its kernels and the first stage-1 call took",
+                       " (building the kernels the first time on a machine takes tens of "
+                       "seconds more)")}
 
 
 def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],

@@ -38,17 +38,17 @@ def _spread(skip_layers: float, wanted: int | None, n_layers: int) -> tuple[int,
 
 
 def recall_query(view: View, gen: GenerateOut, params: CacheParams,
-                 native: bool = False) -> RecallQuery | None:
+                 compiled: str = "") -> RecallQuery | None:
     """Stage 2's recall input for this step, or None (no recall or an empty cold store); it
-    scans the cold keys on every ``recall_every``-th step, with the native kernel if
-    ``native`` (the model's stage 1 is: ``Model.compiled``) and the aggregate is max-max."""
+    scans the cold keys on every ``recall_every``-th step, with the native kernel where the
+    model's stage 1 is native (its ``Model.compiled``) and the aggregate is max-max."""
     if not params.recall or view.cold is None or view.cold.n == 0 or gen.query is None:
         return None
     return RecallQuery(query=gen.query, lse=gen.lse,
                        layers=recall_layers(params, gen.query.shape[0]),
                        signal=params.signal, aggregate=params.recall_aggregate,
                        scan=(view.step + 1) % params.recall_every == 0,
-                       native=native and params.recall_aggregate == "max-max")
+                       native=compiled == "native" and params.recall_aggregate == "max-max")
 
 
 def recall_signals(view: View, attention: torch.Tensor,
@@ -65,12 +65,12 @@ def recall_signals(view: View, attention: torch.Tensor,
     if not recall.scan:
         return aggregate(hot, recall.aggregate), None
     most = recall.aggregate == "max-max"
+    log_w = None if live is None else value_weights(view.cold.vnorm[layers], live).log()
     if recall.native:  # max-max in one pass over the cold keys: the same maximum of sums
-        log_w = None if live is None else value_weights(view.cold.vnorm[layers], live).log()
         return aggregate(hot, recall.aggregate), native.cold_max(view.cold, recall, log_w).exp()
     logits = cold_logits(view.cold, recall, most)  # (l, KVH, G or 1, c) float32: q.k - lse
-    if live is not None:
-        logits += value_weights(view.cold.vnorm[layers], live).log()[:, :, None]
+    if log_w is not None:  # (l, KVH, c)
+        logits += log_w[:, :, None]
     if most:  # exp(max) = max(exp): one exp per cold row
         return aggregate(hot, recall.aggregate), logits.amax((0, 1, 2)).exp()
     p = logits.exp().flatten(1, 2)  # (l, H, c)
