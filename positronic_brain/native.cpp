@@ -169,13 +169,18 @@ inline __m512 load16(const bf16* p) {
 }
 
 // out[0:64] = the sum over i < count of scale(i) * x_i[0:64], x_i = x + i * stride: the 64
-// sums held in four registers over all the rows
+// sums held in four registers over all the rows. ``ahead``: also prefetch each row's next
+// 64 values (the next block of slots, when the rows are far apart)
 template <typename T, typename Scale>
-inline void sum64(const T* x, int64_t stride, int64_t count, Scale scale, float* out) {
+inline void sum64(const T* x, int64_t stride, int64_t count, Scale scale, float* out,
+                  bool ahead = false) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i < count; i++) {
     const __m512 c = _mm512_set1_ps(scale(i));
     const T* xi = x + i * stride;
+    if (ahead)
+      for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(xi + 64) + l, _MM_HINT_T0);
     a0 = _mm512_fmadd_ps(c, load16(xi), a0);
     a1 = _mm512_fmadd_ps(c, load16(xi + 16), a1);
     a2 = _mm512_fmadd_ps(c, load16(xi + 32), a2);
@@ -196,7 +201,7 @@ void scores(const T* q, const T* kt, int64_t kt_d, int64_t D, int64_t n,
   int64_t j0 = 0;
 #ifdef __AVX512F__
   for (; j0 + 64 <= n; j0 += 64)
-    sum64(kt + j0, kt_d, D, [&](int64_t d) { return load<T>(q, d); }, row + j0);
+    sum64(kt + j0, kt_d, D, [&](int64_t d) { return load<T>(q, d); }, row + j0, true);
 #endif
   for (int64_t j = j0; j < n; j++) row[j] = 0.f;
   for (int64_t d = 0; d < D; d++) {

@@ -15,7 +15,7 @@ from positronic_brain.stages.apply import apply, extend, prime
 from positronic_brain.stages.decide import decide
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
-from positronic_brain.types import Actions, CacheParams, SamplerParams, UserError
+from positronic_brain.types import Actions, CacheParams, SamplerParams, Segment, UserError
 from tests.oracle import assert_close, hf_step_logits
 from tests.test_loop_step1_generate import _assert_unchanged, _fingerprint
 
@@ -223,3 +223,41 @@ def test_extend_equals_priming_everything(tiny_model, tiny_policy):
     session.state.check_valid()
     with pytest.raises(UserError, match="do not fit"):
         extend(tiny_model, session.state, [type(first[0])(tuple(range(200)), "user")])
+
+
+@pytest.mark.parametrize("folded", (False, True))
+def test_many_removed_slots_move_as_a_few_do(tiny_model, folded):
+    """Past ``SLICE_MOVES`` moved slots, stage 4 moves them by index copies (a re-index's
+    drop of thousands of cold rows), slot by slot below: the same arena and ledger either
+    way, whatever the layout (the hot arena's transposed keys, the cold store's rows)."""
+    import copy
+    ids = torch.arange(3, 3 + 60).tolist()
+    state, _ = prime(tiny_model, [Segment(tuple(ids), "user")], capacity=64)
+    if folded:  # a slot holds a folded log-mass: that column moves too
+        state.arena.log_mass[..., 5] = 0.25
+        state.arena.folded = True
+    cold = stage4.cold_store(tiny_model, 64, 64)
+    for arena, ledger in ((state.arena, state.ledger), (cold.arena, cold.ledger)):
+        if arena is cold.arena:  # the cold store's rows: the hot arena's, copied in
+            n = state.arena.n
+            rows = torch.arange(n)
+            stage4._put_rows(arena, ledger, rows,
+                             stage4._take_rows(state.arena, state.ledger, rows))
+            arena.n = ledger.n = n
+        slots = list(range(1, 40, 2))  # 20 holes, each filled from the end
+        results = []
+        for limit in (len(slots) + 1, 0):  # slot by slot, then by index copies
+            a, m = copy.deepcopy(arena), copy.deepcopy(ledger)
+            stage4.SLICE_MOVES, was = limit, stage4.SLICE_MOVES
+            try:
+                moves = stage4._remove(a, m, slots)
+            finally:
+                stage4.SLICE_MOVES = was
+            results.append((moves, a, m))
+        (moves1, a1, m1), (moves2, a2, m2) = results
+        assert moves1 == moves2 and len(moves1) > 8
+        for b1, b2 in zip(a1.blocks, a2.blocks):
+            for name in ("kt", "v", "knorm", "vnorm", "log_mass"):
+                assert torch.equal(getattr(b1, name), getattr(b2, name)), name
+        for col in m1.COLUMNS:
+            assert torch.equal(getattr(m1, col), getattr(m2, col)), col

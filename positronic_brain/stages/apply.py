@@ -29,6 +29,7 @@ from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Cold, Ledger, SplitA
 from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Merge, Patch, PrefillStats,
                      PrimeOut, ScoreOut, Segment, Swap, require)
 
+SLICE_MOVES = 8  # ``_remove``: up to this many moved slots one by one, more by index copies
 PREFILL_CHUNK = 256  # tokens per prefill chunk on the CPU (longer ones measured slower there)
 FUSED_CHUNK = 1024  # ... through torch's fused attention, without every token's logits
 
@@ -400,10 +401,16 @@ def _remove(a: Arena | SplitArena, m: Ledger, slots: list[int],
             col.index_copy_(0, dst, col.index_select(0, src))
     m.n = n
     for b in a.blocks if moves else ():
+        slot_dims = ((b.k, 2), (b.v, 2), (b.knorm, 2), (b.vnorm, 2)) + (
+            ((b.log_mass, 2),) if b.folded else ())
+        if len(moves) > SLICE_MOVES:  # many (a re-index's drop of cold rows): index copies
+            src_b, dst_b = src.to(b.v.device), dst.to(b.v.device)
+            for x, dim in slot_dims:
+                x.index_copy_(dim, dst_b, x.index_select(dim, src_b))
+            continue
         for f, t in moves:  # slot by slot: slice copies beat index copies for a few slots
-            b.kt[..., t] = b.kt[..., f]
-            for x in (b.v, b.knorm, b.vnorm) + ((b.log_mass,) if b.folded else ()):
-                x[:, :, t] = x[:, :, f]
+            for x, dim in slot_dims:
+                x.select(dim, t).copy_(x.select(dim, f))
     a.n = n
     return moves
 
