@@ -401,16 +401,15 @@ def _remove(a: Arena | SplitArena, m: Ledger, slots: list[int],
             col.index_copy_(0, dst, col.index_select(0, src))
     m.n = n
     for b in a.blocks if moves else ():
-        slot_dims = ((b.k, 2), (b.v, 2), (b.knorm, 2), (b.vnorm, 2)) + (
-            ((b.log_mass, 2),) if b.folded else ())
+        per_slot = (b.k, b.v, b.knorm, b.vnorm) + ((b.log_mass,) if b.folded else ())
         if len(moves) > SLICE_MOVES:  # many (a re-index's drop of cold rows): index copies
             src_b, dst_b = src.to(b.v.device), dst.to(b.v.device)
-            for x, dim in slot_dims:
-                x.index_copy_(dim, dst_b, x.index_select(dim, src_b))
+            for x in per_slot:  # (L, kv_heads, capacity[, head_dim])
+                x.index_copy_(2, dst_b, x.index_select(2, src_b))
             continue
         for f, t in moves:  # slot by slot: slice copies beat index copies for a few slots
-            for x, dim in slot_dims:
-                x.select(dim, t).copy_(x.select(dim, f))
+            for x in per_slot:
+                x[:, :, t] = x[:, :, f]
     a.n = n
     return moves
 
