@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from positronic_brain import native
-from positronic_brain.forward import linear
+from positronic_brain.forward import INT8_INPUTS, linear
 from positronic_brain.model import quantize
 
 
@@ -118,7 +118,8 @@ def test_linear_equals_the_plain_product(nat, out, inp, bias):
         else:  # at most a bfloat16 step of the product and one of the sum with the bias
             step = (product.abs() + (0 if b is None else b.double().abs())) * 2 ** -7 + 1e-6
             assert ((got.double() - exact).abs() <= step).all(), name
-            if name == "bfloat16" or inp % 32 == 0:  # torch's int8 product needs K % 32 == 0
+            if name == "bfloat16" or inp % INT8_INPUTS == 0:  # else forward.linear multiplies
+                # by the int8 matrix's bfloat16 values, each rounded: another product
                 assert ((got.double() - linear(x, plain, b).double()).abs() <= step).all(), name
 
 
