@@ -36,6 +36,9 @@ inline bf16 to_bf16(float f) {  // round to nearest even, as c10::BFloat16
 template <typename T> inline float load(const T* p, int64_t i);
 template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
 template <> inline float load<bf16>(const bf16* p, int64_t i) { return from_bf16(p[i]); }
+template <> inline float load<int8_t>(const int8_t* p, int64_t i) {  // an int8 weight
+  return static_cast<float>(p[i]);
+}
 template <typename T> inline T store(float f);
 template <> inline float store<float>(float f) { return f; }
 template <> inline bf16 store<bf16>(float f) { return to_bf16(f); }
@@ -394,9 +397,6 @@ std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::T
 // Each output's sum runs in float32 in a fixed order whatever the threads, and rounds once.
 // The weights stream from memory: each block of outputs prefetches the next block's rows.
 
-inline float wload(const float* p, int64_t i) { return p[i]; }
-inline float wload(const bf16* p, int64_t i) { return from_bf16(p[i]); }
-inline float wload(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 
 #ifdef __AVX512F__
 inline __m512 load16(const int8_t* p) {
@@ -434,7 +434,7 @@ inline void dot_rows(const W* w, int64_t in, const float* x, float* y, const cha
   for (int64_t q = 0; q < R; q++) y[q] = 0.f;
 #endif
   for (int64_t q = 0; q < R; q++)
-    for (int64_t j = k; j < in; j++) y[q] = std::fma(wload(w, q * in + j), x[j], y[q]);
+    for (int64_t j = k; j < in; j++) y[q] = std::fma(load<W>(w, q * in + j), x[j], y[q]);
 }
 
 // the outputs' sums of a row-major W, kRows at a time over the threads

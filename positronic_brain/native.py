@@ -78,7 +78,7 @@ def cold_max(cold: ColdView, recall: RecallQuery, log_w: torch.Tensor | None) ->
     the recall layers and all query heads, (c,) float32: ``score.cold_logits(cold, recall,
     group_max=True)`` (+ log_w) maxed over layers and heads, in one pass over the keys."""
     return kernels().cold_max(recall.query, recall.lse, cold.k,
-                              torch.empty(0) if log_w is None else log_w, list(recall.layers))
+                              _NONE if log_w is None else log_w, list(recall.layers))
 
 
 SILU = ("SiLU", "SiLUActivation")  # the MLP activations ``silu_mul`` computes
@@ -103,25 +103,16 @@ def decode(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.
     """One token through the model (``forward``'s outputs for T = 1): per layer its three
     products and the kernels between them, all native."""
     nat, s = kernels(), model.spec
-    none = torch.empty(0)
-
-    def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
-               b: torch.Tensor | None = None) -> torch.Tensor:  # forward.linear's, natively
-        if isinstance(w, Int8Weight):
-            return nat.linear(x, w.q, w.scale, none if b is None else b)
-        return nat.linear(x, w.plain if isinstance(w, PackedWeight) else w, none,
-                          none if b is None else b)
-
     H, KVH, D, eps = s.n_heads, s.n_kv_heads, s.head_dim, s.rms_eps
     n = past_k.shape[2]
     cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, 1, D)
     kts, vs = past_k.transpose(2, 3).unbind(0), past_v.unbind(0)
-    masses = past_log_mass.unbind(0) if past_log_mass is not None else (none,) * s.n_layers
+    masses = past_log_mass.unbind(0) if past_log_mass is not None else (_NONE,) * s.n_layers
     ks, news, rows, queries, lses = [], [], [], [], []
     x = F.embedding(ids, model.embed)  # (1, hidden): a fresh row, updated in place
     h = nat.rms_norm(x, model.layers[0].ln1, eps)
     for i, w in enumerate(model.layers):
-        qkv = linear(h, w.qkv_w, w.qkv_b)  # (1, (H + 2 KVH) D)
+        qkv = nat.linear(h, *_product(w.qkv_w, w.qkv_b))  # (1, (H + 2 KVH) D)
         out, qk, p, lse = nat.attend(qkv, cos_qk, sin_qk, kts[i], vs[i], masses[i], H, KVH,
                                      want_query)
         ks.append(qk[H:])
@@ -129,13 +120,26 @@ def decode(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.
         rows.append(p)
         queries.append(qk[:H, 0])
         lses.append(lse)
-        x, h = nat.add_rms_norm(x, linear(out, w.o_w, w.o_b), w.ln2, eps)
-        a = nat.silu_mul(linear(h, w.gate_up_w, w.gate_up_b))
+        x, h = nat.add_rms_norm(x, nat.linear(out, *_product(w.o_w, w.o_b)), w.ln2, eps)
+        a = nat.silu_mul(nat.linear(h, *_product(w.gate_up_w, w.gate_up_b)))
         last = i + 1 == len(model.layers)
-        x, h = nat.add_rms_norm(x, linear(a, w.down_w, w.down_b),
+        x, h = nat.add_rms_norm(x, nat.linear(a, *_product(w.down_w, w.down_b)),
                                 model.final_norm if last else model.layers[i + 1].ln1, eps)
-    logits = linear(h, model.lm_head).float()
+    logits = nat.linear(h, *_product(model.lm_head, None)).float()
     attention = torch.stack(rows).view(s.n_layers, H, n + 1)[..., :n] if want_attention else None
     query, lse = (torch.stack(queries), torch.stack(lses)) if want_query else (None, None)
     return ForwardOut(logits=logits, k=torch.stack(ks), v=torch.stack(news),
                       attention=attention, query=query, lse=lse)
+
+
+_NONE = torch.empty(0)  # no scale, bias or log-mass
+
+
+def _product(w: torch.Tensor | PackedWeight | Int8Weight,
+             b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A matrix (and bias) as the native ``linear`` takes it, ``forward.linear``'s weights
+    read natively: its plain values, an int8 matrix's scales, the bias (each empty where
+    there is none)."""
+    if isinstance(w, Int8Weight):
+        return w.q, w.scale, _NONE if b is None else b
+    return w.plain if isinstance(w, PackedWeight) else w, _NONE, _NONE if b is None else b

@@ -240,9 +240,9 @@ def open_run(run_dir: str | Path, model: Model | None = None,
         device = str(captured) if here else "cpu"
     compiled = compile_mode(manifest.get("compiled"))  # its stage 1 rounds as that code does
     model = model or load_model(manifest["model"], manifest["dtype"], device, compile=compiled)
-    require(compile_mode(model.compiled) == compiled,
+    require(model.compiled == compiled,
             f"the capture ran {_compiled_words(compiled)} and the model given runs "
-            f"{_compiled_words(compile_mode(model.compiled))}")
+            f"{_compiled_words(model.compiled)}")
     run.device = model.device  # the captured tensors load there
     require(json.loads(json.dumps(model.fingerprint)) == run.fingerprint,
             f"the capture is of model {manifest.get('model')!r} {manifest.get('dtype')}, which "
