@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -171,46 +172,117 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// out[0:64] = the sum over i < count of scale(i) * x_i[0:64], x_i = x + i * stride: the 64
-// sums held in four registers over all the rows. ``ahead``: also prefetch each row's next
-// 64 values (the next block of slots, when the rows are far apart)
-template <typename T, typename Scale>
-inline void sum64(const T* x, int64_t stride, int64_t count, Scale scale, float* out,
-                  bool ahead = false) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i < count; i++) {
-    const __m512 c = _mm512_set1_ps(scale(i));
-    const T* xi = x + i * stride;
+#endif
+
+// ---- attention for one new token ------------------------------------------------------
+// The live slots are taken in chunks of kChunk: each chunk's scores, and its share of each
+// head's weighted sum of values, are one work item over the threads, all of a KV head's
+// query heads at once (its keys and values are read once, not once per query head). The
+// chunks' shares add in chunk order, so the result does not depend on the threads.
+constexpr int64_t kChunk = 256;
+constexpr int kQueries = 4;  // query heads taken at once (a group of more runs in parts)
+constexpr int64_t kKeysAhead = 512;  // each key dimension's slots read this far ahead
+constexpr int64_t kValuesAhead = 8;  // value rows read this far ahead
+
+#ifdef __AVX512F__
+// rows[i][0:64] = qs[i] . k over 64 slots, for Q query heads (``qs`` Q x D floats): each
+// key dimension d is a run of slots at kt + d * kt_d; with ``ahead``, each run's slots
+// kKeysAhead on are prefetched (64 runs at once are more than the hardware follows)
+template <int Q, typename T>
+inline void scores64(const float* qs, const T* kt, int64_t kt_d, int64_t D, float* const* rows,
+                     bool ahead) {
+  __m512 a[Q][4];
+  for (int i = 0; i < Q; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d++) {
+    const T* kd = kt + d * kt_d;
     if (ahead)
       for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(xi + 64) + l, _MM_HINT_T0);
-    a0 = _mm512_fmadd_ps(c, load16(xi), a0);
-    a1 = _mm512_fmadd_ps(c, load16(xi + 16), a1);
-    a2 = _mm512_fmadd_ps(c, load16(xi + 32), a2);
-    a3 = _mm512_fmadd_ps(c, load16(xi + 48), a3);
+        _mm_prefetch(reinterpret_cast<const char*>(kd + kKeysAhead) + l, _MM_HINT_T0);
+    const __m512 k0 = load16(kd), k1 = load16(kd + 16), k2 = load16(kd + 32), k3 = load16(kd + 48);
+    for (int i = 0; i < Q; i++) {
+      const __m512 c = _mm512_set1_ps(qs[i * D + d]);
+      a[i][0] = _mm512_fmadd_ps(c, k0, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(c, k1, a[i][1]);
+      a[i][2] = _mm512_fmadd_ps(c, k2, a[i][2]);
+      a[i][3] = _mm512_fmadd_ps(c, k3, a[i][3]);
+    }
   }
-  _mm512_storeu_ps(out, a0);
-  _mm512_storeu_ps(out + 16, a1);
-  _mm512_storeu_ps(out + 32, a2);
-  _mm512_storeu_ps(out + 48, a3);
+  for (int i = 0; i < Q; i++)
+    for (int m = 0; m < 4; m++) _mm512_storeu_ps(rows[i] + 16 * m, a[i][m]);
+}
+
+// acc[i][0:64] = the sum over slots j in [j0, j1) of round(rows[i][j]) * v_j[0:64], for Q
+// query heads: the values' rows (``v_j`` apart, from ``v``) are read once for all Q, each
+// prefetched kValuesAhead rows before
+template <int Q, typename T>
+inline void weighted64(const float* const* rows, const T* v, int64_t v_j, int64_t j0,
+                       int64_t j1, float* acc, int64_t acc_i) {
+  __m512 a[Q][4];
+  for (int i = 0; i < Q; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm512_setzero_ps();
+  for (int64_t j = j0; j < j1; j++) {
+    const T* vj = v + j * v_j;
+    if (j + kValuesAhead < j1)
+      for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(vj + kValuesAhead * v_j) + l, _MM_HINT_T0);
+    const __m512 x0 = load16(vj), x1 = load16(vj + 16), x2 = load16(vj + 32), x3 = load16(vj + 48);
+    for (int i = 0; i < Q; i++) {
+      const __m512 c = _mm512_set1_ps(round_to<T>(rows[i][j]));
+      a[i][0] = _mm512_fmadd_ps(c, x0, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(c, x1, a[i][1]);
+      a[i][2] = _mm512_fmadd_ps(c, x2, a[i][2]);
+      a[i][3] = _mm512_fmadd_ps(c, x3, a[i][3]);
+    }
+  }
+  for (int i = 0; i < Q; i++)
+    for (int m = 0; m < 4; m++) _mm512_storeu_ps(acc + i * acc_i + 16 * m, a[i][m]);
 }
 #endif
 
-// q . k over the live slots, float32 sums (``row``, n): each key dimension ``d`` is one run
-// of slots at ``kt + d * kt_d``; 64 slots at a time held in registers over all dimensions
-template <typename T>
-void scores(const T* q, const T* kt, int64_t kt_d, int64_t D, int64_t n,
-            float* __restrict__ row) {
-  int64_t j0 = 0;
+// Q query heads' scores over the slots [j0, j1) of one KV head (rows[i] indexed by slot)
+template <int Q, typename T>
+void chunk_scores(const float* qs, const T* kt, int64_t kt_d, int64_t D, int64_t j0,
+                  int64_t j1, int64_t n, float* const* rows) {
+  int64_t j = j0;
 #ifdef __AVX512F__
-  for (; j0 + 64 <= n; j0 += 64)
-    sum64(kt + j0, kt_d, D, [&](int64_t d) { return load<T>(q, d); }, row + j0, true);
+  for (; j + 64 <= j1; j += 64) {
+    float* at[Q];
+    for (int i = 0; i < Q; i++) at[i] = rows[i] + j;
+    scores64<Q, T>(qs, kt + j, kt_d, D, at, j + 64 + kKeysAhead <= n);
+  }
 #endif
-  for (int64_t j = j0; j < n; j++) row[j] = 0.f;
-  for (int64_t d = 0; d < D; d++) {
-    const float qd = load<T>(q, d);
-    const T* __restrict__ kd = kt + d * kt_d;
-    for (int64_t j = j0; j < n; j++) row[j] += qd * load<T>(kd, j);
+  for (int i = 0; i < Q; i++)
+    for (int64_t s = j; s < j1; s++) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; d++) acc += qs[i * D + d] * load<T>(kt + d * kt_d, s);
+      rows[i][s] = acc;
+    }
+}
+
+// Q query heads' weighted values over the slots [j0, j1): acc[i * D + d]
+template <int Q, typename T>
+void chunk_values(const float* const* rows, const T* v, int64_t v_j, int64_t D, int64_t j0,
+                  int64_t j1, float* acc) {
+  int64_t d0 = 0;
+#ifdef __AVX512F__
+  for (; d0 + 64 <= D; d0 += 64) weighted64<Q, T>(rows, v + d0, v_j, j0, j1, acc + d0, D);
+#endif
+  for (int i = 0; i < Q; i++)
+    for (int64_t d = d0; d < D; d++) {
+      float s = 0.f;
+      for (int64_t j = j0; j < j1; j++) s += round_to<T>(rows[i][j]) * load<T>(v + j * v_j, d);
+      acc[i * D + d] = s;
+    }
+}
+
+// ``f<Q>(first)`` over a group's query heads, kQueries at a time
+template <typename F>
+inline void in_parts(int64_t g, F f) {
+  for (int64_t i0 = 0; i0 < g; i0 += kQueries) {
+    const int64_t q = std::min<int64_t>(kQueries, g - i0);
+    if (q == 4) f(std::integral_constant<int, 4>(), i0);
+    else if (q == 3) f(std::integral_constant<int, 3>(), i0);
+    else if (q == 2) f(std::integral_constant<int, 2>(), i0);
+    else f(std::integral_constant<int, 1>(), i0);
   }
 }
 
@@ -278,37 +350,20 @@ inline float softmax(float* __restrict__ row, int64_t n) {
   return m + std::log(sum);
 }
 
-// acc (D) = the weights ``row`` (n), each rounded to the dtype, times the values (rows
-// ``v_j`` apart): 64 columns at a time held in registers over all the rows
-template <typename T>
-void weighted(const float* __restrict__ row, const T* v, int64_t v_j, int64_t D, int64_t n,
-              float* __restrict__ acc) {
-  int64_t d0 = 0;
-#ifdef __AVX512F__
-  for (; d0 + 64 <= D; d0 += 64)
-    sum64(v + d0, v_j, n, [&](int64_t j) { return round_to<T>(row[j]); }, acc + d0);
-#endif
-  for (int64_t d = d0; d < D; d++) acc[d] = 0.f;
-  for (int64_t j = 0; j < n && d0 < D; j++) {
-    const float p = round_to<T>(row[j]);
-    const T* __restrict__ vj = v + j * v_j;
-    for (int64_t d = d0; d < D; d++) acc[d] += p * load<T>(vj, d);
-  }
-}
 
 // One new token's attention in one layer. ``qkv`` (1, (H + 2 KVH) D): its q, k, v heads;
 // ``cos``/``sin`` (H + KVH, 1, D), sin signed and q's rows scaled, so that the roped heads
 // are qk * cos + roll(qk, D/2) * sin; ``kt`` (KVH, D, n) the live keys transposed, ``v``
 // (KVH, n, D) the live values (strided views of the arena); ``log_mass`` (KVH, n) float32
-// or empty. Returns the attention output (1, H D), the roped q/k heads (H + KVH, 1, D),
-// the softmax rows (KVH, g, n + 1) float32 and, with ``want_lse``, the log-sum-exp of each
-// head's scores (H,) float32.
+// or empty. Writes the softmax rows into ``p`` (H, n + 1) float32 (a head's row: the live
+// slots, then the new token). Returns the attention output (1, H D), the roped q/k heads
+// (H + KVH, 1, D) and, with ``want_lse``, the log-sum-exp of each head's scores (H,) float32.
 template <typename T>
 void attend_kernel(const T* qkv, const T* cos, const T* sin, const T* kt, const T* vv,
                    const float* lm, int64_t H, int64_t KVH, int64_t D, int64_t n,
                    int64_t kt_h, int64_t kt_d, int64_t v_h, int64_t v_j, int64_t lm_h,
                    T* out, T* qk, float* p, float* lse) {
-  const int64_t g = H / KVH, half = D / 2;
+  const int64_t g = H / KVH, half = D / 2, chunks = std::max<int64_t>(1, (n + kChunk - 1) / kChunk);
   // RoPE: three rounded results per element, as the plain path's three operators
   for (int64_t r = 0; r < H + KVH; r++) {
     const T* x = qkv + r * D;
@@ -318,44 +373,71 @@ void attend_kernel(const T* qkv, const T* cos, const T* sin, const T* kt, const 
       qk[r * D + d] = store<T>(a + b);
     }
   }
-  const T* knew = qk + H * D;
-  const T* vnew = qkv + (H + KVH) * D;
-  at::parallel_for(0, KVH * g, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
-    for (int64_t hq = begin; hq < end; hq++) {
-      const int64_t h = hq / g;
-      const T* q = qk + hq * D;
-      float* row = p + hq * (n + 1);
-      scores<T>(q, kt + h * kt_h, kt_d, D, n, row);
-      float s_new = 0.f;
-      for (int64_t d = 0; d < D; d++) s_new += load<T>(q, d) * load<T>(knew, h * D + d);
+  std::vector<float> qf(H * D), part(chunks * H * D);
+  for (int64_t i = 0; i < H * D; i++) qf[i] = load<T>(qk, i);
+  std::vector<float*> row(H);
+  for (int64_t hq = 0; hq < H; hq++) row[hq] = p + hq * (n + 1);
+  // each chunk of a KV head's slots: its query heads' scores, as the product rounds them
+  at::parallel_for(0, KVH * chunks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; item++) {
+      const int64_t h = item / chunks, j0 = item % chunks * kChunk, j1 = std::min(n, j0 + kChunk);
+      in_parts(g, [&](auto q, int64_t i0) {
+        chunk_scores<decltype(q)::value, T>(qf.data() + (h * g + i0) * D, kt + h * kt_h, kt_d,
+                                            D, j0, j1, n, row.data() + h * g + i0);
+      });
+      for (int64_t hq = h * g; hq < (h + 1) * g; hq++) {
+        float* __restrict__ r = row[hq];
 #pragma omp simd
-      for (int64_t j = 0; j < n; j++) row[j] = round_to<T>(row[j]);  // the product's output
-      if (lm != nullptr) {  // a folded slot's log-mass adds after
-        const float* __restrict__ l = lm + h * lm_h;
+        for (int64_t j = j0; j < j1; j++) r[j] = round_to<T>(r[j]);  // the product's output
+        if (lm != nullptr) {  // a folded slot's log-mass adds after
+          const float* __restrict__ l = lm + h * lm_h;
 #pragma omp simd
-        for (int64_t j = 0; j < n; j++) row[j] += l[j];
-      }
-      row[n] = round_to<T>(s_new);
-      const float l = softmax(row, n + 1);
-      if (lse != nullptr) lse[hq] = l;
-      weighted<T>(row, vv + h * v_h, v_j, D, n, acc.data());
-      const float wn = round_to<T>(row[n]);
-      for (int64_t d = 0; d < D; d++) {
-        const float nv = round_to<T>(wn * load<T>(vnew, h * D + d));
-        out[hq * D + d] = store<T>(round_to<T>(acc[d]) + nv);
+          for (int64_t j = j0; j < j1; j++) r[j] += l[j];
+        }
       }
     }
   });
+  const T* knew = qk + H * D;
+  at::parallel_for(0, H, 1, [&](int64_t b, int64_t e) {  // the new token's score, softmax
+    for (int64_t hq = b; hq < e; hq++) {
+      float s_new = 0.f;
+      for (int64_t d = 0; d < D; d++) s_new += qf[hq * D + d] * load<T>(knew, hq / g * D + d);
+      row[hq][n] = round_to<T>(s_new);
+      const float l = softmax(row[hq], n + 1);
+      if (lse != nullptr) lse[hq] = l;
+    }
+  });
+  if (n > 0)  // each chunk's share of every query head's weighted values
+    at::parallel_for(0, KVH * chunks, 1, [&](int64_t b, int64_t e) {
+      for (int64_t item = b; item < e; item++) {
+        const int64_t h = item / chunks, c = item % chunks, j0 = c * kChunk;
+        in_parts(g, [&](auto q, int64_t i0) {
+          chunk_values<decltype(q)::value, T>(row.data() + h * g + i0, vv + h * v_h, v_j, D, j0,
+                                              std::min(n, j0 + kChunk),
+                                              part.data() + (c * H + h * g + i0) * D);
+        });
+      }
+    });
+  const T* vnew = qkv + (H + KVH) * D;
+  for (int64_t hq = 0; hq < H; hq++) {
+    const int64_t h = hq / g;
+    const float wn = round_to<T>(row[hq][n]);
+    for (int64_t d = 0; d < D; d++) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < (n > 0 ? chunks : 0); c++) acc += part[(c * H + hq) * D + d];
+      const float nv = round_to<T>(wn * load<T>(vnew, h * D + d));
+      out[hq * D + d] = store<T>(round_to<T>(acc) + nv);
+    }
+  }
 }
 
 std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                   torch::Tensor kt, torch::Tensor v, torch::Tensor log_mass,
-                                  int64_t H, int64_t KVH, bool want_lse) {
+                                  torch::Tensor p, int64_t H, int64_t KVH, bool want_lse) {
   check_row(qkv, "qkv");
   check_row(cos, "cos");
   check_row(sin, "sin");
-  const int64_t D = cos.size(-1), n = kt.size(2), g = H / KVH;
+  const int64_t D = cos.size(-1), n = kt.size(2);
   TORCH_CHECK(qkv.numel() == (H + 2 * KVH) * D && cos.numel() == (H + KVH) * D,
               "qkv or cos/sin do not match the heads");
   TORCH_CHECK(kt.size(0) == KVH && kt.size(1) == D && kt.stride(2) == 1,
@@ -365,6 +447,8 @@ std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::T
   TORCH_CHECK(kt.scalar_type() == qkv.scalar_type() && v.scalar_type() == qkv.scalar_type() &&
               cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "dtypes differ");
+  TORCH_CHECK(p.is_contiguous() && p.scalar_type() == at::kFloat && p.dim() == 2 &&
+              p.size(0) == H && p.size(1) == n + 1, "p must be (H, n + 1) float32, contiguous");
   const bool mass = log_mass.numel() > 0;
   if (mass)
     TORCH_CHECK(log_mass.scalar_type() == at::kFloat && log_mass.dim() == 2 &&
@@ -372,7 +456,6 @@ std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::T
                 log_mass.stride(1) == 1, "log_mass must be (KVH, n) float32");
   auto out = torch::empty({1, H * D}, qkv.options());
   auto qk = torch::empty({H + KVH, 1, D}, qkv.options());
-  auto p = torch::empty({KVH, g, n + 1}, qkv.options().dtype(at::kFloat));
   auto lse = want_lse ? torch::empty({H}, p.options()) : torch::empty({0}, p.options());
   const float* lm = mass ? log_mass.data_ptr<float>() : nullptr;
   const int64_t lm_h = mass ? log_mass.stride(0) : 0;
@@ -387,7 +470,7 @@ std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::T
                         ptr<bf16>(v), lm, H, KVH, D, n, kt.stride(0), kt.stride(1),
                         v.stride(0), v.stride(1), lm_h, ptr<bf16>(out), ptr<bf16>(qk),
                         p.data_ptr<float>(), l);
-  return {out, qk, p, lse};
+  return {out, qk, lse};
 }
 
 // ---- one row times a weight matrix -----------------------------------------------------

@@ -108,16 +108,16 @@ def decode(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.
     cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, 1, D)
     kts, vs = past_k.transpose(2, 3).unbind(0), past_v.unbind(0)
     masses = past_log_mass.unbind(0) if past_log_mass is not None else (_NONE,) * s.n_layers
-    ks, news, rows, queries, lses = [], [], [], [], []
+    rows = torch.empty(s.n_layers, H, n + 1)  # each layer's softmax rows, written in place
+    ks, news, queries, lses = [], [], [], []
     x = F.embedding(ids, model.embed)  # (1, hidden): a fresh row, updated in place
     h = nat.rms_norm(x, model.layers[0].ln1, eps)
     for i, w in enumerate(model.layers):
         qkv = nat.linear(h, *_product(w.qkv_w, w.qkv_b))  # (1, (H + 2 KVH) D)
-        out, qk, p, lse = nat.attend(qkv, cos_qk, sin_qk, kts[i], vs[i], masses[i], H, KVH,
-                                     want_query)
+        out, qk, lse = nat.attend(qkv, cos_qk, sin_qk, kts[i], vs[i], masses[i], rows[i], H,
+                                  KVH, want_query)
         ks.append(qk[H:])
         news.append(qkv[0, (H + KVH) * D:].view(KVH, 1, D))
-        rows.append(p)
         queries.append(qk[:H, 0])
         lses.append(lse)
         x, h = nat.add_rms_norm(x, nat.linear(out, *_product(w.o_w, w.o_b)), w.ln2, eps)
@@ -126,7 +126,7 @@ def decode(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.
         x, h = nat.add_rms_norm(x, nat.linear(a, *_product(w.down_w, w.down_b)),
                                 model.final_norm if last else model.layers[i + 1].ln1, eps)
     logits = nat.linear(h, *_product(model.lm_head, None)).float()
-    attention = torch.stack(rows).view(s.n_layers, H, n + 1)[..., :n] if want_attention else None
+    attention = rows[..., :n] if want_attention else None
     query, lse = (torch.stack(queries), torch.stack(lses)) if want_query else (None, None)
     return ForwardOut(logits=logits, k=torch.stack(ks), v=torch.stack(news),
                       attention=attention, query=query, lse=lse)

@@ -42,7 +42,8 @@ def _rel(ours, theirs):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("D,H,KVH,n,mass", [(64, 9, 3, 1000, False), (64, 9, 3, 77, True),
-                                            (128, 8, 2, 130, False), (64, 4, 4, 1, True)])
+                                            (128, 8, 2, 130, False), (64, 4, 4, 1, True),
+                                            (32, 14, 2, 600, True), (64, 6, 3, 0, False)])
 def test_attend_equals_the_plain_operators(nat, dtype, D, H, KVH, n, mass):
     gen = torch.Generator().manual_seed(n + D)
     cap = n + 37  # the live slots are a prefix of a longer arena: strided views
@@ -52,8 +53,10 @@ def test_attend_equals_the_plain_operators(nat, dtype, D, H, KVH, n, mass):
     kt = torch.randn(KVH, D, cap, generator=gen).to(dtype)[..., :n]
     v = torch.randn(KVH, cap, D, generator=gen).to(dtype)[:, :n]
     log_mass = torch.rand(KVH, cap, generator=gen)[:, :n] * 2 if mass else None
-    out, qk, p, lse = nat.attend(qkv, cos, sin, kt, v, torch.empty(0) if log_mass is None
-                                 else log_mass, H, KVH, True)
+    p = torch.full((H, n + 1), float("nan"))  # written in place, every value
+    out, qk, lse = nat.attend(qkv, cos, sin, kt, v, torch.empty(0) if log_mass is None
+                              else log_mass, p, H, KVH, True)
+    p = p.view(KVH, H // KVH, n + 1)
     want = reference(qkv, cos, sin, kt, v, log_mass, H, KVH)
     assert qk.dtype == out.dtype == dtype and p.dtype == lse.dtype == torch.float32
     assert torch.equal(qk, want[1])  # RoPE: the same three roundings, the same bits
@@ -63,6 +66,29 @@ def test_attend_equals_the_plain_operators(nat, dtype, D, H, KVH, n, mass):
     else:  # a score rounded to bfloat16 from another sum order can move by one step
         assert (p - want[2]).abs().max() <= 0.02 and _rel(out, want[0]) <= 0.03
         assert (lse - want[3]).abs().max() <= 0.05
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_attend_sums_in_the_same_order_on_any_number_of_threads(nat, dtype):
+    """The slots' chunks share the threads; their sums add in chunk order whatever the
+    number of threads."""
+    gen = torch.Generator().manual_seed(9)
+    H, KVH, D, n = 9, 3, 64, 1500
+    qkv = torch.randn(1, (H + 2 * KVH) * D, generator=gen).to(dtype)
+    cos, sin = (torch.randn(H + KVH, 1, D, generator=gen).to(dtype) for _ in range(2))
+    kt = torch.randn(KVH, D, n, generator=gen).to(dtype)
+    v = torch.randn(KVH, n, D, generator=gen).to(dtype)
+
+    def run():
+        p = torch.empty(H, n + 1)
+        return (*nat.attend(qkv, cos, sin, kt, v, torch.empty(0), p, H, KVH, True), p)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(run(), one))
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
