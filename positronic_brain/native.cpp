@@ -619,18 +619,111 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torc
 // For every cold key j: the max over the recall layers, the KV heads and each head's group
 // of query heads of round(q . k_j) - lse (+ log_w[layer, head, j] if given), float32: what
 // stages/score.py's cold_logits with group_max and its max over layers and heads give, the
-// products summed in another order. Each thread takes a run of keys and reads their rows
-// once per layer and head, all of a group's queries at once; a max is exact, so the
-// result does not depend on the threads.
+// products summed in another order. The keys go in blocks of 16 over the threads; each
+// block's rows are read once per layer and head for all of a group's queries, and its 16
+// dot products per query are summed lane-wise, then folded into one vector by a tree of
+// shuffles. A max is exact and a block's sums do not depend on how the blocks are shared,
+// so the result does not depend on the threads.
+constexpr int64_t kColdBlock = 16;
+constexpr int64_t kColdAhead = 4 * kColdBlock;  // keys read ahead
+
+#ifdef __AVX512F__
+// one vector whose lane j is the sum of the 16 lanes of v[j]
+inline __m512 sum16x16(__m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; i++)  // pairs: [a0+a2, b0+b2, a1+a3, b1+b3] per 128-bit lane
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++)  // fours: [a, b, c, d] per 128-bit lane, each a lane's part
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; i++)  // eights: two 128-bit lanes' parts of each
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88),
+                       _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+#endif
+
+#ifdef __AVX512F__
+template <typename T> inline __m512 round16(__m512 x);  // round_to<T> of 16 floats
+template <> inline __m512 round16<float>(__m512 x) { return x; }
+template <> inline __m512 round16<bf16>(__m512 x) {
+  __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  u = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(u),
+                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+}
+
+// dots[g * 16 + r] = q_g . k_r for a block of 16 key rows ``kf`` (floats, C x 16 each) and
+// the G queries ``qf``: each query's 16 products summed lane-wise, then folded together
+template <int C>
+inline void block_dots(const float* kf, const float* qf, int64_t G, float* dots) {
+  for (int64_t g = 0; g < G; g++) {
+    __m512 q[C], acc[kColdBlock];
+    for (int c = 0; c < C; c++) q[c] = _mm512_loadu_ps(qf + (g * C + c) * 16);
+    for (int r = 0; r < kColdBlock; r++) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(kf + r * C * 16), q[0]);
+      for (int c = 1; c < C; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(kf + (r * C + c) * 16), q[c], a);
+      acc[r] = a;
+    }
+    _mm512_storeu_ps(dots + g * kColdBlock, sum16x16(acc));
+  }
+}
+#endif
+
+// dots[g * 16 + r] = round(q_g . k_{j + r}) for the G queries ``qf`` (G x D floats) and the
+// keys [j, j + m) of rows at ``kh``; ``kf`` scratch for a block's rows as floats (16 x D)
+template <typename T>
+inline void cold_dots(const T* kh, int64_t j, int64_t m, int64_t D, int64_t G, const float* qf,
+                      float* kf, float* dots) {
+#ifdef __AVX512F__
+  if (m == kColdBlock && D % 16 == 0 && D <= 128) {
+    const char* next = reinterpret_cast<const char*>(kh + (j + kColdAhead) * D);
+    for (int64_t l = 0; l < kColdBlock * D * static_cast<int64_t>(sizeof(T)); l += 64)
+      _mm_prefetch(next + l, _MM_HINT_T0);  // a later block's rows (past the end: harmless)
+    const float* rows = reinterpret_cast<const float*>(kh + j * D);
+    if (!std::is_same<T, float>::value) {  // the rows as floats, converted once
+      for (int64_t i = 0; i < kColdBlock * D; i += 16)
+        _mm512_storeu_ps(kf + i, load16(kh + j * D + i));
+      rows = kf;
+    }
+    switch (D / 16) {
+      case 1: block_dots<1>(rows, qf, G, dots); break;
+      case 2: block_dots<2>(rows, qf, G, dots); break;
+      case 3: block_dots<3>(rows, qf, G, dots); break;
+      case 4: block_dots<4>(rows, qf, G, dots); break;
+      case 5: block_dots<5>(rows, qf, G, dots); break;
+      case 6: block_dots<6>(rows, qf, G, dots); break;
+      case 7: block_dots<7>(rows, qf, G, dots); break;
+      default: block_dots<8>(rows, qf, G, dots); break;
+    }
+    for (int64_t i = 0; i < G * kColdBlock; i += 16)
+      _mm512_storeu_ps(dots + i, round16<T>(_mm512_loadu_ps(dots + i)));
+    return;
+  }
+#endif
+  (void)kf;
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t r = 0; r < m; r++) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; d++)
+        dot = std::fma(load<T>(kh, (j + r) * D + d), qf[g * D + d], dot);
+      dots[g * kColdBlock + r] = round_to<T>(dot);
+    }
+}
+
 template <typename T>
 void cold_max_kernel(const T* q, const float* lse, const T* k, const float* log_w,
                      const std::vector<int64_t>& layers, int64_t H, int64_t KVH, int64_t D,
                      int64_t c, int64_t q_l, int64_t k_l, int64_t k_h, int64_t w_l, int64_t w_h,
                      float* out) {
-  const int64_t G = H / KVH;
-  at::parallel_for(0, c, 64, [&](int64_t b, int64_t e) {
-    std::vector<float> qf(G * D);
-    for (int64_t j = b; j < e; j++) out[j] = -INFINITY;
+  const int64_t G = H / KVH, blocks = (c + kColdBlock - 1) / kColdBlock;
+  at::parallel_for(0, blocks, 4, [&](int64_t b, int64_t e) {
+    std::vector<float> qf(G * D), kf(kColdBlock * D), dots(G * kColdBlock);
+    for (int64_t j = b * kColdBlock; j < std::min(c, e * kColdBlock); j++) out[j] = -INFINITY;
     for (size_t li = 0; li < layers.size(); li++) {
       const int64_t l = layers[li];
       for (int64_t h = 0; h < KVH; h++) {
@@ -638,24 +731,27 @@ void cold_max_kernel(const T* q, const float* lse, const T* k, const float* log_
         const float* lse_h = lse + l * H + h * G;
         const T* kh = k + l * k_l + h * k_h;
         const float* w = log_w ? log_w + li * w_l + h * w_h : nullptr;
-        for (int64_t j = b; j < e; j++) {
-          const T* kj = kh + j * D;
-          float m = -INFINITY;
-          for (int64_t g = 0; g < G; g++) {
-            const float* qg = qf.data() + g * D;
-            float dot = 0.f;
-            int64_t d = 0;
+        for (int64_t blk = b; blk < e; blk++) {
+          const int64_t j = blk * kColdBlock, m = std::min(kColdBlock, c - j);
+          cold_dots<T>(kh, j, m, D, G, qf.data(), kf.data(), dots.data());
 #ifdef __AVX512F__
-            __m512 acc = _mm512_setzero_ps();
-            for (; d + 16 <= D; d += 16)
-              acc = _mm512_fmadd_ps(load16(kj + d), _mm512_loadu_ps(qg + d), acc);
-            dot = _mm512_reduce_add_ps(acc);
-#endif
-            for (; d < D; d++) dot = std::fma(load<T>(kj, d), qg[d], dot);
-            m = std::max(m, round_to<T>(dot) - lse_h[g]);
+          if (m == kColdBlock) {  // the same maxima, 16 lanes at once
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int64_t g = 0; g < G; g++)
+              top = _mm512_max_ps(top, _mm512_sub_ps(_mm512_loadu_ps(dots.data() + g * kColdBlock),
+                                                     _mm512_set1_ps(lse_h[g])));
+            if (w) top = _mm512_add_ps(top, _mm512_loadu_ps(w + j));
+            _mm512_storeu_ps(out + j, _mm512_max_ps(_mm512_loadu_ps(out + j), top));
+            continue;
           }
-          if (w) m += w[j];
-          out[j] = std::max(out[j], m);
+#endif
+          float best[kColdBlock];
+          for (int64_t r = 0; r < m; r++) best[r] = -INFINITY;
+          for (int64_t g = 0; g < G; g++)
+            for (int64_t r = 0; r < m; r++)
+              best[r] = std::max(best[r], dots[g * kColdBlock + r] - lse_h[g]);
+          for (int64_t r = 0; r < m; r++)
+            out[j + r] = std::max(out[j + r], w ? best[r] + w[j + r] : best[r]);
         }
       }
     }

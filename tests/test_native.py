@@ -198,6 +198,12 @@ def test_cold_max_is_the_scan_s_maximum(nat, dtype, c, layers, weighted):
     want = (want if log_w is None else want + log_w).amax((0, 1))
     got = native.cold_max(cold, rq, log_w)
     assert got.shape == (c,) and got.dtype == torch.float32
+    threads = torch.get_num_threads()
+    try:  # blocks of keys share the threads; each key's sums are the same on one
+        torch.set_num_threads(1)
+        assert torch.equal(native.cold_max(cold, rq, log_w), got)
+    finally:
+        torch.set_num_threads(threads)
     # a bfloat16 product rounds once; from another sum order, one step away at most
     tol = 1e-5 * want.abs().max() if dtype == torch.float32 else 2 ** -7 * (want.abs() + lse.abs().max())
     assert ((got - want).abs() <= tol).all()
