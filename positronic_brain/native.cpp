@@ -473,6 +473,80 @@ std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::T
   return {out, qk, lse};
 }
 
+// ---- fold's targets ---------------------------------------------------------------------
+// For each culled slot (``culls``, m) and each layer and KV head: the live slot whose key is
+// most like its key, the highest round(k_c . k_s) / max(|k_s|, 1e-12) over the slots not
+// culled (ties: the lowest slot), or -1 where that over max(|k_c|, 1e-12) is below
+// ``min_cos``: stages/decide.py's fold_targets, the products summed in another order. Each
+// layer and KV head is one work item: its live keys read once for all the culled ones.
+template <typename T>
+void fold_kernel(const T* kt, int64_t L, int64_t KVH, int64_t D, int64_t n, int64_t kt_l,
+                 int64_t kt_h, int64_t kt_d, const float* knorm, int64_t kn_l, int64_t kn_h,
+                 const int64_t* culls, int64_t m, float min_cos, int64_t* into) {
+  std::vector<char> culled(n, 0);
+  for (int64_t i = 0; i < m; i++) culled[culls[i]] = 1;
+  at::parallel_for(0, L * KVH, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> qf(m * D), dots(m * n);
+    std::vector<float*> rows(m);
+    for (int64_t i = 0; i < m; i++) rows[i] = dots.data() + i * n;
+    for (int64_t lh = b; lh < e; lh++) {
+      const T* k = kt + lh / KVH * kt_l + lh % KVH * kt_h;
+      const float* norm = knorm + lh / KVH * kn_l + lh % KVH * kn_h;
+      for (int64_t i = 0; i < m; i++)
+        for (int64_t d = 0; d < D; d++) qf[i * D + d] = load<T>(k + d * kt_d, culls[i]);
+      in_parts(m, [&](auto q, int64_t i0) {
+        chunk_scores<decltype(q)::value, T>(qf.data() + i0 * D, k, kt_d, D, 0, n, n,
+                                            rows.data() + i0);
+      });
+      for (int64_t i = 0; i < m; i++) {
+        float best = -INFINITY;
+        int64_t at = -1;
+        for (int64_t s = 0; s < n; s++) {
+          if (culled[s]) continue;  // never into a slot that goes too
+          const float sim = round_to<T>(rows[i][s]) / std::max(norm[s], 1e-12f);
+          if (sim > best) {
+            best = sim;
+            at = s;
+          }
+        }
+        const bool alike = at >= 0 && !(best / std::max(norm[culls[i]], 1e-12f) < min_cos);
+        into[lh * m + i] = alike ? at : -1;
+      }
+    }
+  });
+}
+
+// kt (L, KVH, D, n): the live keys transposed (each key dimension a run of slots); knorm
+// (L, KVH, n) float32 their norms; culls (m,) int64 -> (L, KVH, m) int64
+torch::Tensor fold_into(torch::Tensor kt, torch::Tensor knorm, torch::Tensor culls,
+                        double min_cos) {
+  TORCH_CHECK(kt.dim() == 4 && kt.is_cpu() && kt.stride(3) == 1 &&
+              (kt.scalar_type() == at::kFloat || kt.scalar_type() == at::kBFloat16),
+              "kt must be (L, KVH, D, n) float32 or bfloat16 on the CPU, its slots contiguous");
+  const int64_t L = kt.size(0), KVH = kt.size(1), D = kt.size(2), n = kt.size(3);
+  TORCH_CHECK(knorm.dim() == 3 && knorm.scalar_type() == at::kFloat && knorm.size(0) == L &&
+              knorm.size(1) == KVH && knorm.size(2) == n && knorm.stride(2) == 1,
+              "knorm must be (L, KVH, n) float32");
+  TORCH_CHECK(culls.dim() == 1 && culls.scalar_type() == at::kLong && culls.is_contiguous(),
+              "culls must be (m,) int64");
+  const int64_t m = culls.numel();
+  for (int64_t i = 0; i < m; i++)
+    TORCH_CHECK(0 <= culls.data_ptr<int64_t>()[i] && culls.data_ptr<int64_t>()[i] < n,
+                "culled slot ", culls.data_ptr<int64_t>()[i], " is not live");
+  auto into = torch::empty({L, KVH, m}, culls.options());
+  if (kt.scalar_type() == at::kFloat)
+    fold_kernel<float>(ptr<float>(kt), L, KVH, D, n, kt.stride(0), kt.stride(1), kt.stride(2),
+                       knorm.data_ptr<float>(), knorm.stride(0), knorm.stride(1),
+                       culls.data_ptr<int64_t>(), m, static_cast<float>(min_cos),
+                       into.data_ptr<int64_t>());
+  else
+    fold_kernel<bf16>(ptr<bf16>(kt), L, KVH, D, n, kt.stride(0), kt.stride(1), kt.stride(2),
+                      knorm.data_ptr<float>(), knorm.stride(0), knorm.stride(1),
+                      culls.data_ptr<int64_t>(), m, static_cast<float>(min_cos),
+                      into.data_ptr<int64_t>());
+  return into;
+}
+
 // ---- one row times a weight matrix -----------------------------------------------------
 // y = x W^T (+ b) for one row x, W (out, in) stored row-major (each output's weights one
 // run: bfloat16, float32, or int8 with a scale per output) or, float32 only, input-major
@@ -800,4 +874,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "one new token's attention in one layer");
   m.def("linear", &linear, "one row times a weight matrix, plus a bias");
   m.def("cold_max", &cold_max, "recall's scan: each cold key's largest logit");
+  m.def("fold_into", &fold_into, "fold's targets: each culled key's most alike live key");
 }

@@ -81,6 +81,18 @@ def cold_max(cold: ColdView, recall: RecallQuery, log_w: torch.Tensor | None) ->
                               _NONE if log_w is None else log_w, list(recall.layers))
 
 
+def fold_into(view, culls: torch.Tensor, min_cos: float) -> torch.Tensor | None:
+    """``decide.fold_targets``' targets (L, KVH, m) int64 for the culled slots ``culls``
+    (m,), from one native pass over each layer and head's live keys; None where the view's
+    keys are not one transposed float32 or bfloat16 CPU block (a split arena, rows stored as
+    rows, float16)."""
+    k = view.k
+    if (not isinstance(k, torch.Tensor) or not k.is_cpu or k.stride(2) != 1
+            or k.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    return kernels().fold_into(k.transpose(2, 3), view.knorm, culls, min_cos)
+
+
 SILU = ("SiLU", "SiLUActivation")  # the MLP activations ``silu_mul`` computes
 
 

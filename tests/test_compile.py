@@ -159,23 +159,27 @@ def test_compiled_capture_replays_bit_exact(tmp_path, capsys, flag, mode):
 
 
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
-def test_a_native_run_scans_the_cold_store_natively_and_replays_bit_exact(tmp_path, capsys,
-                                                                          monkeypatch, dtype):
-    """With recall, a native model's stage 2 scans the cold keys with the native kernel
-    (``native.cold_max``); tokens come back, and the capture replays it bit for bit."""
-    scans = []
-    real = native.cold_max
-    monkeypatch.setattr(native, "cold_max", lambda *a: scans.append(1) or real(*a))
+@pytest.mark.parametrize("kernel,flags,total", [
+    ("cold_max", ("--recall", "--recall-every", "2"), "recalled"),
+    ("fold_into", ("--repair", "fold"), "folded")])
+def test_a_native_run_scores_and_decides_natively_and_replays_bit_exact(
+        tmp_path, capsys, monkeypatch, dtype, kernel, flags, total):
+    """A native model's stages 2-3 run native kernels where there is one: recall's scan of
+    the cold keys (``native.cold_max``) and fold's target search (``native.fold_into``);
+    tokens come back or fold, and the capture replays it bit for bit."""
+    calls = []
+    real = getattr(native, kernel)
+    monkeypatch.setattr(native, kernel, lambda *a: calls.append(1) or real(*a))
     args = ["run", "--model", "tiny-random", "--dtype", dtype, "--compile", "native",
             "--prompt", "bring back what the query attends to, " * 3, "--max-new-tokens", "24",
             "--ignore-eos", "--seed", "2", "--budget", "16", "--sinks", "1", "--recent", "2",
-            "--recall", "--recall-every", "2", "--capture", str(tmp_path), "--json"]
+            *flags, "--capture", str(tmp_path), "--json"]
     assert cli(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["totals"]["recalled"] > 0 and len(scans) >= 12, (out["totals"], len(scans))
-    scans.clear()
+    assert out["totals"][total] > 0 and len(calls) >= 12, (out["totals"], len(calls))
+    calls.clear()
     report = replay(out["capture"])
-    assert report.ok and report.tolerance is None and scans
+    assert report.ok and report.tolerance is None and calls
 
 
 def test_a_capture_from_before_compile_modes_replays_as_inductor():

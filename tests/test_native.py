@@ -218,3 +218,48 @@ def test_cold_max_refuses_what_it_cannot_scan(nat):
         nat.cold_max(q, lse, k, none, [2])
     with pytest.raises(RuntimeError, match="log_w must be"):
         nat.cold_max(q, lse, k, torch.zeros(2, 2, 5), [0])
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("n,culls", [(1000, (3,)), (1000, (0, 17, 300, 512, 999)), (50, (7, 8))])
+def test_fold_into_finds_the_plain_targets(tiny_model, dtype, n, culls):
+    """Fold's native target search (a native model's stage 3) against the plain one, at
+    SmolLM2's head size over an arena's transposed keys: the same slots (a bfloat16 product
+    rounds once: from another sum order a target may be another slot as alike to a step),
+    and the same drops below the cosine threshold."""
+    import dataclasses
+
+    from positronic_brain.stages.decide import fold_targets
+    from positronic_brain.state import Arena, Ledger, State
+    spec = dataclasses.replace(tiny_model.spec, n_layers=3, n_kv_heads=3, head_dim=64)
+    a = Arena.allocate(spec, 1024, dtype)
+    a.kt.copy_(torch.randn(a.kt.shape, generator=torch.Generator().manual_seed(n)))
+    a.n = n
+    a.renorm(0, n)
+    m = Ledger.allocate(a.capacity)
+    m.n = n
+    m.uid[:n] = torch.arange(n)
+    view = State(a, m).view()
+    keys = view.k.float()  # (L, KVH, n, D)
+
+    def cosine(slot, into):  # (L, KVH): the culled key's with each target's, over its norm
+        target = keys.gather(2, into.clamp_min(0)[..., None, None].expand(-1, -1, 1, 64))
+        dots = (keys[:, :, slot] * target[:, :, 0]).sum(-1)
+        return dots / view.knorm.gather(2, into.clamp_min(0)[..., None])[..., 0]
+    for min_cos in (-1.0, 0.4):  # 0.4: some layers and heads fold nowhere
+        got = fold_targets(view, culls, min_cos, "native")
+        want = fold_targets(view, culls, min_cos)
+        assert [f.slot for f in got] == [f.slot for f in want]
+        for g, w in zip(got, want):
+            same = g.into == w.into
+            if dtype == torch.float32:
+                assert same.all()
+                continue
+            # where they differ, both fold (or neither) into keys as alike as a step allows
+            both = (g.into >= 0) & (w.into >= 0)
+            diff = cosine(g.slot, g.into) - cosine(w.slot, w.into)
+            assert same.float().mean() >= 0.9 and (diff[both & ~same].abs() <= 0.02).all()
+    assert bool((native.fold_into(view, torch.tensor(culls), 0.4) == -1).any())
+    with pytest.raises(RuntimeError, match="is not live"):
+        native.kernels().fold_into(view.k.transpose(2, 3), view.knorm,
+                                   torch.tensor([n]), -1.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import native
 from ..forward import forward
 from ..model import Model
 from ..state import FLAG_PROTECTED, View, stored_keys
@@ -83,22 +84,26 @@ def merge_pair(model: Model, view: View, left: int, first: int, second: int) -> 
                   token_id=token, position=p_first, k=out.k, v=out.v)
 
 
-def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0) -> tuple[Fold, ...]:
+def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0,
+                 compiled: str = "") -> tuple[Fold, ...]:
     """For each culled slot, per layer and KV head, the surviving slot whose key has the
     highest cosine similarity to its key (ties: the lowest slot); -1 where that cosine is
-    below ``min_cos`` (the token is only dropped there); none for a slot dropped everywhere."""
+    below ``min_cos`` (the token is only dropped there); none for a slot dropped everywhere.
+    With a native model (``compiled``), one native pass over the keys where it applies."""
     if not culls or len(culls) >= view.n:
         return ()
     c = view.uid.new_tensor(culls)
-    if isinstance(view.k, torch.Tensor):
-        dots = _dots(view.k, c)
-    else:  # a split arena: each block where it lives, the dots gathered
-        dots = torch.cat([_dots(k, c.to(k.device)).to(c.device) for k in view.k])
-    norms = view.knorm.clamp_min(1e-12)  # (L, KVH, n)
-    sim = dots / norms.unsqueeze(2)
-    sim[..., c] = float("-inf")  # never into a slot that goes too
-    best, into = sim.max(-1)  # (L, KVH, c)
-    into[best / norms[:, :, c] < min_cos] = -1
+    into = native.fold_into(view, c, min_cos) if compiled == "native" else None
+    if into is None:
+        if isinstance(view.k, torch.Tensor):
+            dots = _dots(view.k, c)
+        else:  # a split arena: each block where it lives, the dots gathered
+            dots = torch.cat([_dots(k, c.to(k.device)).to(c.device) for k in view.k])
+        norms = view.knorm.clamp_min(1e-12)  # (L, KVH, n)
+        sim = dots / norms.unsqueeze(2)
+        sim[..., c] = float("-inf")  # never into a slot that goes too
+        best, into = sim.max(-1)  # (L, KVH, c)
+        into[best / norms[:, :, c] < min_cos] = -1
     return tuple(Fold(slot=s, uid=int(view.uid[s]), into=into[:, :, j])
                  for j, s in enumerate(culls) if bool((into[:, :, j] >= 0).any()))
 
@@ -267,7 +272,8 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     candidates = ranked(scores.scores, order)
     candidates = candidates[~taken[candidates]]
     culls = tuple(sorted(candidates[: need - len(pairs)].tolist()))
-    folds = fold_targets(view, culls, params.fold_min_cos) if params.repair == "fold" else ()
+    folds = (fold_targets(view, culls, params.fold_min_cos, model.compiled)
+             if params.repair == "fold" else ())
     return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum, cull_slots=culls,
                    merges=merges, folds=folds, reindex=reindex,
                    cold_keep=cold_kept(limit, params) if reindex and params.recall else None,
