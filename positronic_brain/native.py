@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .forward import forward, rope_tables
 from .model import Int8Weight, Model, PackedWeight, cache_dir, check_compile
-from .state import ColdView
+from .state import ColdView, View
 from .types import ForwardOut, RecallQuery
 
 SOURCE = Path(__file__).with_name("native.cpp")
@@ -81,7 +81,7 @@ def cold_max(cold: ColdView, recall: RecallQuery, log_w: torch.Tensor | None) ->
                               _NONE if log_w is None else log_w, list(recall.layers))
 
 
-def fold_into(view, culls: torch.Tensor, min_cos: float) -> torch.Tensor | None:
+def fold_into(view: View, culls: torch.Tensor, min_cos: float) -> torch.Tensor | None:
     """``decide.fold_targets``' targets (L, KVH, m) int64 for the culled slots ``culls``
     (m,), from one native pass over each layer and head's live keys; None where the view's
     keys are not one transposed float32 or bfloat16 CPU block (a split arena, rows stored as
@@ -120,7 +120,7 @@ def decode(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.
     cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, 1, D)
     kts, vs = past_k.transpose(2, 3).unbind(0), past_v.unbind(0)
     masses = past_log_mass.unbind(0) if past_log_mass is not None else (_NONE,) * s.n_layers
-    rows = torch.empty(s.n_layers, H, n + 1)  # each layer's softmax rows, written in place
+    rows = torch.empty(s.n_layers, H, n + 1, dtype=torch.float32)  # softmax rows, in place
     ks, news, queries, lses = [], [], [], []
     x = F.embedding(ids, model.embed)  # (1, hidden): a fresh row, updated in place
     h = nat.rms_norm(x, model.layers[0].ln1, eps)
