@@ -2,9 +2,11 @@
 // weight products and everything between them, each a loop over raw rows. Between two
 // products that stream megabytes of weights, torch's small operators find their code and
 // data evicted from the caches and cost several times their warm time; these loops touch
-// little of either, and the products read their weights ahead of use. Each rounds where the plain path's operators round (bfloat16: every
-// elementwise result; a product accumulates in float32 and rounds once); only the order
-// of a sum may differ from the plain path's kernels, so results agree to float rounding.
+// little of either, and the products read their weights ahead of use. Two more serve a
+// native model's stages 2-3: recall's scan of the cold keys and fold's target search.
+// Each rounds where the plain path's operators round (bfloat16: every elementwise result;
+// a product accumulates in float32 and rounds once); only the order of a sum may differ
+// from the plain path's kernels, so results agree to float rounding.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -758,12 +760,12 @@ inline void cold_dots(const T* kh, int64_t j, int64_t m, int64_t D, int64_t G, c
     const char* next = reinterpret_cast<const char*>(kh + (j + kColdAhead) * D);
     for (int64_t l = 0; l < kColdBlock * D * static_cast<int64_t>(sizeof(T)); l += 64)
       _mm_prefetch(next + l, _MM_HINT_T0);  // a later block's rows (past the end: harmless)
-    const float* rows = reinterpret_cast<const float*>(kh + j * D);
-    if (!std::is_same<T, float>::value) {  // the rows as floats, converted once
+    const float* rows = kf;  // the rows as floats: float32's in place, else converted once
+    if constexpr (std::is_same<T, float>::value)
+      rows = kh + j * D;
+    else
       for (int64_t i = 0; i < kColdBlock * D; i += 16)
         _mm512_storeu_ps(kf + i, load16(kh + j * D + i));
-      rows = kf;
-    }
     switch (D / 16) {
       case 1: block_dots<1>(rows, qf, G, dots); break;
       case 2: block_dots<2>(rows, qf, G, dots); break;

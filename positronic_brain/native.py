@@ -7,7 +7,8 @@ the next operator needs. ``native.cpp`` does all of a layer's work between its
 products in four loops over raw rows (RMSNorm, the residual, RoPE, attention with the
 softmax rows the scorers read, SiLU times up), and the products themselves (``linear``:
 one row times the matrix's plain values, reading the next rows ahead), compiled for this
-machine at first use (``kernels``).
+machine at first use (``kernels``). Two more serve a native model's stages 2-3: recall's
+scan of the cold keys (``cold_max``) and fold's target search (``fold_into``).
 
 Each kernel rounds where the plain path's operators do, so only the order of a sum differs:
 stage 1 agrees with the plain one to float rounding (not bit for bit), like a compiled one.
