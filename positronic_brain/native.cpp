@@ -748,6 +748,21 @@ inline void block_dots(const float* kf, const float* qf, int64_t G, float* dots)
     _mm512_storeu_ps(dots + g * kColdBlock, sum16x16(acc));
   }
 }
+
+// block_dots for any number C of 16-float parts of a row (a head size past 128)
+inline void block_dots_n(const float* kf, const float* qf, int64_t G, int64_t C, float* dots) {
+  for (int64_t g = 0; g < G; g++) {
+    __m512 acc[kColdBlock];
+    for (int64_t r = 0; r < kColdBlock; r++) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < C; c++)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(kf + (r * C + c) * 16),
+                            _mm512_loadu_ps(qf + (g * C + c) * 16), a);
+      acc[r] = a;
+    }
+    _mm512_storeu_ps(dots + g * kColdBlock, sum16x16(acc));
+  }
+}
 #endif
 
 // dots[g * 16 + r] = round(q_g . k_{j + r}) for the G queries ``qf`` (G x D floats) and the
@@ -756,7 +771,7 @@ template <typename T>
 inline void cold_dots(const T* kh, int64_t j, int64_t m, int64_t D, int64_t G, const float* qf,
                       float* kf, float* dots) {
 #ifdef __AVX512F__
-  if (m == kColdBlock && D % 16 == 0 && D <= 128) {
+  if (m == kColdBlock && D % 16 == 0 && D > 0) {
     const char* next = reinterpret_cast<const char*>(kh + (j + kColdAhead) * D);
     for (int64_t l = 0; l < kColdBlock * D * static_cast<int64_t>(sizeof(T)); l += 64)
       _mm_prefetch(next + l, _MM_HINT_T0);  // a later block's rows (past the end: harmless)
@@ -774,7 +789,8 @@ inline void cold_dots(const T* kh, int64_t j, int64_t m, int64_t D, int64_t G, c
       case 5: block_dots<5>(rows, qf, G, dots); break;
       case 6: block_dots<6>(rows, qf, G, dots); break;
       case 7: block_dots<7>(rows, qf, G, dots); break;
-      default: block_dots<8>(rows, qf, G, dots); break;
+      case 8: block_dots<8>(rows, qf, G, dots); break;
+      default: block_dots_n(rows, qf, G, D / 16, dots); break;
     }
     for (int64_t i = 0; i < G * kColdBlock; i += 16)
       _mm512_storeu_ps(dots + i, round16<T>(_mm512_loadu_ps(dots + i)));
@@ -811,13 +827,13 @@ void cold_max_kernel(const T* q, const float* lse, const T* k, const float* log_
           const int64_t j = blk * kColdBlock, m = std::min(kColdBlock, c - j);
           cold_dots<T>(kh, j, m, D, G, qf.data(), kf.data(), dots.data());
 #ifdef __AVX512F__
-          if (m == kColdBlock) {  // the same maxima, 16 lanes at once
+          if (m == kColdBlock) {  // the same maxima, 16 lanes at once (a NaN as std::max)
             __m512 top = _mm512_set1_ps(-INFINITY);
             for (int64_t g = 0; g < G; g++)
-              top = _mm512_max_ps(top, _mm512_sub_ps(_mm512_loadu_ps(dots.data() + g * kColdBlock),
-                                                     _mm512_set1_ps(lse_h[g])));
+              top = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(dots.data() + g * kColdBlock),
+                                                _mm512_set1_ps(lse_h[g])), top);
             if (w) top = _mm512_add_ps(top, _mm512_loadu_ps(w + j));
-            _mm512_storeu_ps(out + j, _mm512_max_ps(_mm512_loadu_ps(out + j), top));
+            _mm512_storeu_ps(out + j, _mm512_max_ps(top, _mm512_loadu_ps(out + j)));
             continue;
           }
 #endif

@@ -176,17 +176,18 @@ def test_linear_refuses_what_it_cannot_multiply(nat):
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("c,layers,weighted", [(1000, (1, 2, 4), True), (77, (0,), False),
-                                               (1, (3, 4), True)])
-def test_cold_max_is_the_scan_s_maximum(nat, dtype, c, layers, weighted):
+@pytest.mark.parametrize("c,layers,weighted,D", [(1000, (1, 2, 4), True, 64),
+                                                 (77, (0,), False, 64), (1, (3, 4), True, 64),
+                                                 (40, (0, 2), True, 256)])
+def test_cold_max_is_the_scan_s_maximum(nat, dtype, c, layers, weighted, D):
     """Recall's native scan: each cold key's largest q.k - lse (+ its log value weight) over
     the layers and heads, as the plain scan's products and maxima give it (at SmolLM2's
-    head size and groups of three query heads, over a strided store's rows)."""
+    head size and one past 128, groups of three query heads, over a strided store's rows)."""
     from positronic_brain.stages.score import cold_logits
     from positronic_brain.state import ColdView
     from positronic_brain.types import RecallQuery
     gen = torch.Generator().manual_seed(c)
-    L, H, KVH, D = 5, 9, 3, 64
+    L, H, KVH = 5, 9, 3
     k = torch.randn(L, KVH, c + 50, D, generator=gen).to(dtype)[:, :, :c]  # a store's prefix
     q = torch.randn(L, H, D, generator=gen).to(dtype)
     lse = torch.randn(L, H, generator=gen) * 3
