@@ -69,9 +69,18 @@ def applies(model: Model, past_k, ids: torch.Tensor, past_mask, kv_only: bool,
     live keys stored transposed (each key dimension a run of slots), float32 or bfloat16
     activations (int8's too) and a SiLU MLP."""
     return (ids.shape[0] == 1 and past_mask is None and not kv_only and received_from is None
-            and model.dtype in (torch.float32, torch.bfloat16)
-            and isinstance(past_k, torch.Tensor) and past_k.is_cpu and not model.moves
-            and past_k.stride(2) == 1 and type(model.layers[0].act).__name__ in SILU)
+            and model.dtype in DTYPES and _kernel_keys(past_k) and not model.moves
+            and type(model.layers[0].act).__name__ in SILU)
+
+
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
+
+
+def _kernel_keys(k) -> bool:
+    """Whether live keys ``k`` (L, KVH, n, D) are as the kernels read them: one CPU block
+    of a kernel dtype, stored transposed (each key dimension a run of slots)."""
+    return (isinstance(k, torch.Tensor) and k.is_cpu and k.stride(2) == 1
+            and k.dtype in DTYPES)
 
 
 def cold_max(cold: ColdView, recall: RecallQuery, log_w: torch.Tensor | None) -> torch.Tensor:
@@ -87,11 +96,9 @@ def fold_into(view: View, culls: torch.Tensor, min_cos: float) -> torch.Tensor |
     (m,), from one native pass over each layer and head's live keys; None where the view's
     keys are not one transposed float32 or bfloat16 CPU block (a split arena, rows stored as
     rows, float16)."""
-    k = view.k
-    if (not isinstance(k, torch.Tensor) or not k.is_cpu or k.stride(2) != 1
-            or k.dtype not in (torch.float32, torch.bfloat16)):
+    if not _kernel_keys(view.k):
         return None
-    return kernels().fold_into(k.transpose(2, 3), view.knorm, culls, min_cos)
+    return kernels().fold_into(view.k.transpose(2, 3), view.knorm, culls, min_cos)
 
 
 SILU = ("SiLU", "SiLUActivation")  # the MLP activations ``silu_mul`` computes
