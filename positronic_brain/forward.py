@@ -35,6 +35,20 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 INT8_ROWS = 16  # the most rows an int8 product multiplies by its int8 weight (``linear``): on
 # SmolLM2's gate/up and two cores, the int8 product is the faster up to 16 rows, not from 24
 INT8_INPUTS = 16  # torch's int8 product needs a multiple of 16 inputs (else garbage or a crash)
+# A CPU without AMX multiplies bfloat16 matrices slower than float32 ones: there oneDNN's
+# bfloat16 product of 1,024 rows by SmolLM2's weights took 1.6-1.8x the float32 product's
+# time with both operands widened first, and torch's bfloat16 flash attention 1.7x its
+# float32 one (docs/DESIGN.md, stage 0). There (``WIDEN``) a bfloat16 product of at least
+# ``WIDE_ROWS`` rows (a prefill chunk's) widens its operands to float32 and rounds its
+# result to bfloat16 (``wide``): the same products, summed in float32 as the bfloat16
+# product sums them, equal to it up to float rounding. From 96 rows widened timed faster.
+WIDEN = not torch.cpu._is_amx_tile_supported()
+WIDE_ROWS = 128
+
+
+def wide(x: torch.Tensor, rows: int) -> bool:
+    """Whether a product over ``rows`` rows of ``x`` widens to float32 (``WIDEN``)."""
+    return WIDEN and rows >= WIDE_ROWS and x.dtype == torch.bfloat16 and x.is_cpu
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -69,7 +83,12 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
     matrix-vector product on one thread, so the weight's input rows are split into one
     part per thread, the partial products run as one ``bmm`` (each thread reads its part in
     storage order) and are summed. About 2x faster than ``F.linear`` on SmolLM2's shapes on
-    2 cores; equal to it up to float rounding (the sum is split in a different order)."""
+    2 cores; equal to it up to float rounding (the sum is split in a different order).
+    A bfloat16 product of many rows on a CPU without AMX (``wide``) multiplies in float32
+    whatever the weight's kind (an int8 weight's bfloat16 values)."""
+    if wide(x, x.shape[0]):
+        plain = w.plain if isinstance(w, (PackedWeight, Int8Weight)) else w
+        return F.linear(x.float(), plain.float(), None if b is None else b.float()).to(x.dtype)
     if isinstance(w, Int8Weight):
         if x.shape[0] > INT8_ROWS or w.shape[1] % INT8_INPUTS:
             return F.linear(x, w.plain, b)
@@ -174,10 +193,13 @@ def _stacked(ks: list[torch.Tensor], vs: list[torch.Tensor], device: torch.devic
 def builds_scores(model: Model, statistics: bool, log_mass: bool) -> bool:
     """Whether ``forward`` builds the scores of several new tokens (a prefill): with the
     prompt's ``statistics`` or a folded slot's ``log_mass`` wanted, and in bfloat16 or int8
-    on the CPU, as HF's eager attention does; else torch's fused attention
+    on a CPU with AMX, as HF's eager attention does (without AMX, ``WIDEN``, the fused
+    attention timed faster: 4,096 bfloat16 tokens of SmolLM2 in 13.0 s built, 10.6 s
+    fused, both in bfloat16); else torch's fused attention
     (``fused_attention``) attends, which never builds them. ``stages.apply.chunks`` sizes a
     GPU's prefill chunks by it."""
-    return statistics or log_mass or (model.dtype != torch.float32 and model.device.type == "cpu")
+    return statistics or log_mass or (model.dtype != torch.float32 and model.device.type == "cpu"
+                                       and not WIDEN)
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -219,16 +241,22 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     triangle hides, which a bias over [past slots | new tokens] would have it compute and
     add, and only the past keys are copied (out of the arena's transposed layout), not past
     and new joined. The kernel takes grouped K/V heads. Alone (no past), the bits of
-    ``fused_attention``'s causal call; with the past, the same attention to float rounding."""
+    ``fused_attention``'s causal call; with the past, the same attention to float rounding.
+    Many bfloat16 queries on a CPU without AMX (``wide``) attend in float32, the result
+    rounded to bfloat16."""
+    dtype = q.dtype
+    if wide(q, q.shape[1]):
+        q, k, v, past_k, past_v = (t if t is None else t.to(torch.float32, memory_format=torch.contiguous_format)
+                                   for t in (q, k, v, past_k, past_v))
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = flash(q[None], k[None], v[None], 0.0, q.shape[1] > 1, scale=1.0)[:2]
     if past_k is None:
-        return out[0]
+        return out[0].to(dtype)
     past, past_lse = flash(q[None], past_k.contiguous()[None], past_v[None], 0.0, False,
                            scale=1.0)[:2]
     both = torch.logaddexp(lse, past_lse)
     return (out * (lse - both).exp_()[..., None]).add_(
-        past * (past_lse - both).exp_()[..., None])[0].to(q.dtype)
+        past * (past_lse - both).exp_()[..., None])[0].to(dtype)
 
 
 def _score_buffers(bufs: dict, qg: torch.Tensor, n: int, T: int,

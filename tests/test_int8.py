@@ -112,7 +112,8 @@ def test_int8_prefill_and_stage1_equal_hf_on_the_same_weights(name):
 
 def test_real_model_int8_follows_hf_greedily(real_policy):
     """SmolLM2 in int8: 16 greedy steps, each step's logits within bfloat16 rounding of HF's on
-    the same weights, and the same next token."""
+    the same weights, and the same next token: HF's argmax or, where HF's bfloat16 logits tie
+    (argmax takes the first), one of the tied tokens."""
     model = load_model("smollm2", "int8")
     session = Session(model, real_policy, SamplerParams(greedy=True))
     session.prime(real_policy.raw_prompt("The capital of France is"))
@@ -120,7 +121,7 @@ def test_real_model_int8_follows_hf_greedily(real_policy):
         view = session.state.view()
         gen = generate(model, view, session.sampler, session.generator)
         want = hf_step_logits(model, view)
-        assert gen.token_id == int(want.argmax()) and _rel(gen.logits, want) <= REAL_TOL
+        assert want[gen.token_id] == want.max() and _rel(gen.logits, want) <= REAL_TOL
         apply(model, session.state, gen)
 
 

@@ -3,9 +3,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from positronic_brain import forward as forward_module
-from positronic_brain.model import load_model
+from positronic_brain.model import load_model, pack, quantize
 from positronic_brain.stages import apply as apply_module
 from positronic_brain.stages.apply import chunks, prime
 from positronic_brain.types import Segment, UserError
@@ -203,11 +204,58 @@ def test_the_last_layer_answers_only_the_last_query(tiny_policy, dtype):
     assert_close(out.logits, hf_prompt_logits(model, ids[:-1])[rows], tol, "chunks' last logits")
 
 
+@pytest.mark.parametrize("kind", ["packed", "int8", "plain"])
+def test_wide_products_are_the_bfloat16_products_to_rounding(monkeypatch, kind):
+    """On a CPU without AMX (``forward.WIDEN``) a bfloat16 product of ``WIDE_ROWS`` rows or
+    more multiplies the weight's bfloat16 values in float32 and rounds to bfloat16 (the
+    bits of that), within one rounding of the bfloat16 product; fewer rows, or with
+    ``WIDEN`` off, the bfloat16 product as before."""
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(48, 64, generator=gen) * 0.1).bfloat16()
+    b = torch.randn(48, generator=gen).bfloat16()
+    weight = {"packed": pack, "int8": quantize, "plain": lambda t: t}[kind](w)
+    plain = w if kind == "plain" else weight.plain
+    rows = forward_module.WIDE_ROWS
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    monkeypatch.setattr(forward_module, "WIDEN", True)
+    got = forward_module.linear(x, weight, b)
+    few = forward_module.linear(x[:rows - 1], weight, b)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, F.linear(x.float(), plain.float(), b.float()).bfloat16())
+    monkeypatch.setattr(forward_module, "WIDEN", False)
+    narrow = forward_module.linear(x, weight, b)
+    assert torch.equal(few, forward_module.linear(x[:rows - 1], weight, b))
+    assert torch.allclose(got.float(), narrow.float(), rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("widen", [True, False])
+def test_wide_prefill_primes_what_hf_computes(monkeypatch, tiny_policy, dtype, widen):
+    """A bfloat16 or int8 prefill on the CPU: with ``WIDEN`` (no AMX) its chunks attend
+    through torch's fused attention and their products widen to float32 (here from 8 rows,
+    so the tiny chunks do), else they build their scores in bfloat16; both give HF's logits
+    to bfloat16's rounding."""
+    monkeypatch.setattr(forward_module, "WIDEN", widen)
+    monkeypatch.setattr(forward_module, "WIDE_ROWS", 8)
+    real, calls = forward_module.wide, []
+    monkeypatch.setattr(forward_module, "wide", lambda x, rows: (
+        calls.append(real(x, rows)) or calls[-1]))
+    model = load_model("tiny-random", dtype)
+    assert forward_module.builds_scores(model, False, False) is not widen
+    segs = tiny_policy.raw_prompt("a bfloat16 prefill, chunk by chunk, widened or not " * 3)
+    ids = [i for s in segs for i in s.ids]
+    _, out = prime(model, segs, capacity=200, chunk=16, all_logits=True)
+    assert any(calls) is widen
+    assert_close(out.logits, hf_prompt_logits(model, ids[:-1]), 0.1, "prime logits")
+
+
 @pytest.mark.parametrize("dtype, window", [("bfloat16", None), ("float32", 4)])
 def test_reused_score_buffers_give_the_same_bits(monkeypatch, tiny_policy, dtype, window):
-    """A prefill that builds its scores (bfloat16 on the CPU; any dtype gathering prompt
-    statistics) reuses one set of buffers over its layers (``forward._score_buffers``):
-    the cache, logits and statistics have the bits of each layer allocating its own."""
+    """A prefill that builds its scores (bfloat16 on a CPU with AMX, so ``WIDEN`` off here;
+    any dtype gathering prompt statistics) reuses one set of buffers over its layers
+    (``forward._score_buffers``): the cache, logits and statistics have the bits of each
+    layer allocating its own."""
+    monkeypatch.setattr(forward_module, "WIDEN", False)
     model = load_model("tiny-random", dtype)
     segs = tiny_policy.raw_prompt("one buffer for every layer's scores " * 4)
     run = lambda: prime(model, segs, capacity=200, chunk=16, all_logits=True,  # noqa: E731
