@@ -2,8 +2,8 @@
 
 Used by stage 0 (chunked prefill; stage 0 then writes the returned K/V), stage 1
 (T = 1) and repair (with some live slots masked). It reads weights and the live
-K/V views and never writes to them: the new tokens' K/V are returned as outputs,
-and attention over ``[live keys, new keys]`` is computed as two score blocks
+K/V views and never writes to them: the new tokens' K/V are returned as outputs (a
+prefill's written where stage 0 says: the arena's next slots, not live yet), and attention over ``[live keys, new keys]`` is computed as two score blocks
 joined by one softmax, so the past is never concatenated (docs/BENCHMARKS.md says what
 the bfloat16 product still copies inside a layer); a float32 prefill that wants no
 scores joins them per layer for torch's fused attention instead.
@@ -282,7 +282,8 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
             want_attention: bool = False, all_logits: bool = False,
             past_log_mass: Past | None = None, kv_only: bool = False,
-            want_query: bool = False, received_from: int | None = None) -> ForwardOut:
+            want_query: bool = False, received_from: int | None = None,
+            into: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardOut:
     """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
     (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
     every live slot, except where ``past_mask`` (T, n) bool is False. ``past_log_mass``
@@ -308,6 +309,9 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     weight on its own token left out (as stage 1's row leaves out the pending token's):
     ``received`` (L, H, n + T) float32 over all of them, ``received_window`` over those from
     row ``received_from`` on (None if there are none).
+    ``into`` (stage 0's prefill on one device): K and V views (L, kv_heads, T, head_dim) of
+    the arena slots the new tokens will take, not live, which the new K/V are written into
+    layer by layer and returned as (the same bits as a block of the forward's own).
     """
     require(not (kv_only and (want_attention or want_query or received_from is not None)),
             "kv_only skips the last layer's attention")
@@ -320,13 +324,15 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     x = F.embedding(ids, model.embed)  # (T, hidden)
     cos_qk, sin_qk = rope_tables(model, positions, dtype)  # (H + KVH, T, D)
     dev = model.device
-    # the new K/V: a prefill's copied into one block layer by layer (a layer's k and v are
-    # views of its q/k/v products, which would otherwise stay alive to the end: 212 MB at
-    # 1,024 float32 tokens of SmolLM2, which the allocator maps and faults in afresh every
-    # time); one token's stacked after the loop (one operator, not one a layer)
+    # the new K/V: a prefill's copied layer by layer into the slots ``into`` names, or into
+    # one block (a layer's k and v are views of its q/k/v products, which would otherwise
+    # stay alive to the end: 212 MB at 1,024 float32 tokens of SmolLM2; a block of 47 MB
+    # the allocator still maps and faults in afresh every time, which writing into the arena
+    # spares); one token's stacked after the loop (one operator, not one a layer)
     new_k, new_v = [], []
     moves = model.moves  # empty on one device
-    kv = torch.empty(2, L, KVH, T, D, dtype=dtype, device=dev) if T > 1 and not moves else None
+    kv = into if into is not None else (
+        torch.empty(2, L, KVH, T, D, dtype=dtype, device=dev) if T > 1 and not moves else None)
     # the last query's whole softmax row per layer (a contiguous copy); live slots returned.
     # One new token: each layer's softmax is that row already, stacked after the loop.
     attention = (torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
@@ -394,7 +400,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             new_k.append(k)
             new_v.append(v)
         else:
-            kv[0, i], kv[1, i] = k, v
+            kv[0][i], kv[1][i] = k, v
         if kv_only and i == L - 1:
             k, v = kv if kv is not None else _stacked(new_k, new_v, dev, bool(moves))
             return ForwardOut(logits=None, k=k, v=v, attention=None)

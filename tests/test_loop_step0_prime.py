@@ -272,6 +272,28 @@ def test_reused_score_buffers_give_the_same_bits(monkeypatch, tiny_policy, dtype
         assert torch.equal(out.stats.window, plain.stats.window)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_writes_its_kv_into_the_arena_with_the_bits_of_a_block(monkeypatch,
+                                                                         tiny_policy, dtype):
+    """Stage 0's forward writes each chunk's new K/V into the arena slots they take
+    (``forward``'s ``into``), not into a block of its own that stage 0 then copies: the
+    cache and logits have the same bits either way."""
+    model = load_model("tiny-random", dtype)
+    segs = tiny_policy.raw_prompt("each chunk's keys and values go straight to the arena " * 3)
+    real, given = forward_module.forward, []
+    monkeypatch.setattr(apply_module, "forward", lambda *a, **kw: (
+        given.append(kw.get("into")) or real(*a, **kw)))
+    direct, out = prime(model, segs, capacity=200, chunk=16, all_logits=True)
+    assert len(given) > 1 and all(into is not None for into in given)
+    monkeypatch.setattr(apply_module, "_slots", lambda *args: None)
+    block, plain = prime(model, segs, capacity=200, chunk=16, all_logits=True)
+    n = direct.arena.n
+    assert torch.equal(direct.arena.k[:, :, :n], block.arena.k[:, :, :n])
+    assert torch.equal(direct.arena.v[:, :, :n], block.arena.v[:, :, :n])
+    assert torch.equal(direct.arena.knorm[:, :, :n], block.arena.knorm[:, :, :n])
+    assert torch.equal(out.logits, plain.logits)
+
+
 def test_single_token_prompt_caches_nothing(tiny_model):
     state, out = prime(tiny_model, [Segment((5,), "user")], capacity=4)
     assert state.arena.n == 0 and state.pending_token == 5 and out.logits.shape[0] == 0

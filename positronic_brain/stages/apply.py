@@ -88,19 +88,29 @@ def _parts(a: Arena | SplitArena, *xs: torch.Tensor | None):
 
 
 def _write(a: Arena | SplitArena, lo: int, k: torch.Tensor, v: torch.Tensor,
-           norms_of_kv: bool = True) -> None:
+           norms_of_kv: bool = True, copy: bool = True) -> None:
     """Write K/V ``k``/``v`` (L, kv_heads, t, head_dim) into slots [lo, lo + t) of each
     block, each slot holding one token (log-mass 0), and their norms: from ``k``/``v`` at
-    once, or (not ``norms_of_kv``) from the arena one layer at a time (same bits)."""
+    once, or (not ``norms_of_kv``) from the arena one layer at a time (same bits). Not
+    ``copy``: ``k``/``v`` are those slots already (``_slots``)."""
     hi = lo + k.shape[2]
     for b, (kb, vb) in _parts(a, k, v):
-        b.k[:, :, lo:hi] = kb
-        b.v[:, :, lo:hi] = vb
+        if copy:
+            b.k[:, :, lo:hi] = kb
+            b.v[:, :, lo:hi] = vb
         b.log_mass[:, :, lo:hi] = 0.0
         if norms_of_kv:
             b.renorm(lo, hi, kb, vb)
         else:
             b.renorm(lo, hi)
+
+
+def _slots(a: Arena | SplitArena, lo: int, t: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """K and V views (L, kv_heads, t, head_dim) of slots [lo, lo + t) of a one-device arena,
+    which a prefill's forward writes its new K/V into (``forward``'s ``into``): a block of
+    its own would be mapped and faulted in afresh every time (docs/DESIGN.md, stage 0).
+    None for a split arena, whose layers' K/V cross devices."""
+    return None if isinstance(a, SplitArena) else (a.k[:, :, lo:lo + t], a.v[:, :, lo:lo + t])
 
 
 def _write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: torch.Tensor,
@@ -136,15 +146,17 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
     for sl in chunks(model, a.n, ids.shape[0], chunk, logits=all_logits, scores=built):
         start, n = sl.start, a.n
         past_k, past_v, log_mass = a.past(n)
+        into = _slots(a, n, sl.stop - start)
         out = forward(model, past_k, past_v, ids[sl], positions[sl], all_logits=all_logits,
                       past_log_mass=log_mass,
-                      received_from=None if received is None else max(0, received[2] - start))
+                      received_from=None if received is None else max(0, received[2] - start),
+                      into=into)
         t = out.k.shape[2]
         if received is not None:
             received[0][:, :, :n + t] += out.received
             if out.received_window is not None:
                 received[1][:, :, :n + t] += out.received_window
-        _write(a, n, out.k, out.v, norms_of_kv=False)  # (L, KVH, t, D)
+        _write(a, n, out.k, out.v, norms_of_kv=False, copy=into is None)  # (L, KVH, t, D)
         uids += _write_rows(m, slice(n, n + t), ids[sl], positions[sl], sources[sl],
                             state.step, flags[sl])
         slots += range(n, n + t)
