@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from . import native
 from .capture import NO_TAPE, CaptureTape
 from .loop import Session, drive
 from .model import device_kind
@@ -64,7 +65,7 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
         own = {k: v for k, v in manifest.items() if k not in OWN}
         tape = CaptureTape(capture, {
             **own, "command": command, "device": str(model.device),
-            "device_kind": device_kind(model.device),
+            "device_kind": device_kind(model.device), "kernels": native.for_model(model),
             "params": {**params, "cache_params": dataclasses.asdict(cache_params),
                        "sampler": dataclasses.asdict(new_sampler)},
             "scorer_sha256": user.file_sha256(cache_params.scorer),

@@ -194,11 +194,24 @@ def resolve_device(device: str = "cpu") -> torch.device:
     return torch.device("cuda", index)
 
 
+def cpu_line(*keys: str) -> str:
+    """The first line of /proc/cpuinfo that starts with one of ``keys`` (empty if none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(keys)), "")
+
+
 def device_kind(device: torch.device) -> str:
-    """What decides a run's bits beside its inputs: ``cpu``, or the GPU's name and memory
-    (the memory sets the prefill's chunks there: ``stages.apply.chunks``)."""
+    """What decides a run's bits beside its inputs and the code: on the CPU its model and
+    instruction set (a digest of its flags: oneDNN picks its kernels by them, and without
+    AMX a bfloat16 prefill widens to float32, ``forward.WIDEN``), on a GPU its name and
+    memory (the memory sets the prefill's chunks there: ``stages.apply.chunks``)."""
     if device.type == "cpu":
-        return "cpu"
+        name = cpu_line("model name").partition(":")[2].strip() or "unknown"
+        flags = hashlib.sha256(cpu_line("flags", "Features").encode()).hexdigest()[:8]
+        return f"cpu: {name}, flags {flags}"
     props = torch.cuda.get_device_properties(device)
     return f"{props.name}, {props.total_memory // 2**20} MiB"
 

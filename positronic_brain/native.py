@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .forward import forward, rope_tables
-from .model import Int8Weight, Model, PackedWeight, cache_dir, check_compile
+from .model import Int8Weight, Model, PackedWeight, cache_dir, check_compile, cpu_line
 from .state import ColdView, View
 from .types import ForwardOut, RecallQuery
 
@@ -34,33 +34,37 @@ SOURCE = Path(__file__).with_name("native.cpp")
 
 
 @functools.cache
+def build() -> str:
+    """The kernels' build: a digest of the source, this machine's instruction set (they are
+    built with ``-march=native``) and torch. Besides the device (``model.device_kind``) it
+    decides a native model's bits, so a capture records it (``for_model``)."""
+    return hashlib.sha256(SOURCE.read_bytes() + cpu_line("flags", "Features").encode()
+                          + torch.__version__.encode()).hexdigest()[:12]
+
+
+def for_model(model: Model) -> str | None:
+    """The kernels' ``build`` a ``model`` runs: None unless it is native (``--compile
+    native``)."""
+    return build() if model.compiled == "native" else None
+
+
+@functools.cache
 def kernels():
-    """The compiled kernels, built once per source, machine and torch (tens of seconds the
-    first time; then loaded from the build folder): built for this machine's instruction set
-    (``-march=native``), so the folder's name carries a digest of the CPU's flags."""
+    """The compiled kernels, built once per ``build`` (tens of seconds the first time; then
+    loaded from the build folder named by it)."""
     check_compile([torch.device("cpu")], "native")  # a compiler, and ninja
     if shutil.which("ninja") is None:  # torch runs ninja from the PATH: the package's own
         import ninja  # pylint: disable=import-outside-toplevel
         os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
     from torch.utils.cpp_extension import load  # pylint: disable=import-outside-toplevel
-    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()
-                         + torch.__version__.encode()).hexdigest()[:12]
-    build = cache_dir() / f"native-{key}"
-    build.mkdir(parents=True, exist_ok=True)
+    key = build()
+    folder = cache_dir() / f"native-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
     # no floating-point contraction: each product and sum rounds as torch's operators do
     return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno",
                               "-fopenmp"],
-                extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-
-
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        return ""
-    return next((line for line in text.splitlines()
-                 if line.startswith(("flags", "Features"))), "")
+                extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
 def applies(model: Model, past_k, ids: torch.Tensor, past_mask, kv_only: bool,

@@ -9,7 +9,9 @@ the captured outputs of the stage before them (not the re-run ones), so a mismat
 reported where it arises, not everywhere after it. A ``full`` capture's state files are
 compared with the rebuilt arena and ledger as well.
 
-On another device than the capture's (its manifest says which), kernels round differently:
+On another device than the capture's (its manifest says which: a CPU's model and instruction
+set, a GPU's name and memory), or with other native kernels than a native run's (its
+manifest records their build), kernels round differently:
 floating-point outputs are compared within ``TOLERANCE`` of the dtype instead of bit for
 bit, and stage 1 takes the captured token as given (a generator's state does not carry
 across devices); the report says so in a note.
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from . import native
 from .capture import (EXTEND, LEDGER_COLUMNS, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
                       extend_outputs, file_name, gen_outputs, prime_outputs)
 from .model import Model, compile_flag, compile_mode, device_kind, load_model, resolve_device
@@ -125,6 +128,10 @@ class _Replay:
         kind, here_kind = run.manifest.get("device_kind"), device_kind(model.device)
         if kind not in (None, here_kind):  # another GPU of the same index
             captured_on, here = f"{captured_on} ({kind})", f"{here} ({here_kind})"
+        ran, runs = run.manifest.get("kernels"), native.for_model(model)
+        if captured_on == here and ran != runs:  # the same device, other native kernels
+            captured_on, here = (f"{captured_on} with native kernels {ran or 'not recorded'}",
+                                 f"{here} with native kernels {runs}")
         if captured_on != here:
             report.tolerance = TOLERANCE[run.manifest["dtype"]]
             report.notes.append(f"captured on {captured_on}, replayed on {here}: "

@@ -151,8 +151,18 @@ def test_compiled_capture_replays_bit_exact(tmp_path, capsys, flag, mode):
     out = json.loads(capsys.readouterr().out)
     manifest = json.loads((Path(out["capture"]) / "manifest.json").read_text())
     assert manifest["compiled"] == mode == out["compiled"] and manifest["dtype"] == "int8"
+    assert manifest["kernels"] == (native.build() if mode == "native" else None)
     report = replay(out["capture"])
-    assert report.ok and report.tolerance is None
+    assert report.ok and report.tolerance is None and not report.notes
+    if mode == "native":  # other native kernels (or none recorded): compared within tolerance
+        path = Path(out["capture"]) / "manifest.json"
+        for kernels, words in (("0123456789ab", "0123456789ab"), (None, "not recorded")):
+            path.write_text(json.dumps({**manifest, "kernels": kernels}))
+            report = replay(out["capture"])
+            assert report.ok and report.tolerance is not None
+            assert report.notes[0].startswith(
+                f"captured on cpu with native kernels {words}, replayed on cpu with native "
+                f"kernels {native.build()}: floating-point outputs compared within")
     with pytest.raises(UserError, match=f"ran {' '.join(['with', *flag])} and the model given "
                                         "runs without --compile"):
         replay(out["capture"], model=load_model("tiny-random", "int8"))

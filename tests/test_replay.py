@@ -9,6 +9,7 @@ import torch
 
 from positronic_brain.capture import STAGES, CaptureRun, load_file, read_manifest, sha256
 from positronic_brain.cli import main as cli
+from positronic_brain.model import device_kind
 from positronic_brain.replay import replay
 from positronic_brain.types import UserError
 
@@ -149,7 +150,9 @@ def test_a_capture_from_another_kind_of_gpu_is_compared_within_tolerance(tmp_pat
                 "4", "--ignore-eos", "--capture", str(tmp_path), "--json"]) == 0
     run_dir = json.loads(capsys.readouterr().out)["capture"]
     manifest = read_manifest(run_dir)
-    assert manifest["device"] == "cpu" and manifest["device_kind"] == "cpu"
+    here = device_kind(torch.device("cpu"))  # the CPU's model and a digest of its flags
+    assert manifest["device"] == "cpu" and manifest["device_kind"] == here
+    assert here.startswith("cpu: ") and ", flags " in here
     report = replay(run_dir)
     assert report.tolerance is None and not report.notes and not report.mismatches
     path = Path(run_dir) / "manifest.json"
@@ -159,6 +162,6 @@ def test_a_capture_from_another_kind_of_gpu_is_compared_within_tolerance(tmp_pat
     report = replay(run_dir)
     assert report.tolerance is not None and not report.mismatches
     assert report.notes == [f"captured on cpu (NVIDIA H100 80GB HBM3, 81559 MiB), replayed on "
-                            f"cpu (cpu): floating-point outputs compared within "
+                            f"cpu ({here}): floating-point outputs compared within "
                             f"{report.tolerance:g} (relative), sampled tokens taken from the "
                             "capture"]

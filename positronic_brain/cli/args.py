@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
+from .. import native
 from ..bench import passkey
 from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
@@ -474,7 +475,7 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
     return CaptureTape(args.capture, {
         "model": model.name, "dtype": model.precision, "compiled": model.compiled,
         "device": str(model.device), "device_kind": device_kind(model.device),
-        "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
+        "kernels": native.for_model(model), "fingerprint": model.fingerprint, "command": args.command, "seed": sampler.seed,
         "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},
                    "sampler": asdict(sampler), "cache_params": asdict(params)},
         "scorer_sha256": user.file_sha256(params.scorer),
