@@ -42,7 +42,7 @@ INT8_INPUTS = 16  # torch's int8 product needs a multiple of 16 inputs (else gar
 # ``WIDE_ROWS`` rows (a prefill chunk's) widens its operands to float32 and rounds its
 # result to bfloat16 (``wide``): the same products, summed in float32 as the bfloat16
 # product sums them, equal to it up to float rounding. From 96 rows widened timed faster.
-WIDEN = not torch.cpu._is_amx_tile_supported()
+WIDEN = not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()  # private in torch
 WIDE_ROWS = 128
 
 
