@@ -68,7 +68,7 @@ def chunked(model: Model, past: Cache, ids: torch.Tensor, positions: torch.Tenso
         lm[:, :, :n] = lm0
     rows = []
     for sl in chunks(model, n, T, chunk, logits=logits,
-                     scores=builds_scores(model, False, lm is not None)):
+                     scores=builds_scores(model, False, lm is not None, past_mask is not None)):
         start = sl.start
         m = n + start
         mask = None

@@ -65,7 +65,8 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
         own = {k: v for k, v in manifest.items() if k not in OWN}
         tape = CaptureTape(capture, {
             **own, "command": command, "device": str(model.device),
-            "device_kind": device_kind(model.device), "kernels": native.for_model(model),
+            "device_kind": _both(manifest.get("device_kind"), device_kind(model.device)),
+            "kernels": _both(manifest.get("kernels"), native.for_model(model)),
             "params": {**params, "cache_params": dataclasses.asdict(cache_params),
                        "sampler": dataclasses.asdict(new_sampler)},
             "scorer_sha256": user.file_sha256(cache_params.scorer),
@@ -81,6 +82,14 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
     session.generated_ids = list(tokens)
     out = drive(session, max_new_tokens, bool(args.get("ignore_eos", False)), on_text)
     return {**out, "parent": {"run": str(run.dir.resolve()), "step": step}}
+
+
+def _both(parent, here):
+    """What a fork's manifest records of something that decides its bits (``device_kind``,
+    ``kernels``): ``here``'s, or, where the parent's (whose files before the fork are
+    copied) differs, both, which no device or build matches, so that replay compares the
+    fork within the dtype's tolerance and says so."""
+    return here if parent == here else f"{parent} (the parent's steps), {here}"
 
 
 def _tuples(d: dict) -> dict:

@@ -1,12 +1,12 @@
 """The read-only manual forward: T new tokens over the arena's live K/V.
 
-Used by stage 0 (chunked prefill; stage 0 then writes the returned K/V), stage 1
-(T = 1) and repair (with some live slots masked). It reads weights and the live
-K/V views and never writes to them: the new tokens' K/V are returned as outputs (a
-prefill's written where stage 0 says: the arena's next slots, not live yet), and attention over ``[live keys, new keys]`` is computed as two score blocks
-joined by one softmax, so the past is never concatenated (docs/BENCHMARKS.md says what
-the bfloat16 product still copies inside a layer); a float32 prefill that wants no
-scores joins them per layer for torch's fused attention instead.
+Used by stage 0 (chunked prefill), stage 1 (T = 1) and repair (with some live slots
+masked). It reads weights and the live K/V views and never writes to them: the new tokens'
+K/V are returned as outputs (a prefill's written where stage 0 says: the arena's next
+slots, not live yet), and attention over ``[live keys, new keys]`` is computed as two
+score blocks joined by one softmax, so the past is never concatenated (docs/BENCHMARKS.md
+says what the bfloat16 product still copies inside a layer); a prefill that wants no
+scores (``builds_scores``) has torch's fused attention attend instead.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ INT8_INPUTS = 16  # torch's int8 product needs a multiple of 16 inputs (else gar
 # ``WIDE_ROWS`` rows (a prefill chunk's) widens its operands to float32 and rounds its
 # result to bfloat16 (``wide``): the same products, summed in float32 as the bfloat16
 # product sums them, equal to it up to float rounding. From 96 rows widened timed faster.
-WIDEN = not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()  # private in torch
+WIDEN = not torch.cpu._is_amx_tile_supported()  # torch's own test (private; since 2.3)
 WIDE_ROWS = 128
 
 
@@ -190,16 +190,17 @@ def _stacked(ks: list[torch.Tensor], vs: list[torch.Tensor], device: torch.devic
     return _gather(ks, device, split), _gather(vs, device, split)
 
 
-def builds_scores(model: Model, statistics: bool, log_mass: bool) -> bool:
+def builds_scores(model: Model, statistics: bool, log_mass: bool, masked: bool = False) -> bool:
     """Whether ``forward`` builds the scores of several new tokens (a prefill): with the
-    prompt's ``statistics`` or a folded slot's ``log_mass`` wanted, and in bfloat16 or int8
-    on a CPU with AMX, as HF's eager attention does (without AMX, ``WIDEN``, the fused
-    attention timed faster: 4,096 bfloat16 tokens of SmolLM2 in 13.0 s built, 10.6 s
-    fused, both in bfloat16); else torch's fused attention
-    (``fused_attention``) attends, which never builds them. ``stages.apply.chunks`` sizes a
-    GPU's prefill chunks by it."""
+    prompt's ``statistics`` or a folded slot's ``log_mass`` wanted, and in half precision
+    on the CPU, as HF's eager attention does, but for bfloat16 (int8's too) on a CPU without
+    AMX (``WIDEN``) and no past slot ``masked``, where ``cpu_attention`` widens (the fused
+    attention timed faster there even unwidened: 4,096 bfloat16 tokens of SmolLM2 in
+    13.0 s built, 10.6 s fused); else torch's fused attention (``fused_attention``) attends,
+    which never builds them. ``stages.apply.chunks`` sizes prefill chunks by it."""
+    wide_cpu = WIDEN and model.dtype == torch.bfloat16 and not masked
     return statistics or log_mass or (model.dtype != torch.float32 and model.device.type == "cpu"
-                                       and not WIDEN)
+                                       and not wide_cpu)
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -246,8 +247,9 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rounded to bfloat16."""
     dtype = q.dtype
     if wide(q, q.shape[1]):
-        q, k, v, past_k, past_v = (t if t is None else t.to(torch.float32, memory_format=torch.contiguous_format)
-                                   for t in (q, k, v, past_k, past_v))
+        q, k, v, past_k, past_v = (
+            t if t is None else t.to(torch.float32, memory_format=torch.contiguous_format)
+            for t in (q, k, v, past_k, past_v))
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = flash(q[None], k[None], v[None], 0.0, q.shape[1] > 1, scale=1.0)[:2]
     if past_k is None:
@@ -293,9 +295,10 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     from device to device between layers (``Model.moves``), and every output is on the
     model's main device.
 
-    Several new tokens with no attention, statistics or log-mass wanted (a prefill), in
-    float32 or on a GPU, attend through torch's fused ``scaled_dot_product_attention``,
-    equal to the built scores' path up to float rounding; everything else builds the scores.
+    Several new tokens with no attention, statistics or log-mass wanted (a prefill) attend
+    through torch's fused ``scaled_dot_product_attention`` where ``builds_scores`` says so
+    (float32, a GPU, bfloat16 on a CPU without AMX), equal to the built scores' path up to
+    float rounding; everything else builds the scores.
 
     Returns logits (T or 1, V) float32, the new K/V (L, kv_heads, T, head_dim) with RoPE
     applied, and optionally the last new query's attention on the live slots (L, H, n).
@@ -324,13 +327,14 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     x = F.embedding(ids, model.embed)  # (T, hidden)
     cos_qk, sin_qk = rope_tables(model, positions, dtype)  # (H + KVH, T, D)
     dev = model.device
-    # the new K/V: a prefill's copied layer by layer into the slots ``into`` names, or into
-    # one block (a layer's k and v are views of its q/k/v products, which would otherwise
-    # stay alive to the end: 212 MB at 1,024 float32 tokens of SmolLM2; a block of 47 MB
-    # the allocator still maps and faults in afresh every time, which writing into the arena
-    # spares); one token's stacked after the loop (one operator, not one a layer)
+    # the new K/V: a prefill's copied layer by layer into the slots ``into`` names (stage
+    # 0's arena: docs/DESIGN.md, stage 0) or into one block (a layer's k and v are views of
+    # its q/k/v products, which would otherwise stay alive to the end: 212 MB at 1,024
+    # float32 tokens of SmolLM2); one token's stacked after the loop (one operator, not one a
+    # layer), and so are those of layers on several devices
     new_k, new_v = [], []
     moves = model.moves  # empty on one device
+    require(into is None or not moves, "into: the new K/V of layers on one device only")
     kv = into if into is not None else (
         torch.empty(2, L, KVH, T, D, dtype=dtype, device=dev) if T > 1 and not moves else None)
     # the last query's whole softmax row per layer (a contiguous copy); live slots returned.
@@ -349,7 +353,8 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     # several new tokens and nothing wanted but the K/V and logits (a prefill), unless the
     # prefill builds its scores anyway (``builds_scores``): torch's fused attention
     fused = (T > 1 and attention is None and not want_query
-             and not builds_scores(model, received is not None, past_log_mass is not None))
+             and not builds_scores(model, received is not None, past_log_mass is not None,
+                                   past_mask is not None))
     # What may be attended: an additive bias, 0 or -inf. For the fused kernel one over
     # [live slots | new tokens] (the live slots unless masked, causal after), in the
     # queries' dtype: what the kernel would turn a boolean mask into in every layer;

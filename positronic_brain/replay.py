@@ -126,7 +126,7 @@ class _Replay:
         captured_on = str(torch.device(run.manifest.get("device", "cpu")))
         here = str(model.device)
         kind, here_kind = run.manifest.get("device_kind"), device_kind(model.device)
-        if kind not in (None, here_kind):  # another GPU of the same index
+        if kind not in (None, here_kind):  # another GPU of the same index, another CPU
             captured_on, here = f"{captured_on} ({kind})", f"{here} ({here_kind})"
         ran, runs = run.manifest.get("kernels"), native.for_model(model)
         if captured_on == here and ran != runs:  # the same device, other native kernels

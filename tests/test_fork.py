@@ -7,7 +7,7 @@ import pytest
 
 from positronic_brain.capture import CaptureRun, file_name, parse_name
 from positronic_brain.cli import main
-from positronic_brain.replay import diff
+from positronic_brain.replay import diff, replay
 
 RUN = ["run", "--model", "tiny-random", "--prompt", "what if another policy had been in charge",
        "--max-new-tokens", "30", "--budget", "24", "--temperature", "1.0", "--top-k", "40",
@@ -45,6 +45,25 @@ def test_with_no_option_changed_a_fork_is_its_parent(parent, capsys, tmp_path):
             assert diff(ours, theirs) == [], name
     assert main(["replay", str(frun.dir)]) == 0
     assert "all bit-exact" in capsys.readouterr().err
+
+
+def test_a_fork_of_a_run_from_another_cpu_replays_within_tolerance(parent, capsys, tmp_path):
+    """The steps before the fork are the parent's files: captured on another kind of device
+    (here a manifest saying so), the fork's manifest names both kinds, and its replay
+    compares within the dtype's tolerance with a note, as the parent's own would."""
+    _, run = parent
+    path = run.dir / "manifest.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "device_kind": "cpu: another CPU, flags 00000000"}))
+    _, frun = _fork(capsys, tmp_path, run, "--step", "10")
+    assert frun.manifest["device_kind"] == (
+        f"cpu: another CPU, flags 00000000 (the parent's steps), {data['device_kind']}")
+    report = replay(frun.dir)
+    assert report.ok and report.tolerance is not None and "captured on cpu" in report.notes[0]
+    path.write_text(json.dumps(data))  # the parent's own kind: the fork records only it
+    _, frun = _fork(capsys, tmp_path / "again", run, "--step", "10")
+    assert frun.manifest["device_kind"] == data["device_kind"]
+    assert frun.manifest["kernels"] is None  # not native
 
 
 def test_a_fork_with_another_policy_parts_at_its_step(parent, capsys, tmp_path):

@@ -249,6 +249,19 @@ def test_wide_prefill_primes_what_hf_computes(monkeypatch, tiny_policy, dtype, w
     assert_close(out.logits, hf_prompt_logits(model, ids[:-1]), 0.1, "prime logits")
 
 
+@pytest.mark.parametrize("dtype, masked, built", [
+    ("bfloat16", False, False), ("int8", False, False), ("float32", False, False),
+    ("bfloat16", True, True), ("float16", False, True)])
+def test_on_a_cpu_without_amx_only_unmasked_bfloat16_prefills_leave_their_scores(
+        monkeypatch, dtype, masked, built):
+    """With ``WIDEN``, bfloat16 (int8's too) prefills attend through the fused kernel,
+    which ``cpu_attention`` widens; over a masked past (``blend``'s rebuilds) or in float16,
+    which nothing widens, they keep building their scores."""
+    monkeypatch.setattr(forward_module, "WIDEN", True)
+    model = load_model("tiny-random", dtype)
+    assert forward_module.builds_scores(model, False, False, masked) is built
+
+
 @pytest.mark.parametrize("dtype, window", [("bfloat16", None), ("float32", 4)])
 def test_reused_score_buffers_give_the_same_bits(monkeypatch, tiny_policy, dtype, window):
     """A prefill that builds its scores (bfloat16 on a CPU with AMX, so ``WIDEN`` off here;

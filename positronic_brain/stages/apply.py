@@ -46,7 +46,8 @@ def chunks(model: Model, n: int, total: int, chunk: int | None = None,
     """The slices of ``total`` new tokens prefilled, a chunk at a time, after ``n`` live
     slots: ``chunk`` tokens each if given. Else on the CPU ``FUSED_CHUNK`` where the forward
     attends through torch's fused attention (not ``scores``) without every token's
-    ``logits`` (a float32 prefill: fewer, larger products, and each chunk copies the past
+    ``logits`` (float32, or bfloat16 on a CPU without AMX: fewer, larger products, and each
+    chunk copies the past
     keys once; at 4,096 tokens 256 or 512 measured slower, and so did 2,048 or one chunk,
     whose MLP activations outgrow the caches), else ``PREFILL_CHUNK``; on a GPU, where
     a chunk's kernel launches cost about what a decode step's do however many tokens it
@@ -107,9 +108,8 @@ def _write(a: Arena | SplitArena, lo: int, k: torch.Tensor, v: torch.Tensor,
 
 def _slots(a: Arena | SplitArena, lo: int, t: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """K and V views (L, kv_heads, t, head_dim) of slots [lo, lo + t) of a one-device arena,
-    which a prefill's forward writes its new K/V into (``forward``'s ``into``): a block of
-    its own would be mapped and faulted in afresh every time (docs/DESIGN.md, stage 0).
-    None for a split arena, whose layers' K/V cross devices."""
+    which a prefill's forward writes its new K/V into (``forward``'s ``into``; why:
+    docs/DESIGN.md, stage 0). None for a split arena, whose layers' K/V cross devices."""
     return None if isinstance(a, SplitArena) else (a.k[:, :, lo:lo + t], a.v[:, :, lo:lo + t])
 
 
