@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .model import Int8Weight, Model, PackedWeight
+from .model import Int8Weight, Model, PackedWeight, cpu_line
 from .types import ForwardOut, require
 
 
@@ -35,14 +35,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 INT8_ROWS = 16  # the most rows an int8 product multiplies by its int8 weight (``linear``): on
 # SmolLM2's gate/up and two cores, the int8 product is the faster up to 16 rows, not from 24
 INT8_INPUTS = 16  # torch's int8 product needs a multiple of 16 inputs (else garbage or a crash)
-# A CPU without AMX multiplies bfloat16 matrices slower than float32 ones: there oneDNN's
-# bfloat16 product of 1,024 rows by SmolLM2's weights took 1.6-1.8x the float32 product's
-# time with both operands widened first, and torch's bfloat16 flash attention 1.7x its
-# float32 one (docs/DESIGN.md, stage 0). There (``WIDEN``) a bfloat16 product of at least
-# ``WIDE_ROWS`` rows (a prefill chunk's) widens its operands to float32 and rounds its
-# result to bfloat16 (``wide``): the same products, summed in float32 as the bfloat16
-# product sums them, equal to it up to float rounding. From 96 rows widened timed faster.
-WIDEN = not torch.cpu._is_amx_tile_supported()  # torch's own test (private; since 2.3)
+# An Intel CPU without AMX multiplies bfloat16 matrices slower than float32 ones: on the
+# Xeon of docs/BENCHMARKS.md's native run (avx512_bf16, no AMX) oneDNN's bfloat16 product of
+# 1,024 rows by SmolLM2's weights took 1.6-1.8x the float32 product's time with both
+# operands widened first, and torch's bfloat16 flash attention 1.7x its float32 one. The
+# AMD EPYC of its other run (avx512_bf16, no AMX) is the other way round: a bfloat16 prefill
+# there took 0.39-0.52x the float32 one's time. On the first kind (``WIDEN``) a bfloat16
+# product of at least ``WIDE_ROWS`` rows (a prefill chunk's) widens its operands to float32
+# and rounds its result to bfloat16 (``wide``): the same products, summed in float32 as the
+# bfloat16 product sums them, equal to it up to float rounding. From 96 rows widened timed
+# faster.
+WIDEN = (cpu_line("vendor_id").endswith("GenuineIntel")
+         and not torch.cpu._is_amx_tile_supported())  # torch's own test (private; since 2.3)
 WIDE_ROWS = 128
 
 
@@ -84,7 +88,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
     part per thread, the partial products run as one ``bmm`` (each thread reads its part in
     storage order) and are summed. About 2x faster than ``F.linear`` on SmolLM2's shapes on
     2 cores; equal to it up to float rounding (the sum is split in a different order).
-    A bfloat16 product of many rows on a CPU without AMX (``wide``) multiplies in float32
+    A bfloat16 product of many rows on an Intel CPU without AMX (``wide``) multiplies in float32
     whatever the weight's kind (an int8 weight's bfloat16 values)."""
     if wide(x, x.shape[0]):
         plain = w.plain if isinstance(w, (PackedWeight, Int8Weight)) else w
@@ -193,8 +197,8 @@ def _stacked(ks: list[torch.Tensor], vs: list[torch.Tensor], device: torch.devic
 def builds_scores(model: Model, statistics: bool, log_mass: bool, masked: bool = False) -> bool:
     """Whether ``forward`` builds the scores of several new tokens (a prefill): with the
     prompt's ``statistics`` or a folded slot's ``log_mass`` wanted, and in half precision
-    on the CPU, as HF's eager attention does, but for bfloat16 (int8's too) on a CPU without
-    AMX (``WIDEN``) and no past slot ``masked``, where ``cpu_attention`` widens (the fused
+    on the CPU, as HF's eager attention does, but for bfloat16 (int8's too) on an Intel CPU
+    without AMX (``WIDEN``) and no past slot ``masked``, where ``cpu_attention`` widens (the fused
     attention timed faster there even unwidened: 4,096 bfloat16 tokens of SmolLM2 in
     13.0 s built, 10.6 s fused); else torch's fused attention (``fused_attention``) attends,
     which never builds them. ``stages.apply.chunks`` sizes prefill chunks by it."""
@@ -243,7 +247,7 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     add, and only the past keys are copied (out of the arena's transposed layout), not past
     and new joined. The kernel takes grouped K/V heads. Alone (no past), the bits of
     ``fused_attention``'s causal call; with the past, the same attention to float rounding.
-    Many bfloat16 queries on a CPU without AMX (``wide``) attend in float32, the result
+    Many bfloat16 queries on an Intel CPU without AMX (``wide``) attend in float32, the result
     rounded to bfloat16."""
     dtype = q.dtype
     if wide(q, q.shape[1]):
@@ -297,7 +301,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
 
     Several new tokens with no attention, statistics or log-mass wanted (a prefill) attend
     through torch's fused ``scaled_dot_product_attention`` where ``builds_scores`` says so
-    (float32, a GPU, bfloat16 on a CPU without AMX), equal to the built scores' path up to
+    (float32, a GPU, bfloat16 where ``WIDEN``), equal to the built scores' path up to
     float rounding; everything else builds the scores.
 
     Returns logits (T or 1, V) float32, the new K/V (L, kv_heads, T, head_dim) with RoPE

@@ -206,7 +206,7 @@ def cpu_line(*keys: str) -> str:
 def device_kind(device: torch.device) -> str:
     """What decides a run's bits beside its inputs and the code: on the CPU its model and
     instruction set (a digest of its flags: oneDNN picks its kernels by them, and without
-    AMX a bfloat16 prefill widens to float32, ``forward.WIDEN``), on a GPU its name and
+    AMX an Intel CPU's bfloat16 prefill widens to float32, ``forward.WIDEN``), on a GPU its name and
     memory (the memory sets the prefill's chunks there: ``stages.apply.chunks``)."""
     if device.type == "cpu":
         name = cpu_line("model name").partition(":")[2].strip() or "unknown"

@@ -206,7 +206,7 @@ def test_the_last_layer_answers_only_the_last_query(tiny_policy, dtype):
 
 @pytest.mark.parametrize("kind", ["packed", "int8", "plain"])
 def test_wide_products_are_the_bfloat16_products_to_rounding(monkeypatch, kind):
-    """On a CPU without AMX (``forward.WIDEN``) a bfloat16 product of ``WIDE_ROWS`` rows or
+    """On an Intel CPU without AMX (``forward.WIDEN``) a bfloat16 product of ``WIDE_ROWS`` rows or
     more multiplies the weight's bfloat16 values in float32 and rounds to bfloat16 (the
     bits of that), within one rounding of the bfloat16 product; fewer rows, or with
     ``WIDEN`` off, the bfloat16 product as before."""
@@ -231,7 +231,7 @@ def test_wide_products_are_the_bfloat16_products_to_rounding(monkeypatch, kind):
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("widen", [True, False])
 def test_wide_prefill_primes_what_hf_computes(monkeypatch, tiny_policy, dtype, widen):
-    """A bfloat16 or int8 prefill on the CPU: with ``WIDEN`` (no AMX) its chunks attend
+    """A bfloat16 or int8 prefill on the CPU: with ``WIDEN`` (Intel, no AMX) its chunks attend
     through torch's fused attention and their products widen to float32 (here from 8 rows,
     so the tiny chunks do), else they build their scores in bfloat16; both give HF's logits
     to bfloat16's rounding."""

@@ -46,7 +46,7 @@ def chunks(model: Model, n: int, total: int, chunk: int | None = None,
     """The slices of ``total`` new tokens prefilled, a chunk at a time, after ``n`` live
     slots: ``chunk`` tokens each if given. Else on the CPU ``FUSED_CHUNK`` where the forward
     attends through torch's fused attention (not ``scores``) without every token's
-    ``logits`` (float32, or bfloat16 on a CPU without AMX: fewer, larger products, and each
+    ``logits`` (float32, or bfloat16 where ``forward.WIDEN``: fewer, larger products, and each
     chunk copies the past
     keys once; at 4,096 tokens 256 or 512 measured slower, and so did 2,048 or one chunk,
     whose MLP activations outgrow the caches), else ``PREFILL_CHUNK``; on a GPU, where
