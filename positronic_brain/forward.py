@@ -52,7 +52,7 @@ WIDE_ROWS = 128
 
 def wide(x: torch.Tensor, rows: int) -> bool:
     """Whether a product over ``rows`` rows of ``x`` widens to float32 (``WIDEN``)."""
-    return WIDEN and rows >= WIDE_ROWS and x.dtype == torch.bfloat16 and x.is_cpu
+    return rows >= WIDE_ROWS and WIDEN and x.dtype == torch.bfloat16 and x.is_cpu
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

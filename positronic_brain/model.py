@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -194,20 +195,25 @@ def resolve_device(device: str = "cpu") -> torch.device:
     return torch.device("cuda", index)
 
 
+@functools.cache
+def _cpuinfo() -> tuple[str, ...]:
+    """/proc/cpuinfo's lines, read once (none where there is no such file)."""
+    try:
+        return tuple(Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines())
+    except OSError:
+        return ()
+
+
 def cpu_line(*keys: str) -> str:
     """The first line of /proc/cpuinfo that starts with one of ``keys`` (empty if none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        return ""
-    return next((line for line in text.splitlines() if line.startswith(keys)), "")
+    return next((line for line in _cpuinfo() if line.startswith(keys)), "")
 
 
 def device_kind(device: torch.device) -> str:
     """What decides a run's bits beside its inputs and the code: on the CPU its model and
     instruction set (a digest of its flags: oneDNN picks its kernels by them, and without
-    AMX an Intel CPU's bfloat16 prefill widens to float32, ``forward.WIDEN``), on a GPU its name and
-    memory (the memory sets the prefill's chunks there: ``stages.apply.chunks``)."""
+    AMX an Intel CPU's bfloat16 prefill widens to float32, ``forward.WIDEN``), on a GPU its
+    name and memory (the memory sets the prefill's chunks there: ``stages.apply.chunks``)."""
     if device.type == "cpu":
         name = cpu_line("model name").partition(":")[2].strip() or "unknown"
         flags = hashlib.sha256(cpu_line("flags", "Features").encode()).hexdigest()[:8]

@@ -95,17 +95,23 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0,
     c = view.uid.new_tensor(culls)
     into = native.fold_into(view, c, min_cos) if compiled == "native" else None
     if into is None:
-        if isinstance(view.k, torch.Tensor):
-            dots = _dots(view.k, c)
-        else:  # a split arena: each block where it lives, the dots gathered
-            dots = torch.cat([_dots(k, c.to(k.device)).to(c.device) for k in view.k])
-        norms = view.knorm.clamp_min(1e-12)  # (L, KVH, n)
-        sim = dots / norms.unsqueeze(2)
-        sim[..., c] = float("-inf")  # never into a slot that goes too
-        best, into = sim.max(-1)  # (L, KVH, c)
-        into[best / norms[:, :, c] < min_cos] = -1
+        into = _fold_search(view, c, min_cos)
     return tuple(Fold(slot=s, uid=int(view.uid[s]), into=into[:, :, j])
                  for j, s in enumerate(culls) if bool((into[:, :, j] >= 0).any()))
+
+
+def _fold_search(view: View, c: torch.Tensor, min_cos: float) -> torch.Tensor:
+    """``fold_targets``' targets (L, KVH, m) for the culled slots ``c`` (m,), in torch."""
+    if isinstance(view.k, torch.Tensor):
+        dots = _dots(view.k, c)
+    else:  # a split arena: each block where it lives, the dots gathered
+        dots = torch.cat([_dots(k, c.to(k.device)).to(c.device) for k in view.k])
+    norms = view.knorm.clamp_min(1e-12)  # (L, KVH, n)
+    sim = dots / norms.unsqueeze(2)
+    sim[..., c] = float("-inf")  # never into a slot that goes too
+    best, into = sim.max(-1)  # (L, KVH, c)
+    into[best / norms[:, :, c] < min_cos] = -1
+    return into
 
 
 def _dots(k: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
