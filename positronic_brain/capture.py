@@ -193,12 +193,15 @@ class CaptureTape(Tape):
     # the loop's calls, one per stage
     def primed(self, state, segments, capacity, out, prefill) -> None:
         """``prefill``: the cache parameters the prime gathered the prompt's statistics
-        with (its window; its scorer, if ``prefill_scores``); None if it gathered none."""
+        with (its window; its scorer, if ``prefill_scores``); None if it gathered none.
+        ``prefill_total``: whether they include the total over every query."""
         self._follow(state, 0)
         self._stage(0, "s0_prime", {"segments": segments, "capacity": capacity,
                                     "pinned": state.pinned, "seeds": state.ledger.seeds,
                                     "cold_capacity": None if state.cold is None else state.cold.capacity,
-                                    "prefill": prefill},
+                                    "prefill": prefill,
+                                    "prefill_total": out.stats is not None
+                                    and out.stats.total is not None},
                     prime_outputs(state, out))
 
     def restored(self, state, source: str) -> None:

@@ -10,6 +10,8 @@ scores (``builds_scores``) has torch's fused attention attend instead.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -194,17 +196,23 @@ def _stacked(ks: list[torch.Tensor], vs: list[torch.Tensor], device: torch.devic
     return _gather(ks, device, split), _gather(vs, device, split)
 
 
+APART = ("cpu",)  # devices whose fused prefill attention is ``cpu_attention`` (no past mask)
+
+
 def builds_scores(model: Model, statistics: bool, log_mass: bool, masked: bool = False) -> bool:
-    """Whether ``forward`` builds the scores of several new tokens (a prefill): with the
-    prompt's ``statistics`` or a folded slot's ``log_mass`` wanted, and in half precision
-    on the CPU, as HF's eager attention does, but for bfloat16 (int8's too) on an Intel CPU
-    without AMX (``WIDEN``) and no past slot ``masked``, where ``cpu_attention`` widens (the fused
-    attention timed faster there even unwidened: 4,096 bfloat16 tokens of SmolLM2 in
-    13.0 s built, 10.6 s fused); else torch's fused attention (``fused_attention``) attends,
-    which never builds them. ``stages.apply.chunks`` sizes prefill chunks by it."""
+    """Whether ``forward`` builds the scores of several new tokens (a prefill): with a folded
+    slot's ``log_mass`` wanted; with the prompt's ``statistics`` wanted unless
+    ``cpu_attention`` attends (every layer on the CPU, no past slot ``masked``: its
+    log-sum-exps give them, ``_received_lse``); and in half precision on the CPU, as HF's eager attention
+    does, but for bfloat16 (int8's too) on an Intel CPU without AMX (``WIDEN``) and no past
+    slot ``masked``, where ``cpu_attention`` widens (the fused attention timed faster there
+    even unwidened: 4,096 bfloat16 tokens of SmolLM2 in 13.0 s built, 10.6 s fused); else
+    torch's fused attention (``fused_attention``) attends, which never builds them.
+    ``stages.apply.chunks`` sizes prefill chunks by it."""
+    apart = all(d.type in APART for d in model.layer_devices) and not masked
     wide_cpu = WIDEN and model.dtype == torch.bfloat16 and not masked
-    return statistics or log_mass or (model.dtype != torch.float32 and model.device.type == "cpu"
-                                       and not wide_cpu)
+    return log_mass or (statistics and not apart) or (
+        model.dtype != torch.float32 and model.device.type == "cpu" and not wide_cpu)
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -233,12 +241,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                           scale=1.0)[0]
 
 
-APART = ("cpu",)  # devices whose fused prefill attention is ``cpu_attention`` (no past mask)
-
-
 def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   past_k: torch.Tensor | None = None,
-                  past_v: torch.Tensor | None = None) -> torch.Tensor:
+                  past_v: torch.Tensor | None = None, lse: bool = False):
     """torch's CPU flash kernel (H, T, D) for the new queries ``q`` (H, T, D), scaled
     already, over their own ``k``/``v`` (kv_heads, T, D), causal (one query, the last:
     all of them), and over every past slot ``past_k``/``past_v`` (kv_heads, n, D) apart,
@@ -248,21 +253,24 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     and new joined. The kernel takes grouped K/V heads. Alone (no past), the bits of
     ``fused_attention``'s causal call; with the past, the same attention to float rounding.
     Many bfloat16 queries on an Intel CPU without AMX (``wide``) attend in float32, the result
-    rounded to bfloat16."""
+    rounded to bfloat16. ``lse``: also each query's log-sum-exp over every key it attends
+    (H, T) float32, the softmax's denominator (``_received_lse``)."""
     dtype = q.dtype
     if wide(q, q.shape[1]):
         q, k, v, past_k, past_v = (
             t if t is None else t.to(torch.float32, memory_format=torch.contiguous_format)
             for t in (q, k, v, past_k, past_v))
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = flash(q[None], k[None], v[None], 0.0, q.shape[1] > 1, scale=1.0)[:2]
+    out, own = flash(q[None], k[None], v[None], 0.0, q.shape[1] > 1, scale=1.0)[:2]
     if past_k is None:
-        return out[0].to(dtype)
-    past, past_lse = flash(q[None], past_k.contiguous()[None], past_v[None], 0.0, False,
-                           scale=1.0)[:2]
-    both = torch.logaddexp(lse, past_lse)
-    return (out * (lse - both).exp_()[..., None]).add_(
-        past * (past_lse - both).exp_()[..., None])[0].to(dtype)
+        both, out = own, out[0].to(dtype)
+    else:
+        past, past_lse = flash(q[None], past_k.contiguous()[None], past_v[None], 0.0, False,
+                               scale=1.0)[:2]
+        both = torch.logaddexp(own, past_lse)
+        out = (out * (own - both).exp_()[..., None]).add_(
+            past * (past_lse - both).exp_()[..., None])[0].to(dtype)
+    return (out, both[0].float()) if lse else out
 
 
 def _score_buffers(bufs: dict, qg: torch.Tensor, n: int, T: int,
@@ -289,6 +297,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             want_attention: bool = False, all_logits: bool = False,
             past_log_mass: Past | None = None, kv_only: bool = False,
             want_query: bool = False, received_from: int | None = None,
+            window_only: bool = False,
             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardOut:
     """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
     (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
@@ -315,13 +324,16 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     each new token received, per layer and head, summed over the new queries, each query's
     weight on its own token left out (as stage 1's row leaves out the pending token's):
     ``received`` (L, H, n + T) float32 over all of them, ``received_window`` over those from
-    row ``received_from`` on (None if there are none).
+    row ``received_from`` on (None if there are none); ``window_only``: only that
+    (``received`` None).
     ``into`` (stage 0's prefill on one device): K and V views (L, kv_heads, T, head_dim) of
     the arena slots the new tokens will take, not live, which the new K/V are written into
     layer by layer and returned as (the same bits as a block of the forward's own).
     """
     require(not (kv_only and (want_attention or want_query or received_from is not None)),
             "kv_only skips the last layer's attention")
+    require(received_from is None or (past_mask is None and past_log_mass is None),
+            "the prompt's statistics are of an unmasked prefill")
     s = model.spec
     L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
     g = H // KVH
@@ -350,15 +362,16 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     queries, last_scores = ([], []) if want_query else (None, None)
     received = window = None
     if received_from is not None:
-        received = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
+        if not window_only:
+            received = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
         if received_from < T:
             window = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
 
     # several new tokens and nothing wanted but the K/V and logits (a prefill), unless the
     # prefill builds its scores anyway (``builds_scores``): torch's fused attention
     fused = (T > 1 and attention is None and not want_query
-             and not builds_scores(model, received is not None, past_log_mass is not None,
-                                   past_mask is not None))
+             and not builds_scores(model, received_from is not None,
+                                   past_log_mass is not None, past_mask is not None))
     # What may be attended: an additive bias, 0 or -inf. For the fused kernel one over
     # [live slots | new tokens] (the live slots unless masked, causal after), in the
     # queries' dtype: what the kernel would turn a boolean mask into in every layer;
@@ -387,11 +400,11 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     log_mass = _layers(past_log_mass) if past_log_mass is not None else None
     qkv_split = ((H + KVH) * D, KVH * D)
     # the queries each layer answers: all T, but in the last layer of a forward that wants
-    # nothing but the new K/V and the last token's logits only that token's (the others'
-    # outputs there feed nothing; every K/V is computed before)
+    # nothing but the new K/V, the last token's logits and the statistics only that token's
+    # (the others' outputs there feed nothing; every K/V is computed before; the statistics
+    # take every query apart, ``_received_lse``)
     Tq = T
-    last_only = T > 1 and not (all_logits or kv_only or want_attention or want_query
-                               or received is not None)
+    last_only = T > 1 and not (all_logits or kv_only or want_attention or want_query)
     bufs: dict = {}  # a prefill's score buffers per device (``_score_buffers``)
     for i, w in enumerate(model.layers):
         if moves and i in moves:  # this layer runs on another device: take what it reads there
@@ -414,12 +427,23 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             k, v = kv if kv is not None else _stacked(new_k, new_v, dev, bool(moves))
             return ForwardOut(logits=None, k=k, v=v, attention=None)
         if last_only and i == L - 1:  # from here only the last token's row is wanted
+            if received_from is not None:
+                _received_lse(q, k, past_kt[i] if n else None, None, received_from,
+                              None if received is None else received[i],
+                              None if window is None else window[i])
             x, q, Tq = x[-1:], q[:, -1:], 1
             bias, mask_past, mask_new = (t if t is None else t[-1:]
                                          for t in (bias, mask_past, mask_new))
 
         if fused and past_mask is None and q.device.type in APART:
-            out = cpu_attention(q, k, v, *((past_ks[i], past_vs[i]) if n else ()))
+            past = (past_ks[i], past_vs[i]) if n else ()
+            if received_from is None or Tq < T:
+                out = cpu_attention(q, k, v, *past)
+            else:  # the statistics from the kernel's log-sum-exps (``builds_scores``)
+                out, lse = cpu_attention(q, k, v, *past, lse=True)
+                _received_lse(q, k, past_kt[i] if n else None, lse, received_from,
+                              None if received is None else received[i],
+                              None if window is None else window[i])
         elif fused:
             keys, values = torch.cat((past_ks[i], k), 1), torch.cat((past_vs[i], v), 1)
             out = fused_attention(q, keys, values, bias, grouped=q.device.type == "cpu")
@@ -449,8 +473,9 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                 rows.append(p)  # (KVH, g, n + 1): the one query's row
             elif attention is not None:
                 attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
-            if received is not None:
-                _received(p.view(KVH, g, T, n + T), n, received_from, received[i],
+            if received_from is not None and Tq == T:
+                _received(p.view(KVH, g, T, n + T), n, received_from,
+                          None if received is None else received[i],
                           None if window is None else window[i])
             p = as_dtype(p, dtype) if buf is None or dtype == torch.float32 else buf[2].copy_(p)
             p_past, p_new = p.split((n, T), dim=-1)
@@ -506,17 +531,66 @@ def _gate_up(h: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
     return linear(h, w[:half], bs[0]), linear(h, w[half:], bs[1])
 
 
-def _received(p: torch.Tensor, n: int, start: int, out: torch.Tensor,
+def _received(p: torch.Tensor, n: int, start: int, out: torch.Tensor | None,
               window: torch.Tensor | None) -> None:
     """One layer's softmax ``p`` (KVH, g, T, n + T): into ``out`` (H, n + T) the weight each
     column received summed over the T queries, a query's own column (n + t for query t) left
     out, so a new token counts only what later queries paid it; into ``window`` the same over
-    the queries from row ``start`` on."""
+    the queries from row ``start`` on (each None: not wanted)."""
     KVH, g = p.shape[:2]
     H = KVH * g
     earlier = p[..., n:].tril(-1)  # (KVH, g, T, T): the new queries' weights on earlier new tokens
-    out[:, :n] = p[..., :n].sum(2).reshape(H, n)
-    out[:, n:] = earlier.sum(2).reshape(H, -1)
+    if out is not None:
+        out[:, :n] = p[..., :n].sum(2).reshape(H, n)
+        out[:, n:] = earlier.sum(2).reshape(H, -1)
     if window is not None:
         window[:, :n] = p[:, :, start:, :n].sum(2).reshape(H, n)
         window[:, n:] = earlier[:, :, start:].sum(2).reshape(H, -1)
+
+
+LSE_ROWS = 128  # queries per block of ``_received_lse``
+
+
+def _received_lse(q: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor | None,
+                  lse: torch.Tensor | None, start: int, out: torch.Tensor | None,
+                  window: torch.Tensor | None) -> None:
+    """What ``_received`` takes from a built softmax, where none was built (a prefill that
+    ``cpu_attention`` attended, or a last layer that answers only the last query): each
+    weight made as exp(q.k - lse) from the queries ``q`` (H, T, D), their log-sum-exps
+    ``lse`` (H, T) (None: from the scores made here), the past keys ``past_kt``
+    (KVH, D, n) (None: no past) and the new ``k`` (KVH, T, D), ``LSE_ROWS`` queries at a
+    time, each block summed as it is made (the scores of all T queries are never held at
+    once; without ``out``, only the window's rows are made). The products are float32, as a
+    widened attention's are."""
+    H, T, D = q.shape
+    KVH = k.shape[0]
+    g, n = H // KVH, 0 if past_kt is None else past_kt.shape[2]
+    queries = q.float().view(KVH, g, T, D)
+    new_kt, past_kt = k.float().transpose(1, 2), None if past_kt is None else past_kt.float()
+    lse = None if lse is None else lse.view(KVH, g, T, 1)
+    for x in (out, window):
+        if x is not None:
+            x.zero_()
+    for a in range(0 if out is not None else start, T, LSE_ROWS):
+        b = min(T, a + LSE_ROWS)
+        qb = queries[:, :, a:b].reshape(KVH, g * (b - a), D)
+        # the new tokens up to the block's last, then the past slots
+        parts = [(torch.matmul(qb, new_kt[..., :b]).view(KVH, g, b - a, b), slice(n, n + b))]
+        if past_kt is not None:
+            parts.append((torch.matmul(qb, past_kt).view(KVH, g, b - a, n), slice(0, n)))
+        if lse is None:  # each query's over the tokens up to its own and the past slots
+            parts[0][0].masked_fill_(
+                torch.ones(b - a, b, dtype=torch.bool, device=q.device).triu_(a + 1),
+                float("-inf"))
+            rows = functools.reduce(torch.logaddexp, (w.logsumexp(-1, keepdim=True)
+                                                      for w, _ in parts))
+        else:
+            rows = lse[:, :, a:b]
+        for j, (w, cols) in enumerate(parts):
+            w = w.sub_(rows).exp_()
+            if j == 0:  # each query's weights on the new tokens before its own
+                w = w.tril_(a - 1)
+            if out is not None:
+                out[:, cols] += w.sum(2).view(H, -1)
+            if window is not None and b > start:
+                window[:, cols] += w[:, :, max(0, start - a):].sum(2).view(H, -1)

@@ -19,7 +19,7 @@ from dataclasses import InitVar, asdict, dataclass, field, replace
 from .capture import NO_TAPE, Tape
 from .model import Model
 from .sampler import make_generator
-from .scorers import make_scorer, prefill_scorer, takes_prefill_scores
+from .scorers import make_scorer, prefill_scorer, reads_total, takes_prefill_scores
 from .special_tokens import TextStream, TokenPolicy
 from .stages.apply import add_cold_store, apply, extend, prime, seed
 from .stages.decide import decide
@@ -74,8 +74,9 @@ class Session:
         an arena of ``capacity`` slots (default: ``arena_capacity``). Where
         ``scorers.takes_prefill_scores`` says so (the resolved value is kept in
         ``cache_params``), stage 0 also gathers the prompt's attention statistics and seeds
-        the scorer's columns from them; ``stats`` gathers them whatever the scorer
-        (a copy of the prime is then seeded with ``seed``). Returns them (None: not gathered)."""
+        the scorer's columns from them (their ``total`` only if it reads it:
+        ``scorers.reads_total``); ``stats`` gathers them all whatever the scorer (a copy of the
+        prime is then seeded with ``seed``). Returns them (None: not gathered)."""
         n_prompt = sum(len(s.ids) for s in segments)
         params = self._resolve_prefill(n_prompt)
         capacity = capacity or arena_capacity(self.model, params, n_prompt)
@@ -87,7 +88,7 @@ class Session:
         self.state, out = prime(self.model, segments, capacity, pinned=frozenset(params.pinned),
                                 seeds=params.seeds, cold_capacity=cold_capacity(params),
                                 prefill_window=params.prefill_window if gather else None,
-                                scorer=scorer)
+                                scorer=scorer, prefill_total=stats or reads_total(scorer))
         self.tape.primed(self.state, segments, capacity, out, params if gather else None)
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []

@@ -173,7 +173,8 @@ class _Replay:
                                 pinned=frozenset(inp["pinned"]), seeds=tuple(inp["seeds"]),
                                 cold_capacity=inp["cold_capacity"],
                                 prefill_window=params and params.prefill_window,
-                                scorer=params and prefill_scorer(make_scorer(params), params))
+                                scorer=params and prefill_scorer(make_scorer(params), params),
+                                prefill_total=inp.get("prefill_total", True))
         if self.wanted(f.stage, 0):
             self.check(f, prime_outputs(self.state, out))
 

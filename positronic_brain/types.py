@@ -392,13 +392,14 @@ class PrefillStats:
     ``window``, the mean over the last ``window_queries`` prefilled queries of what each paid
     to every token (SnapKV's observation window; a token at or after a query gets nothing
     from it); ``total``, the sum over every prefilled query (the attention H2O would have
-    gathered), of which each token got ``queries``, the n - 1 - i queries after it. The
-    pending token, stage 1's first query, is not among them."""
+    gathered; None where the prime was asked for the window only), of which each token got
+    ``queries``, the n - 1 - i queries after it. The pending token, stage 1's first query, is
+    not among them."""
 
     uid: torch.Tensor  # (n,) int64
     window: torch.Tensor  # (L, heads, n) float32
     window_queries: int
-    total: torch.Tensor  # (L, heads, n) float32
+    total: torch.Tensor | None  # (L, heads, n) float32
     queries: torch.Tensor  # (n,) float32
 
 

@@ -40,8 +40,9 @@ def _decode(dtype, n, ours, hf, llama=None):
 
 def test_targets_compare_with_llama_cpp_where_measured_else_with_the_yardstick():
     res = {"config": {"device": "cpu"}, "loop": [], "alloc_fit": [], "edits": [],
-           "prefill": [{"dtype": d, "tokens": t, "ratio": 0.9 if d == "float32" else 1.1}
-                       for d in ("float32", "bfloat16") for t in (256, 1024, 4096)],
+           "prefill": [{"dtype": d, "tokens": t, "ratio": 0.9 if d == "float32" else 1.1,
+                        "window_ratio": 1.05} for d in ("float32", "bfloat16")
+                       for t in (256, 1024, 4096)],
            "decode": [_decode("float32", n, 10.0, 20.0, 12.0) for n in (256, 1024)]
            + [_decode("bfloat16", n, 10.0, 50.0) for n in (256, 1024, 2048, 4096)],
            "llamacpp": [{"dtype": "float32", "measured": True},
@@ -61,6 +62,11 @@ def test_targets_compare_with_llama_cpp_where_measured_else_with_the_yardstick()
     assert got[("float32", "stage 0 / HF prefill tokens/s at 1024")] == (0.9, ">= 1.0", False)
     assert got[("bfloat16", "stage 0 / HF prefill tokens/s at 4096")] == (1.1, ">= 1.0", True)
     assert not any("prefill tokens/s at 256" in what for _, what in got)
+    window = ("float32", "stage 0 / HF prefill tokens/s at 1024, with the prompt's window")
+    assert got[window] == (1.05, ">= 1.0", True)
+    res["prefill"] = [{"dtype": "float32", "tokens": 1024, "ratio": 1.2}]  # a run from before
+    assert [t["what"] for t in targets(res) if "prefill" in t["what"]] == [
+        "stage 0 / HF prefill tokens/s at 1024"]
     assert not any("native" in what for _, what in got)  # no native stage 1 in this run
 
 

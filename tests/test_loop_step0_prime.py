@@ -262,6 +262,19 @@ def test_on_a_cpu_without_amx_only_unmasked_bfloat16_prefills_leave_their_scores
     assert forward_module.builds_scores(model, False, False, masked) is built
 
 
+@pytest.mark.parametrize("dtype, masked, built", [
+    ("float32", False, False), ("bfloat16", False, False), ("float32", True, True)])
+def test_a_prefill_gathering_statistics_on_the_cpu_builds_no_scores(monkeypatch, dtype,
+                                                                    masked, built):
+    """The prompt's statistics come from ``cpu_attention``'s log-sum-exps where it attends
+    (the CPU, no past slot masked), so gathering them builds no scores there; a folded
+    slot's log-mass still does."""
+    monkeypatch.setattr(forward_module, "WIDEN", True)
+    model = load_model("tiny-random", dtype)
+    assert forward_module.builds_scores(model, True, False, masked) is built
+    assert forward_module.builds_scores(model, True, True, masked)
+
+
 @pytest.mark.parametrize("dtype, window", [("bfloat16", None), ("float32", 4)])
 def test_reused_score_buffers_give_the_same_bits(monkeypatch, tiny_policy, dtype, window):
     """A prefill that builds its scores (bfloat16 on a CPU with AMX, so ``WIDEN`` off here;

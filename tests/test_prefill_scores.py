@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from positronic_brain import forward as forward_module
 from positronic_brain.bench import passkey
 from positronic_brain.capture import CaptureTape, sha256
 from positronic_brain.cli import main as cli
@@ -44,9 +45,12 @@ def _hf_attention(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return att, vnorm
 
 
-def test_the_statistics_equal_hf_attention(tiny_model, tiny_policy):
+@pytest.mark.parametrize("rows", [128, 3])
+def test_the_statistics_equal_hf_attention(monkeypatch, tiny_model, tiny_policy, rows):
     """The window mean and the totals, each query's own token left out, gathered over chunks
-    that split the window, equal sums of HF's eager attention weights to 1e-5."""
+    that split the window, equal sums of HF's eager attention weights to 1e-5; so they do
+    where a block of the queries' weights (``forward.LSE_ROWS``) is shorter than a chunk."""
+    monkeypatch.setattr(forward_module, "LSE_ROWS", rows)
     segs = _prompt(tiny_policy)
     ids = [i for s in segs for i in s.ids]
     T, W = len(ids) - 1, 12
@@ -68,6 +72,29 @@ def test_the_statistics_equal_hf_attention(tiny_model, tiny_policy):
     _, whole = prime(tiny_model, segs, capacity=T + 1, prefill_window=10 * T)
     assert whole.stats.window_queries == T
     assert float((whole.stats.window - total / T).abs().max()) <= 1e-5
+
+
+def test_a_prime_for_a_scorer_that_reads_only_the_window_gathers_no_total(tiny_model,
+                                                                          tiny_policy):
+    """Brightness reads only the window, so its prime gathers no total (a product over every
+    prompt query and key less) and the window it gathers is the one gathered beside the
+    total; H2O reads the total, so its prime gathers it, and seeding H2O from statistics
+    without one is refused."""
+    segs = _prompt(tiny_policy)
+    _, both = prime(tiny_model, segs, capacity=200, chunk=7, prefill_window=9)
+    _, alone = prime(tiny_model, segs, capacity=200, chunk=7, prefill_window=9,
+                     prefill_total=False)
+    assert alone.stats.total is None and both.stats.total is not None
+    assert float((alone.stats.window - both.stats.window).abs().max()) <= 1e-6
+    assert torch.equal(alone.logits, both.logits)
+    p = CacheParams(budget=24, prefill_scores=True, prefill_window=9)
+    for scorer, total in (("brightness", False), ("h2o", True)):
+        s = Session(tiny_model, tiny_policy, cache_params=dataclasses.replace(p, scorer=scorer))
+        assert (s.prime(segs).total is not None) is total
+    s = Session(tiny_model, tiny_policy, cache_params=dataclasses.replace(p, scorer="h2o"))
+    s.state, _ = prime(tiny_model, segs, 200)
+    with pytest.raises(UserError, match="total attention"):
+        s.seed(alone.stats)
 
 
 def test_each_scorer_seeds_its_columns_as_its_file_says(tiny_model, tiny_policy):
@@ -104,18 +131,24 @@ def test_each_scorer_seeds_its_columns_as_its_file_says(tiny_model, tiny_policy)
 
 
 def test_off_is_the_run_as_before(tiny_model, tiny_policy, one_thread):
-    """Gathering the statistics leaves the prime's K/V and logits as they were up to float
-    rounding (without them float32 attention is torch's fused kernel, with them the scores
-    are built), and with prefill scores off (or for a scorer that takes none) a run is bit
-    for bit the run without the statistics."""
+    """Gathering the statistics leaves the prime's K/V and logits as they were: bit for bit
+    on the CPU, where the fused kernel attends either way and they come from its
+    log-sum-exps; elsewhere up to float rounding (with them the scores are built). With
+    prefill scores off (or for a scorer that takes none) a run is bit for bit the run
+    without the statistics."""
     segs = _prompt(tiny_policy)
-    a, out_a = prime(tiny_model, segs, capacity=200, chunk=5, all_logits=True)
-    b, out_b = prime(tiny_model, segs, capacity=200, chunk=5, all_logits=True, prefill_window=9)
-    assert out_a.stats is None and out_b.stats is not None
-    n = a.arena.n
-    assert_close(out_a.logits, out_b.logits, 1e-4, "logits with and without the statistics")
-    for x in ("k", "v", "knorm", "vnorm"):
-        assert_close(getattr(a.arena, x)[:, :, :n], getattr(b.arena, x)[:, :, :n], 1e-5, x)
+    for all_logits in (True, False):
+        a, out_a = prime(tiny_model, segs, capacity=200, chunk=5, all_logits=all_logits)
+        b, out_b = prime(tiny_model, segs, capacity=200, chunk=5, all_logits=all_logits,
+                         prefill_window=9)
+        assert out_a.stats is None and out_b.stats is not None
+        n = a.arena.n
+        assert_close(out_a.logits, out_b.logits, 1e-4, "logits with and without the statistics")
+        for x in ("k", "v", "knorm", "vnorm"):
+            assert_close(getattr(a.arena, x)[:, :, :n], getattr(b.arena, x)[:, :, :n], 1e-5, x)
+        if tiny_model.device.type in forward_module.APART:
+            assert torch.equal(out_a.logits, out_b.logits)
+            assert torch.equal(a.arena.k[:, :, :n], b.arena.k[:, :, :n])
     for c in ("brightness", "attn_sum"):
         assert torch.equal(a.ledger.live(c), b.ledger.live(c))
     sampler = SamplerParams(temperature=0.9, seed=3)

@@ -6,7 +6,9 @@ A scorer is a frozen dataclass whose fields are its hyperparameters, named as in
 (brightness, attn_sum) lives in the ledger: a scorer returns the new values and stage 4
 writes them. A scorer that takes stage 0's statistics of the prompt's own attention
 (``CacheParams.prefill_scores``) also has ``prefill(view, stats) -> ScoreOut``: the columns
-the prime seeds (its file says how); the others ignore them. ``SCORERS`` is the one
+the prime seeds (its file says how), and says by ``prefill_total`` whether it reads the
+statistics' ``total`` (gathering it costs the prime another product over every prompt
+query and key; without the attribute, it does); the others ignore them. ``SCORERS`` is the one
 registry: the CLI's choices, the benchmarks and the tests are derived from it; a user's
 own scorer is named by its file or module (``scorers.user``) wherever a name goes. The hindsight
 oracle (``scorers.oracle``, bench quality only) is not in it: it needs a full-cache pass over
@@ -52,6 +54,12 @@ def takes_prefill_scores(scorer: object, params: CacheParams,
         on = (bool(getattr(scorer, "prefill_default", False)) and params.budget is not None
               and (n_prompt is None or n_prompt > params.budget))
     return on and hasattr(scorer, "prefill")
+
+
+def reads_total(scorer: object) -> bool:
+    """Whether ``scorer``'s ``prefill`` reads the statistics' ``total`` (its
+    ``prefill_total``; a scorer that does not say is taken to)."""
+    return bool(getattr(scorer, "prefill_total", True))
 
 
 def prefill_scorer(scorer: object, params: CacheParams) -> object | None:

@@ -33,6 +33,7 @@ class Brightness:
     # (the clamp) at the first cull, which then keeps the most recent (docs/BENCHMARKS.md,
     # pass-key retrieval).
     prefill_default: ClassVar[bool] = True
+    prefill_total: ClassVar[bool] = False  # its prefill reads only the window
     decay: float
     gain: float
     max_brightness: float

@@ -27,6 +27,7 @@ class H2O:
     # filler attends to, while the first step's query (the question) finds what matters
     # (docs/BENCHMARKS.md, pass-key retrieval).
     prefill_default: ClassVar[bool] = False
+    prefill_total: ClassVar[bool] = True  # its prefill reads ``total``
     aggregate: str
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:

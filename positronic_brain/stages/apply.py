@@ -24,6 +24,7 @@ import torch
 
 from ..forward import apply_rope, builds_scores, forward, rerotation
 from ..model import Model
+from ..scorers import reads_total
 from ..state import (FLAG_PROTECTED, MAX_BRIGHTNESS, Arena, Cold, Ledger, SplitArena, State,
                      key_norms, value_norms)
 from ..types import (NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Merge, Patch, PrefillStats,
@@ -138,8 +139,8 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
              ) -> tuple[list[torch.Tensor], list[int], list[int]]:
     """Append ``ids`` at ``positions`` in causal chunks; each chunk attends to all live slots.
     ``received`` (total, window, first): add into ``total`` (L, H, >= n) what every new
-    query paid each slot and into ``window`` what the queries from the ``first``-th new one
-    on paid (``forward``'s ``received``), without a second forward."""
+    query paid each slot (None: not wanted) and into ``window`` what the queries from the
+    ``first``-th new one on paid (``forward``'s ``received``), without a second forward."""
     a, m = state.arena, state.ledger
     logits, slots, uids = [], [], []
     built = builds_scores(model, received is not None, a.folded)
@@ -150,12 +151,12 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
         out = forward(model, past_k, past_v, ids[sl], positions[sl], all_logits=all_logits,
                       past_log_mass=log_mass,
                       received_from=None if received is None else max(0, received[2] - start),
-                      into=into)
+                      window_only=received is not None and received[0] is None, into=into)
         t = out.k.shape[2]
-        if received is not None:
+        if out.received is not None:
             received[0][:, :, :n + t] += out.received
-            if out.received_window is not None:
-                received[1][:, :, :n + t] += out.received_window
+        if out.received_window is not None:
+            received[1][:, :, :n + t] += out.received_window
         _write(a, n, out.k, out.v, norms_of_kv=False, copy=into is None)  # (L, KVH, t, D)
         uids += _write_rows(m, slice(n, n + t), ids[sl], positions[sl], sources[sl],
                             state.step, flags[sl])
@@ -170,7 +171,7 @@ def prime(model: Model, segments: list[Segment], capacity: int,
           pinned: frozenset[str] = frozenset(), chunk: int | None = None,
           all_logits: bool = False, seeds: tuple[float, ...] | None = None,
           cold_capacity: int | None = None, prefill_window: int | None = None,
-          scorer=None) -> tuple[State, PrimeOut]:
+          scorer=None, prefill_total: bool = True) -> tuple[State, PrimeOut]:
     """Stage 0: allocate an arena of ``capacity`` slots and prefill all prompt tokens but
     the last, which becomes the pending token (stage 1 runs it and samples the first
     generated token). Tokens whose source is in ``pinned`` are protected from culls;
@@ -179,9 +180,9 @@ def prime(model: Model, segments: list[Segment], capacity: int,
     ``capacity``: the arena's slots (``loop.arena_capacity`` chooses them for a session).
     ``cold_capacity``: with recall, the cold store's (None: no cold store).
     ``prefill_window``: also gather the prompt's attention statistics (``PrimeOut.stats``,
-    ``PrefillStats``) over its last ``prefill_window`` prefilled queries and all of them,
-    inside the chunked prefill; ``scorer``: then seed its ledger columns from them
-    (``seed``).
+    ``PrefillStats``) over its last ``prefill_window`` prefilled queries and, with
+    ``prefill_total``, all of them, inside the chunked prefill; ``scorer``: then seed its
+    ledger columns from them (``seed``).
     """
     ids_list = [i for s in segments for i in s.ids]
     require(len(ids_list) > 0, "the prompt is empty")
@@ -204,8 +205,8 @@ def prime(model: Model, segments: list[Segment], capacity: int,
     received = None
     if prefill_window is not None:
         shape = (model.spec.n_layers, model.spec.n_heads, T)
-        received = (torch.zeros(shape, device=dev), torch.zeros(shape, device=dev),
-                    max(0, T - prefill_window))
+        received = (torch.zeros(shape, device=dev) if prefill_total else None,
+                    torch.zeros(shape, device=dev), max(0, T - prefill_window))
     logits, slots, uids = _prefill(
         model, state, torch.tensor(ids_list[:T], device=dev), torch.arange(T, device=dev),
         torch.tensor(src[:T], dtype=torch.int8, device=dev),
@@ -239,6 +240,9 @@ def seed(state: State, scorer, stats: PrefillStats) -> ScoreOut | None:
     if take is None:
         return None
     assert torch.equal(view.uid, stats.uid), "the prompt statistics are of other slots"
+    require(stats.total is not None or not reads_total(scorer),
+            "this scorer's prefill reads the prompt's total attention, which the prime "
+            "did not gather")
     out = take(view, stats)
     _check_columns(out, view.n)
     m = state.ledger
