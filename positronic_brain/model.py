@@ -233,7 +233,8 @@ def check_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-COMPILERS = ("inductor", "native")  # --compile's choices; --compile alone: the first
+NATIVE = "native"  # the mode that runs stage 1 through the native kernels (``native``)
+COMPILERS = ("inductor", NATIVE)  # --compile's choices; --compile alone: the first
 
 
 def compile_mode(value: bool | str | None) -> str:
@@ -262,7 +263,7 @@ def check_compile(devices, mode: str = "inductor") -> None:
             f"{flag} on the CPU needs a C++ compiler (g++ or clang++) on the PATH")
     require("cuda" not in kinds or importlib.util.find_spec("triton") is not None,
             "--compile on a GPU needs triton (pip install triton)")
-    require(mode != "native" or shutil.which("ninja") is not None
+    require(mode != NATIVE or shutil.which("ninja") is not None
             or importlib.util.find_spec("ninja") is not None,
             "--compile native needs ninja (pip install ninja)")
 

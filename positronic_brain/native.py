@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .forward import forward, rope_tables
-from .model import Int8Weight, Model, PackedWeight, cache_dir, check_compile, cpu_line
+from .model import NATIVE, Int8Weight, Model, PackedWeight, cache_dir, check_compile, cpu_line
 from .state import ColdView, View
 from .types import ForwardOut, RecallQuery
 
@@ -42,17 +42,21 @@ def build() -> str:
                           + torch.__version__.encode()).hexdigest()[:12]
 
 
+def chosen(compiled: str) -> bool:
+    """Whether a model compiled as ``compiled`` (its ``Model.compiled``) runs these kernels."""
+    return compiled == NATIVE
+
+
 def for_model(model: Model) -> str | None:
-    """The kernels' ``build`` a ``model`` runs: None unless it is native (``--compile
-    native``)."""
-    return build() if model.compiled == "native" else None
+    """The kernels' ``build`` a ``model`` runs: None unless it is native (``chosen``)."""
+    return build() if chosen(model.compiled) else None
 
 
 @functools.cache
 def kernels():
     """The compiled kernels, built once per ``build`` (tens of seconds the first time; then
     loaded from the build folder named by it)."""
-    check_compile([torch.device("cpu")], "native")  # a compiler, and ninja
+    check_compile([torch.device("cpu")], NATIVE)  # a compiler, and ninja
     if shutil.which("ninja") is None:  # torch runs ninja from the PATH: the package's own
         import ninja  # pylint: disable=import-outside-toplevel
         os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
@@ -73,18 +77,18 @@ def applies(model: Model, past_k, ids: torch.Tensor, past_mask, kv_only: bool,
     live keys stored transposed (each key dimension a run of slots), float32 or bfloat16
     activations (int8's too) and a SiLU MLP."""
     return (ids.shape[0] == 1 and past_mask is None and not kv_only and received_from is None
-            and model.dtype in DTYPES and _kernel_keys(past_k) and not model.moves
+            and model.dtype in KERNEL_DTYPES and _kernel_keys(past_k) and not model.moves
             and type(model.layers[0].act).__name__ in SILU)
 
 
-DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
 
 
 def _kernel_keys(k) -> bool:
     """Whether live keys ``k`` (L, KVH, n, D) are as the kernels read them: one CPU block
     of a kernel dtype, stored transposed (each key dimension a run of slots)."""
     return (isinstance(k, torch.Tensor) and k.is_cpu and k.stride(2) == 1
-            and k.dtype in DTYPES)
+            and k.dtype in KERNEL_DTYPES)
 
 
 def cold_max(cold: ColdView, recall: RecallQuery, log_w: torch.Tensor | None) -> torch.Tensor:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..loop import Session
-from ..model import (CPU_ONLY, Int8Weight, Model, PackedWeight, compile_flag, load_model,
+from ..model import (CPU_ONLY, NATIVE, Int8Weight, Model, PackedWeight, compile_flag, load_model,
                      resolve_device)
 from ..sampler import make_generator
 from ..special_tokens import TokenPolicy
@@ -479,7 +479,7 @@ COMPILED = {
                          "Stage 1 compiled (`--compile`: torch.compile, context length dynamic)",
                          "Compiling took", " (the first stage-1 call; inductor's on-disk cache "
                          "shortens a second run's)"),
-    "native": Compiled("native", "Stage 1 native (`--compile native`: the weight products "
+    "native": Compiled(NATIVE, "Stage 1 native (`--compile native`: the weight products "
                        "and the work between them in native kernels)",
                        "Loading the model with its kernels and the first stage-1 call took",
                        " (building the kernels the first time on a machine takes tens of "
@@ -531,7 +531,7 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     llama = None if why_not else llamacpp.Contender(model, dtype, cfg.contexts[-1] + 8)
     compiled, compile_info = {}, []
     for key, how in COMPILED.items():
-        if how.mode == "native" and cfg.device != "cpu":
+        if how.mode == NATIVE and cfg.device != "cpu":
             continue  # the native kernels are the CPU's
         other, info = compile_model(cfg, dtype, view, ids, task, how.mode)
         compile_info.append(info)

@@ -93,7 +93,7 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0,
     if not culls or len(culls) >= view.n:
         return ()
     c = view.uid.new_tensor(culls)
-    into = native.fold_into(view, c, min_cos) if compiled == "native" else None
+    into = native.fold_into(view, c, min_cos) if native.chosen(compiled) else None
     if into is None:
         into = _fold_search(view, c, min_cos)
     return tuple(Fold(slot=s, uid=int(view.uid[s]), into=into[:, :, j])

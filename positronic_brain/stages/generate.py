@@ -45,7 +45,7 @@ def stage1_forward(model: Model):
     ``torch.compile`` (``_compiled``) or the native kernels' (``native.stage1``)."""
     if not model.compiled:
         return forward
-    return native.stage1 if model.compiled == "native" else _compiled()
+    return native.stage1 if native.chosen(model.compiled) else _compiled()
 
 
 @functools.cache

@@ -48,7 +48,7 @@ def recall_query(view: View, gen: GenerateOut, params: CacheParams,
                        layers=recall_layers(params, gen.query.shape[0]),
                        signal=params.signal, aggregate=params.recall_aggregate,
                        scan=(view.step + 1) % params.recall_every == 0,
-                       native=compiled == "native" and params.recall_aggregate == "max-max")
+                       native=native.chosen(compiled) and params.recall_aggregate == "max-max")
 
 
 def recall_signals(view: View, attention: torch.Tensor,
