@@ -308,9 +308,10 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     from device to device between layers (``Model.moves``), and every output is on the
     model's main device.
 
-    Several new tokens with no attention, statistics or log-mass wanted (a prefill) attend
-    through torch's fused ``scaled_dot_product_attention`` where ``builds_scores`` says so
-    (float32, a GPU, bfloat16 where ``WIDEN``), equal to the built scores' path up to
+    Several new tokens with no attention or log-mass wanted (a prefill) attend through
+    torch's fused ``scaled_dot_product_attention`` where ``builds_scores`` says so (float32,
+    a GPU, bfloat16 where ``WIDEN``; with the prompt's statistics wanted, on the CPU only,
+    where they come from the kernel's log-sum-exps), equal to the built scores' path up to
     float rounding; everything else builds the scores.
 
     Returns logits (T or 1, V) float32, the new K/V (L, kv_heads, T, head_dim) with RoPE
@@ -561,17 +562,20 @@ def _received_lse(q: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor | None
     (KVH, D, n) (None: no past) and the new ``k`` (KVH, T, D), ``LSE_ROWS`` queries at a
     time, each block summed as it is made (the scores of all T queries are never held at
     once; without ``out``, only the window's rows are made). The products are float32, as a
-    widened attention's are."""
+    widened attention's are. The sums are made on ``q``'s device and copied into ``out`` and
+    ``window`` (a layer of a split model may run elsewhere than the main device, where they
+    are)."""
     H, T, D = q.shape
     KVH = k.shape[0]
     g, n = H // KVH, 0 if past_kt is None else past_kt.shape[2]
     queries = q.float().view(KVH, g, T, D)
     new_kt, past_kt = k.float().transpose(1, 2), None if past_kt is None else past_kt.float()
     lse = None if lse is None else lse.view(KVH, g, T, 1)
-    for x in (out, window):
-        if x is not None:
-            x.zero_()
-    for a in range(0 if out is not None else start, T, LSE_ROWS):
+    sums = [None if x is None else torch.zeros(x.shape, device=q.device) for x in (out, window)]
+    total, last = sums
+    if total is None and last is None:
+        return
+    for a in range(0 if total is not None else start, T, LSE_ROWS):
         b = min(T, a + LSE_ROWS)
         qb = queries[:, :, a:b].reshape(KVH, g * (b - a), D)
         # the new tokens up to the block's last, then the past slots
@@ -590,7 +594,10 @@ def _received_lse(q: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor | None
             w = w.sub_(rows).exp_()
             if j == 0:  # each query's weights on the new tokens before its own
                 w = w.tril_(a - 1)
-            if out is not None:
-                out[:, cols] += w.sum(2).view(H, -1)
-            if window is not None and b > start:
-                window[:, cols] += w[:, :, max(0, start - a):].sum(2).view(H, -1)
+            if total is not None:
+                total[:, cols] += w.sum(2).view(H, -1)
+            if last is not None and b > start:
+                last[:, cols] += w[:, :, max(0, start - a):].sum(2).view(H, -1)
+    for x, made in zip((out, window), sums):
+        if x is not None:
+            x.copy_(made)

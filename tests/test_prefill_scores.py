@@ -14,6 +14,7 @@ from positronic_brain.bench import passkey
 from positronic_brain.capture import CaptureTape, sha256
 from positronic_brain.cli import main as cli
 from positronic_brain.loop import Session, run
+from positronic_brain.model import load_model
 from positronic_brain.replay import replay
 from positronic_brain.scorers import SCORERS, make_scorer, prefill_scorer, takes_prefill_scores
 from positronic_brain.session_io import load_session, save_session
@@ -45,12 +46,15 @@ def _hf_attention(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return att, vnorm
 
 
-@pytest.mark.parametrize("rows", [128, 3])
-def test_the_statistics_equal_hf_attention(monkeypatch, tiny_model, tiny_policy, rows):
+@pytest.mark.parametrize("rows, built", [(128, False), (3, False), (128, True)])
+def test_the_statistics_equal_hf_attention(monkeypatch, tiny_model, tiny_policy, rows, built):
     """The window mean and the totals, each query's own token left out, gathered over chunks
     that split the window, equal sums of HF's eager attention weights to 1e-5; so they do
-    where a block of the queries' weights (``forward.LSE_ROWS``) is shorter than a chunk."""
+    where a block of the queries' weights (``forward.LSE_ROWS``) is shorter than a chunk,
+    and where the prefill builds its scores (as off the CPU) and sums their softmax."""
     monkeypatch.setattr(forward_module, "LSE_ROWS", rows)
+    if built:
+        monkeypatch.setattr(forward_module, "builds_scores", lambda *args, **kw: True)
     segs = _prompt(tiny_policy)
     ids = [i for s in segs for i in s.ids]
     T, W = len(ids) - 1, 12
@@ -84,6 +88,9 @@ def test_a_prime_for_a_scorer_that_reads_only_the_window_gathers_no_total(tiny_m
     _, both = prime(tiny_model, segs, capacity=200, chunk=7, prefill_window=9)
     _, alone = prime(tiny_model, segs, capacity=200, chunk=7, prefill_window=9,
                      prefill_total=False)
+    with pytest.raises(UserError, match="total attention"):  # refused before the prefill
+        prime(tiny_model, segs, capacity=200, prefill_window=9, prefill_total=False,
+              scorer=make_scorer(CacheParams(scorer="h2o")))
     assert alone.stats.total is None and both.stats.total is not None
     assert float((alone.stats.window - both.stats.window).abs().max()) <= 1e-6
     assert torch.equal(alone.logits, both.logits)
@@ -95,6 +102,25 @@ def test_a_prime_for_a_scorer_that_reads_only_the_window_gathers_no_total(tiny_m
     s.state, _ = prime(tiny_model, segs, 200)
     with pytest.raises(UserError, match="total attention"):
         s.seed(alone.stats)
+
+
+@pytest.mark.parametrize("widen", [True, False])
+def test_bfloat16_statistics_are_the_float32_ones_to_its_rounding(monkeypatch, tiny_model,
+                                                                  tiny_policy, widen):
+    """bfloat16 statistics, from the fused kernel's log-sum-exps over widened products
+    (``WIDEN``) or from built bfloat16 scores, window alone or with the total, are the
+    float32 model's to bfloat16's rounding."""
+    monkeypatch.setattr(forward_module, "WIDEN", widen)
+    monkeypatch.setattr(forward_module, "WIDE_ROWS", 8)
+    model = load_model("tiny-random", "bfloat16", str(tiny_model.device))
+    segs = _prompt(tiny_policy)
+    _, want = prime(tiny_model, segs, capacity=200, chunk=16, prefill_window=9)
+    for total in (True, False):
+        _, got = prime(model, segs, capacity=200, chunk=16, prefill_window=9,
+                       prefill_total=total)
+        assert float((got.stats.window - want.stats.window).abs().max()) <= 2e-3
+        if total:
+            assert float((got.stats.total - want.stats.total).abs().max()) <= 2e-3
 
 
 def test_each_scorer_seeds_its_columns_as_its_file_says(tiny_model, tiny_policy):

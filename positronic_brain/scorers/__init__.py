@@ -58,8 +58,9 @@ def takes_prefill_scores(scorer: object, params: CacheParams,
 
 def reads_total(scorer: object) -> bool:
     """Whether ``scorer``'s ``prefill`` reads the statistics' ``total`` (its
-    ``prefill_total``; a scorer that does not say is taken to)."""
-    return bool(getattr(scorer, "prefill_total", True))
+    ``prefill_total``; a scorer that does not say is taken to; one without a ``prefill``
+    reads nothing)."""
+    return hasattr(scorer, "prefill") and bool(getattr(scorer, "prefill_total", True))
 
 
 def prefill_scorer(scorer: object, params: CacheParams) -> object | None:

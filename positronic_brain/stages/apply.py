@@ -133,6 +133,10 @@ def _write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: tor
     return uids.tolist()
 
 
+TOTAL_UNREAD = ("this scorer's prefill reads the prompt's total attention, which the prime "
+                "does not gather")
+
+
 def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Tensor,
              sources: torch.Tensor, flags: torch.Tensor, chunk: int | None, all_logits: bool,
              received: tuple[torch.Tensor, torch.Tensor, int] | None = None,
@@ -144,14 +148,18 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
     a, m = state.arena, state.ledger
     logits, slots, uids = [], [], []
     built = builds_scores(model, received is not None, a.folded)
+    window_only = received is not None and received[0] is None
     for sl in chunks(model, a.n, ids.shape[0], chunk, logits=all_logits, scores=built):
         start, n = sl.start, a.n
         past_k, past_v, log_mass = a.past(n)
         into = _slots(a, n, sl.stop - start)
+        # the queries from which this chunk's statistics are wanted (none: a chunk before
+        # the window when only the window is)
+        first = None if received is None or (window_only and received[2] >= sl.stop) else (
+            max(0, received[2] - start))
         out = forward(model, past_k, past_v, ids[sl], positions[sl], all_logits=all_logits,
-                      past_log_mass=log_mass,
-                      received_from=None if received is None else max(0, received[2] - start),
-                      window_only=received is not None and received[0] is None, into=into)
+                      past_log_mass=log_mass, received_from=first, window_only=window_only,
+                      into=into)
         t = out.k.shape[2]
         if out.received is not None:
             received[0][:, :, :n + t] += out.received
@@ -194,6 +202,7 @@ def prime(model: Model, segments: list[Segment], capacity: int,
             f"{model.spec.max_positions} positions")
     bad = [i for i in ids_list if not 0 <= i < model.spec.vocab]
     require(not bad, f"token id {bad[:1]} outside the model's vocabulary of {model.spec.vocab}")
+    require(prefill_total or scorer is None or not reads_total(scorer), TOTAL_UNREAD)
 
     src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
     flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
@@ -240,9 +249,7 @@ def seed(state: State, scorer, stats: PrefillStats) -> ScoreOut | None:
     if take is None:
         return None
     assert torch.equal(view.uid, stats.uid), "the prompt statistics are of other slots"
-    require(stats.total is not None or not reads_total(scorer),
-            "this scorer's prefill reads the prompt's total attention, which the prime "
-            "did not gather")
+    require(stats.total is not None or not reads_total(scorer), TOTAL_UNREAD)
     out = take(view, stats)
     _check_columns(out, view.n)
     m = state.ledger
