@@ -368,6 +368,10 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
         if received_from < T:
             window = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
 
+    def sums(i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``i``'s rows of ``received`` and ``window`` (each None: not wanted)."""
+        return tuple(None if x is None else x[i] for x in (received, window))
+
     # several new tokens and nothing wanted but the K/V and logits (a prefill), unless the
     # prefill builds its scores anyway (``builds_scores``): torch's fused attention
     fused = (T > 1 and attention is None and not want_query
@@ -428,10 +432,8 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             k, v = kv if kv is not None else _stacked(new_k, new_v, dev, bool(moves))
             return ForwardOut(logits=None, k=k, v=v, attention=None)
         if last_only and i == L - 1:  # from here only the last token's row is wanted
-            if received_from is not None:
-                _received_lse(q, k, past_kt[i] if n else None, None, received_from,
-                              None if received is None else received[i],
-                              None if window is None else window[i])
+            if received_from is not None:  # before its queries are cut
+                _received_lse(q, k, past_kt[i] if n else None, None, received_from, *sums(i))
             x, q, Tq = x[-1:], q[:, -1:], 1
             bias, mask_past, mask_new = (t if t is None else t[-1:]
                                          for t in (bias, mask_past, mask_new))
@@ -442,9 +444,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                 out = cpu_attention(q, k, v, *past)
             else:  # the statistics from the kernel's log-sum-exps (``builds_scores``)
                 out, lse = cpu_attention(q, k, v, *past, lse=True)
-                _received_lse(q, k, past_kt[i] if n else None, lse, received_from,
-                              None if received is None else received[i],
-                              None if window is None else window[i])
+                _received_lse(q, k, past_kt[i] if n else None, lse, received_from, *sums(i))
         elif fused:
             keys, values = torch.cat((past_ks[i], k), 1), torch.cat((past_vs[i], v), 1)
             out = fused_attention(q, keys, values, bias, grouped=q.device.type == "cpu")
@@ -475,9 +475,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             elif attention is not None:
                 attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
             if received_from is not None and Tq == T:
-                _received(p.view(KVH, g, T, n + T), n, received_from,
-                          None if received is None else received[i],
-                          None if window is None else window[i])
+                _received(p.view(KVH, g, T, n + T), n, received_from, *sums(i))
             p = as_dtype(p, dtype) if buf is None or dtype == torch.float32 else buf[2].copy_(p)
             p_past, p_new = p.split((n, T), dim=-1)
             if p.dtype != torch.float32 and p.device.type != "cpu":

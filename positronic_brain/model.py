@@ -209,6 +209,12 @@ def cpu_line(*keys: str) -> str:
     return next((line for line in _cpuinfo() if line.startswith(keys)), "")
 
 
+def cpu_flags() -> str:
+    """The CPU's instruction-set line of /proc/cpuinfo (``flags`` on x86, ``Features`` on
+    ARM), which picks oneDNN's kernels and the native build's (``native.build``)."""
+    return cpu_line("flags", "Features")
+
+
 def device_kind(device: torch.device) -> str:
     """What decides a run's bits beside its inputs and the code: on the CPU its model and
     instruction set (a digest of its flags: oneDNN picks its kernels by them, and without
@@ -216,7 +222,7 @@ def device_kind(device: torch.device) -> str:
     name and memory (the memory sets the prefill's chunks there: ``stages.apply.chunks``)."""
     if device.type == "cpu":
         name = cpu_line("model name").partition(":")[2].strip() or "unknown"
-        flags = hashlib.sha256(cpu_line("flags", "Features").encode()).hexdigest()[:8]
+        flags = hashlib.sha256(cpu_flags().encode()).hexdigest()[:8]
         return f"cpu: {name}, flags {flags}"
     props = torch.cuda.get_device_properties(device)
     return f"{props.name}, {props.total_memory // 2**20} MiB"

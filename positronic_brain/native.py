@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .forward import forward, rope_tables
-from .model import NATIVE, Int8Weight, Model, PackedWeight, cache_dir, check_compile, cpu_line
+from .model import NATIVE, Int8Weight, Model, PackedWeight, cache_dir, check_compile, cpu_flags
 from .state import ColdView, View
 from .types import ForwardOut, RecallQuery
 
@@ -38,7 +38,7 @@ def build() -> str:
     """The kernels' build: a digest of the source, this machine's instruction set (they are
     built with ``-march=native``) and torch. Besides the device (``model.device_kind``) it
     decides a native model's bits, so a capture records it (``for_model``)."""
-    return hashlib.sha256(SOURCE.read_bytes() + cpu_line("flags", "Features").encode()
+    return hashlib.sha256(SOURCE.read_bytes() + cpu_flags().encode()
                           + torch.__version__.encode()).hexdigest()[:12]
 
 
