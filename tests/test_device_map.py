@@ -200,12 +200,16 @@ def test_split_over_real_devices_gives_the_one_gpu_logits(device_map, blocks):
     assert two.split and two.device == torch.device("cuda", 0)
     policy = TokenPolicy(one.tokenizer)
     force = policy.raw_prompt(TEXT[::-1])[0].ids[:STEPS]
-    taped = Logits(), Logits()
+    taped, stats = (Logits(), Logits()), []
     for model, tape in zip((one, two), taped):
         session = Session(model, policy, SAMPLED, tape=tape)
-        session.prime(policy.raw_prompt(TEXT))
+        stats.append(session.prime(policy.raw_prompt(TEXT), stats=True))
         list(session.stream(STEPS, ignore_eos=True, force=force))
         session.state.check_valid()
     assert [b.device for b in session.state.arena.blocks] == [torch.device(d) for d in blocks]
     for a, b in zip(*(t.logits for t in taped)):
         assert torch.allclose(a, b, rtol=0, atol=1e-4), f"max |diff| {(a - b).abs().max():.3g}"
+    # the prompt's statistics gathered on each layer's own device
+    for name in ("window", "total"):
+        a, b = (getattr(s, name) for s in stats)
+        assert a.device == b.device and torch.allclose(a, b, rtol=0, atol=1e-5), name

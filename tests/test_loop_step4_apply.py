@@ -240,7 +240,7 @@ def test_many_removed_slots_move_as_a_few_do(tiny_model, folded):
     for arena, ledger in ((state.arena, state.ledger), (cold.arena, cold.ledger)):
         if arena is cold.arena:  # the cold store's rows: the hot arena's, copied in
             n = state.arena.n
-            rows = torch.arange(n)
+            rows = torch.arange(n, device=ledger.device)
             stage4._put_rows(arena, ledger, rows,
                              stage4._take_rows(state.arena, state.ledger, rows))
             arena.n = ledger.n = n

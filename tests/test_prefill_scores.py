@@ -93,7 +93,10 @@ def test_a_prime_for_a_scorer_that_reads_only_the_window_gathers_no_total(tiny_m
               scorer=make_scorer(CacheParams(scorer="h2o")))
     assert alone.stats.total is None and both.stats.total is not None
     assert float((alone.stats.window - both.stats.window).abs().max()) <= 1e-6
-    assert torch.equal(alone.logits, both.logits)
+    if tiny_model.device.type == "cpu":  # both attend through ``cpu_attention``
+        assert torch.equal(alone.logits, both.logits)
+    else:  # chunks before the window attend fused, the others through built scores
+        assert torch.allclose(alone.logits, both.logits, rtol=0, atol=1e-4)
     p = CacheParams(budget=24, prefill_scores=True, prefill_window=9)
     for scorer, total in (("brightness", False), ("h2o", True)):
         s = Session(tiny_model, tiny_policy, cache_params=dataclasses.replace(p, scorer=scorer))
