@@ -10,6 +10,10 @@ from positronic_brain.loop import Session
 from positronic_brain.streaming import astream
 from positronic_brain.types import CacheParams, SamplerParams, UserError
 
+# every test here is a coroutine, which pytest runs only through this plugin (the dev extra)
+pytest.importorskip("pytest_asyncio", reason="the async tests need pytest-asyncio "
+                    "(pip install -e .[dev])")
+
 GREEDY = SamplerParams(greedy=True)
 
 
