@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from positronic_brain.bench import speed
+from positronic_brain.types import CacheParams
 from positronic_brain.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -220,3 +221,26 @@ def test_missed_decode_targets_are_explained_without_llama_cpp():
     # 4096 misses its plain target (0.6); both miss the yardstick's (0.25, 0.20)
     assert [n.split(":")[0] for n in notes if n.startswith("- **bfloat16, context")] == \
         ["- **bfloat16, context 4096", "- **bfloat16, context 1024", "- **bfloat16, context 4096"]
+
+
+def test_a_missed_recall_step_says_how_far_reading_the_cold_keys_alone_would_take_it():
+    """The recall row's note gives the scan's bytes per step at the measured bandwidth and
+    the least step they allow on top of the same loop without recall."""
+    loop = [{"dtype": "bfloat16", "stage1": "native", "repair": what, "context": 512,
+             "cold": cold, "recall_every": every, "scan_bytes": scanned, "stage1_ms": 20.0,
+             "score_ms": 1.0, "decide_ms": 0.5, "step_ms": step, "overhead": step / 20.0}
+            for what, cold, every, scanned, step in (("none", 0, 1, None, 21.0),
+                                                     ("none + recall", 8000, 4, 80e6, 26.0))]
+    res = {"loop": loop, "bandwidth_gb_s": 20.0, "targets": [], "decode": [],
+           "decode_fit": [], "memory": [], "alloc_fit": []}
+    (note,) = speed.missed_notes(res)  # only the recall row misses (1.30x; none: 1.05x)
+    assert note.startswith("- **bfloat16, loop step (")
+    # 80 MB over 4 steps: 20 MB a step at 20 GB/s is 1.00 ms, 0.05 of stage 1's 20 ms
+    assert "76.3 MiB of cold keys, 19.1 MiB a step over 4 steps: 1.00 ms a step" in note
+    assert "could not go below 1.10x here" in note  # 1.05 + 0.05
+
+
+def test_the_scan_reads_every_recall_layer_s_cold_keys():
+    params = CacheParams(budget=64, recall=True, recall_layers=3)
+    k = torch.zeros(6, 2, 100, 4, dtype=torch.bfloat16)
+    assert speed.scan_bytes(params, k, 10) == 3 * 2 * 10 * 4 * 2

@@ -219,6 +219,9 @@ def test_the_recall_targets_read_the_recall_rows():
         (pytest.approx(0.4), False), (pytest.approx(4.0), True), (None, None)]
     drop = [t for t in rows if t["what"].startswith("budget 128: brightness (")]
     assert [t["value"] for t in drop] == [pytest.approx(1.05)]  # recall is not drop-only
+    bound = [t for t in rows if "the hindsight oracle" in t["what"]]  # no oracle at 512
+    assert [(t["value"], t["target"], t["met"]) for t in bound] == [
+        (pytest.approx(0.9), "–", None), (pytest.approx(0.99), "–", None)]
 
 
 def test_windows_never_overlap_the_tune_slice():

@@ -558,7 +558,7 @@ def _target(what: str, value: float | None, target: float | None, at_most: bool 
 def _grid_targets(res: dict) -> list[dict]:
     """Per budget: brightness (drop-only, its best repair) / the best baseline; the default
     policy with recall / the best baseline; the share of the baseline -> oracle gap the
-    default policy with recall closes."""
+    default policy with recall closes; the oracle / the best baseline."""
     out = []
     for b in res["config"]["budgets"]:
         base, rec = best(res["runs"], b, BASELINES), with_recall(res, b)
@@ -574,6 +574,10 @@ def _grid_targets(res: dict) -> list[dict]:
                                rec["ppl"] / base["ppl"],
                                GRID_RECALL_TARGET if b in GRID_RECALL_BUDGETS else None))
             out.append(_gap_target(res, rec))
+        oracle = next((r for r in res.get("oracle", ()) if r["budget"] == b), None)
+        if oracle:  # what the best eviction gives: a yardstick for the rows above, no target
+            out.append(_target(f"budget {b}: the hindsight oracle ({oracle['ppl']:.3f}) / {vs}",
+                               oracle["ppl"] / base["ppl"], None))
     return out
 
 

@@ -41,7 +41,7 @@ from ..special_tokens import TokenPolicy
 from ..stages.apply import apply, prime
 from ..stages.decide import decide, fold_targets, merge_pair
 from ..stages.generate import generate
-from ..stages.score import recall_query, score
+from ..stages.score import recall_layers, recall_query, score
 from ..state import State, View
 from ..types import Actions, CacheParams, SamplerParams, Segment, require
 from . import common, llamacpp
@@ -359,9 +359,11 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
         t["loop step"] = [x / every for x in t["loop step"]]
         assert session.state.arena.n == cfg.budget, "the loop is not at its budget"
         ms = {k: common.median(v) for k, v in t.items()}
+        store = session.state.cold
         rows.append({"dtype": dt, "stage1": how, "repair": what, "context": cfg.budget,
-                     "cold": session.state.cold.n if cold else 0, "recall_every": every,
-                     "cold_bytes_per_token": session.state.cold.bytes_per_token if cold else None,
+                     "cold": store.n if cold else 0, "recall_every": every,
+                     "cold_bytes_per_token": store.bytes_per_token if cold else None,
+                     "scan_bytes": scan_bytes(params, store.arena.k, store.n) if cold else None,
                      "stage1_ms": ms["stage 1"], "score_ms": ms["stage 2"],
                      "decide_ms": ms["stage 3"], "step_ms": ms["loop step"],
                      "overhead": common.median_ratio(t["loop step"], t["stage 1"])})
@@ -514,6 +516,13 @@ def reason(e: BaseException) -> str:
     e = getattr(e, "inner_exception", None) or e
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
     return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
+
+def scan_bytes(params: CacheParams, k: torch.Tensor, cold: int) -> int:
+    """The bytes of cold keys ``k`` (L, kv_heads, capacity, head_dim) a scan step reads:
+    ``cold`` rows of every recall layer and KV head."""
+    L, kv_heads, _, head_dim = k.shape
+    return len(recall_layers(params, L)) * kv_heads * cold * head_dim * k.element_size()
 
 
 def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
@@ -786,6 +795,8 @@ def missed_notes(res: dict) -> list[str]:
                if r["repair"] == "merge" else
                f" Stage 2 scores the {r['cold']} cold keys of every layer brightness reads"
                f" (`recall_layers`, `recall_every` trade that away)." if r.get("cold") else "")
+        if r.get("scan_bytes"):
+            why += _scan_floor(res, r)
         if r.get("cold") and r.get("recall_every", 1) > 1:
             notes.append(
                 f"- **{r['dtype']}, loop step ({_loop_what(r)}): {r['overhead']:.2f}x "
@@ -820,6 +831,23 @@ def missed_notes(res: dict) -> list[str]:
                 f"multiplies, in every layer. The count comes from the allocator's own events, "
                 f"so it sees copies made inside a kernel.")
     return notes
+
+
+def _scan_floor(res: dict, r: dict) -> str:
+    """How close a recall row could come to its target if reading the cold keys were the
+    only cost: the scan's bytes per step at the measured copy bandwidth, on top of the same
+    loop without recall."""
+    per_step = r["scan_bytes"] / r["recall_every"]
+    floor = per_step / (res["bandwidth_gb_s"] * 1e9) * 1e3
+    plain = next((x for x in res["loop"] if x["dtype"] == r["dtype"]
+                  and x["stage1"] == r["stage1"] and x["repair"] == "none"), None)
+    least = "" if plain is None else (
+        f" The same loop without recall costs {plain['overhead']:.2f}x, so with every other "
+        f"part of recall free the step could not go below "
+        f"{plain['overhead'] + floor / r['stage1_ms']:.2f}x here.")
+    return (f" The scan reads {fmt_bytes(r['scan_bytes'])} of cold keys, "
+            f"{fmt_bytes(per_step)} a step over {r['recall_every']} steps: {floor:.2f} ms a step "
+            f"at the measured copy bandwidth ({res['bandwidth_gb_s']:.1f} GB/s)." + least)
 
 
 # --- output -------------------------------------------------------------------------------
