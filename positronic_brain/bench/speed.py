@@ -805,7 +805,7 @@ def missed_notes(res: dict) -> list[str]:
                 f"stage 2 {r['score_ms']:.2f} ms and stage 3 {r['decide_ms']:.1f} ms." + why)
             continue
         notes.append(
-            f"- **{r['dtype']}, loop step with {r['repair']} repair: {r['overhead']:.2f}x "
+            f"- **{r['dtype']}, loop step ({_loop_what(r)}): {r['overhead']:.2f}x "
             f"stage 1, target <= {loop_target(r)}.** Stage 1 {r['stage1_ms']:.1f} ms, stage 2 "
             f"{r['score_ms']:.2f} ms, stage 3 {r['decide_ms']:.1f} ms, " + (
                 f"the rest of the step (stage 4, bookkeeping) {rest:.1f} ms." if rest >= 0 else
