@@ -69,14 +69,15 @@ class Session:
             add_cold_store(self.model, self.state, self.cache_params.cold_capacity)  # stage 0
 
     def prime(self, segments: list[Segment], capacity: int | None = None,
-              stats: bool = False) -> PrefillStats | None:
+              stats: bool = False, total: bool = True) -> PrefillStats | None:
         """Stage 0 over the prompt segments (what the special-token policy produced), into
         an arena of ``capacity`` slots (default: ``arena_capacity``). Where
         ``scorers.takes_prefill_scores`` says so (the resolved value is kept in
         ``cache_params``), stage 0 also gathers the prompt's attention statistics and seeds
         the scorer's columns from them (their ``total`` only if it reads it:
-        ``scorers.reads_total``); ``stats`` gathers them all whatever the scorer (a copy of the
-        prime is then seeded with ``seed``). Returns them (None: not gathered)."""
+        ``scorers.reads_total``); ``stats`` gathers them whatever the scorer (a copy of the
+        prime is then seeded with ``seed``), the total too unless ``total`` is False (no
+        scorer seeded from them reads it). Returns them (None: not gathered)."""
         n_prompt = sum(len(s.ids) for s in segments)
         params = self._resolve_prefill(n_prompt)
         capacity = capacity or arena_capacity(self.model, params, n_prompt)
@@ -88,7 +89,7 @@ class Session:
         self.state, out = prime(self.model, segments, capacity, pinned=frozenset(params.pinned),
                                 seeds=params.seeds, cold_capacity=cold_capacity(params),
                                 prefill_window=params.prefill_window if gather else None,
-                                scorer=scorer, prefill_total=stats or reads_total(scorer))
+                                scorer=scorer, prefill_total=(stats and total) or reads_total(scorer))
         self.tape.primed(self.state, segments, capacity, out, params if gather else None)
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []

@@ -101,6 +101,27 @@ def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, one_thre
     assert row["tokens"] <= 400 and len(row["hits"]) == 1 + len(grid) == 7
 
 
+@pytest.mark.parametrize("policies, total", [(("brightness",), False), (("h2o",), True)])
+def test_the_trial_s_prime_gathers_the_total_only_for_a_cell_that_reads_it(
+        tiny_model, tiny_policy, one_thread, monkeypatch, policies, total):
+    """Brightness seeds from the window alone; H2O with prefill scores (its flipped
+    variant) from the total too: the shared prime gathers what the cells' seeds read."""
+    cfg = passkey.PasskeyConfig(model="tiny-random", lengths=(400,), budgets=(64,),
+                                policies=policies)
+    gathered, prime = [], Session.prime
+    monkeypatch.setattr(Session, "prime", lambda self, *a, **kw: gathered.append(
+        prime(self, *a, **kw)) or gathered[-1])
+    trial, grid = passkey.trials(0, 1, cfg.lengths)[0], passkey.cells(cfg)
+    row = passkey.run_trial(tiny_model, tiny_policy, cfg, trial, grid)
+    (stats,) = gathered
+    assert stats is not None and (stats.total is not None) == total
+    _, segs = passkey.fit(tiny_policy, trial.key, trial.depth, trial.length, cfg.framing)
+    for cell, text in zip(grid, row["answers"][1:]):  # each cell as if primed alone
+        fresh = Session(tiny_model, tiny_policy, SamplerParams(greedy=True), cell.cache)
+        fresh.prime(segs)
+        assert text == tiny_policy.decode([r.token_id for r in fresh.stream(cfg.max_new_tokens)])
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_smollm2_finds_the_key_in_a_1k_prompt(real_model, real_policy):
     """Hand-checked: trial 0 (key 46398 at 49% of ~1k tokens of filler) is answered

@@ -37,7 +37,8 @@ from pathlib import Path
 
 from ..loop import Session, arena_capacity
 from ..model import Model, load_model, resolve_device
-from ..scorers import CULLING, culling, make_scorer, takes_prefill_scores, user
+from ..scorers import (CULLING, culling, make_scorer, reads_total, takes_prefill_scores,
+                       user)
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, UserError, require
 from . import common
@@ -264,9 +265,10 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
     sampler = SamplerParams(greedy=True)
     t0 = time.perf_counter()
     ref = Session(model, policy, sampler, cfg.cache(None, "none"))
+    scorers = [make_scorer(c.cache) for c in grid]
+    seeded = [s for s, c in zip(scorers, grid) if takes_prefill_scores(s, c.cache, n)]
     stats = ref.prime(segs, arena_capacity(model, ref.cache_params, n, cfg.max_new_tokens),
-                      stats=any(takes_prefill_scores(make_scorer(c.cache), c.cache, n)
-                                for c in grid))
+                      stats=bool(seeded), total=any(reads_total(s) for s in seeded))
     t1 = time.perf_counter()
     primed = copy.deepcopy(ref.state) if grid else None
     t2 = time.perf_counter()
