@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from positronic_brain.bench import speed
-from positronic_brain.types import CacheParams
 from positronic_brain.cli import main
+from positronic_brain.types import CacheParams
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

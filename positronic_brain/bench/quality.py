@@ -575,7 +575,7 @@ def _grid_targets(res: dict) -> list[dict]:
                                GRID_RECALL_TARGET if b in GRID_RECALL_BUDGETS else None))
             out.append(_gap_target(res, rec))
         oracle = next((r for r in res.get("oracle", ()) if r["budget"] == b), None)
-        if oracle:  # what the best eviction gives: a yardstick for the rows above, no target
+        if oracle:  # the yardstick of the rows above (no strict bound), with no target
             out.append(_target(f"budget {b}: the hindsight oracle ({oracle['ppl']:.3f}) / {vs}",
                                oracle["ppl"] / base["ppl"], None))
     return out
