@@ -560,16 +560,17 @@ def _received_lse(q: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor | None
     (KVH, D, n) (None: no past) and the new ``k`` (KVH, T, D), ``LSE_ROWS`` queries at a
     time, each block summed as it is made (the scores of all T queries are never held at
     once; without ``out``, only the window's rows are made). The products are float32, as a
-    widened attention's are. The sums are made on ``q``'s device and copied into ``out`` and
-    ``window`` (a layer of a split model may run elsewhere than the main device, where they
-    are)."""
+    widened attention's are. The sums are made on ``q``'s device: in ``out`` and ``window``
+    where they are there, else in buffers copied into them at the end (a layer of a split
+    model may run elsewhere than the main device, where they are)."""
     H, T, D = q.shape
     KVH = k.shape[0]
     g, n = H // KVH, 0 if past_kt is None else past_kt.shape[2]
     queries = q.float().view(KVH, g, T, D)
     new_kt, past_kt = k.float().transpose(1, 2), None if past_kt is None else past_kt.float()
     lse = None if lse is None else lse.view(KVH, g, T, 1)
-    sums = [None if x is None else torch.zeros(x.shape, device=q.device) for x in (out, window)]
+    sums = [None if x is None else x.zero_() if x.device == q.device else
+            torch.zeros(x.shape, device=q.device) for x in (out, window)]
     total, last = sums
     if total is None and last is None:
         return
@@ -597,5 +598,5 @@ def _received_lse(q: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor | None
             if last is not None and b > start:
                 last[:, cols] += w[:, :, max(0, start - a):].sum(2).view(H, -1)
     for x, made in zip((out, window), sums):
-        if x is not None:
+        if x is not made:  # made elsewhere
             x.copy_(made)
