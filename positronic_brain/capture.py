@@ -16,12 +16,15 @@ where that stage wrote it. This version reads capture format ``FORMAT`` only.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
 import os
 import platform
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
@@ -80,7 +83,7 @@ def arena_version(state) -> int:
     return hash((tuple(t._version for t in tensors), counts)) & (2 ** 62 - 1)
 
 
-def _view_columns(view) -> dict:
+def view_columns(view) -> dict:
     """The view's ledger columns and scalars (no K/V): what a scorer or inspect reads."""
     return {**{c: getattr(view, c) for c in LEDGER_COLUMNS},
             "pending_token": view.pending_token, "next_position": view.next_position,
@@ -177,16 +180,12 @@ class CaptureTape(Tape):
         """Record ``state`` from here on, its step now being the tape's ``step``."""
         self._state, self._offset = state, step - state.step
 
-    def copy_from(self, run: "CaptureRun", before: int, state) -> None:
-        """Take ``run``'s files of what happened before step ``before`` (its prime or restore,
-        chat turns and steps; ``fork``), byte for byte: they replay as they did there.
-        ``state`` is the state ``run`` had then (``replay.rebuild``), which goes on here."""
-        for name in run.manifest["files"]:
-            parsed = parse_name(name)
-            snap = _STATE.fullmatch(name)
-            step = parsed[0] if parsed else int(snap[1]) if snap else None
-            if step is not None and step < before:
-                self._add(name, (run.dir / name).read_bytes(), step)
+    def copy_from(self, files: dict[str, tuple[int, bytes]], before: int, state) -> None:
+        """Take a run's ``files`` of what happened before step ``before`` (``CaptureRun.
+        files_before``; ``fork``), byte for byte: they replay as they did there. ``state``
+        is the state the run had then (``replay.rebuild``), which goes on here."""
+        for name, (step, data) in files.items():
+            self._add(name, data, step)
         self._follow(state, before - 1)
         self._write_manifest()
 
@@ -230,7 +229,7 @@ class CaptureTape(Tape):
 
     def generated(self, view, sampler, force, gen) -> None:
         self._stage(view.step + 1, "s1_generate",
-                    {"view": _view_columns(view), "sampler": sampler,
+                    {"view": view_columns(view), "sampler": sampler,
                      "generator_state": self._rng, "force": force}, gen_outputs(gen))
 
     def scored(self, view, cache_params, scores) -> None:
@@ -302,18 +301,24 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
     return manifest
 
 
-def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
-              model: dict | str | None = None, device: torch.device | str = "cpu") -> dict:
-    """Read one capture file as plain data, its tensors onto ``device``; a wrong checksum, a
-    truncated or non-plain file, or a file from another model raises ``UserError`` (one
-    line). Nothing is unpickled."""
-    path = Path(path)
+def _read(path: Path, expected_sha256: str | None) -> bytes:
+    """A capture file's bytes, checked against the manifest's ``expected_sha256`` (if given)."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
     if expected_sha256 is not None and sha256(data) != expected_sha256:
         raise UserError(f"{path.name}: sha256 differs from the manifest (modified or truncated)")
+    return data
+
+
+def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
+              model: dict | str | None = None, device: torch.device | str = "cpu") -> dict:
+    """Read one capture file as plain data, its tensors onto ``device``; a wrong checksum, a
+    truncated or non-plain file, or a file from another model raises ``UserError`` (one
+    line). Nothing is unpickled."""
+    path = Path(path)
+    data = _read(path, expected_sha256)
     try:
         obj = torch.load(io.BytesIO(data), weights_only=True, map_location=device)
     except Exception as e:  # truncated zip, pickled objects refused by weights_only, ...
@@ -330,6 +335,32 @@ def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
     if model is not None and obj["model"] != model:
         raise UserError(f"{path.name}: captured from model {obj['model']!r}, not {model!r}")
     return obj
+
+
+@contextlib.contextmanager
+def inconsistent(where: str | os.PathLike) -> Iterator[None]:
+    """What a capture's contents make its readers raise (a value of another type, shape or
+    range than the loop writes, an entry missing) as a one-line ``UserError`` naming
+    ``where``: capture files are plain data, checked where they are used."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (AssertionError, AttributeError, IndexError, KeyError, OverflowError, RuntimeError,
+            TypeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        raise UserError(f"{where}: inconsistent capture ({type(e).__name__}: {first})") from None
+
+
+def reads_capture(fn):
+    """``fn``, whose first argument names a capture (a run, its folder, or several
+    folders), with ``inconsistent``'s errors naming it."""
+    @functools.wraps(fn)
+    def checked(where, *args, **kwargs):
+        named = getattr(where, "dir", where)
+        with inconsistent(", ".join(map(str, named)) if isinstance(named, list) else named):
+            return fn(where, *args, **kwargs)
+    return checked
 
 
 def resolve_run(path: str | os.PathLike) -> Path:
@@ -360,6 +391,18 @@ class CaptureRun:
 
     def has(self, name: str) -> bool:
         return name in self.manifest["files"]
+
+    def files_before(self, before: int) -> dict[str, tuple[int, bytes]]:
+        """The step and bytes of each file of what happened before step ``before`` (its
+        prime or restore, chat turns, steps and their state files), each checked against
+        the manifest's sha256 (``UserError``, one line)."""
+        out = {}
+        for name, expected in self.manifest["files"].items():
+            parsed, snap = parse_name(name), _STATE.fullmatch(name)
+            step = parsed[0] if parsed else int(snap[1]) if snap else None
+            if step is not None and step < before:
+                out[name] = (step, _read(self.dir / name, expected))
+        return out
 
     def load(self, name: str) -> dict:
         require(self.has(name), f"{name} is not in the manifest")

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import page
-from .capture import CaptureRun
+from .capture import CaptureRun, reads_capture
 from .model import load_model
 from .special_tokens import TokenPolicy
 from .types import require
@@ -57,6 +57,7 @@ def label(run: CaptureRun) -> str:
     return f"{run.dir.name} ({', '.join(what)})"
 
 
+@reads_capture
 def load(path: str) -> Run:
     run = CaptureRun(path)
     r = Run(str(run.dir), label(run), list(run.manifest.get("prompt_ids", [])))
@@ -122,6 +123,7 @@ def compare(paths: list[str], jump: float = JUMP, top: int = TOP, decode=None) -
             "first_divergence": parted, "jump": jump, "steps": steps, "jumps": jumps}
 
 
+@reads_capture
 def main(paths: list[str], jump: float = JUMP, top: int = TOP, as_json: bool = False,
          last: int | None = None, html: str | None = None) -> int:
     require(len(paths) >= 2, "compare needs at least two runs")

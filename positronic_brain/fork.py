@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from . import native
-from .capture import NO_TAPE, CaptureTape
+from .capture import CaptureTape, reads_capture
 from .loop import Session, drive
 from .model import device_kind
 from .replay import open_run, rebuild
@@ -29,6 +29,7 @@ OWN = ("format", "run_id", "level", "created", "versions", "complete", "stop_rea
        "last_step", "last_file", "files", "parent", "scorer_sha256")
 
 
+@reads_capture
 def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dict | None = None,
          max_new_tokens: int | None = None, capture: str | None = None,
          level: str = "light", command: str = "", device: str | None = None,
@@ -55,15 +56,25 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
     max_new_tokens = left if max_new_tokens is None else max_new_tokens
     require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
     state, tokens = rebuild(run, model, step)
+    state.check_valid()
+    at = run.step(step)
+    require(at is not None, f"step {step} was not captured whole; a fork cannot start there")
     require(not cache_params.recall or state.cold is not None,
             "the parent run has no cold store: a fork cannot switch recall on")
     require(cache_params.budget is None or cache_params.budget <= state.arena.capacity,
             f"budget {cache_params.budget} is more than the parent's arena of "
             f"{state.arena.capacity} slots")
-    tape = NO_TAPE
-    if capture is not None:
+    session = Session(model, TokenPolicy(model.tokenizer), new_sampler, cache_params,
+                      state=state)
+    if new_sampler.seed == old_sampler.seed:  # the generator as it was before step T
+        session.generator.set_state(at.generate.args["generator_state"].cpu())
+    session.prompt_ids = list(manifest.get("prompt_ids", []))
+    session.generated_ids = list(tokens)
+    ignore_eos = bool(args.get("ignore_eos", False))
+    if capture is not None:  # made once everything the fork reads of its parent is read
+        copied = run.files_before(step)
         own = {k: v for k, v in manifest.items() if k not in OWN}
-        tape = CaptureTape(capture, {
+        session.tape = CaptureTape(capture, {
             **own, "command": command, "device": str(model.device),
             "device_kind": _both(manifest.get("device_kind"), device_kind(model.device)),
             "kernels": _both(manifest.get("kernels"), native.for_model(model)),
@@ -73,14 +84,8 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
             "parent": {"run": str(run.dir.resolve()), "run_id": manifest.get("run_id"),
                        "step": step}},
             level=level)
-        tape.copy_from(run, step, state)
-    session = Session(model, TokenPolicy(model.tokenizer), new_sampler, cache_params,
-                      state=state, tape=tape)
-    if new_sampler.seed == old_sampler.seed:  # the generator as it was before step T
-        session.generator.set_state(run.step(step).generate.args["generator_state"].cpu())
-    session.prompt_ids = list(manifest.get("prompt_ids", []))
-    session.generated_ids = list(tokens)
-    out = drive(session, max_new_tokens, bool(args.get("ignore_eos", False)), on_text)
+        session.tape.copy_from(copied, step, state)
+    out = drive(session, max_new_tokens, ignore_eos, on_text)
     return {**out, "parent": {"run": str(run.dir.resolve()), "step": step}}
 
 

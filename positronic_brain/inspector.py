@@ -19,7 +19,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from . import page
-from .capture import CaptureRun, file_name, load_file
+from .capture import CaptureRun, file_name, load_file, reads_capture
 from .model import compile_mode, load_model
 from .render import context_text, origin_legend, sparkline, steps_table
 from .special_tokens import TokenPolicy
@@ -132,6 +132,7 @@ def write_page(run: CaptureRun, out: str, last: int | None = None) -> Path:
     return page.write(out, f"positronic-brain run {run.dir.name}", [data])
 
 
+@reads_capture
 def main(path: str, step: int | None = None, last: int | None = None, out=None,
          html: str | None = None) -> int:
     console = Console(file=out, highlight=False)

@@ -7,17 +7,20 @@ into plain data: a dataclass becomes a dict tagged ``"__type__"``, a tensor is c
 memory (a view of the arena would otherwise save its whole preallocated storage, and a file
 must load on any machine), a frozenset a sorted
 tuple, a dtype its name. ``from_plain`` inverts it, rebuilding dataclasses only from the
-fixed table of ``types.py`` classes (validated by their ``__post_init__``), so reading a
-file never runs code. ``json=True`` also tags tuples and dicts with non-string keys, which
-JSON cannot hold, and refuses tensors.
+fixed table of ``types.py`` classes (each field of its annotated type, ``check_types``, then
+validated by their ``__post_init__``), so reading a file never runs code. ``json=True`` also
+tags tuples and dicts with non-string keys, which JSON cannot hold, and refuses tensors.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
+import typing
 from pathlib import Path
+from types import UnionType
 
 import torch
 from safetensors import safe_open
@@ -70,11 +73,48 @@ def from_plain(x):
     if "__type__" in x:
         cls = TYPES.get(x["__type__"])
         require(cls is not None, f"unknown saved type {x['__type__']!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(x) - names - {"__type__"})
-        require(not unknown, f"unknown field {unknown[:1]} of a saved {x['__type__']}")
-        return cls(**{k: from_plain(v) for k, v in x.items() if k != "__type__"})
+        values = {k: from_plain(v) for k, v in x.items() if k != "__type__"}
+        check_types(cls, values, f"a saved {x['__type__']}")
+        return cls(**values)
     return {k: from_plain(v) for k, v in x.items()}
+
+
+@functools.cache
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def fits(value, hint) -> bool:
+    """Whether ``value`` (read from a file) is of the annotated type ``hint``: ``int`` an
+    integer of 64 bits (not a bool), ``float`` a float or an integer a float holds exactly,
+    a tuple's or a list's items and a dict's keys and values of theirs, one of a union's."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, UnionType):
+        return any(fits(value, a) for a in args)
+    if origin is tuple and args[-1:] != (Ellipsis,):
+        return isinstance(value, tuple) and len(value) == len(args) and all(
+            map(fits, value, args))
+    if origin in (tuple, list):
+        return isinstance(value, origin) and all(fits(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(fits(k, args[0]) and fits(v, args[1])
+                                               for k, v in value.items())
+    if hint is float:
+        return isinstance(value, float) or (type(value) is int and abs(value) <= 2 ** 53)
+    if hint is int:
+        return type(value) is int and -2 ** 63 <= value < 2 ** 64
+    return hint is typing.Any or isinstance(value, origin or hint)
+
+
+def check_types(cls: type, values: dict, what: str) -> None:
+    """Each of ``values`` a field of the dataclass ``cls``, of its annotated type (``fits``);
+    a one-line UserError naming ``what`` otherwise."""
+    declared = {f.name: f.type for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(declared))
+    require(not unknown, f"unknown field {unknown[:1]} of {what}")
+    for name, value in values.items():
+        require(fits(value, _hints(cls)[name]),
+                f"{what}: its {name} {value!r:.40} is not of type {declared[name]}")
 
 
 def sha256(data: bytes) -> str:

@@ -28,7 +28,8 @@ from rich.console import Console
 
 from . import native
 from .capture import (EXTEND, LEDGER_COLUMNS, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
-                      extend_outputs, file_name, gen_outputs, prime_outputs)
+                      extend_outputs, file_name, gen_outputs, prime_outputs, reads_capture,
+                      view_columns)
 from .model import Model, compile_flag, compile_mode, device_kind, load_model, resolve_device
 from .plain import to_plain
 from .sampler import make_generator
@@ -200,7 +201,8 @@ class _Replay:
 
     def step(self, files: StepFiles) -> None:
         """Stages 1-4 of one step, each from the captured outputs of the stage before it; the
-        captured generate output and actions re-applied rebuild the next state."""
+        captured generate output and actions re-applied rebuild the next state. The view
+        stage 1 recorded must be the rebuilt state's."""
         t, view, model = files.step, self.state.view(), self.model
         if files.state is not None:
             _check_state(files.state, self.state, f"state_{t:06d}.pt", self.report)
@@ -212,6 +214,8 @@ class _Replay:
             self.report.mismatches.append(Mismatch(files.decide.name, "arena_version",
                                                    "changed during stages 1-3 (only stage 4 may write)"))
         g = files.generate
+        self.report.mismatches += [Mismatch(g.name, f"inputs.view.{k}", d) for k, d in diff(
+            to_plain(view_columns(view)), files.view, tol=self.report.tolerance)]
         if self.wanted(g.stage, t):  # 1) from the captured sampler and generator state
             rng, force = make_generator(0, model.device), g.args["force"]
             if self.report.tolerance is None:
@@ -232,6 +236,7 @@ class _Replay:
             self.check(files.apply, {"out": patch})
 
 
+@reads_capture
 def open_run(run_dir: str | Path, model: Model | None = None,
              device: str | None = None) -> tuple[CaptureRun, Model]:
     """A capture run folder and its model, checked: loaded onto ``device`` (default: the
@@ -263,6 +268,7 @@ def _compiled_words(mode: str) -> str:
     return f"with {compile_flag(mode)}" if mode else "without --compile"
 
 
+@reads_capture
 def rebuild(run: CaptureRun, model: Model, before: int) -> tuple[State, list[int]]:
     """The state a captured run had before step ``before``: its prime or restore, chat turns,
     restores and stage-4 patches re-applied from the event log (nothing re-run or compared),
@@ -282,6 +288,7 @@ def rebuild(run: CaptureRun, model: Model, before: int) -> tuple[State, list[int
     return r.state, tokens
 
 
+@reads_capture
 def replay(run_dir: str | Path, stage: str | None = None, step: int | None = None,
            model: Model | None = None, progress: Callable[[int, int], None] | None = None,
            device: str | None = None) -> ReplayReport:

@@ -10,8 +10,9 @@ fingerprint, the rest of the ledger and state (capacity, next uid, merge history
 token, its source and position, step), the session's plain fields (prompt and generated
 ids, sampler and cache parameters, ...), the device it was saved from and a sha256 over all
 of it, so a modified or truncated file is refused. The write is atomic and from host copies.
-Loading checks every shape, dtype, column and token id here; ``stages.apply.restore``
-(stage 0, the only writer) then writes them back onto the model's device. On the device
+Loading checks every shape, dtype, column and token id (K/V finite) and every header
+field's type and range here; ``stages.apply.restore`` (stage 0, the only writer) then
+writes them back onto the model's device. On the device
 type it was saved from, the continuation is bit-exact; on another, kernels round
 differently (equal up to the dtype's tolerance) and a generator's state does not carry
 over, so sampling restarts from the sampler's seed. Format 5 added the ledger's origin
@@ -34,11 +35,11 @@ import torch
 
 from .loop import Session
 from .model import Model
-from .plain import from_plain, load_signed, read_safetensors, save_signed, to_plain
+from .plain import check_types, from_plain, load_signed, read_safetensors, save_signed, to_plain
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
-from .state import Ledger, State, restore_args
-from .types import UserError, require
+from .state import MAX_BRIGHTNESS, Ledger, State, key_norms, restore_args
+from .types import SOURCES, UserError, require
 
 FORMAT = "positronic-brain-session/5"
 # Format 4 lacks the ledger's origin columns: its rows were all made in its own session.
@@ -47,6 +48,11 @@ FORMAT_4 = "positronic-brain-session/4"
 # saving process; a loaded session starts without a capture (``Session.record`` starts one).
 RUNTIME = ("model", "policy", "state", "tape")
 PARTIAL = "partial"  # the header entry of a partial session file: {"layers": [...]}
+# the state's and the ledger's fields a file holds as JSON (not their tensors)
+STATE_FIELDS = tuple(f.name for f in dataclasses.fields(State)
+                     if f.name not in ("arena", "ledger", "cold"))
+LEDGER_FIELDS = tuple(f.name for f in dataclasses.fields(Ledger)
+                      if f.name not in Ledger.COLUMNS + ("n",))
 
 
 def _mismatch(saved: dict, ours: dict) -> str | None:
@@ -189,7 +195,8 @@ def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | N
         return _session(model, tensors, body, None), partial
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
-    except (AssertionError, KeyError, TypeError, ValueError, RuntimeError) as e:
+    except (AssertionError, AttributeError, IndexError, KeyError, OverflowError, TypeError,
+            ValueError, RuntimeError) as e:
         raise UserError(f"{path}: inconsistent session ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
@@ -211,20 +218,42 @@ def _checked(model: Model, tensors: dict[str, torch.Tensor], body: dict,
     """A file's ledger columns, state and ledger fields, checked against ``model`` (of
     whose layers it holds ``layers``)."""
     columns = {k.removeprefix("ledger."): t for k, t in tensors.items() if k.startswith("ledger.")}
-    fields, ledger = from_plain(body["state"]), from_plain(body["ledger"])
+    fields = from_plain(body["state"])
+    ledger = {"origins": (), **from_plain(body["ledger"])}  # format 4: every row made here
+    _check_fields(model, fields, ledger)
     _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"], layers)
-    for what, cls, saved in (("state", State, fields), ("ledger", Ledger, ledger)):
-        unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
-        require(not unknown, f"unknown {what} field {unknown[:1]}")
     return columns, fields, ledger
+
+
+def _check_fields(model: Model, fields: dict, ledger: dict) -> None:
+    """A file's state and ledger fields: each one there and of its type, the counts and
+    the next position (within the model's) not negative, the sources known, the seeds
+    brightnesses."""
+    for what, cls, saved, names in (("state", State, fields, STATE_FIELDS),
+                                    ("ledger", Ledger, ledger, LEDGER_FIELDS)):
+        require(sorted(saved) == sorted(names),
+                f"{what} fields {sorted(saved)} differ from {sorted(names)}")
+        check_types(cls, saved, f"the saved {what}")
+    counts = (fields["step"], ledger["next_uid"], ledger["dropped"])
+    require(0 <= fields["next_position"] <= model.spec.max_positions
+            and all(0 <= c < 2 ** 63 for c in counts),
+            f"next position {fields['next_position']}, step, next uid or dropped {counts} out "
+            f"of range (the model has {model.spec.max_positions} positions)")
+    require(fields["pending_source"] in SOURCES and set(fields["pinned"]) <= set(SOURCES),
+            f"unknown sources {fields['pending_source']!r:.40}, {fields['pinned']!r:.40}")
+    require(len(ledger["seeds"]) == len(SOURCES)
+            and all(0 <= x <= MAX_BRIGHTNESS for x in ledger["seeds"]),
+            f"seeds {ledger['seeds']!r:.60}: one brightness in [0, {MAX_BRIGHTNESS}] per source")
 
 
 def _session(model: Model, tensors: dict[str, torch.Tensor], body: dict,
              state: State | None) -> Session:
     """The file's session around ``state``; the generator's state carries over from the
     same device type only."""
+    saved = from_plain(body["session"])
+    check_types(Session, saved, "the saved session")
     session = Session(model, TokenPolicy(model.tokenizer, bos="yes" if body["bos"] else "no"),
-                      state=state, **from_plain(body["session"]))
+                      state=state, **saved)
     if torch.device(body.get("device", "cpu")).type == model.device.type:
         session.generator.set_state(tensors["generator"])
     return session
@@ -237,7 +266,7 @@ def _held(model: Model, meta: dict[str, str]) -> tuple[int, ...]:
     if PARTIAL not in meta:
         return every
     layers = tuple(json.loads(meta[PARTIAL])["layers"])
-    require(all(isinstance(i, int) for i in layers) and list(layers) == sorted(set(layers))
+    require(all(type(i) is int for i in layers) and list(layers) == sorted(set(layers))
             and set(layers) <= set(every), f"partial layers {list(layers)[:4]} are not "
             f"ascending layers of the model's {len(every)}")
     return layers
@@ -260,6 +289,9 @@ def _saved_cold(model: Model, tensors: dict[str, torch.Tensor], body: dict | Non
     if body is None:
         return None
     s = model.spec
+    require(all(type(body.get(x)) is int and 0 <= body[x] < 2 ** 63
+                for x in ("capacity", "next_entry")),
+            f"cold store {body!r:.60}: its capacity and next entry must be counts")
     k, v, entered = tensors["cold.k"], tensors["cold.v"], tensors["cold.entered"]
     n = _check_kv(model, k, v, "cold ")[2]
     require(0 <= n <= body["capacity"] and entered.shape == (n,)
@@ -274,13 +306,15 @@ def _saved_cold(model: Model, tensors: dict[str, torch.Tensor], body: dict | Non
 def _check_kv(model: Model, k: torch.Tensor, v: torch.Tensor, what: str = "",
               layers: int | None = None) -> tuple:
     """Saved K/V (L, kv_heads, n, head_dim) of ``model``'s shape and dtype (``layers``
-    instead of L: a partial file's): their shape."""
+    instead of L: a partial file's), finite with finite float32 norms: their shape."""
     s = model.spec
     n = k.shape[2] if k.dim() == 4 else -1
     shape = (s.n_layers if layers is None else layers, s.n_kv_heads, n, s.head_dim)
     require(tuple(k.shape) == tuple(v.shape) == shape and k.dtype == v.dtype == model.dtype,
-            f"saved {what}K/V {tuple(k.shape)} {k.dtype} do not fit this model's {shape} "
-            f"{model.dtype}")
+            f"saved {what}K/V {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype} do not "
+            f"fit this model's {shape} {model.dtype}")
+    require(all(bool(torch.isfinite(key_norms(x)).all()) for x in (k, v)),
+            f"saved {what}K/V hold values that are not finite, or whose norms are not")
     return shape
 
 
@@ -304,11 +338,12 @@ def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[s
     k, v, log_mass = tensors["arena.k"], tensors["arena.v"], tensors["arena.log_mass"]
     shape = _check_kv(model, k, v, layers=layers)
     n = shape[2]
-    require(0 <= n <= capacity <= s.max_positions,
+    require(type(capacity) is int and 0 <= n <= capacity <= s.max_positions,
             f"{n} live slots in a capacity of {capacity} (the model has {s.max_positions} positions)")
     require(tuple(log_mass.shape) == shape[:3] and log_mass.dtype == torch.float32
             and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),
-            f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]}")
+            f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]} "
+            "torch.float32, finite and >= 0")
     _check_columns(columns, n)
     saved = columns["token_id"]
     ids = torch.cat((saved, torch.tensor([pending_token], device=saved.device)))

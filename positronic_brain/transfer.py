@@ -179,7 +179,7 @@ class Projector(nn.Module):
                  kind: str = "linear", hidden: int = 0):
         super().__init__()
         require(kind in KINDS, f"unknown projector kind {kind!r}; expected one of {KINDS}")
-        require(isinstance(hidden, int) and (hidden > 0) == (kind == "mlp"),
+        require(isinstance(hidden, int) and hidden >= 0 and (hidden > 0) == (kind == "mlp"),
                 f"a {kind} projector takes {'a positive' if kind == 'mlp' else 'no'} hidden "
                 f"width, got {hidden!r}")
         layer_map = tuple(default_layer_map(source.layers, target.layers)
@@ -483,9 +483,11 @@ def load_projector(path: str | os.PathLike, source: Model | None = None,
     meta, tensors = load_signed(path, (FORMAT,), "projector file")
     try:
         h = json.loads(meta["projector"])
-        projector = Projector(KVShape(**h["source"]), KVShape(**h["target"]), h["layer_map"],
-                              h["kind"], h["hidden"])
-        expected = projector.state_dict()
+        require(isinstance(h["layer_map"], list), f"layer map {h['layer_map']!r:.40}: a list")
+        args = (KVShape(**h["source"]), KVShape(**h["target"]), h["layer_map"], h["kind"],
+                h["hidden"])
+        with torch.device("meta"):  # the header's shapes, before it takes any memory
+            expected = Projector(*args).state_dict()
         require(sorted(tensors) == sorted(expected),
                 f"tensors {sorted(tensors)} differ from {sorted(expected)}")
         for name, t in expected.items():
@@ -496,13 +498,15 @@ def load_projector(path: str | os.PathLike, source: Model | None = None,
                     f"tensor {name}: {tuple(got.shape)} {got.dtype}, expected "
                     f"{tuple(t.shape)} torch.float32, finite"
                     + (" and positive" if least == 0 else ""))
+        projector = Projector(*args)
         projector.load_state_dict(tensors)
         if source is not None and target is not None:
             projector.check_fits(source, target)
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{path}: not a projector header ({type(e).__name__}: {e})") from None
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise UserError(f"{path}: not a projector header ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return projector.eval()
 
 

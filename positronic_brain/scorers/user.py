@@ -68,7 +68,7 @@ def check_unchanged(name: str, sha256: str | None) -> None:
     if sha256 is not None:
         now = file_sha256(name)
         require(now == sha256, f"scorer {name}: the file changed since the capture "
-                f"(sha256 {now[:12]}..., recorded {sha256[:12]}...)")
+                f"(sha256 {str(now)[:12]}..., recorded {str(sha256)[:12]}...)")
 
 
 def load(name: str) -> type:
