@@ -39,14 +39,14 @@ INT8_ROWS = 16  # the most rows an int8 product multiplies by its int8 weight (`
 INT8_INPUTS = 16  # torch's int8 product needs a multiple of 16 inputs (else garbage or a crash)
 # An Intel CPU without AMX multiplies bfloat16 matrices slower than float32 ones: on the
 # Xeon of docs/BENCHMARKS.md's native run (avx512_bf16, no AMX) oneDNN's bfloat16 product of
-# 1,024 rows by SmolLM2's weights took 1.6-1.8x the float32 product's time with both
-# operands widened first, and torch's bfloat16 flash attention 1.7x its float32 one. The
-# AMD EPYC of its other run (avx512_bf16, no AMX) is the other way round: a bfloat16 prefill
-# there took 0.39-0.52x the float32 one's time. On the first kind (``WIDEN``) a bfloat16
-# product of at least ``WIDE_ROWS`` rows (a prefill chunk's) widens its operands to float32
-# and rounds its result to bfloat16 (``wide``): the same products, summed in float32 as the
-# bfloat16 product sums them, equal to it up to float rounding. From 96 rows widened timed
-# faster.
+# a prefill chunk by SmolLM2's weights was slower than the float32 product with both
+# operands widened first, and torch's bfloat16 flash attention slower than its float32 one.
+# The AMD EPYC of its other run (avx512_bf16, no AMX) is the other way round: a bfloat16
+# prefill there was the faster (BENCHMARKS.md has both). On the first kind (``WIDEN``) a
+# bfloat16 product of at least ``WIDE_ROWS`` rows (a prefill chunk's) widens its operands to
+# float32 and rounds its result to bfloat16 (``wide``): the same products, summed in float32
+# as the bfloat16 product sums them, equal to it up to float rounding. From 96 rows widened
+# timed faster.
 WIDEN = (cpu_line("vendor_id").endswith("GenuineIntel")
          and not torch.cpu._is_amx_tile_supported())  # torch's own test (private; since 2.3)
 WIDE_ROWS = 128
@@ -88,8 +88,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
     (``w.t()`` contiguous, as ``load_model`` stores float32 weights): MKL would compute that
     matrix-vector product on one thread, so the weight's input rows are split into one
     part per thread, the partial products run as one ``bmm`` (each thread reads its part in
-    storage order) and are summed. About 2x faster than ``F.linear`` on SmolLM2's shapes on
-    2 cores; equal to it up to float rounding (the sum is split in a different order).
+    storage order) and are summed: faster than ``F.linear`` on SmolLM2's shapes (``bench
+    speed``); equal to it up to float rounding (the sum is split in a different order).
     A bfloat16 product of many rows on an Intel CPU without AMX (``wide``) multiplies in float32
     whatever the weight's kind (an int8 weight's bfloat16 values)."""
     if wide(x, x.shape[0]):
@@ -205,8 +205,8 @@ def builds_scores(model: Model, statistics: bool, log_mass: bool, masked: bool =
     ``cpu_attention`` attends (every layer on the CPU, no past slot ``masked``: its
     log-sum-exps give them, ``_received_lse``); and in half precision on the CPU, as HF's eager attention
     does, but for bfloat16 (int8's too) on an Intel CPU without AMX (``WIDEN``) and no past
-    slot ``masked``, where ``cpu_attention`` widens (the fused attention timed faster there
-    even unwidened: 4,096 bfloat16 tokens of SmolLM2 in 13.0 s built, 10.6 s fused); else
+    slot ``masked``, where ``cpu_attention`` widens (the fused attention is the faster there
+    even unwidened); else
     torch's fused attention (``fused_attention``) attends, which never builds them.
     ``stages.apply.chunks`` sizes prefill chunks by it."""
     apart = all(d.type in APART for d in model.layer_devices) and not masked
@@ -519,8 +519,8 @@ def _gate_up(h: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
              b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The MLP's gate and up projections of ``h`` from their joined weight: one product
     split by views for one row (a decode step), two over the weight's halves for several
-    rows of a plain weight (a prefill chunk), where the joined product was slower (on the
-    CPU in float32, 1,024 rows of SmolLM2's shapes: 18.4 vs 2 x 8.8 ms; the same bits) and
+    rows of a plain weight (a prefill chunk), where the joined product is the slower (on the
+    CPU in float32; the same bits) and
     leaves gate and up strided for the elementwise kernels after (on a GPU those were the
     slower for it: docs/DESIGN.md, stage 0)."""
     if h.shape[0] == 1 or not isinstance(w, torch.Tensor):

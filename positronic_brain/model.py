@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -309,6 +310,22 @@ DEVICE_MAPS = ("auto", "balanced")
 _LAYERS = re.compile(r"(\d+)(?:-(\d+))?")  # a device map's layer key: "3" or "0-11"
 
 
+def cache_kwarg(hf: nn.Module) -> str:
+    """The name Hugging Face's forward of ``hf`` takes its cache by, in the transformers
+    installed: ``cache`` since 5.24, ``past_key_values`` before. Passed by the other name a
+    cache is warned about and later swallowed by ``**kwargs``, leaving the forward without it."""
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
+def hf_forward(hf: nn.Module, input_ids: torch.Tensor, cache=None, **kwargs):
+    """Hugging Face's own forward of ``hf`` (the oracle, the benchmarks' contender, a
+    projector's loss) over ``cache`` (a ``DynamicCache``, grown in place) if one is given:
+    every direct call of a Hugging Face forward goes through here."""
+    if cache is not None:
+        kwargs[cache_kwarg(hf)] = cache
+    return hf(input_ids=input_ids, **kwargs)
+
+
 def read_device_map(hf: nn.Module, device_map: str | dict,
                     max_memory: dict | None = None) -> dict:
     """The device map as given: ``auto``/``balanced`` ask accelerate's
@@ -493,7 +510,7 @@ def _gguf_folder(gguf: Path) -> Path:
         raise UserError(f"cannot read {gguf}: {e.strerror}") from None
     if (folder / "config.json").is_file():  # written whole or not at all (the rename below)
         return folder
-    arch = gguf_architecture(gguf)  # ~2 s for a large vocabulary: only before a conversion
+    arch = gguf_architecture(gguf)  # slow for a large vocabulary: only before a conversion
     require(arch in SUPPORTED, f"unsupported GGUF architecture {arch!r} in {gguf.name}; "
             f"supported: {', '.join(SUPPORTED)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -52,22 +52,28 @@ def for_model(model: Model) -> str | None:
     return build() if chosen(model.compiled) else None
 
 
+# compiles the AVX-512 loops out: the scalar ones, as a CPU without AVX-512F runs them
+SCALAR_FLAGS = ["-mno-avx512f"]
+
+
 @functools.cache
-def kernels():
+def kernels(scalar: bool = False):
     """The compiled kernels, built once per ``build`` (tens of seconds the first time; then
-    loaded from the build folder named by it)."""
+    loaded from the build folder named by it). ``scalar`` builds them without their AVX-512
+    loops (``SCALAR_FLAGS``), so that the loops a CPU without AVX-512F runs can be tested
+    on one that has it."""
     check_compile([torch.device("cpu")], NATIVE)  # a compiler, and ninja
     if shutil.which("ninja") is None:  # torch runs ninja from the PATH: the package's own
         import ninja  # pylint: disable=import-outside-toplevel
         os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
     from torch.utils.cpp_extension import load  # pylint: disable=import-outside-toplevel
-    key = build()
+    key = build() + ("_scalar" if scalar else "")
     folder = cache_dir() / f"native-{key}"
     folder.mkdir(parents=True, exist_ok=True)
     # no floating-point contraction: each product and sum rounds as torch's operators do
     return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno",
-                              "-fopenmp"],
+                              "-fopenmp", *(SCALAR_FLAGS if scalar else [])],
                 extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 

@@ -30,7 +30,6 @@ shape and dtype against it.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -46,7 +45,7 @@ from transformers import DynamicCache
 
 from .forward import apply_rope, forward, rerotation, rope_cos_sin
 from .loop import Session
-from .model import Model
+from .model import Model, hf_forward
 from .plain import load_signed, save_signed, to_plain
 from .session_io import restore_session, session_body, session_tensors
 from .special_tokens import require_same_tokens
@@ -307,13 +306,6 @@ def split_windows(ids: Sequence[int], params: TrainParams) -> tuple[torch.Tensor
     return train, held
 
 
-def _cache_kwarg(model: Model) -> str:
-    """The name the model's forward takes its cache by (``cache`` since transformers 5.24,
-    ``past_key_values`` before): passed by the other name, it would be swallowed."""
-    return "cache" if "cache" in inspect.signature(model.hf.forward).parameters \
-        else "past_key_values"
-
-
 @torch.no_grad()
 def _prefix_kv(model: Model, prefixes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's K/V of each prefix (W, P) as a prime caches them: (L, KVH, W * P, D)
@@ -330,7 +322,7 @@ def _own_logp(target: Model, windows: torch.Tensor, prefix: int) -> torch.Tensor
     """The target's log-probs (W, C, V) after each continuation token with its own cache of
     the prefix (one forward over the whole window)."""
     c = windows.shape[1] - prefix
-    out = target.hf(input_ids=windows.to(target.device), logits_to_keep=c)
+    out = hf_forward(target.hf, windows.to(target.device), logits_to_keep=c)
     return out.logits.float().log_softmax(-1)
 
 
@@ -349,8 +341,8 @@ def _projected_logp(target: Model, k: torch.Tensor, v: torch.Tensor, continuatio
     cache = DynamicCache(ddp_cache_data=[(k[i].to(d), v[i].to(d))
                                          for i, d in enumerate(target.layer_devices)])
     positions = torch.arange(prefix, prefix + c, device=target.device).expand(w, c)
-    out = target.hf(input_ids=continuations.to(target.device), position_ids=positions,
-                    use_cache=True, **{_cache_kwarg(target): cache})
+    out = hf_forward(target.hf, continuations.to(target.device), cache, position_ids=positions,
+                     use_cache=True)
     return out.logits.float().log_softmax(-1)
 
 

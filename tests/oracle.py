@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from positronic_brain.model import Model
+from positronic_brain.model import Model, hf_forward
 from positronic_brain.state import View
 
 
@@ -17,16 +17,16 @@ def dynamic_cache(view: View) -> DynamicCache:
 @torch.no_grad()
 def hf_step_logits(model: Model, view: View) -> torch.Tensor:
     """HF logits (V,) for the pending token at its position over the live cache."""
-    out = model.hf(input_ids=torch.tensor([[view.pending_token]], device=model.device),
-                   position_ids=torch.tensor([[view.next_position]], device=model.device),
-                   past_key_values=dynamic_cache(view), use_cache=True)
+    out = hf_forward(model.hf, torch.tensor([[view.pending_token]], device=model.device),
+                     dynamic_cache(view), use_cache=True,
+                     position_ids=torch.tensor([[view.next_position]], device=model.device))
     return out.logits[0, -1].float()
 
 
 @torch.no_grad()
 def hf_prompt_logits(model: Model, ids: list[int]) -> torch.Tensor:
     """HF logits (T, V) of a plain forward over ``ids`` from an empty cache."""
-    return model.hf(input_ids=torch.tensor([ids], device=model.device)).logits[0].float()
+    return hf_forward(model.hf, torch.tensor([ids], device=model.device)).logits[0].float()
 
 
 def assert_close(ours: torch.Tensor, theirs: torch.Tensor, atol: float, what: str) -> None:

@@ -7,7 +7,9 @@ import torch
 
 from positronic_brain.bench import speed
 from positronic_brain.cli import main
+from positronic_brain.model import hf_forward, packable
 from positronic_brain.types import CacheParams
+from tests.tolerance import products
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -52,13 +54,16 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     assert all(r[f"{k}_tok_s"] > 0 for r in res["prefill"] for k in ("ours", "hf", "window", "total"))
 
     # HF's DynamicCache concatenates the past every step; stage 1 only reads it (in
-    # bfloat16, oneDNN's product copies the strided past inside each layer: the count,
-    # taken from the allocator's own events, shows that too)
+    # bfloat16, where oneDNN runs bfloat16 products (``model.packable``: avx512bw/vl/dq or
+    # avx_ne_convert, as on the Intel Xeon and the AMD EPYC with avx512_bf16 seen here),
+    # its product copies the strided past inside each layer: the count, taken from the
+    # allocator's own events, shows that too; elsewhere (an AVX2-only AMD EPYC) torch's own
+    # kernel reads it in place)
     kv = {m["dtype"]: m["kv_bytes_per_token"] for m in res["memory"]}
     for f in res["alloc_fit"]:
         if f["who"] == "hf":
             assert f["bytes_per_token"] >= kv[f["dtype"]]
-        elif f["dtype"] == "float32":
+        elif f["dtype"] == "float32" or not packable():
             assert f["bytes_per_token"] < kv[f["dtype"]]
         else:
             assert f["bytes_per_token"] >= kv[f["dtype"]]
@@ -83,7 +88,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     assert len(edits) == 9
     lo, hi = res["edits"][0], res["edits"][len(contexts) - 1]  # float32's first and last
     fold = edits[("float32", "one fold, stage 4: ms at context 256 / at 128 (O(1))")]
-    assert fold["value"] == pytest.approx(hi["fold_apply_ms"] / lo["fold_apply_ms"])
+    assert fold["value"] == hi["fold_apply_ms"] / lo["fold_apply_ms"]  # the same division
 
     # the cold store's memory per token: at least the K/V and a ledger row
     for m in res["memory"]:
@@ -157,7 +162,13 @@ def test_the_hf_contender_is_row_major_and_computes_the_same(tiny_model):
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
-        assert torch.allclose(hf(ids).logits, tiny_model.hf(ids).logits, atol=1e-5)
+        got, want = (hf_forward(m, ids).logits for m in (hf, tiny_model.hf))
+    # one forward over other weight layouts, whose products add in other orders: 9 sums in
+    # series a layer, the final norm's and the head's, each of at most the widest size's terms
+    c = hf.config
+    tol = products(torch.float32, max(c.hidden_size, c.intermediate_size),
+                   9 * c.num_hidden_layers + 2, float(want.abs().max()))
+    assert float((got - want).abs().max()) <= tol
 
 
 @pytest.mark.parametrize("where", ["load", "first call"])

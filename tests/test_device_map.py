@@ -16,6 +16,7 @@ from positronic_brain.session_io import load_session, save_session
 from positronic_brain.special_tokens import TokenPolicy
 from positronic_brain.state import Arena, SplitArena, gathered
 from positronic_brain.types import CacheParams, SamplerParams, UserError
+from tests.tolerance import products
 
 TWO_CPUS = {"model.embed_tokens": "cpu", "0": "cpu:0", "1": "cpu:1"}  # tiny-random: 2 layers
 TEXT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 2
@@ -207,9 +208,16 @@ def test_split_over_real_devices_gives_the_one_gpu_logits(device_map, blocks):
         list(session.stream(STEPS, ignore_eos=True, force=force))
         session.state.check_valid()
     assert [b.device for b in session.state.arena.blocks] == [torch.device(d) for d in blocks]
+    # each device's kernels add in their own order: 9 sums in series a layer (2 RMSNorms,
+    # q/k/v, scores, softmax, A.V, o, gate/up, down), each of at most the widest size's terms
+    c, n = one.hf.config, session.state.next_position
+    terms, L = max(c.hidden_size, c.intermediate_size, n), c.num_hidden_layers
     for a, b in zip(*(t.logits for t in taped)):
-        assert torch.allclose(a, b, rtol=0, atol=1e-4), f"max |diff| {(a - b).abs().max():.3g}"
-    # the prompt's statistics gathered on each layer's own device
+        tol = products(torch.float32, terms, 9 * L + 2, float(b.abs().max()))  # norm, head
+        assert float((a - b).abs().max()) <= tol, f"max |diff| {(a - b).abs().max():.3g}"
+    # the prompt's statistics gathered on each layer's own device: sums over the queries of
+    # attention weights, all >= 0 (the last layer's: its norm, q/k/v, scores, softmax)
     for name in ("window", "total"):
         a, b = (getattr(s, name) for s in stats)
-        assert a.device == b.device and torch.allclose(a, b, rtol=0, atol=1e-5), name
+        tol = products(torch.float32, terms, 9 * (L - 1) + 5, float(b.abs().max()))
+        assert a.device == b.device and float((a - b).abs().max()) <= tol, name

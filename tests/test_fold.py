@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from positronic_brain.forward import forward
 from positronic_brain.loop import Session
-from positronic_brain.model import load_model
+from positronic_brain.model import load_model, packable
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import apply
 from positronic_brain.stages.decide import decide
@@ -18,9 +18,23 @@ from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
 from positronic_brain.types import CacheParams, SamplerParams
 from tests.oracle import assert_close
+from tests.tolerance import gamma, model_bound, products
 
 GREEDY = SamplerParams(greedy=True)
 FOLD = CacheParams(budget=20, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0)
+
+
+def _cosines(model) -> float:
+    """How far two computations of a cosine of two keys may lie apart: a head_dim-term dot
+    product and two norms, each side in its own order (|cos| <= 1: Cauchy-Schwarz)."""
+    return products(torch.float32, model.spec.head_dim, 2, 1.0)
+
+
+def _masses(tokens: int) -> float:
+    """How far the masses may lie from the ``tokens`` that entered the cache: a sum of that
+    many unit masses, added in the log domain (a rounding of log m moves m by |log m| u, at
+    most log(tokens) u, besides its own) and then summed."""
+    return gamma(torch.float32, tokens) * (math.log(tokens) + 2) * tokens
 
 
 def test_a_log_mass_bias_makes_one_slot_attend_as_two(tiny_model):
@@ -39,12 +53,16 @@ def test_a_log_mass_bias_makes_one_slot_attend_as_two(tiny_model):
     bias = torch.zeros(s.n_layers, s.n_kv_heads, 5, device=tiny_model.device)
     bias[:, :, 2] = math.log(2)
     one = forward(tiny_model, k[:, :, :5], v1, ids, pos, want_attention=True, past_log_mass=bias)
-    assert_close(one.logits, both.logits, 1e-5, "logits")
+    # exact in arithmetic; the two add (and the bias rounds) in other orders
+    tol = model_bound(tiny_model, float(both.logits.abs().max()), 6)
+    assert_close(one.logits, both.logits, tol, "logits")
     summed = both.attention[..., :5].clone()
     summed[..., 2] += both.attention[..., 5]
-    assert_close(one.attention, summed, 1e-5, "attention")
+    # the last layer's attention weights (at most 1): its norm, q/k/v, scores and softmax
+    assert_close(one.attention, summed, model_bound(tiny_model, 1.0, 6, s.n_layers - 1, 4),
+                 "attention")
     plain = forward(tiny_model, k[:, :, :5], v1, ids, pos)
-    assert (plain.logits - both.logits).abs().max() > 1e-3  # the bias is what makes it exact
+    assert (plain.logits - both.logits).abs().max() > 100 * tol  # the bias is what makes it exact
 
 
 def test_every_cull_folds_into_its_most_alike_survivor(tiny_model, tiny_policy):
@@ -73,18 +91,25 @@ def test_every_cull_folds_into_its_most_alike_survivor(tiny_model, tiny_policy):
                     cos = F.cosine_similarity(keys, keys[f.slot][None], dim=-1)
                     cos[gone] = float("-inf")
                     i = int(f.into[layer, h])
-                    assert cos[i] >= cos.max() - 1e-6, "not the most alike survivor"
+                    # the stage's cosines and these, each within _cosines of the other
+                    assert cos[i] >= cos.max() - 2 * _cosines(tiny_model), \
+                        "not the most alike survivor"
                     if len(gone) > 1:
                         continue  # two folds into one slot compound; checked by the masses
                     m_i, m_j = before["mass"][layer, h, i], before["mass"][layer, h, f.slot]
                     after = slot_of[int(before["uid"][i])]
                     for t in ("k", "v"):
-                        want = (m_i * before[t][layer, h, i] + m_j * before[t][layer, h, f.slot]) \
-                            / (m_i + m_j)
+                        x, y = before[t][layer, h, i], before[t][layer, h, f.slot]
+                        want = (m_i * x + m_j * y) / (m_i + m_j)
                         got = getattr(state.view(), t)[layer, h, after]
-                        assert_close(got, want, 1e-5, f"folded {t}")
+                        # a weighted mean of two rows, 3 roundings in series on each side
+                        # (the weights, the products, the sum), in another order
+                        size = float(torch.maximum(x.abs(), y.abs()).max())
+                        assert_close(got, want, products(torch.float32, 2, 3, size),
+                                     f"folded {t}")
         masses = state.arena.log_mass[:, :, :state.arena.n].exp().sum(-1)  # (L, KVH)
-        assert_close(masses, torch.full_like(masses, float(state.next_position)), 1e-3, "mass")
+        assert_close(masses, torch.full_like(masses, float(state.next_position)),
+                     _masses(state.next_position), "mass")
     assert folds >= 10 and state.view().log_mass is not None
 
 
@@ -112,17 +137,19 @@ def test_below_the_cosine_threshold_a_culled_token_is_only_dropped(tiny_model, t
             cos[..., gone] = float("-inf")
             best = cos.max(-1).values
             into = folds.get(c, torch.full(best.shape, -1, device=best.device))
-            near = (best - min_cos).abs() < 1e-5  # too close to call
+            # the stage's cosines and these, each within _cosines of the other
+            near = (best - min_cos).abs() <= _cosines(tiny_model)  # too close to call
             assert bool(((into < 0) == (best < min_cos))[~near].all()), "fold vs threshold"
             hit = (into >= 0).nonzero(as_tuple=True)
-            assert bool((cos[hit + (into[hit],)] >= best[hit] - 1e-6).all()), "not the best"
+            worst = best[hit] - 2 * _cosines(tiny_model)
+            assert bool((cos[hit + (into[hit],)] >= worst).all()), "not the best"
             dropped += torch.where(into < 0, mass[:, :, c], 0.0)  # every token it held
             kinds |= {"fold"} if bool((into >= 0).any()) else set()
             kinds |= {"drop"} if bool((into < 0).any()) else set()
             assert c in folds or not bool((into >= 0).any())
         apply(tiny_model, state, gen, actions)
         masses = state.arena.log_mass[:, :, :state.arena.n].exp().sum(-1)  # (L, KVH)
-        assert_close(masses, state.next_position - dropped, 1e-3, "mass")
+        assert_close(masses, state.next_position - dropped, _masses(state.next_position), "mass")
     assert kinds == {"fold", "drop"}
     state.check_valid()
 
@@ -254,7 +281,9 @@ def test_bfloat16_fold_targets_read_the_stored_keys_in_place(tiny_model, monkeyp
     monkeypatch.setattr("positronic_brain.stages.decide.stored_keys",
                         lambda k: k.transpose(2, 3).reshape(L * KVH, D, n))  # the strided view
     saved = bytes_allocated(lambda: fold_targets(view, culls[:1])) - in_place
-    assert saved >= 0.9 * view.k.numel() * view.k.element_size()
+    if packable():  # oneDNN's bfloat16 product (avx512bw/vl/dq or avx_ne_convert) copies a
+        # strided operand; elsewhere (an AVX2-only AMD EPYC) torch's reads it where it lies
+        assert saved >= 0.9 * view.k.numel() * view.k.element_size()
 
 
 def _view(a):

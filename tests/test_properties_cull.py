@@ -14,6 +14,7 @@ from positronic_brain.stages.score import score
 from positronic_brain.scorers import CULLING
 from positronic_brain.types import CacheParams, SamplerParams
 from tests.test_loop_step1_generate import _assert_unchanged, _fingerprint
+from tests.tolerance import rotation_bound
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SETTINGS = settings(max_examples=25, deadline=None,
@@ -77,11 +78,14 @@ def test_culls_keep_the_best_and_protect(tiny_model, tiny_policy, cache, prompt,
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(p=st.lists(st.integers(0, 511), min_size=1, max_size=16), data=st.data())
 def test_rerotation_round_trip(tiny_model, p, data):
-    """p -> p' -> p is the identity, and p -> p' equals RoPE at p' (fp32, <= 1e-5)."""
+    """p -> p' -> p is the identity, and p -> p' equals RoPE at p' (fp32, to rounding)."""
     p2 = data.draw(st.lists(st.integers(0, 511), min_size=len(p), max_size=len(p)))
     p, p2 = torch.tensor(p), torch.tensor(p2)
     raw = torch.randn(2, len(p), tiny_model.spec.head_dim, generator=torch.Generator().manual_seed(0))
     at = lambda pos: apply_rope(raw, *rope_cos_sin(tiny_model, pos, torch.float32))  # noqa: E731
     moved = apply_rope(at(p), *rerotation(tiny_model, p, p2))
-    assert (moved - at(p2)).abs().max() <= 1e-5
-    assert (apply_rope(moved, *rerotation(tiny_model, p2, p)) - at(p)).abs().max() <= 1e-5
+    # RoPE at p, the re-rotation's cos/sin and the rotation: 3 sums, p's cos/sin once more
+    assert (moved - at(p2)).abs().max() <= rotation_bound(raw, 3, 1)
+    # and back: 2 more sums, and the cos/sin at p' once more
+    back = apply_rope(moved, *rerotation(tiny_model, p2, p))
+    assert (back - at(p)).abs().max() <= rotation_bound(raw, 5, 2)

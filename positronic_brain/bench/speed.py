@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from ..loop import Session
-from ..model import (CPU_ONLY, NATIVE, Int8Weight, Model, PackedWeight, compile_flag, load_model,
-                     resolve_device)
+from ..model import (CPU_ONLY, NATIVE, Int8Weight, Model, PackedWeight, compile_flag, hf_forward,
+                     load_model, resolve_device)
 from ..sampler import make_generator
 from ..special_tokens import TokenPolicy
 from ..stages.apply import apply, prime
@@ -168,16 +168,15 @@ def stock_hf(model: Model) -> torch.nn.Module:
 def hf_decode(hf: torch.nn.Module, cache, token: int, position: int) -> int:
     """HF's own decode of one token; grows ``cache`` by one row (crop it back)."""
     dev = hf.device
-    out = hf(input_ids=torch.tensor([[token]], device=dev),
-             position_ids=torch.tensor([[position]], device=dev),
-             past_key_values=cache, use_cache=True)
+    out = hf_forward(hf, torch.tensor([[token]], device=dev), cache,
+                     position_ids=torch.tensor([[position]], device=dev), use_cache=True)
     return int(out.logits[0, -1].argmax())
 
 
 @torch.no_grad()
 def hf_prefill(hf: torch.nn.Module, ids: list[int]) -> None:
     """HF's own prefill: one forward that builds a DynamicCache (last logits only, as ours)."""
-    hf(input_ids=torch.tensor([ids], device=hf.device), use_cache=True, logits_to_keep=1)
+    hf_forward(hf, torch.tensor([ids], device=hf.device), use_cache=True, logits_to_keep=1)
 
 
 def weight_bytes(model: Model) -> int:
@@ -1045,8 +1044,8 @@ METHOD = """\
 - **Decode**: one prime of the longest context per dtype; every shorter context is a
   prefix view of that arena (what a prime of those tokens alone would produce, since the
   model is causal). Stage 1 is `stages.generate.generate` (forward, attention row for the
-  scorers, greedy sampler). HF is `model(input_ids, position_ids, past_key_values=cache)`
-  plus an argmax on a `DynamicCache` holding a copy of the same K/V, cropped back by one row
+  scorers, greedy sampler). HF is `model(input_ids, position_ids, cache)` (the cache by
+  the name the installed transformers takes, `model.hf_forward`) plus an argmax on a `DynamicCache` holding a copy of the same K/V, cropped back by one row
   after every call so the context stays fixed. Two warm-up rounds, then the median of the
   repetitions; stage 1 and HF alternate within each repetition, same threads.
 - **Compiled** and **native**: copies of the model loaded with `compile` (`--compile`) and

@@ -540,9 +540,8 @@ def _drop_oldest(state: State, count: int) -> list[int]:
 
 def _take_keys(a: Arena, slots: torch.Tensor) -> torch.Tensor:
     """The keys of ``slots`` (k,) as (L, kv_heads, k, head_dim), a copy. Keys stored
-    transposed come by ``gather`` over the rows of one key dimension each (a third faster
-    than ``index_select`` along the strided slot dimension when the rows are not cached,
-    4x when they are; same bits)."""
+    transposed come by ``gather`` over the rows of one key dimension each (faster than
+    ``index_select`` along the strided slot dimension, cached or not; same bits)."""
     if a.key_rows:  # the cold store
         return a.k.index_select(2, slots)
     rows = a.kt.flatten(0, 2)  # (L * kv_heads * head_dim, capacity), a view
