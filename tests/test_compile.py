@@ -25,29 +25,20 @@ from positronic_brain.stages.apply import apply, prime
 from positronic_brain.stages.generate import generate, stage1_forward
 from positronic_brain.types import SamplerParams, UserError
 from tests.oracle import assert_close, hf_step_logits
-from tests.tolerance import ORACLE, products, step, unit
+from tests.tolerance import ORACLE, depth, half_oracle, model_bound, step
 
 
-def _sums(model, layer: int | None = None, then: int = 2) -> int:
-    """How many sums a value is reached through in series: 9 a layer (2 RMSNorms, q/k/v,
-    scores, softmax, A.V, o, gate/up, down) before ``layer`` (default: all of them, for the
-    logits), then ``then`` more (the final norm and the head; that layer's own)."""
-    return 9 * (model.spec.n_layers if layer is None else layer) + then
-
-
-def _apart(model, magnitude: float, context: int, sums: int) -> float:
+def _apart(model, magnitude: float, context: int, layer: int | None = None,
+           then: int = 2) -> float:
     """How far two forwards of ``model`` that add in other orders may put a value of about
-    ``magnitude`` reached through ``sums`` sums in series, each of at most the widest of the
-    hidden, intermediate and context sizes. In bfloat16 (int8's activations too) each sum's
-    result is also rounded to bfloat16, where the float32 sums may straddle a rounding: a
-    step apart at most each (first order, unamplified). Which CPU's kernels run (oneDNN's
+    ``magnitude`` (``tolerance.model_bound``). In bfloat16 (int8's activations too) each
+    sum's result is also rounded to bfloat16, where the float32 sums may straddle a rounding:
+    a step apart at most each (first order, unamplified). Which CPU's kernels run (oneDNN's
     packed product, AMX, avx512_bf16, or float32 products rounded after, ``forward.WIDEN``)
     changes which values straddle, not how far."""
-    c = model.hf.config
-    bound = products(torch.float32, max(c.hidden_size, c.intermediate_size, context), sums,
-                     magnitude)
-    return bound + (sums * step(torch.bfloat16) * magnitude if model.dtype != torch.float32
-                    else 0.0)
+    bound = model_bound(model, magnitude, context, layer, then)
+    return bound + (depth(model, layer, then) * step(torch.bfloat16) * magnitude
+                    if model.dtype != torch.float32 else 0.0)
 
 
 @pytest.fixture(autouse=True)
@@ -96,20 +87,19 @@ def test_compiled_stage1_equals_hf_and_the_plain_path(mode, name, dtype, device)
         assert mode != "native" or native.applies(model, view.k, ids, None, False, None)
         want = hf_step_logits(model, view)
         n, last, size = view.n + 1, model.spec.n_layers - 1, float(want.abs().max())
-        # HF's: the contract in float32; else both round to bfloat16 through the logits' sums,
-        # and int8's products run on weights HF holds rounded to bfloat16 (half a step each)
-        theirs = _apart(model, size, n, _sums(model)) + (
-            _sums(model) * unit(torch.bfloat16) * size if dtype == "int8" else 0.0)
-        assert_close(gen.logits, want, ORACLE if dtype == "float32" else theirs,
+        # the contracts: float32's, and in half precision a few bfloat16 steps (a bound summed
+        # over the logits' sums tells nothing there: tolerance.half_oracle)
+        half = half_oracle(model) * size
+        assert_close(gen.logits, want, ORACLE if dtype == "float32" else half,
                      f"{name} step {i} vs HF")
-        ours = _apart(model, float(ref.logits.abs().max()), n, _sums(model))  # other orders
+        ours = _apart(model, float(ref.logits.abs().max()), n) if dtype == "float32" else half
         assert_close(gen.logits, ref.logits[0], ours, f"{name} step {i} vs plain")
         # the last layer's attention weights (at most 1): its norm, q/k/v, scores and softmax
-        assert_close(gen.attention, ref.attention, _apart(model, 1.0, n, _sums(model, last, 4)),
+        assert_close(gen.attention, ref.attention, _apart(model, 1.0, n, last, 4),
                      f"{name} step {i} attention")
         # the last layer's new key: its norm, q/k/v and RoPE
-        assert_close(gen.k, ref.k, _apart(model, float(ref.k.abs().max()), n,
-                                          _sums(model, last, 3)), f"{name} step {i} keys")
+        assert_close(gen.k, ref.k, _apart(model, float(ref.k.abs().max()), n, last, 3),
+                     f"{name} step {i} keys")
         assert gen.k.dtype == model.dtype
         apply(model, session.state, gen)
     assert mode != "inductor" or (counters["stats"]["unique_graphs"] == 1
@@ -132,11 +122,11 @@ def test_compiled_recall_query_equals_the_plain_path(mode):
     n, last = view.n + 1, model.spec.n_layers - 1
     # the last layer's query: its norm, q/k/v and RoPE
     assert_close(ours.query, ref.query,
-                 _apart(model, float(ref.query.abs().max()), n, _sums(model, last, 3)), "query")
+                 _apart(model, float(ref.query.abs().max()), n, last, 3), "query")
     # a log-sum-exp moves by its scores' errors weighted by their softmax a, and
     # sum a |s| <= |lse| + sum a (lse - s) = |lse| + entropy(a) <= |lse| + log n
     size = float(ref.lse.abs().max()) + math.log(n)
-    assert_close(ours.lse, ref.lse, _apart(model, size, n, _sums(model, last, 4)), "log-sum-exp")
+    assert_close(ours.lse, ref.lse, _apart(model, size, n, last, 4), "log-sum-exp")
     assert mode != "inductor" or (counters["stats"]["unique_graphs"] == 1
                                   and not counters["graph_break"])
 
