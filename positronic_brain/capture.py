@@ -16,7 +16,6 @@ where that stage wrote it. This version reads capture format ``FORMAT`` only.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import json
@@ -24,7 +23,6 @@ import os
 import platform
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
@@ -34,7 +32,7 @@ import transformers
 
 from .plain import atomic_write, from_plain, sha256, to_plain
 from .state import gathered, restore_args
-from .types import GenerateOut, UserError, require
+from .types import GenerateOut, UserError, inconsistent, require
 from .version import __version__
 
 FORMAT = 7
@@ -337,28 +335,14 @@ def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
     return obj
 
 
-@contextlib.contextmanager
-def inconsistent(where: str | os.PathLike) -> Iterator[None]:
-    """What a capture's contents make its readers raise (a value of another type, shape or
-    range than the loop writes, an entry missing) as a one-line ``UserError`` naming
-    ``where``: capture files are plain data, checked where they are used."""
-    try:
-        yield
-    except UserError:
-        raise
-    except (AssertionError, AttributeError, IndexError, KeyError, OverflowError, RuntimeError,
-            TypeError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:120]
-        raise UserError(f"{where}: inconsistent capture ({type(e).__name__}: {first})") from None
-
-
 def reads_capture(fn):
     """``fn``, whose first argument names a capture (a run, its folder, or several
-    folders), with ``inconsistent``'s errors naming it."""
+    folders), with ``types.inconsistent``'s errors naming it."""
     @functools.wraps(fn)
     def checked(where, *args, **kwargs):
         named = getattr(where, "dir", where)
-        with inconsistent(", ".join(map(str, named)) if isinstance(named, list) else named):
+        with inconsistent(", ".join(map(str, named)) if isinstance(named, list) else named,
+                          "capture"):
             return fn(where, *args, **kwargs)
     return checked
 

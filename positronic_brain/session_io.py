@@ -39,7 +39,7 @@ from .plain import check_types, from_plain, load_signed, read_safetensors, save_
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
 from .state import MAX_BRIGHTNESS, Ledger, State, key_norms, restore_args
-from .types import SOURCES, UserError, require
+from .types import SOURCES, UserError, inconsistent, require
 
 FORMAT = "positronic-brain-session/5"
 # Format 4 lacks the ledger's origin columns: its rows were all made in its own session.
@@ -178,7 +178,7 @@ def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | N
     meta, tensors = load_signed(path, (FORMAT, FORMAT_4), "session file")
     if meta["format"] == FORMAT_4:
         tensors |= _made_here(tensors)
-    try:
+    with inconsistent(path, "session", name_refusals=True):
         saved, body = json.loads(meta["model"]), json.loads(meta["session"])
         diff = _mismatch(saved, model.fingerprint)
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
@@ -193,12 +193,6 @@ def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | N
                    "capacity": body["capacity"], "state_fields": fields,
                    "ledger_fields": ledger, "layers": layers}
         return _session(model, tensors, body, None), partial
-    except UserError as e:
-        raise UserError(f"{path}: {e}") from None
-    except (AssertionError, AttributeError, IndexError, KeyError, OverflowError, TypeError,
-            ValueError, RuntimeError) as e:
-        raise UserError(f"{path}: inconsistent session ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def restore_session(model: Model, tensors: dict[str, torch.Tensor], body: dict) -> Session:

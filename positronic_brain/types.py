@@ -5,7 +5,9 @@ holding tensors and plain Python values.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +23,24 @@ class UserError(ValueError):
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise UserError(message)
+
+
+@contextlib.contextmanager
+def inconsistent(where, what: str, name_refusals: bool = False) -> Iterator[None]:
+    """What a file's contents make its reader raise (a value of another type, shape or range
+    than the code writes, an entry missing) as a one-line ``UserError``: "``where``:
+    inconsistent ``what`` (...)". ``name_refusals``: the reader's own refusals name
+    ``where`` too."""
+    try:
+        yield
+    except UserError as e:
+        if name_refusals:
+            raise UserError(f"{where}: {e}") from None
+        raise
+    except (AssertionError, AttributeError, IndexError, KeyError, OverflowError, RuntimeError,
+            TypeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        raise UserError(f"{where}: inconsistent {what} ({type(e).__name__}: {first})") from None
 
 
 def require_seed(seed: int) -> None:
