@@ -139,8 +139,11 @@ def rope_tables(model: Model, positions: torch.Tensor, dtype: torch.dtype):
     H, KVH, D = s.n_heads, s.n_kv_heads, s.head_dim
     cos, sin = rope_cos_sin(model, positions, dtype)  # (T, D)
     sin = torch.cat((-sin[:, : D // 2], sin[:, D // 2:]), dim=-1)
-    heads = torch.tensor([D ** -0.5] * H + [1.0] * KVH, dtype=dtype,
-                         device=model.device).view(H + KVH, 1, 1)
+    if model.device.type == "cpu":
+        heads = torch.tensor([D ** -0.5] * H + [1.0] * KVH, dtype=dtype).view(H + KVH, 1, 1)
+    else:  # made there: a copy from host memory waits for it (and a CUDA graph replays it stale)
+        heads = torch.ones(H + KVH, 1, 1, dtype=dtype, device=model.device)
+        heads[:H] = D ** -0.5
     return cos * heads, sin * heads
 
 

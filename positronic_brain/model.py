@@ -115,7 +115,8 @@ class Model:
     layer_devices: tuple[torch.device, ...]  # each decoder layer's weights and arena slice
     precision: str  # the --dtype it was loaded with: a DTYPES key (int8: ``Int8Weight``s)
     # how stage 1 runs (``stages.generate.stage1_forward``): "" plain, "inductor" through
-    # torch.compile, "native" through native kernels (``native``); a ``COMPILERS`` key
+    # torch.compile, "native" through native kernels (``native``), "graph" replayed as a CUDA
+    # graph (``graph``); a ``COMPILERS`` key
     compiled: str = ""
 
     # derived from the placement at construction (plain fields, not cached properties: a
@@ -241,7 +242,8 @@ def check_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 NATIVE = "native"  # the mode that runs stage 1 through the native kernels (``native``)
-COMPILERS = ("inductor", NATIVE)  # --compile's choices; --compile alone: the first
+GRAPH = "graph"  # the mode that replays stage 1 as a CUDA graph (``graph``)
+COMPILERS = ("inductor", NATIVE, GRAPH)  # --compile's choices; --compile alone: the first
 
 
 def compile_mode(value: bool | str | None) -> str:
@@ -262,13 +264,15 @@ def check_compile(devices, mode: str = "inductor") -> None:
     """What compiling stage 1 (a ``COMPILERS`` ``mode``) needs for ``devices``, or a
     UserError: for ``torch.compile`` a C++ compiler for the CPU, triton for a GPU; for the
     native kernels (built at the first step: ``native.kernels``) the CPU, a C++ compiler and
-    ninja, on the PATH or as the ``ninja`` package."""
+    ninja, on the PATH or as the ``ninja`` package; for a CUDA graph (``graph``) one GPU."""
     kinds = {torch.device(d).type for d in devices}
     flag = compile_flag(mode)
-    require(mode == "inductor" or kinds == {"cpu"}, f"{flag} runs on the CPU only")
+    require(mode != NATIVE or kinds == {"cpu"}, f"{flag} runs on the CPU only")
+    require(mode != GRAPH or (kinds == {"cuda"} and len(set(devices)) == 1),
+            f"{flag} runs on one CUDA GPU only")
     require("cpu" not in kinds or any(map(shutil.which, ("g++", "clang++", "c++"))),
             f"{flag} on the CPU needs a C++ compiler (g++ or clang++) on the PATH")
-    require("cuda" not in kinds or importlib.util.find_spec("triton") is not None,
+    require(mode == GRAPH or "cuda" not in kinds or importlib.util.find_spec("triton") is not None,
             "--compile on a GPU needs triton (pip install triton)")
     require(mode != NATIVE or shutil.which("ninja") is not None
             or importlib.util.find_spec("ninja") is not None,

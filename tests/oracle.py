@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from positronic_brain.forward import forward
 from positronic_brain.model import Model, hf_forward
 from positronic_brain.state import View
+from positronic_brain.types import ForwardOut
 
 
 def dynamic_cache(view: View) -> DynamicCache:
@@ -34,3 +36,10 @@ def assert_close(ours: torch.Tensor, theirs: torch.Tensor, atol: float, what: st
     assert ours.shape == theirs.shape, f"{what}: shape {tuple(ours.shape)} vs {tuple(theirs.shape)}"
     assert float(diff.max()) <= atol, \
         f"{what}: max abs diff {float(diff.max()):.3g} > {atol} (mean {float(diff.mean()):.3g})"
+
+
+def plain_step(model: Model, view: View, **kwargs) -> ForwardOut:
+    """The plain forward of the view's pending token at its position over its live K/V (what
+    a plain stage 1 runs), with its attention row and ``kwargs`` (``forward``'s)."""
+    return forward(model, view.k, view.v, view.token_id.new_tensor([view.pending_token]),
+                   view.token_id.new_tensor([view.next_position]), want_attention=True, **kwargs)

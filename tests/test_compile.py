@@ -24,21 +24,8 @@ from positronic_brain.special_tokens import TokenPolicy
 from positronic_brain.stages.apply import apply, prime
 from positronic_brain.stages.generate import generate, stage1_forward
 from positronic_brain.types import SamplerParams, UserError
-from tests.oracle import assert_close, hf_step_logits
-from tests.tolerance import ORACLE, depth, half_oracle, model_bound, step
-
-
-def _apart(model, magnitude: float, context: int, layer: int | None = None,
-           then: int = 2) -> float:
-    """How far two forwards of ``model`` that add in other orders may put a value of about
-    ``magnitude`` (``tolerance.model_bound``). In bfloat16 (int8's activations too) each
-    sum's result is also rounded to bfloat16, where the float32 sums may straddle a rounding:
-    a step apart at most each (first order, unamplified). Which CPU's kernels run (oneDNN's
-    packed product, AMX, avx512_bf16, or float32 products rounded after, ``forward.WIDEN``)
-    changes which values straddle, not how far."""
-    bound = model_bound(model, magnitude, context, layer, then)
-    return bound + (depth(model, layer, then) * step(torch.bfloat16) * magnitude
-                    if model.dtype != torch.float32 else 0.0)
+from tests.oracle import assert_close, hf_step_logits, plain_step
+from tests.tolerance import ORACLE, apart, half_oracle
 
 
 @pytest.fixture(autouse=True)
@@ -80,11 +67,10 @@ def test_compiled_stage1_equals_hf_and_the_plain_path(mode, name, dtype, device)
     for i in range(8):
         view = session.state.view()
         gen = generate(model, view, session.sampler, session.generator)
-        ids = view.token_id.new_tensor([view.pending_token])
-        ref = fw.forward(plain, view.k, view.v, ids,
-                         view.token_id.new_tensor([view.next_position]), want_attention=True)
+        ref = plain_step(plain, view)
         # the native kernels ran, not their fallback
-        assert mode != "native" or native.applies(model, view.k, ids, None, False, None)
+        assert mode != "native" or native.applies(
+            model, view.k, view.token_id.new_tensor([view.pending_token]), None, False, None)
         want = hf_step_logits(model, view)
         n, last, size = view.n + 1, model.spec.n_layers - 1, float(want.abs().max())
         # the contracts: float32's, and in half precision a few bfloat16 steps (a bound summed
@@ -92,15 +78,15 @@ def test_compiled_stage1_equals_hf_and_the_plain_path(mode, name, dtype, device)
         half = half_oracle(model) * size
         assert_close(gen.logits, want, ORACLE if dtype == "float32" else half,
                      f"{name} step {i} vs HF")
-        ours = _apart(model, float(ref.logits.abs().max()), n) if dtype == "float32" else half
+        ours = apart(model, float(ref.logits.abs().max()), n) if dtype == "float32" else half
         assert_close(gen.logits, ref.logits[0], ours, f"{name} step {i} vs plain")
         # the last layer's attention weights (float32 in every dtype), each off by its own
         # size times its score's error: its norm, q/k/v, scores and softmax
         assert_close(gen.attention, ref.attention,
-                     _apart(model, float(ref.attention.abs().max()), n, last, 4),
+                     apart(model, float(ref.attention.abs().max()), n, last, 4),
                      f"{name} step {i} attention")
         # the last layer's new key: its norm, q/k/v and RoPE
-        assert_close(gen.k, ref.k, _apart(model, float(ref.k.abs().max()), n, last, 3),
+        assert_close(gen.k, ref.k, apart(model, float(ref.k.abs().max()), n, last, 3),
                      f"{name} step {i} keys")
         assert gen.k.dtype == model.dtype
         apply(model, session.state, gen)
@@ -124,11 +110,11 @@ def test_compiled_recall_query_equals_the_plain_path(mode):
     n, last = view.n + 1, model.spec.n_layers - 1
     # the last layer's query: its norm, q/k/v and RoPE
     assert_close(ours.query, ref.query,
-                 _apart(model, float(ref.query.abs().max()), n, last, 3), "query")
+                 apart(model, float(ref.query.abs().max()), n, last, 3), "query")
     # a log-sum-exp moves by its scores' errors weighted by their softmax a, and
     # sum a |s| <= |lse| + sum a (lse - s) = |lse| + entropy(a) <= |lse| + log n
     size = float(ref.lse.abs().max()) + math.log(n)
-    assert_close(ours.lse, ref.lse, _apart(model, size, n, last, 4), "log-sum-exp")
+    assert_close(ours.lse, ref.lse, apart(model, size, n, last, 4), "log-sum-exp")
     assert mode != "inductor" or (counters["stats"]["unique_graphs"] == 1
                                   and not counters["graph_break"])
 
@@ -218,7 +204,7 @@ def test_a_capture_from_before_compile_modes_replays_as_inductor():
     """Older captures say ``compiled: true`` for torch.compile."""
     assert model_module.compile_mode(True) == "inductor"
     assert model_module.compile_mode(False) == model_module.compile_mode(None) == ""
-    with pytest.raises(UserError, match="compile must be one of inductor, native, got 'jit'"):
+    with pytest.raises(UserError, match="compile must be one of inductor, native, graph, got 'jit'"):
         model_module.compile_mode("jit")
 
 

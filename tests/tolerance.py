@@ -92,6 +92,20 @@ def model_bound(model, magnitude: float, context: int, layer: int | None = None,
                     depth(model, layer, then), magnitude)
 
 
+def apart(model, magnitude: float, context: int, layer: int | None = None,
+          then: int = 2) -> float:
+    """How far two of our forwards of ``model`` that add in other orders (compiled, native,
+    a fixed-shape graph step against the plain one) may put a value of about ``magnitude``
+    (``model_bound``). In bfloat16 (int8's activations too) each sum's result is also rounded
+    to bfloat16, where the float32 sums may straddle a rounding: a step apart at most each
+    (first order, unamplified). Which CPU's kernels run (oneDNN's packed product, AMX,
+    avx512_bf16, or float32 products rounded after, ``forward.WIDEN``) changes which values
+    straddle, not how far."""
+    bound = model_bound(model, magnitude, context, layer, then)
+    return bound + (depth(model, layer, then) * step(torch.bfloat16) * magnitude
+                    if model.dtype != torch.float32 else 0.0)
+
+
 def forward_bound(model, slots: int, magnitude: float, logits: bool = False,
                   more: int = 0) -> float:
     """``model_bound`` of a forward's new K/V over ``slots`` tokens (at its last layer;

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..loop import Session
-from ..model import (CPU_ONLY, NATIVE, Int8Weight, Model, PackedWeight, compile_flag, hf_forward,
+from ..model import (CPU_ONLY, GRAPH, NATIVE, Int8Weight, Model, PackedWeight, compile_flag, hf_forward,
                      load_model, resolve_device)
 from ..sampler import make_generator
 from ..special_tokens import TokenPolicy
@@ -53,6 +53,7 @@ DECODE_TARGETS = {1024: 0.8, 2048: 0.8, 4096: 0.6}  # stage 1 / HF ms per token,
 GPU_DECODE_TARGET = 1.0  # on a GPU, at every context
 LOOP_TARGET = 1.10  # a full loop step / stage 1 alone
 RECALL_LOOP_TARGET = 1.15  # ... with recall, over the cold store's ``recall_cold`` tokens
+GRAPH_FLOOR_TARGET = 3.0  # on a GPU, stage 1 as a graph / the bandwidth floor, every context
 EDIT_TARGET = 1.5  # an edit's stage 4 at the longest context / at the shortest (O(1))
 # stage 1 / llama.cpp ms per token at equal precision, at these contexts (None: every one)
 LLAMACPP_TARGETS = {"bfloat16": (1.0, (1024, 2048, 4096)), "float32": (0.9, None)}
@@ -484,7 +485,12 @@ COMPILED = {
                        "and the work between them in native kernels)",
                        "Loading the model with its kernels and the first stage-1 call took",
                        " (building the kernels the first time on a machine takes tens of "
-                       "seconds more)")}
+                       "seconds more)"),
+    "graph": Compiled(GRAPH, "Stage 1 as a CUDA graph (`--compile graph`: over a fixed "
+                      "power-of-two bucket of the arena's slots, the free ones masked, captured "
+                      "once a bucket and replayed)",
+                      "Loading the model and the first stage-1 call (its first capture) took",
+                      " (each bucket a context reaches captures once more, at its first step)")}
 
 
 def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],
@@ -539,14 +545,14 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     llama = None if why_not else llamacpp.Contender(model, dtype, cfg.contexts[-1] + 8)
     compiled, compile_info = {}, []
     for key, how in COMPILED.items():
-        if how.mode == NATIVE and cfg.device != "cpu":
-            continue  # the native kernels are the CPU's
+        if {NATIVE: cfg.device != "cpu", GRAPH: cfg.device == "cpu"}.get(how.mode):
+            continue  # the native kernels are the CPU's, CUDA graphs a GPU's
         other, info = compile_model(cfg, dtype, view, ids, task, how.mode)
         compile_info.append(info)
         if other is not None:
             compiled[key] = other
     decode = measure_decode(model, hf, view, ids, cfg, task, llama, compiled)
-    native = compiled.pop("native", None)  # its loop too, below
+    loops = [compiled.pop(key) for key in ("native", "graph") if key in compiled]  # below
     del compiled
     if llama is not None:
         llama.close()
@@ -558,9 +564,9 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
     edits = measure_edits(model, primed, cfg, task)  # changes the primed arena: last
     del primed
     loop = measure_loop(model, cfg, task)
-    if native is not None:
-        loop += measure_loop(native, cfg, task)
-        del native
+    for other in loops:  # the same loop over stage 1 native or as a graph
+        loop += measure_loop(other, cfg, task)
+    del loops
     wb, kvb = weight_bytes(model), kv_bytes_per_token(model)
     for r in decode:  # the physical floor: weights + live K/V read once per token
         r["floor_ms"] = (wb + r["context"] * kvb) / (bandwidth * 1e9) * 1e3
@@ -698,8 +704,14 @@ def targets(res: dict) -> list[dict]:
         out += _cpu_decode_targets(res, "stage 1", "ours_ms", "ratio", "llamacpp_ratio")
         out += _cpu_decode_targets(res, "stage 1 native", "native_ms", "native_hf_ratio",
                                    "native_llamacpp_ratio")
+    for r in res["decode"]:
+        if gpu and "graph_ms" in r:
+            out.append({"what": f"stage 1 graph / the bandwidth floor at {r['context']}",
+                        "dtype": r["dtype"], "context": r["context"],
+                        "value": r["graph_ms"] / r["floor_ms"], "target": f"<= {GRAPH_FLOOR_TARGET}",
+                        "met": r["graph_ms"] / r["floor_ms"] <= GRAPH_FLOOR_TARGET})
     for r in res["prefill"]:
-        if not gpu and r["tokens"] in PREFILL_TARGET_TOKENS and r["dtype"] in PREFILL_TARGET_DTYPES:
+        if r["tokens"] in PREFILL_TARGET_TOKENS and r["dtype"] in PREFILL_TARGET_DTYPES:
             for key, what in (("ratio", ""), ("window_ratio", ", with the prompt's window")):
                 if key not in r:  # a run from before the statistics were timed
                     continue
@@ -926,8 +938,9 @@ def tables(res: dict) -> list[Table]:
         "Medians per stage, timed on the same view within each repetition; the step is "
         "`Session.step` (all four stages). With recall, stage 1 is timed as without it: the "
         "query and log-sum-exp it also hands stage 2 count as recall's cost, in the step. "
-        "Stage 1 native: the same loop on the `--compile native` copy (stages 2-4 as they "
-        "are), so the same stages 2-4 weigh more against a shorter stage 1.")
+        "Stage 1 native or graph: the same loop on the `--compile native` (the CPU) or "
+        "`--compile graph` (a GPU) copy (stages 2-4 as they are), so the same stages 2-4 "
+        "weigh more against a shorter stage 1.")
     edits = Table(
         "Cost of one edit vs context (stage 4 `apply`, which always appends the pending token too)",
         ("dtype", "context", "append only ms", "+ 1 cull ms", "+ cull + full re-index ms",
@@ -1048,10 +1061,11 @@ METHOD = """\
   the name the installed transformers takes, `model.hf_forward`) plus an argmax on a `DynamicCache` holding a copy of the same K/V, cropped back by one row
   after every call so the context stays fixed. Two warm-up rounds, then the median of the
   repetitions; stage 1 and HF alternate within each repetition, same threads.
-- **Compiled** and **native**: copies of the model loaded with `compile` (`--compile`) and
-  with `compile="native"` (`--compile native`; the CPU only), each one's loading and first
-  stage-1 call (the compilation) timed apart, then timed as further contenders in the same
-  rounds on the same views.
+- **Compiled**, **native** and **graph**: copies of the model loaded with `compile`
+  (`--compile`), with `compile="native"` (`--compile native`; the CPU only) and with
+  `compile="graph"` (`--compile graph`; a GPU only), each one's loading and first
+  stage-1 call (the compilation, or the first capture) timed apart, then timed as further
+  contenders in the same rounds on the same views.
 - **llama.cpp** (where `llama_cpp` and llama.cpp's converter are installed: `make
   bench-llamacpp`): the model's own Hugging Face folder written as a GGUF by llama.cpp's
   `convert_hf_to_gguf.py` (F32 weights and an f32 K/V cache for float32; BF16 weights and

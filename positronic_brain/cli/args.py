@@ -54,8 +54,9 @@ def _add_model_args(p: argparse.ArgumentParser, session: bool = False) -> None:
     p.add_argument("--compile", nargs="?", const=COMPILERS[0], default="", choices=COMPILERS,
                    help="run stage 1 through torch.compile (--compile: the first step "
                         "compiles, tens of seconds), or through native kernels built for this "
-                        "CPU (--compile native: built once, tens of seconds; docs/DESIGN.md, "
-                        "stage 1)")
+                        "CPU (--compile native: built once, tens of seconds), or replayed as "
+                        "a CUDA graph on a GPU (--compile graph: captured at the first step of "
+                        "each power-of-two context; docs/DESIGN.md, stage 1)")
 
 
 def model_placement(args) -> dict:

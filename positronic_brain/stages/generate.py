@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from .. import native
+from .. import graph, native
 from ..forward import forward
 from ..model import Model
 from ..sampler import sample
@@ -29,9 +29,12 @@ def generate(model: Model, view: View, params: SamplerParams,
     require(force is None or 0 <= force < model.spec.vocab,
             f"forced token {force} outside the model's vocabulary of {model.spec.vocab}")
     ids = view.token_id.new_tensor([view.pending_token])
-    pos = view.position.new_tensor([view.next_position])
-    out = stage1_forward(model)(model, view.k, view.v, ids, pos, want_attention=True,
-                                past_log_mass=view.log_mass, want_query=view.cold is not None)
+    if graph.chosen(model.compiled):
+        out = graph.stage1(model, view, want_query=view.cold is not None)
+    else:
+        pos = view.position.new_tensor([view.next_position])
+        out = stage1_forward(model)(model, view.k, view.v, ids, pos, want_attention=True,
+                                    past_log_mass=view.log_mass, want_query=view.cold is not None)
     logits = out.logits[0]  # (V,)
     seen = torch.cat((view.token_id, ids)) if params.repetition_penalty != 1.0 else ids
     report = sample(logits, params, seen, generator, force)
@@ -42,7 +45,8 @@ def generate(model: Model, view: View, params: SamplerParams,
 
 def stage1_forward(model: Model):
     """The forward stage 1 calls (``Model.compiled``): ``forward``, ``forward`` through
-    ``torch.compile`` (``_compiled``) or the native kernels' (``native.stage1``)."""
+    ``torch.compile`` (``_compiled``) or the native kernels' (``native.stage1``); a CUDA
+    graph's (``graph.stage1``) takes the view instead, and ``generate`` calls it."""
     if not model.compiled:
         return forward
     return native.stage1 if native.chosen(model.compiled) else _compiled()
