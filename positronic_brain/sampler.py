@@ -14,10 +14,10 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return g
 
 
-def process(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor) -> torch.Tensor:
+def process(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | None) -> torch.Tensor:
     """Apply the sampling rule to raw logits (V,) -> processed logits (V,) float32 (-inf = removed).
 
-    ``seen`` (S,) int64: token ids the repetition penalty applies to.
+    ``seen`` (S,) int64: token ids the repetition penalty applies to (None: it is 1).
     """
     x = logits.float().clone()
     if params.repetition_penalty != 1.0 and seen.numel():
@@ -43,7 +43,7 @@ def process(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor) -> 
     return x
 
 
-def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor,
+def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | None,
            generator: torch.Generator, force: int | None = None) -> SamplerReport:
     """Pick the next token from raw logits (V,). Greedy takes the argmax; otherwise one
     multinomial draw from ``generator`` (whose state is the only randomness). ``force``
@@ -51,7 +51,13 @@ def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor,
     x = process(logits, params, seen)
     probs = x.softmax(-1)
     top = torch.topk(probs, min(params.report_top, probs.numel()))
-    ids, ps = top.indices.tolist(), top.values.tolist()
+    drawn = force is None and not params.is_greedy
+    draw = (torch.multinomial(probs, 1, generator=generator).double(),) if drawn else ()
+    # read back at once (one wait for the device, not one a value): ids and float32
+    # probabilities are exact in float64
+    read = torch.cat((top.indices.double(), top.values.double(), *draw)).tolist()
+    k = top.indices.shape[0]
+    ids, ps = [int(i) for i in read[:k]], read[k:2 * k]
     if force is not None:
         token = force
     elif params.is_greedy:
@@ -60,6 +66,6 @@ def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor,
         # the vocabulary (tens of µs on the CPU) only settles a tie
         token = ids[0] if len(ps) > 1 and ps[0] > ps[1] else int(torch.argmax(x))
     else:
-        token = int(torch.multinomial(probs, 1, generator=generator))
+        token = int(read[-1])
     return SamplerReport(token_id=token, top_ids=tuple(ids),
                          top_probs=tuple(round(p, 6) for p in ps))

@@ -163,7 +163,8 @@ def test_a_graph_capture_replays_bit_exact(tmp_path):
 def test_graph_runs_on_one_gpu_only(capsys):
     with pytest.raises(UserError, match="--compile graph runs on one CUDA GPU only"):
         load_model("tiny-random", "float32", "cpu", compile="graph")
-    assert cli(["run", "--model", "tiny-random", "--compile", "graph", "--prompt", "x"]) == 2
+    assert cli(["run", "--model", "tiny-random", "--device", "cpu", "--compile", "graph",
+                "--prompt", "x"]) == 2
     assert capsys.readouterr().err.strip().endswith("--compile graph runs on one CUDA GPU only")
 
 

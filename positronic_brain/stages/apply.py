@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 
@@ -118,19 +119,26 @@ def _write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: tor
                 sources: torch.Tensor, step: int, flags: torch.Tensor) -> list[int]:
     """Fill ledger rows ``slots`` for new tokens; returns their fresh uids."""
     count = token_ids.shape[0]
-    uids = torch.arange(m.next_uid, m.next_uid + count, device=m.device)
-    m.uid[slots] = uids
+    uids = list(range(m.next_uid, m.next_uid + count))  # known here: not read back (a sync)
+    m.uid[slots] = torch.arange(m.next_uid, m.next_uid + count, device=m.device)
     m.token_id[slots] = token_ids
     m.position[slots] = positions
     m.source[slots] = sources
-    m.brightness[slots] = torch.tensor(m.seeds, device=m.device)[sources.long()]
+    m.brightness[slots] = _seed_table(m.seeds, m.device)[sources.long()]
     m.attn_sum[slots] = 0.0
     m.born_step[slots] = step
     m.changed_step[slots] = step
     m.flags[slots] = flags
     m.origin[slots], m.origin_uid[slots] = 0, -1
     m.next_uid += count
-    return uids.tolist()
+    return uids
+
+
+@functools.lru_cache(maxsize=16)
+def _seed_table(seeds: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The ledger's seed brightness per source as a tensor on ``device``, made once (copying
+    it from host memory at every step would wait for the device)."""
+    return torch.tensor(seeds, device=device)
 
 
 TOTAL_UNREAD = ("this scorer's prefill reads the prompt's total attention, which the prime "
@@ -668,8 +676,8 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
     a, m = state.arena, state.ledger
     n = a.n
     k = gen.k
-    def row(x: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor([x], dtype=dtype, device=m.device)
+    def row(x: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:  # filled there: no copy
+        return torch.full((1,), x, dtype=dtype, device=m.device)
 
     if position != gen.position:
         cos, sin = rerotation(model, row(gen.position), row(position))

@@ -31,8 +31,9 @@ def protected(view: View, params: CacheParams, order: torch.Tensor | None = None
     text order, if already known)."""
     order = torch.argsort(view.position) if order is None else order
     keep = (view.flags & FLAG_PROTECTED) != 0
-    keep[order[: params.sinks]] = True
-    keep[order[max(0, view.n - params.recent):]] = True
+    # index_fill_ takes the value as an argument; ``keep[i] = True`` copies it from host memory
+    keep.index_fill_(0, order[: params.sinks], True)
+    keep.index_fill_(0, order[max(0, view.n - params.recent):], True)
     return keep
 
 

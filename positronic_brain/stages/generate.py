@@ -28,15 +28,17 @@ def generate(model: Model, view: View, params: SamplerParams,
     """
     require(force is None or 0 <= force < model.spec.vocab,
             f"forced token {force} outside the model's vocabulary of {model.spec.vocab}")
-    ids = view.token_id.new_tensor([view.pending_token])
-    if graph.chosen(model.compiled):
+    penalty, graphed = params.repetition_penalty != 1.0, graph.chosen(model.compiled)
+    # a graph has its own input (a copy from host memory waits for the device)
+    ids = view.token_id.new_tensor([view.pending_token]) if penalty or not graphed else None
+    if graphed:
         out = graph.stage1(model, view, want_query=view.cold is not None)
     else:
         pos = view.position.new_tensor([view.next_position])
         out = stage1_forward(model)(model, view.k, view.v, ids, pos, want_attention=True,
                                     past_log_mass=view.log_mass, want_query=view.cold is not None)
     logits = out.logits[0]  # (V,)
-    seen = torch.cat((view.token_id, ids)) if params.repetition_penalty != 1.0 else ids
+    seen = torch.cat((view.token_id, ids)) if penalty else ids
     report = sample(logits, params, seen, generator, force)
     return GenerateOut(input_token=view.pending_token, position=view.next_position,
                        logits=logits, token_id=report.token_id, report=report,
