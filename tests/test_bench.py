@@ -251,6 +251,30 @@ def test_a_missed_recall_step_says_how_far_reading_the_cold_keys_alone_would_tak
     assert "could not go below 1.10x here" in note  # 1.05 + 0.05
 
 
+def test_a_gpu_run_holds_the_graph_to_the_floor_and_says_why_it_missed():
+    """On a GPU, stage 1 as a graph is held to 3x the floor at every context; a miss is
+    explained from the fit over the contexts: a fixed part far over the weights' reads
+    (the operators the graph still launches) and an attention that grows faster than the
+    K/V it reads."""
+    decode = [{"dtype": "float32", "context": n, "ours_ms": 8.0, "hf_ms": 9.0, "ratio": 0.9,
+               "floor_ms": 1.0 + n / 1e6, "graph_ms": 2.5 + n / 1000} for n in (1000, 4000)]
+    res = {"config": {"device": "cuda:0"}, "decode": decode, "llamacpp": [], "prefill": [],
+           "loop": [], "alloc_fit": [], "edits": [], "bandwidth_gb_s": 1000.0,
+           "ops": [{"dtype": "float32", "ops": 600}],
+           "decode_fit": [{"dtype": "float32", "who": who, "fixed_ms": 8.0, "ms_per_1k": 0.0}
+                          for who in ("ours", "hf")],
+           "memory": [{"dtype": "float32", "floor_ms": 1.0, "kv_bytes_per_token": 1000}]}
+    res["targets"] = speed.targets(res)
+    graph = [t for t in res["targets"] if t["what"].startswith("stage 1 graph")]
+    # 3.5 ms over 1.001 ms at 1000, 6.5 over 1.004 at 4000
+    assert [t["met"] for t in graph] == [False, False] and graph[1]["value"] > 6.4
+    (note,) = [n for n in speed.missed_notes(res) if "stage 1 graph" in n]
+    # the fit is 2.5 ms + 1 ms per 1k tokens; 1000 B a token at 1000 GB/s: 0.001 ms per 1k
+    assert "costs 2.50 ms + 1.000 ms per 1k context tokens" in note
+    assert "2.5x the weights' reads" in note and "600 operators" in note
+    assert "grows 1000x faster than the K/V it reads" in note
+
+
 def test_the_scan_reads_every_recall_layer_s_cold_keys():
     params = CacheParams(budget=64, recall=True, recall_layers=3)
     k = torch.zeros(6, 2, 100, 4, dtype=torch.bfloat16)

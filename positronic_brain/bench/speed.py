@@ -768,6 +768,36 @@ def _compiled_table(res: dict, key: str, measured: bool):
         + how.after + ".")
 
 
+def _graph_floor_notes(res: dict) -> list[str]:
+    """Why stage 1 as a graph stayed above ``GRAPH_FLOOR_TARGET`` times the floor, per dtype:
+    its cost fitted over the contexts (fixed + per 1k tokens) against the floor's (the
+    weights, and the K/V per 1k tokens), and the operators its graph replays as kernels."""
+    notes = []
+    for dt, rows in _by_dtype([r for r in res["decode"] if "graph_ms" in r]).items():
+        missed = [r for r in rows if r["graph_ms"] / r["floor_ms"] > GRAPH_FLOOR_TARGET]
+        if not missed:
+            continue
+        memory = {m["dtype"]: m for m in res["memory"]}
+        ops = {o["dtype"]: o for o in res["ops"]}
+        bandwidth = res["bandwidth_gb_s"] * 1e9
+        fixed, per_1k = linear_fit([r["context"] / 1000 for r in rows], [r["graph_ms"] for r in rows])
+        kv_1k = memory[dt]["kv_bytes_per_token"] * 1000 / bandwidth * 1e3
+        notes.append(
+            f"- **{dt}, stage 1 graph over the floor at {', '.join(str(r['context']) for r in missed)}: "
+            f"{min(r['graph_ms'] / r['floor_ms'] for r in missed):.2f}-"
+            f"{max(r['graph_ms'] / r['floor_ms'] for r in missed):.2f}x, target <= "
+            f"{GRAPH_FLOOR_TARGET}.** Fitted over the contexts the graph costs {fixed:.2f} ms + "
+            f"{per_1k:.3f} ms per 1k context tokens; the floor {memory[dt]['floor_ms']:.2f} ms of "
+            f"weights + {kv_1k:.3f} ms of K/V per 1k tokens. " + (
+                f"Its fixed part is {fixed / memory[dt]['floor_ms']:.1f}x the weights' reads: the "
+                f"graph replays each of the step's {ops[dt]['ops']:,} operators as a kernel of "
+                f"its own, most of them a few microseconds of elementwise work; fusing them is "
+                f"what is left. " if fixed > GRAPH_FLOOR_TARGET * memory[dt]["floor_ms"] / 2 else "")
+            + (f"Its attention grows {per_1k / kv_1k:.0f}x faster than the K/V it reads."
+               if per_1k > 2 * kv_1k else ""))
+    return notes
+
+
 def missed_notes(res: dict) -> list[str]:
     """Why a target was missed, from the run's own numbers."""
     fits = {(f["dtype"], f["who"]): f for f in res["decode_fit"]}
@@ -793,6 +823,7 @@ def missed_notes(res: dict) -> list[str]:
                 "misses." if ours["ms_per_1k"] > hf["ms_per_1k"] else
                 "Stage 1's context-dependent part grows no faster than HF's, so the ratio is "
                 "bounded by how slow HF's context-dependent part is, not by our attention."))
+    notes += _graph_floor_notes(res)
     for r in res["loop"]:
         if r["overhead"] <= loop_target(r):
             continue
