@@ -15,6 +15,7 @@ import resource
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..types import UserError, require
 
@@ -93,6 +95,65 @@ def operators(fn: Callable[[], object], most: int = 8) -> tuple[int, list[tuple[
         fn()
     top = [e.name for e in prof.events() if e.cpu_parent is None]
     return len(top), collections.Counter(top).most_common(most)
+
+
+# operators whose result a host must wait for: a value read back, or an output whose size
+# depends on the values (a boolean mask's selection counts its True entries first)
+_READS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero",
+          "unique_consecutive", "_unique2"}
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts each operator that reads a tensor's values back to the host, by where it was
+    called from (``host_reads``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        masked = name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()))
+        sized = (name == "repeat_interleave" and "Tensor" in func._overloadname
+                 and kwargs.get("output_size") is None)  # repeats given as a tensor
+        if name in _READS or masked or sized:
+            self.sites[_caller()] += 1
+        return func(*args, **kwargs)
+
+
+def _caller() -> str:
+    """The innermost frame of this package that is not this module, as ``file:line``."""
+    for frame in reversed(traceback.extract_stack()):
+        if "positronic_brain" in frame.filename and not frame.filename.endswith("common.py"):
+            return f"{Path(frame.filename).name}:{frame.lineno}"
+    return "?"
+
+
+def host_reads(fn: Callable[[], object]) -> collections.Counter:
+    """Where one call of ``fn`` waits for the device to read values back (on a GPU each
+    drains the queue of launched work; on the CPU the same calls are counted, though
+    nothing waits): ``file:line`` -> count. Counted: the operators that read values
+    (``item``, ``int()``, ``bool()``, comparisons' truth, ``torch.equal``), that size their
+    output by them (``nonzero``, a boolean mask's indexing), and ``tolist``, which reads a
+    CPU tensor's memory with no operator. A tensor made from host values on a GPU (a copy
+    from host memory) is not seen on the CPU; CUDA's sync debug mode sees it there."""
+    mode = _HostReads()
+    real = torch.Tensor.tolist
+
+    def tolist(t: torch.Tensor):
+        mode.sites[_caller()] += 1
+        return real(t)
+
+    torch.Tensor.tolist = tolist
+    try:
+        with mode:
+            fn()
+    finally:
+        torch.Tensor.tolist = real
+    return mode.sites
 
 
 # --- the machine ------------------------------------------------------------------------------

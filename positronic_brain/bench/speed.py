@@ -359,8 +359,12 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
         t["loop step"] = [x / every for x in t["loop step"]]
         assert session.state.arena.n == cfg.budget, "the loop is not at its budget"
         ms = {k: common.median(v) for k, v in t.items()}
+        # the values one round of steps reads back to the host, a step (each waits for the
+        # device to drain on a GPU)
+        reads = sum(common.host_reads(steps).values()) / every
         store = session.state.cold
         rows.append({"dtype": dt, "stage1": how, "repair": what, "context": cfg.budget,
+                     "host_reads": reads,
                      "cold": store.n if cold else 0, "recall_every": every,
                      "cold_bytes_per_token": store.bytes_per_token if cold else None,
                      "scan_bytes": scan_bytes(params, store.arena.k, store.n) if cold else None,
@@ -961,17 +965,19 @@ def tables(res: dict) -> list[Table]:
     loop = Table(
         "Loop step (stages 1-4, brightness scorer, one removal per step at the budget)",
         ("dtype", "stage 1", "repair", "live slots", "stage 1 ms", "stage 2 ms", "stage 3 ms",
-         "step ms", "step / stage 1"),
+         "step ms", "step / stage 1", "host reads a step"),
         tuple((r["dtype"], r.get("stage1", "plain"), r["repair"], str(r["context"]),
                fmt(r["stage1_ms"], 2),
                fmt(r["score_ms"], 2), fmt(r["decide_ms"], 2), fmt(r["step_ms"], 2),
-               fmt(r["overhead"], 2)) for r in res["loop"]),
+               fmt(r["overhead"], 2), fmt(r.get("host_reads"), 1)) for r in res["loop"]),
         "Medians per stage, timed on the same view within each repetition; the step is "
         "`Session.step` (all four stages). With recall, stage 1 is timed as without it: the "
         "query and log-sum-exp it also hands stage 2 count as recall's cost, in the step. "
         "Stage 1 native or graph: the same loop on the `--compile native` (the CPU) or "
         "`--compile graph` (a GPU) copy (stages 2-4 as they are), so the same stages 2-4 "
-        "weigh more against a shorter stage 1.")
+        "weigh more against a shorter stage 1. Host reads: the values a step reads back from "
+        "the device (`common.host_reads`; each waits for the device to drain on a GPU), "
+        "counted over one more round of steps.")
     edits = Table(
         "Cost of one edit vs context (stage 4 `apply`, which always appends the pending token too)",
         ("dtype", "context", "append only ms", "+ 1 cull ms", "+ cull + full re-index ms",

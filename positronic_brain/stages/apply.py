@@ -304,8 +304,10 @@ def extend(model: Model, state: State, segments: list[Segment], chunk: int | Non
     return Patch(step=state.step, appended_slots=tuple(slots), appended_uids=tuple(uids))
 
 
-def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> None:
-    """Refuse bad actions before anything changes (stale slots, protected slots, shapes)."""
+def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> list[int]:
+    """Refuse bad actions before anything changes (stale slots, protected slots, shapes);
+    returns the culled slots' uids. What it reads of the device (the columns' ranges, the
+    slots' flags, the uids) it reads back at once: each read waits for the device."""
     a, m, spec, dtype = state.arena, state.ledger, model.spec, model.dtype
     n = m.n
     assert gen.position == state.next_position and gen.input_token == state.pending_token, \
@@ -313,11 +315,21 @@ def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> No
     assert gen.k.shape == (spec.n_layers, spec.n_kv_heads, 1, spec.head_dim), \
         f"new K has shape {tuple(gen.k.shape)}"
     assert gen.k.dtype == gen.v.dtype == dtype, f"new K/V are {gen.k.dtype}, not {dtype}"
-    _check_columns(actions, n)
+    ranges = _column_ranges(actions, n)
     slots = list(actions.cull_slots) + [s for r in actions.merges for s in r.slots]
     require(len(set(slots)) == len(slots), f"a slot is culled or repaired twice: {slots}")
     require(all(0 <= s < n for s in slots), f"a cull or repair slot is outside [0, {n})")
-    protected = [s for s in slots if int(m.flags[s]) & FLAG_PROTECTED]
+    at = torch.tensor(slots, dtype=torch.long).to(m.device, non_blocking=True)
+    culls = len(actions.cull_slots)
+    folds = [f.into.flatten().double() for f in actions.folds]  # their targets too
+    read = torch.cat([r for _, _, r in ranges]  # float64 holds int8 flags and uids exactly
+                     + [m.flags[at].double(), m.uid[at[:culls]].double()] + folds).tolist() \
+        if ranges or slots else []
+    targets = read[len(read) - sum(len(f) for f in folds):]
+    read = read[:len(read) - len(targets)]
+    _in_range(ranges, read)
+    flags = read[2 * len(ranges):2 * len(ranges) + len(slots)]
+    protected = [s for s, f in zip(slots, flags) if int(f) & FLAG_PROTECTED]
     require(not protected, f"slots {protected} are protected and cannot be culled")
     for r in actions.merges:
         assert r.k.shape == gen.k.shape and r.v.shape == gen.v.shape, "repair K/V shape"
@@ -326,29 +338,51 @@ def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> No
         assert int(m.position[r.slots[0]]) == r.position, "repair position"
     culled = set(actions.cull_slots)
     changed = culled | {s for r in actions.merges for s in r.slots}
-    for f in actions.folds:
-        assert f.slot in culled and int(m.uid[f.slot]) == f.uid, "a fold of a slot not culled"
+    uids = dict(zip(actions.cull_slots, (int(u) for u in read[len(read) - culls:])))
+    width = spec.n_layers * spec.n_kv_heads
+    for i, f in enumerate(actions.folds):
+        assert f.slot in culled and uids[f.slot] == f.uid, "a fold of a slot not culled"
         assert f.into.shape == (spec.n_layers, spec.n_kv_heads), \
             f"fold targets have shape {tuple(f.into.shape)}"
-        into = set(f.into.flatten().tolist()) - {-1}
+        into = {int(s) for s in targets[i * width:(i + 1) * width]} - {-1}
         assert all(0 <= s < n for s in into) and not into & changed, \
             "a fold into a slot that goes or is repaired"
     _check_swaps(state, actions, changed)
     removed = len(actions.cull_slots) + len(actions.merges)
     require(n - removed < a.capacity,
             f"the arena is full ({a.capacity} slots); set a budget to cull")
+    return [uids[s] for s in actions.cull_slots]
 
 
-def _check_columns(new, n: int) -> None:
-    """The scorer columns ``new`` writes (``brightness``, ``attn_sum``; None = unchanged)
-    have one value per live slot, in range."""
-    for name, top in (("brightness", MAX_BRIGHTNESS), ("attn_sum", float("inf"))):
+COLUMN_RANGES = (("brightness", MAX_BRIGHTNESS), ("attn_sum", float("inf")))
+
+
+def _column_ranges(new, n: int) -> list[tuple[str, float, torch.Tensor]]:
+    """The scorer columns ``new`` writes (``brightness``, ``attn_sum``; None = unchanged),
+    each checked to have one value per live slot: (name, top, its lowest and highest value
+    as a float64 tensor (2,), not read yet) for each written over any slot."""
+    out = []
+    for name, top in COLUMN_RANGES:
         t = getattr(new, name)
         assert t is None or t.shape == (n,), f"bad {name} for {n} slots"
         if t is not None and n:
-            lo, hi = (float(x) for x in t.aminmax())  # a NaN fails the comparisons
-            assert 0 <= lo and hi <= top and math.isfinite(hi), \
-                f"{name} outside [0, {top}]: [{lo}, {hi}]"
+            out.append((name, top, torch.stack(t.aminmax()).double()))
+    return out
+
+
+def _in_range(ranges: list[tuple[str, float, torch.Tensor]], read: list[float]) -> None:
+    """Each of ``_column_ranges``' columns in [0, top], from its (lowest, highest) read back
+    in ``read`` (two values a column, in order; a NaN fails the comparisons)."""
+    for (name, top, _), lo, hi in zip(ranges, read[::2], read[1::2]):
+        assert 0 <= lo and hi <= top and math.isfinite(hi), \
+            f"{name} outside [0, {top}]: [{lo}, {hi}]"
+
+
+def _check_columns(new, n: int) -> None:
+    """The scorer columns ``new`` writes have one value per live slot, in range."""
+    ranges = _column_ranges(new, n)
+    if ranges:
+        _in_range(ranges, torch.cat([r for _, _, r in ranges]).tolist())
 
 
 def _check_swaps(state: State, actions: Actions, changed: set[int]) -> None:
@@ -394,16 +428,24 @@ def _fold(state: State, f: Fold) -> None:
     none there): there K and V become the mass-weighted mean of both, and the log-mass
     their log-sum-exp, so a query that scores both keys alike gives the pair the attention
     it gave them apart."""
+    split = isinstance(state.arena, SplitArena)
     for a, (into,) in _parts(state.arena, f.into):
-        _fold_block(a, f.slot, into)
+        # a fold folds somewhere (decide), but a block of a split arena may fold nowhere
+        # (its log-mass then stays unread: ``Arena.folded``)
+        if not split or bool((into >= 0).any()):
+            _fold_block(a, f.slot, into)
 
 
 def _fold_block(a: Arena, slot: int, into: torch.Tensor) -> None:
-    """``_fold`` in one block of layers: ``into`` (layers, kv_heads)."""
-    li, hi = (into >= 0).nonzero(as_tuple=True)  # the (layer, KV head) pairs that fold
-    if len(li) == 0:
-        return
-    into = into[li, hi]
+    """``_fold`` in one block of layers: ``into`` (layers, kv_heads). Over every (layer, KV
+    head) pair at once, so nothing is read back: a pair that does not fold (-1) takes the
+    culled slot itself as its target, whose K, V and norms are then written back unchanged
+    (x + w (x - x) is x) and its log-mass kept; the slot goes at the end of the step."""
+    L, KVH = into.shape
+    li = torch.arange(L, device=into.device).repeat_interleave(KVH)  # (L KVH,)
+    hi = torch.arange(KVH, device=into.device).repeat(L)
+    folds = into.flatten() >= 0
+    into = torch.where(folds, into.flatten(), slot)
     lm_i, lm_j = a.log_mass[li, hi, into], a.log_mass[li, hi, slot]  # (p,)
     w = torch.sigmoid(lm_j - lm_i).unsqueeze(-1)  # m_j / (m_i + m_j), (p, 1)
     for t, norm, rows in ((a.k, a.knorm, key_norms), (a.v, a.vnorm, value_norms)):
@@ -411,7 +453,7 @@ def _fold_block(a: Arena, slot: int, into: torch.Tensor) -> None:
         folded = (x + w * (t[li, hi, slot].float() - x)).to(t.dtype)
         t[li, hi, into] = folded
         norm[li, hi, into] = rows(folded)
-    a.log_mass[li, hi, into] = torch.logaddexp(lm_i, lm_j)
+    a.log_mass[li, hi, into] = torch.where(folds, torch.logaddexp(lm_i, lm_j), lm_i)
     a.folded = True
 
 
@@ -705,12 +747,11 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
     the ledger and rebuilds the arena from it, then re-raises (a cold store is not rolled
     back: a failure after it changed leaves the state invalid, which ``check_valid`` says).
     """
-    _check(model, state, gen, actions)
+    culled_uids = _check(model, state, gen, actions)
     m, step = state.ledger, state.step + 1
     n = m.n
     undo = ({c: m.live(c).clone() for c in Ledger.COLUMNS}, m.next_uid, m.dropped)
     culls = list(actions.cull_slots)
-    culled_uids = m.uid[culls].tolist()
     reindex_from = reindex_to = cold_to = None
     cooled, dropped = [], []
     try:

@@ -97,8 +97,10 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0,
     into = native.fold_into(view, c, min_cos) if native.chosen(compiled) else None
     if into is None:
         into = _fold_search(view, c, min_cos)
-    return tuple(Fold(slot=s, uid=int(view.uid[s]), into=into[:, :, j])
-                 for j, s in enumerate(culls) if bool((into[:, :, j] >= 0).any()))
+    # each culled slot's uid and whether it folds anywhere, read back at once
+    read = torch.cat((view.uid[c], (into >= 0).flatten(0, 1).any(0).long())).tolist()
+    return tuple(Fold(slot=s, uid=read[j], into=into[:, :, j])
+                 for j, s in enumerate(culls) if read[len(culls) + j])
 
 
 def _fold_search(view: View, c: torch.Tensor, min_cos: float) -> torch.Tensor:
@@ -109,10 +111,9 @@ def _fold_search(view: View, c: torch.Tensor, min_cos: float) -> torch.Tensor:
         dots = torch.cat([_dots(k, c.to(k.device)).to(c.device) for k in view.k])
     norms = view.knorm.clamp_min(1e-12)  # (L, KVH, n)
     sim = dots / norms.unsqueeze(2)
-    sim[..., c] = float("-inf")  # never into a slot that goes too
+    sim.index_fill_(-1, c, float("-inf"))  # never into a slot that goes too
     best, into = sim.max(-1)  # (L, KVH, c)
-    into[best / norms[:, :, c] < min_cos] = -1
-    return into
+    return into.masked_fill_(best / norms[:, :, c] < min_cos, -1)
 
 
 def _dots(k: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -265,23 +266,37 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
                        cull_slots=oldest_turns(view, need), reindex=reindex)
     order = torch.argsort(view.position)  # slots in text order
     keep = protected(view, params, order)
-    free = n - int(keep.sum())
-    require(need <= free, f"budget {params.budget} too small: {n - free} of {n} live tokens are "
-            f"protected and {need} must go")
+
+    def too_small(free: int) -> None:
+        require(need <= free, f"budget {params.budget} too small: {n - free} of {n} live "
+                f"tokens are protected and {need} must go")
+
     pairs = []
     if params.repair == "merge":
+        free = n - int(keep.sum())
+        too_small(free)
         pairs = pick_pairs(scores.scores, view.position, keep,
                            min(params.max_merges, need, free - need))
     merges = tuple(merge_pair(model, view, *p) for p in pairs)
-    taken = keep.clone()
+    taken = keep.clone() if pairs else keep
     for _, first, second in pairs:
         taken[first] = taken[second] = True
+    # ascending score, the protected and repaired slots last (a stable sort by that flag
+    # keeps the score order within each part): no selection whose size depends on values
     candidates = ranked(scores.scores, order)
-    candidates = candidates[~taken[candidates]]
-    culls = tuple(sorted(candidates[: need - len(pairs)].tolist()))
+    candidates = candidates[torch.argsort(taken[candidates].to(torch.uint8), stable=True)]
+    k = need - len(pairs)
+    picked = candidates[:k]
+    # the culls and whether any of them is protected, read back at once
+    read = torch.cat((picked, taken[picked].any().view(1).long())).tolist() if k else [0]
+    if read[-1]:
+        too_small(n - int(keep.sum()))
+    culls = tuple(sorted(read[:-1]))
     folds = (fold_targets(view, culls, params.fold_min_cos, model.compiled)
              if params.repair == "fold" else ())
+    rest = candidates[k:]  # the unprotected slots that stay, with recall (a selection)
+    rest = rest[~taken[rest]] if scores.hot_signal is not None else rest
     return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum, cull_slots=culls,
                    merges=merges, folds=folds, reindex=reindex,
                    cold_keep=cold_kept(limit, params) if reindex and params.recall else None,
-                   swaps=swaps(view, scores, params, candidates[need - len(pairs):]))
+                   swaps=swaps(view, scores, params, rest))
