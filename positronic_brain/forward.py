@@ -294,6 +294,131 @@ def _score_buffers(bufs: dict, qg: torch.Tensor, n: int, T: int,
     return bufs[qg.device]
 
 
+def _qkv(x: torch.Tensor, w, cos_qk: torch.Tensor, sin_qk: torch.Tensor, spec):
+    """A layer's first half for the new tokens ``x`` (T, hidden): its RMSNorm, the joined q/k/v
+    product, q and k roped at once (``rope_tables``). Returns qk (H + KVH, T, D), its q
+    (H, T, D) and k (KVH, T, D) parts, and v (KVH, T, D); one token's are views of its row
+    (moving a size-1 dimension)."""
+    H, KVH, D = spec.n_heads, spec.n_kv_heads, spec.head_dim
+    T = x.shape[0]
+    h = rms_norm(x, w.ln1, spec.rms_eps)
+    qk, v = linear(h, w.qkv_w, w.qkv_b).split(((H + KVH) * D, KVH * D), dim=1)
+    qk = qk.view(H + KVH, 1, D) if T == 1 else qk.view(T, H + KVH, D).transpose(0, 1)
+    qk = qk * cos_qk + qk.roll(D // 2, -1) * sin_qk
+    q, k = qk.split((H, KVH))
+    v = v.view(KVH, 1, D) if T == 1 else v.view(T, KVH, D).transpose(0, 1)
+    return qk, q, k, v
+
+
+def _scores(qg: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor,
+            log_mass: torch.Tensor | None, mask_past: torch.Tensor | None,
+            mask_new: torch.Tensor | None, g: int, buf) -> tuple[torch.Tensor, torch.Tensor]:
+    """The built scores of the grouped queries ``qg`` (KVH, g Tq, D) over the past keys
+    ``past_kt`` (KVH, D, n) and the new ``k`` (KVH, T, D), each block plus its log-mass and
+    mask (None: none), joined (KVH, g Tq, n + T), and their float32 softmax. In the model's
+    dtype, as its products round them; float32 from the first addition on (the softmax
+    takes them to float32 itself: the same bits as a cast); joined in the wider dtype (a
+    float32 block casts the other as it joins: the same bits as casting first). ``buf``
+    (``_score_buffers``, or None): a prefill's buffers, whose softmax overwrites its scores
+    row by row."""
+    KVH, rows, _ = qg.shape
+    Tq, n, T = rows // g, past_kt.shape[2], k.shape[1]
+    s_past = torch.matmul(qg, past_kt, out=None if buf is None else buf[0])
+    s_new = torch.matmul(qg, k.transpose(1, 2))  # (KVH, gT, T)
+    if log_mass is not None:
+        s_past = as_dtype(s_past, torch.float32) + log_mass.unsqueeze(1)  # (KVH, 1, n)
+    if mask_past is not None:
+        s_past = (s_past.view(KVH, g, Tq, n) + mask_past).view(KVH, rows, n)
+    if mask_new is not None:
+        s_new = (s_new.view(KVH, g, Tq, T) + mask_new).view(KVH, rows, T)
+    scores = torch.cat((s_past, s_new), dim=-1, out=None if buf is None else buf[1])
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32, out=None if buf is None else scores)
+    return scores, p
+
+
+def _weigh(p: torch.Tensor, v: torch.Tensor, past_v: torch.Tensor, buf,
+           dtype: torch.dtype) -> torch.Tensor:
+    """The softmax ``p`` (KVH, g Tq, n + T) float32, in the model's ``dtype``, times the past
+    values ``past_v`` (KVH, n, D) and the new ``v`` (KVH, T, D): (KVH, g Tq, D)."""
+    n, T = past_v.shape[1], v.shape[1]
+    p = as_dtype(p, dtype) if buf is None or dtype == torch.float32 else buf[2].copy_(p)
+    p_past, p_new = p.split((n, T), dim=-1)
+    if p.dtype != torch.float32 and p.device.type != "cpu":
+        # a half-precision product on a GPU over weights whose rows are n + T apart
+        # (a stride not aligned as cuBLAS's fast kernels want) falls to a kernel for
+        # small products; over a contiguous copy it does not (docs/DESIGN.md, stage 1)
+        p_past = p_past.contiguous()
+    # one new token: its weights times its value is an outer product, each element
+    # one rounded product as in the matrix product (the same bits), without the
+    # fixed cost of a product call (oneDNN's bfloat16 one: tens of µs on the CPU)
+    new = p_new * v if T == 1 else torch.matmul(p_new, v)
+    return torch.matmul(p_past, past_v) + new
+
+
+def _tail(x: torch.Tensor, out: torch.Tensor, w, eps: float) -> torch.Tensor:
+    """A layer's second half: the attention's output ``out`` (T, H D) through o_proj onto the
+    residual ``x``, then the MLP's residual."""
+    x = x + linear(out, w.o_w, w.o_b)
+    h = rms_norm(x, w.ln2, eps)
+    gate, up = _gate_up(h, w.gate_up_w, w.gate_up_b)
+    return x + linear(w.act(gate).mul_(up), w.down_w, w.down_b)
+
+
+def _recall(queries: list[torch.Tensor], last_scores: list[torch.Tensor], dev: torch.device,
+            split: bool, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each layer's last query (H + KVH, 1, D) and its score row stacked once (a few
+    operators per token, not a few per layer): the queries (L, H, D) and their scores'
+    log-sum-exps (L, H) float32."""
+    query = _gather(queries, dev, split)[:, :heads, 0].contiguous()  # (L, H, D)
+    lse = as_dtype(_gather(last_scores, dev, split), torch.float32).logsumexp(-1)
+    return query, lse.view(len(queries), heads)
+
+
+@torch.no_grad()
+def decode(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
+           positions: torch.Tensor, past_mask: torch.Tensor | None = None,
+           want_attention: bool = False, past_log_mass: Past | None = None,
+           kv_only: bool = False, want_query: bool = False) -> ForwardOut:
+    """``forward`` of one new token (``ids`` (1,)): a decode step, a merge's forwards. Its
+    scores are built, so its softmax row is the attention row (``want_attention``), each
+    layer's stacked after the loop (one operator, not one a layer), as are its new K/V."""
+    s = model.spec
+    L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
+    g, n, dev, moves = H // KVH, _blocks(past_k)[0].shape[2], model.device, model.moves
+    x = F.embedding(ids, model.embed)  # (1, hidden)
+    cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, 1, D)
+    mask = (None if past_mask is None else
+            torch.zeros(1, n, device=dev).masked_fill_(~past_mask, float("-inf")))
+    past_kt = _layers(tuple(block.transpose(2, 3) for block in _blocks(past_k)))  # see forward
+    past_vs = _layers(past_v)
+    log_mass = _layers(past_log_mass) if past_log_mass is not None else None
+    new_k, new_v, rows, queries, last_scores = [], [], [], [], []
+    for i, w in enumerate(model.layers):
+        if moves and i in moves:  # this layer runs on another device: take what it reads there
+            x, cos_qk, sin_qk, mask = (t if t is None else t.to(moves[i])
+                                       for t in (x, cos_qk, sin_qk, mask))
+        qk, q, k, v = _qkv(x, w, cos_qk, sin_qk, s)
+        new_k.append(k)
+        new_v.append(v)
+        if kv_only and i == L - 1:
+            k, v = _stacked(new_k, new_v, dev, bool(moves))
+            return ForwardOut(logits=None, k=k, v=v, attention=None)
+        scores, p = _scores(q.reshape(KVH, g, D), k, past_kt[i],  # heads of a KV group: GQA
+                            None if log_mass is None else log_mass[i], mask, None, g, None)
+        if want_query:
+            queries.append(qk)
+            last_scores.append(scores)
+        if want_attention:
+            rows.append(p)  # (KVH, g, n + 1): the one query's row
+        x = _tail(x, _weigh(p, v, past_vs[i], None, model.dtype).reshape(1, H * D), w, s.rms_eps)
+    x = x.to(dev) if moves else x
+    logits = linear(rms_norm(x, model.final_norm, s.rms_eps), model.lm_head).float()
+    query, lse = _recall(queries, last_scores, dev, bool(moves), H) if want_query else (None, None)
+    attention = _gather(rows, dev, bool(moves)).view(L, H, n + 1)[..., :n] if want_attention else None
+    k, v = _stacked(new_k, new_v, dev, bool(moves))
+    return ForwardOut(logits=logits, k=k, v=v, attention=attention, query=query, lse=lse)
+
+
 @torch.no_grad()
 def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
@@ -338,6 +463,9 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             "kv_only skips the last layer's attention")
     require(received_from is None or (past_mask is None and past_log_mass is None),
             "the prompt's statistics are of an unmasked prefill")
+    if ids.shape[0] == 1 and into is None and received_from is None:
+        return decode(model, past_k, past_v, ids, positions, past_mask, want_attention,
+                      past_log_mass, kv_only, want_query)
     s = model.spec
     L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
     g = H // KVH
@@ -357,11 +485,9 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     require(into is None or not moves, "into: the new K/V of layers on one device only")
     kv = into if into is not None else (
         torch.empty(2, L, KVH, T, D, dtype=dtype, device=dev) if T > 1 and not moves else None)
-    # the last query's whole softmax row per layer (a contiguous copy); live slots returned.
-    # One new token: each layer's softmax is that row already, stacked after the loop.
+    # the last query's whole softmax row per layer (a contiguous copy); live slots returned
     attention = (torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
-                 if want_attention and T > 1 else None)
-    rows = [] if want_attention and T == 1 else None
+                 if want_attention else None)
     # with want_query, each layer's last query and its score row, stacked after the loop
     queries, last_scores = ([], []) if want_query else (None, None)
     received = window = None
@@ -406,7 +532,6 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     past_kt = _layers(tuple(block.transpose(2, 3) for block in _blocks(past_k)))
     past_vs = _layers(past_v)
     log_mass = _layers(past_log_mass) if past_log_mass is not None else None
-    qkv_split = ((H + KVH) * D, KVH * D)
     # the queries each layer answers: all T, but in the last layer of a forward that wants
     # nothing but the new K/V, the last token's logits and the statistics only that token's
     # (the others' outputs there feed nothing; every K/V is computed before; the statistics
@@ -419,13 +544,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             x, cos_qk, sin_qk, mask_past, mask_new, bias = (
                 t if t is None else t.to(moves[i])
                 for t in (x, cos_qk, sin_qk, mask_past, mask_new, bias))
-        h = rms_norm(x, w.ln1, s.rms_eps)
-        qk, v = linear(h, w.qkv_w, w.qkv_b).split(qkv_split, dim=1)  # (T, (H + 2 KVH) D)
-        # (H + KVH, T, D); one token's is a view of its row (moving a size-1 dimension)
-        qk = qk.view(H + KVH, 1, D) if T == 1 else qk.view(T, H + KVH, D).transpose(0, 1)
-        qk = qk * cos_qk + qk.roll(D // 2, -1) * sin_qk
-        q, k = qk.split((H, KVH))  # (H, T, D), (KVH, T, D)
-        v = v.view(KVH, 1, D) if T == 1 else v.view(T, KVH, D).transpose(0, 1)  # (KVH, T, D)
+        qk, q, k, v = _qkv(x, w, cos_qk, sin_qk, s)  # (H + KVH | H | KVH | KVH, T, D)
         if kv is None:
             new_k.append(k)
             new_v.append(v)
@@ -453,64 +572,27 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             out = fused_attention(q, keys, values, bias, grouped=q.device.type == "cpu")
         else:
             qg = q.reshape(KVH, g * Tq, D)  # heads of one KV group share its keys (GQA)
-            # scores in the model's dtype, as its products round them; float32 from the first
-            # addition on (the softmax takes them to float32 itself: the same bits as a cast)
             buf = _score_buffers(bufs, qg, n, T, dtype) if Tq > 1 and queries is None else None
-            s_past = torch.matmul(qg, past_kt[i], out=None if buf is None else buf[0])
-            s_new = torch.matmul(qg, k.transpose(1, 2))  # (KVH, gT, T)
-            if log_mass is not None:
-                s_past = as_dtype(s_past, torch.float32) + log_mass[i].unsqueeze(1)  # (KVH, 1, n)
-            if mask_past is not None:
-                s_past = (s_past.view(KVH, g, Tq, n) + mask_past).view(KVH, g * Tq, n)
-            if mask_new is not None:
-                s_new = (s_new.view(KVH, g, Tq, T) + mask_new).view(KVH, g * Tq, T)
-            # joined in the wider dtype (a float32 block casts the other as it joins: the
-            # same bits as casting first); a buffer's softmax overwrites its scores row by row
-            scores = torch.cat((s_past, s_new), dim=-1,  # (KVH, gT, n + T)
-                               out=None if buf is None else buf[1])
-            p = torch.softmax(scores, dim=-1, dtype=torch.float32,
-                              out=None if buf is None else scores)
-            if queries is not None:  # one token: its query and scores as they are
-                queries.append(qk if T == 1 else qk[:, -1:])  # (H + KVH, 1, D)
-                last_scores.append(scores if T == 1 else scores.view(KVH, g, T, n + T)[:, :, -1])
-            if rows is not None:
-                rows.append(p)  # (KVH, g, n + 1): the one query's row
-            elif attention is not None:
+            scores, p = _scores(qg, k, past_kt[i], None if log_mass is None else log_mass[i],
+                                mask_past, mask_new, g, buf)  # (KVH, gT, n + T)
+            if queries is not None:  # the last query and its scores as they are
+                queries.append(qk[:, -1:])  # (H + KVH, 1, D)
+                last_scores.append(scores.view(KVH, g, T, n + T)[:, :, -1])
+            if attention is not None:
                 attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
             if received_from is not None and Tq == T:
                 _received(p.view(KVH, g, T, n + T), n, received_from, *sums(i))
-            p = as_dtype(p, dtype) if buf is None or dtype == torch.float32 else buf[2].copy_(p)
-            p_past, p_new = p.split((n, T), dim=-1)
-            if p.dtype != torch.float32 and p.device.type != "cpu":
-                # a half-precision product on a GPU over weights whose rows are n + T apart
-                # (a stride not aligned as cuBLAS's fast kernels want) falls to a kernel for
-                # small products; over a contiguous copy it does not (docs/DESIGN.md, stage 1)
-                p_past = p_past.contiguous()
-            # one new token: its weights times its value is an outer product, each element
-            # one rounded product as in the matrix product (the same bits), without the
-            # fixed cost of a product call (oneDNN's bfloat16 one: tens of µs on the CPU)
-            new = p_new * v if T == 1 else torch.matmul(p_new, v)
-            out = torch.matmul(p_past, past_vs[i]) + new  # (KVH, gT, D)
+            out = _weigh(p, v, past_vs[i], buf, dtype)  # (KVH, gT, D)
         # (H, T, D) -> (T, H * D); with one token the transpose moves nothing
         out = out.reshape(Tq, H * D) if Tq == 1 else out.reshape(H, Tq, D).transpose(0, 1).reshape(Tq, H * D)
-        x = x + linear(out, w.o_w, w.o_b)
-
-        h = rms_norm(x, w.ln2, s.rms_eps)
-        gate, up = _gate_up(h, w.gate_up_w, w.gate_up_b)
-        x = x + linear(w.act(gate).mul_(up), w.down_w, w.down_b)
+        x = _tail(x, out, w, s.rms_eps)
 
     if moves:
         x = x.to(dev)
     h = rms_norm(x if all_logits else x[-1:], model.final_norm, s.rms_eps)
     logits = linear(h, model.lm_head).float()
-    query = lse = None
-    if queries is not None:  # stacked once: a few operators per token, not a few per layer
-        query = _gather(queries, dev, bool(moves))[:, :H, 0].contiguous()  # (L, H, D)
-        lse = as_dtype(_gather(last_scores, dev, bool(moves)), torch.float32).logsumexp(-1)
-        lse = lse.view(L, H)
-    if rows is not None:
-        attention = _gather(rows, dev, bool(moves)).view(L, H, n + 1)[..., :n]
-    elif attention is not None:
+    query, lse = _recall(queries, last_scores, dev, bool(moves), H) if queries is not None else (None, None)
+    if attention is not None:
         attention = attention[..., :n]
     k, v = kv if kv is not None else _stacked(new_k, new_v, dev, bool(moves))
     return ForwardOut(logits=logits, k=k, v=v,

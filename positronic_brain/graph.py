@@ -13,8 +13,8 @@ host memory, which a graph would replay stale). One graph per (arena, bucket, lo
 not, query or not); a longer context moves to the next bucket, a power of two, so a step
 reads at most twice the live slots and a session captures a few graphs, not one a length.
 
-The forward is ``forward.forward`` itself, one token with a past mask: the same operators
-as a masked plain step. Its outputs are copied out of the graph's memory after each replay
+The forward is ``forward.decode`` itself with a past mask: the same operators as a masked
+plain step. Its outputs are copied out of the graph's memory after each replay
 (the next replay overwrites it), the attention row cut to the live slots. The masked
 columns change how the softmax's sums and the weighted values' sum are blocked, not what
 they sum (a masked weight is exactly 0), so a graph step equals the plain step to float
@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import torch
 
-from .forward import forward
+from .forward import decode
 from .model import GRAPH, Model
 from .state import View
 from .types import ForwardOut
@@ -64,14 +64,14 @@ def slots(t: torch.Tensor, m: int) -> torch.Tensor:
 def fixed_forward(model: Model, k: torch.Tensor, v: torch.Tensor, log_mass: torch.Tensor | None,
                   ids: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
                   want_query: bool) -> ForwardOut:
-    """``forward`` of one token ``ids`` (1,) at ``positions`` (1,) over all m slots of ``k``/``v``
+    """``decode`` of one token ``ids`` (1,) at ``positions`` (1,) over all m slots of ``k``/``v``
     (L, kv_heads, m, head_dim) and ``log_mass`` (L, kv_heads, m) or None, of which the first
     ``live`` (a 0-d int64 tensor on the device) are attended and the rest masked. Every
     shape depends on m alone; no value is read on the host."""
     m = k.shape[2]
     mask = (torch.arange(m, device=k.device) < live).view(1, m)
-    return forward(model, k, v, ids, positions, past_mask=mask, want_attention=True,
-                   past_log_mass=log_mass, want_query=want_query)
+    return decode(model, k, v, ids, positions, past_mask=mask, want_attention=True,
+                  past_log_mass=log_mass, want_query=want_query)
 
 
 @dataclasses.dataclass(eq=False)
