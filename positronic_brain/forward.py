@@ -11,6 +11,7 @@ scores (``builds_scores``) has torch's fused attention attend instead.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -414,7 +415,8 @@ def decode(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     x = x.to(dev) if moves else x
     logits = linear(rms_norm(x, model.final_norm, s.rms_eps), model.lm_head).float()
     query, lse = _recall(queries, last_scores, dev, bool(moves), H) if want_query else (None, None)
-    attention = _gather(rows, dev, bool(moves)).view(L, H, n + 1)[..., :n] if want_attention else None
+    attention = (_gather(rows, dev, bool(moves)).view(L, H, n + 1)[..., :n] if want_attention
+                 else None)
     k, v = _stacked(new_k, new_v, dev, bool(moves))
     return ForwardOut(logits=logits, k=k, v=v, attention=attention, query=query, lse=lse)
 
@@ -434,18 +436,13 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     slot's log-mass). On a model split over devices (``Model.split``), each of these is a
     tuple of one tensor per block of layers, on the block's device; the hidden state moves
     from device to device between layers (``Model.moves``), and every output is on the
-    model's main device.
-
-    Several new tokens with no attention or log-mass wanted (a prefill) attend through
-    torch's fused ``scaled_dot_product_attention`` where ``builds_scores`` says so (float32,
-    a GPU, bfloat16 where ``WIDEN``; with the prompt's statistics wanted, on the CPU only,
-    where they come from the kernel's log-sum-exps), equal to the built scores' path up to
-    float rounding; everything else builds the scores.
+    model's main device. One token runs ``decode``; several choose how they attend once
+    (``_Prefill.plan``).
 
     Returns logits (T or 1, V) float32, the new K/V (L, kv_heads, T, head_dim) with RoPE
     applied, and optionally the last new query's attention on the live slots (L, H, n).
-    ``kv_only``: only the new K/V are wanted, so the last layer stops after its K/V
-    projection and no logits are computed (``logits`` is None); the K/V have the same bits.
+    ``kv_only``: only the new K/V (the same bits): the last layer stops after its K/V
+    projection, and ``logits`` is None.
     ``want_query``: also the last query per layer (L, H, head_dim), roped and scaled as its
     scores use it, and the log-sum-exp of its scores (L, H) float32, so a key k that was not
     in the cache would have received exp(q.k - lse) next to the others (recall).
@@ -453,11 +450,10 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     each new token received, per layer and head, summed over the new queries, each query's
     weight on its own token left out (as stage 1's row leaves out the pending token's):
     ``received`` (L, H, n + T) float32 over all of them, ``received_window`` over those from
-    row ``received_from`` on (None if there are none); ``window_only``: only that
-    (``received`` None).
+    row ``received_from`` on (None if there are none); ``window_only``: that one only.
     ``into`` (stage 0's prefill on one device): K and V views (L, kv_heads, T, head_dim) of
-    the arena slots the new tokens will take, not live, which the new K/V are written into
-    layer by layer and returned as (the same bits as a block of the forward's own).
+    the arena's next slots, not live: the new K/V are written there layer by layer and
+    returned as those views (the same bits as a block of the forward's own).
     """
     require(not (kv_only and (want_attention or want_query or received_from is not None)),
             "kv_only skips the last layer's attention")
@@ -466,84 +462,24 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     if ids.shape[0] == 1 and into is None and received_from is None:
         return decode(model, past_k, past_v, ids, positions, past_mask, want_attention,
                       past_log_mass, kv_only, want_query)
-    s = model.spec
-    L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
-    g = H // KVH
-    T, n = ids.shape[0], _blocks(past_k)[0].shape[2]
-    dtype = model.dtype
-
+    s, dev, moves, T = model.spec, model.device, model.moves, ids.shape[0]
+    L, H = s.n_layers, s.n_heads
     x = F.embedding(ids, model.embed)  # (T, hidden)
-    cos_qk, sin_qk = rope_tables(model, positions, dtype)  # (H + KVH, T, D)
-    dev = model.device
-    # the new K/V: a prefill's copied layer by layer into the slots ``into`` names (stage
-    # 0's arena: docs/DESIGN.md, stage 0) or into one block (a layer's k and v are views of
-    # its q/k/v products, which would otherwise stay alive to the end: 212 MB at 1,024
-    # float32 tokens of SmolLM2); one token's stacked after the loop (one operator, not one a
-    # layer), and so are those of layers on several devices
+    cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, T, D)
+    # the new K/V into the slots ``into`` names (DESIGN.md, stage 0) or one block (a layer's
+    # are views of its q/k/v products, else alive to the end); several devices': stacked after
     new_k, new_v = [], []
-    moves = model.moves  # empty on one device
     require(into is None or not moves, "into: the new K/V of layers on one device only")
     kv = into if into is not None else (
-        torch.empty(2, L, KVH, T, D, dtype=dtype, device=dev) if T > 1 and not moves else None)
-    # the last query's whole softmax row per layer (a contiguous copy); live slots returned
-    attention = (torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
-                 if want_attention else None)
-    # with want_query, each layer's last query and its score row, stacked after the loop
-    queries, last_scores = ([], []) if want_query else (None, None)
-    received = window = None
-    if received_from is not None:
-        if not window_only:
-            received = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
-        if received_from < T:
-            window = torch.empty(L, H, n + T, dtype=torch.float32, device=dev)
-
-    def sums(i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Layer ``i``'s rows of ``received`` and ``window`` (each None: not wanted)."""
-        return tuple(None if x is None else x[i] for x in (received, window))
-
-    # several new tokens and nothing wanted but the K/V and logits (a prefill), unless the
-    # prefill builds its scores anyway (``builds_scores``): torch's fused attention
-    fused = (T > 1 and attention is None and not want_query
-             and not builds_scores(model, received_from is not None,
-                                   past_log_mass is not None, past_mask is not None))
-    # What may be attended: an additive bias, 0 or -inf. For the fused kernel one over
-    # [live slots | new tokens] (the live slots unless masked, causal after), in the
-    # queries' dtype: what the kernel would turn a boolean mask into in every layer;
-    # else one over the score columns of each block, None where nothing is masked.
-    # On the CPU (``APART``), with no past slot masked, none: ``cpu_attention`` takes the
-    # past slots and the new tokens apart.
-    bias = mask_past = mask_new = None
-    if fused:  # none without past slots: causal (``fused_attention``)
-        if past_mask is not None or (n and (dev.type not in APART or moves)):
-            allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
-            if past_mask is not None:
-                allowed[:, :n] = past_mask
-            bias = torch.zeros(T, n + T, dtype=dtype, device=dev).masked_fill_(
-                ~allowed, float("-inf"))
-    else:
-        if past_mask is not None:
-            mask_past = torch.zeros(T, n, device=dev).masked_fill_(~past_mask, float("-inf"))
-        if T > 1:  # causal among the new
-            mask_new = torch.full((T, T), float("-inf"), device=dev).triu_(1)
-    past_ks = _layers(past_k) if fused else None
-    # one operator each instead of a select per layer; an arena's keys are stored
-    # transposed, so each (KVH, D, n) block has each key dimension as one contiguous run of
-    # slots: the fast layout for q K^T
-    past_kt = _layers(tuple(block.transpose(2, 3) for block in _blocks(past_k)))
-    past_vs = _layers(past_v)
-    log_mass = _layers(past_log_mass) if past_log_mass is not None else None
-    # the queries each layer answers: all T, but in the last layer of a forward that wants
-    # nothing but the new K/V, the last token's logits and the statistics only that token's
-    # (the others' outputs there feed nothing; every K/V is computed before; the statistics
-    # take every query apart, ``_received_lse``)
-    Tq = T
-    last_only = T > 1 and not (all_logits or kv_only or want_attention or want_query)
-    bufs: dict = {}  # a prefill's score buffers per device (``_score_buffers``)
+        torch.empty(2, L, s.n_kv_heads, T, s.head_dim, dtype=model.dtype, device=dev)
+        if T > 1 and not moves else None)
+    c = _Prefill.plan(model, past_k, past_v, past_mask, past_log_mass, T, want_attention,
+                      want_query, received_from, window_only)
+    last_only = not (all_logits or kv_only or want_attention or want_query)
     for i, w in enumerate(model.layers):
         if moves and i in moves:  # this layer runs on another device: take what it reads there
-            x, cos_qk, sin_qk, mask_past, mask_new, bias = (
-                t if t is None else t.to(moves[i])
-                for t in (x, cos_qk, sin_qk, mask_past, mask_new, bias))
+            x, cos_qk, sin_qk = (t.to(moves[i]) for t in (x, cos_qk, sin_qk))
+            c.move(moves[i])
         qk, q, k, v = _qkv(x, w, cos_qk, sin_qk, s)  # (H + KVH | H | KVH | KVH, T, D)
         if kv is None:
             new_k.append(k)
@@ -553,51 +489,156 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
         if kv_only and i == L - 1:
             k, v = kv if kv is not None else _stacked(new_k, new_v, dev, bool(moves))
             return ForwardOut(logits=None, k=k, v=v, attention=None)
-        if last_only and i == L - 1:  # from here only the last token's row is wanted
-            if received_from is not None:  # before its queries are cut
-                _received_lse(q, k, past_kt[i] if n else None, None, received_from, *sums(i))
-            x, q, Tq = x[-1:], q[:, -1:], 1
-            bias, mask_past, mask_new = (t if t is None else t[-1:]
-                                         for t in (bias, mask_past, mask_new))
-
-        if fused and past_mask is None and q.device.type in APART:
-            past = (past_ks[i], past_vs[i]) if n else ()
-            if received_from is None or Tq < T:
-                out = cpu_attention(q, k, v, *past)
-            else:  # the statistics from the kernel's log-sum-exps (``builds_scores``)
-                out, lse = cpu_attention(q, k, v, *past, lse=True)
-                _received_lse(q, k, past_kt[i] if n else None, lse, received_from, *sums(i))
-        elif fused:
-            keys, values = torch.cat((past_ks[i], k), 1), torch.cat((past_vs[i], v), 1)
-            out = fused_attention(q, keys, values, bias, grouped=q.device.type == "cpu")
-        else:
-            qg = q.reshape(KVH, g * Tq, D)  # heads of one KV group share its keys (GQA)
-            buf = _score_buffers(bufs, qg, n, T, dtype) if Tq > 1 and queries is None else None
-            scores, p = _scores(qg, k, past_kt[i], None if log_mass is None else log_mass[i],
-                                mask_past, mask_new, g, buf)  # (KVH, gT, n + T)
-            if queries is not None:  # the last query and its scores as they are
-                queries.append(qk[:, -1:])  # (H + KVH, 1, D)
-                last_scores.append(scores.view(KVH, g, T, n + T)[:, :, -1])
-            if attention is not None:
-                attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
-            if received_from is not None and Tq == T:
-                _received(p.view(KVH, g, T, n + T), n, received_from, *sums(i))
-            out = _weigh(p, v, past_vs[i], buf, dtype)  # (KVH, gT, D)
-        # (H, T, D) -> (T, H * D); with one token the transpose moves nothing
-        out = out.reshape(Tq, H * D) if Tq == 1 else out.reshape(H, Tq, D).transpose(0, 1).reshape(Tq, H * D)
-        x = _tail(x, out, w, s.rms_eps)
-
-    if moves:
-        x = x.to(dev)
-    h = rms_norm(x if all_logits else x[-1:], model.final_norm, s.rms_eps)
-    logits = linear(h, model.lm_head).float()
-    query, lse = _recall(queries, last_scores, dev, bool(moves), H) if queries is not None else (None, None)
-    if attention is not None:
-        attention = attention[..., :n]
+        if last_only and i == L - 1 and T > 1:  # from here only the last token's row is wanted
+            c.last_only(i, q, k)
+            x, q = x[-1:], q[:, -1:]
+        x = _tail(x, _joined(c.attend(i, qk, q, k, v), H, s.head_dim), w, s.rms_eps)
+    x = x.to(dev) if moves else x
+    logits = linear(rms_norm(x if all_logits else x[-1:], model.final_norm, s.rms_eps),
+                    model.lm_head).float()
+    query, lse = (_recall(c.queries, c.last_scores, dev, bool(moves), H) if want_query
+                  else (None, None))
     k, v = kv if kv is not None else _stacked(new_k, new_v, dev, bool(moves))
     return ForwardOut(logits=logits, k=k, v=v,
-                      attention=attention, query=query, lse=lse, received=received,
-                      received_window=window)
+                      attention=None if c.attention is None else c.attention[..., :c.n],
+                      query=query, lse=lse, received=c.received, received_window=c.window)
+
+
+def _joined(out: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """The heads' outputs (H, Tq, D) as rows (Tq, H * D); with one query the transpose
+    moves nothing."""
+    Tq = out.numel() // (heads * head_dim)
+    return (out.reshape(Tq, heads * head_dim) if Tq == 1 else
+            out.reshape(heads, Tq, head_dim).transpose(0, 1).reshape(Tq, heads * head_dim))
+
+
+@dataclass(eq=False)
+class _Prefill:  # pylint: disable=too-many-instance-attributes
+    """How a forward of several new tokens attends, chosen once per call (``plan``), and
+    what it gathers on the way: one of three paths, with the masks, past views and output
+    buffers it needs; ``attend`` runs it for one layer."""
+
+    spec: object
+    dtype: torch.dtype
+    T: int
+    n: int
+    fused: bool  # torch's fused attention (else the scores are built)
+    masked: bool  # some past slot is masked (else, fused on the CPU: ``cpu_attention``)
+    past_ks: tuple | None  # per layer (KVH, n, D), for the fused paths
+    past_kt: tuple  # per layer (KVH, D, n): the arena's keys as stored
+    past_vs: tuple
+    log_mass: tuple | None
+    bias: torch.Tensor | None = None  # the fused kernel's (T, n + T)
+    mask_past: torch.Tensor | None = None  # the built scores' (T, n) and (T, T)
+    mask_new: torch.Tensor | None = None
+    attention: torch.Tensor | None = None  # (L, H, n + T): the last query's row per layer
+    queries: list | None = None  # each layer's last query and score row (want_query)
+    last_scores: list | None = None
+    received_from: int | None = None
+    received: torch.Tensor | None = None  # the statistics (L, H, n + T), over all queries
+    window: torch.Tensor | None = None  # ... over those from ``received_from`` on
+    bufs: dict = field(default_factory=dict)  # the score buffers per device (``_score_buffers``)
+
+    @classmethod
+    def plan(cls, model: Model, past_k: Past, past_v: Past, past_mask: torch.Tensor | None,
+             past_log_mass: Past | None, T: int, want_attention: bool, want_query: bool,
+             received_from: int | None, window_only: bool) -> "_Prefill":
+        """Several new tokens with nothing wanted but the K/V and logits attend through
+        torch's fused attention, unless the prefill builds its scores anyway
+        (``builds_scores``). What may be attended is an additive bias, 0 or -inf: for the
+        fused kernel one over [live slots | new tokens] (the live slots unless masked,
+        causal after), in the queries' dtype (what the kernel would turn a boolean mask into
+        in every layer), none where the CPU takes the past slots and the new tokens apart
+        (``APART``, no past slot masked) or where there is no past (causal); else one over
+        the score columns of each block, None where nothing is masked."""
+        s, dev, dtype = model.spec, model.device, model.dtype
+        n, L = _blocks(past_k)[0].shape[2], s.n_layers
+        def rows() -> torch.Tensor:  # one float32 row a layer and head, for every column
+            return torch.empty(L, s.n_heads, n + T, dtype=torch.float32, device=dev)
+
+        fused = (T > 1 and not want_attention and not want_query
+                 and not builds_scores(model, received_from is not None,
+                                       past_log_mass is not None, past_mask is not None))
+        c = cls(s, dtype, T, n, fused, past_mask is not None,
+                _layers(past_k) if fused else None,
+                # one operator each instead of a select per layer; an arena's keys are
+                # stored transposed, so each (KVH, D, n) block has each key dimension as one
+                # contiguous run of slots: the fast layout for q K^T
+                _layers(tuple(block.transpose(2, 3) for block in _blocks(past_k))),
+                _layers(past_v), _layers(past_log_mass) if past_log_mass is not None else None,
+                attention=rows() if want_attention else None,
+                queries=[] if want_query else None, last_scores=[] if want_query else None,
+                received_from=received_from,
+                received=rows() if received_from is not None and not window_only else None,
+                window=rows() if received_from is not None and received_from < T else None)
+        if fused and (past_mask is not None or (n and (dev.type not in APART or model.moves))):
+            allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
+            if past_mask is not None:
+                allowed[:, :n] = past_mask
+            c.bias = torch.zeros(T, n + T, dtype=dtype, device=dev).masked_fill_(
+                ~allowed, float("-inf"))
+        elif not fused:
+            if past_mask is not None:
+                c.mask_past = torch.zeros(T, n, device=dev).masked_fill_(~past_mask, float("-inf"))
+            if T > 1:  # causal among the new
+                c.mask_new = torch.full((T, T), float("-inf"), device=dev).triu_(1)
+        return c
+
+    def move(self, device: torch.device) -> None:
+        """The masks to ``device``, where the next layers run."""
+        self.bias, self.mask_past, self.mask_new = (
+            t if t is None else t.to(device) for t in (self.bias, self.mask_past, self.mask_new))
+
+    def sums(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``i``'s rows of ``received`` and ``window`` (each None: not wanted)."""
+        return tuple(None if x is None else x[i] for x in (self.received, self.window))
+
+    def last_only(self, i: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Layer ``i``, the last, answers the last query only, in a forward that wants nothing
+        but the new K/V, the last token's logits and the statistics (the other queries'
+        outputs there feed nothing; every K/V is computed before): its statistics are taken
+        before its queries are cut (``_received_lse`` takes every query apart), and its
+        masks cut to that query's row."""
+        if self.received_from is not None:
+            _received_lse(q, k, self.past_kt[i] if self.n else None, None, self.received_from,
+                          *self.sums(i))
+        self.bias, self.mask_past, self.mask_new = (
+            t if t is None else t[-1:] for t in (self.bias, self.mask_past, self.mask_new))
+
+    def attend(self, i: int, qk: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s attention of the queries ``q`` (H, Tq, D) over the past and the new
+        ``k``/``v`` (KVH, T, D) on the chosen path: (H or KVH groups, Tq, D)."""
+        T, n, Tq = self.T, self.n, q.shape[1]
+        if self.fused and not self.masked and q.device.type in APART:  # the layer's device
+            past = (self.past_ks[i], self.past_vs[i]) if n else ()
+            if self.received_from is None or Tq < T:
+                return cpu_attention(q, k, v, *past)
+            # the statistics from the kernel's log-sum-exps (``builds_scores``)
+            out, lse = cpu_attention(q, k, v, *past, lse=True)
+            _received_lse(q, k, self.past_kt[i] if n else None, lse, self.received_from,
+                          *self.sums(i))
+            return out
+        if self.fused:
+            keys = torch.cat((self.past_ks[i], k), 1)
+            values = torch.cat((self.past_vs[i], v), 1)
+            return fused_attention(q, keys, values, self.bias, grouped=q.device.type == "cpu")
+        KVH, H, D = self.spec.n_kv_heads, self.spec.n_heads, self.spec.head_dim
+        g = H // KVH
+        qg = q.reshape(KVH, g * Tq, D)  # heads of one KV group share its keys (GQA)
+        buf = (_score_buffers(self.bufs, qg, n, T, self.dtype)
+               if Tq > 1 and self.queries is None else None)
+        scores, p = _scores(qg, k, self.past_kt[i],
+                            None if self.log_mass is None else self.log_mass[i],
+                            self.mask_past, self.mask_new, g, buf)  # (KVH, gT, n + T)
+        if self.queries is not None:  # the last query and its scores as they are
+            self.queries.append(qk[:, -1:])  # (H + KVH, 1, D)
+            self.last_scores.append(scores.view(KVH, g, T, n + T)[:, :, -1])
+        if self.attention is not None:
+            self.attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
+        if self.received_from is not None and Tq == T:
+            _received(p.view(KVH, g, T, n + T), n, self.received_from, *self.sums(i))
+        return _weigh(p, v, self.past_vs[i], buf, self.dtype)  # (KVH, gT, D)
 
 
 def _gate_up(h: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
