@@ -58,3 +58,21 @@ def test_the_rule_catches_writes():
           "attention[i] = p", "scores = view.brightness.clone()"]
     for src in ok:
         assert not list(_writes(ast.parse(src))), src
+
+
+LONGEST = 80  # lines a function of the package may take, outside the benchmarks
+
+
+def test_no_function_outside_the_benchmarks_is_longer_than_a_screen():
+    """A function longer than ``LONGEST`` lines (its docstring included) is several jobs
+    in one: ``forward`` grew to 221 with every feature's flags before it was split."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "bench" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} {lines}")
+    assert not long, f"functions over {LONGEST} lines: {long}"
