@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import InitVar, asdict, dataclass, field, replace
 
+from . import threads
 from .capture import NO_TAPE, Tape
 from .model import Model
 from .sampler import make_generator
@@ -216,6 +217,7 @@ def drive(session: Session, max_new_tokens: int, ignore_eos: bool = False, on_te
         "model": model.name,
         "dtype": model.precision,
         "compiled": model.compiled,
+        "threads": threads.current(),
         "prompt_ids": session.prompt_ids,
         "generated_ids": session.generated_ids,
         "text": text.text,

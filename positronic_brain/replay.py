@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from . import native
+from . import native, threads
 from .capture import (EXTEND, LEDGER_COLUMNS, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
                       extend_outputs, file_name, gen_outputs, prime_outputs, reads_capture,
                       view_columns)
@@ -306,6 +306,16 @@ def replay(run_dir: str | Path, stage: str | None = None, step: int | None = Non
     if not manifest.get("complete"):
         report.notes.append(f"the run did not complete (stopped: {manifest.get('stop_reason')}, "
                             f"last file {manifest.get('last_file')})")
+    # on the threads it ran on (recorded since they were chosen per run): a float32 product
+    # of one row splits by them
+    with threads.running(manifest.get("threads")):
+        return _replay_steps(run, model, report, stage, step, progress)
+
+
+def _replay_steps(run, model: Model, report: ReplayReport, stage: str | None,
+                  step: int | None, progress) -> ReplayReport:
+    """``replay``'s state rebuilt and its steps compared, in order."""
+    steps = run.steps
     r = _Replay(run, model, report, stage, step)
     r.start()
     for i, t in enumerate(steps):

@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from .. import native
+import torch
+
+from .. import native, threads
 from ..bench import passkey
 from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
-from ..model import COMPILERS, DTYPES, device_kind
+from ..model import COMPILERS, DTYPES, Model, device_kind, load_model
 from ..scorers import SCORERS, make_scorer, user
 from ..transfer import INITS, KINDS, TrainParams
 from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
@@ -57,6 +59,16 @@ def _add_model_args(p: argparse.ArgumentParser, session: bool = False) -> None:
                         "CPU (--compile native: built once, tens of seconds), or replayed as "
                         "a CUDA graph on a GPU (--compile graph: captured at the first step of "
                         "each power-of-two context; docs/DESIGN.md, stage 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's threads (default: the cores free when the run starts, at "
+                        "most torch's own default; positronic_brain/threads.py)")
+
+
+def cli_model(args, name: str, dtype: str) -> Model:
+    """The model a command runs, on the threads ``--threads`` or the machine's free cores
+    give (``threads.use``), placed by ``--device`` / ``--device-map`` and ``--compile``."""
+    threads.use(args.threads)
+    return load_model(name, dtype, **model_placement(args))
 
 
 def model_placement(args) -> dict:
@@ -475,7 +487,7 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
         return NO_TAPE
     return CaptureTape(args.capture, {
         "model": model.name, "dtype": model.precision, "compiled": model.compiled,
-        "device": str(model.device), "device_kind": device_kind(model.device),
+        "threads": torch.get_num_threads(), "device": str(model.device), "device_kind": device_kind(model.device),
         "kernels": native.for_model(model), "fingerprint": model.fingerprint,
         "command": args.command, "seed": sampler.seed,
         "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},

@@ -19,12 +19,11 @@ from rich.table import Table
 from rich.text import Text
 
 from ..chat import Chat
-from ..model import load_model
 from ..render import context_text, origin_counts, origin_legend, sparkline
 from ..session_io import load_session, save_session
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError
-from .args import PROG, cache_params, model_placement, open_tape, sampler_params
+from .args import PROG, cache_params, cli_model, open_tape, sampler_params
 
 CHAT_HELP = "/context  /stats  /save PATH  /load PATH  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
 
@@ -172,7 +171,7 @@ def cmd_chat(args) -> int:
             raise UserError(f"the script {args.script} is not UTF-8 text (byte {e.start})") \
                 from None
         lines = lines.splitlines()
-    model = load_model(args.model, args.dtype, **model_placement(args))
+    model = cli_model(args, args.model, args.dtype)
     policy = TokenPolicy(model.tokenizer, bos=args.bos)
     chat = Chat(model, policy, args.system, sampler, params, args.max_new_tokens,
                 open_tape(args, model, sampler, params, []))

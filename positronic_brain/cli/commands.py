@@ -16,7 +16,7 @@ from ..plain import output_file
 from ..session_io import load_session, save_session, saved_model, spans
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError, require
-from .args import (BENCH_KINDS, DTYPE, MODEL, QUALITY_ONLY, cache_params, model_placement,
+from .args import (BENCH_KINDS, DTYPE, MODEL, QUALITY_ONLY, cache_params, cli_model,
                    open_tape, percents, sampler_params, settled_by_session, train_params)
 
 BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main, transfer_bench.main)))
@@ -37,7 +37,7 @@ def cmd_run(args) -> int:
         raise UserError("the prompt is empty")
     if args.capacity is not None and args.capacity < 1:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
-    model = load_model(args.model or MODEL, args.dtype or DTYPE, **model_placement(args))
+    model = cli_model(args, args.model or MODEL, args.dtype or DTYPE)
     require(args.capacity is None or args.capacity <= model.spec.max_positions,
             f"capacity must be at most the model's {model.spec.max_positions} positions (the "
             f"live slots never outnumber them), got {args.capacity}")
@@ -63,7 +63,7 @@ def _run_session(args) -> dict:
         raise UserError(f"{', '.join(settled)}: not with --session (the session goes on with "
                         "its own prompt, arena, sampler and cache parameters)")
     name, dtype = saved_model(args.session)
-    model = load_model(args.model or name, args.dtype or dtype, **model_placement(args))
+    model = cli_model(args, args.model or name, args.dtype or dtype)
     session = load_session(model, args.session)
     if args.capture is not None:
         session.record(open_tape(args, model, session.sampler, session.cache_params,
