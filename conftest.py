@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from positronic_brain import threads
 from positronic_brain.model import load_model  # the package sets the offline environment
 from positronic_brain.special_tokens import TokenPolicy
 
@@ -16,6 +17,18 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # The oracle tolerances on CUDA assume full float32 products (TF32 off).
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
+
+@pytest.fixture(autouse=True)
+def idle_machine(monkeypatch):
+    """A command a test runs takes the suite's threads: it sees the machine idle (the
+    suite's own load is no user's; ``threads.choose``), at most the threads set above; and
+    each test leaves torch's threads as it found them."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "DEFAULT", before)
+    monkeypatch.setattr(threads, "busy_cores", lambda *_: 0.0)
+    yield
+    torch.set_num_threads(before)
+
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here (torch.cuda.is_available() is "

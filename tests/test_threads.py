@@ -14,12 +14,7 @@ from positronic_brain.replay import replay
 from positronic_brain.types import UserError
 
 
-@pytest.fixture(autouse=True)
-def keep_threads():
-    """Each test leaves torch's threads as it found them."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+BUSY_CORES = threads.busy_cores  # the real one (the suite's fixture has each test see none)
 
 
 def test_the_free_cores_at_most_torch_s_default_and_at_least_one(monkeypatch):
@@ -38,6 +33,7 @@ def test_the_free_cores_at_most_torch_s_default_and_at_least_one(monkeypatch):
 def test_the_cores_load_is_read_from_proc_stat(monkeypatch):
     """Busy time over total time between two readings, times the cores; none readable: torch's
     default, said so."""
+    monkeypatch.setattr(threads, "busy_cores", BUSY_CORES)
     readings = iter([(100, 1000), (150, 1100)])  # half of the time busy
     monkeypatch.setattr(threads, "_cpu_times", lambda: next(readings))
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
@@ -47,7 +43,7 @@ def test_the_cores_load_is_read_from_proc_stat(monkeypatch):
     assert threads.choose()[1].startswith("torch's default (the cores' load cannot be read")
     if Path("/proc/stat").exists():  # this machine's own, as the CLI reads it
         monkeypatch.undo()
-        busy = threads.busy_cores(0.05)
+        busy = BUSY_CORES(0.05)
         assert busy is not None and 0 <= busy <= (os.cpu_count() or 1) + 1e-9
 
 
