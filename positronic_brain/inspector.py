@@ -77,6 +77,7 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
     for k in ("run_id", "model", "dtype", "level", "complete", "stop_reason", "last_step"):
         info.add_row(k, str(manifest.get(k)))
     info.add_row("compiled", compile_mode(manifest.get("compiled")) or "no")
+    info.add_row("threads", str(manifest.get("threads", "not recorded")))
     for k, v in (manifest.get("params") or {}).items():
         info.add_row(k, _short(v))
     for f in run.restores():

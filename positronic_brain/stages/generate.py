@@ -47,9 +47,10 @@ def generate(model: Model, view: View, params: SamplerParams,
 
 def stage1_forward(model: Model):
     """The forward stage 1 calls (``Model.compiled``): ``forward``, ``forward`` through
-    ``torch.compile`` (``_compiled``) or the native kernels' (``native.stage1``); a CUDA
-    graph's (``graph.stage1``) takes the view instead, and ``generate`` calls it."""
-    if not model.compiled:
+    ``torch.compile`` (``_compiled``) or the native kernels' (``native.stage1``). A CUDA graph
+    (``graph.stage1``) replays the plain forward over a fixed bucket of slots, so its model is
+    given ``forward``; ``generate`` calls the graph itself, which takes the view."""
+    if not model.compiled or graph.chosen(model.compiled):  # a graph's step is the plain one's
         return forward
     return native.stage1 if native.chosen(model.compiled) else _compiled()
 
