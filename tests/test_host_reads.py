@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from positronic_brain.bench.common import host_reads
+from positronic_brain.bench.common import cuda_syncs, host_reads
 from positronic_brain.loop import Session
 from positronic_brain.model import load_model
 from positronic_brain.special_tokens import TokenPolicy
@@ -90,3 +90,14 @@ def test_the_count_sees_each_kind_of_read():
                   (lambda: torch.equal(x, x), 1),
                   (lambda: (x * 2 + 1).softmax(0).index_fill_(0, torch.tensor([1]), 0.0), 0)):
         assert sum(host_reads(fn).values()) == n
+
+
+def test_cuda_counts_its_own_waits_where_there_is_cuda():
+    """``cuda_syncs`` (bench speed's loop rows on a GPU): CUDA's count of the host's waits,
+    a value read back among them; nothing to count without CUDA."""
+    if not torch.cuda.is_available():
+        assert cuda_syncs(lambda: torch.ones(3).sum().item()) is None
+        return
+    x = torch.ones(3, device="cuda")
+    assert cuda_syncs(lambda: x.sum().item()) >= 1
+    assert cuda_syncs(lambda: (x * 2).sum()) == 0

@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -154,6 +155,23 @@ def host_reads(fn: Callable[[], object]) -> collections.Counter:
     finally:
         torch.Tensor.tolist = real
     return mode.sites
+
+
+def cuda_syncs(fn: Callable[[], object]) -> int | None:
+    """How many times one call of ``fn`` made the host wait for a CUDA device, by CUDA's
+    own count (torch's sync debug mode warns at each: reads back and copies from host memory
+    alike, which ``host_reads`` cannot see); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 # --- the machine ------------------------------------------------------------------------------

@@ -362,9 +362,10 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
         # the values one round of steps reads back to the host, a step (each waits for the
         # device to drain on a GPU)
         reads = sum(common.host_reads(steps).values()) / every
+        syncs = common.cuda_syncs(steps) if model.device.type == "cuda" else None
         store = session.state.cold
         rows.append({"dtype": dt, "stage1": how, "repair": what, "context": cfg.budget,
-                     "host_reads": reads,
+                     "host_reads": reads, "cuda_syncs": None if syncs is None else syncs / every,
                      "cold": store.n if cold else 0, "recall_every": every,
                      "cold_bytes_per_token": store.bytes_per_token if cold else None,
                      "scan_bytes": scan_bytes(params, store.arena.k, store.n) if cold else None,
@@ -965,11 +966,12 @@ def tables(res: dict) -> list[Table]:
     loop = Table(
         "Loop step (stages 1-4, brightness scorer, one removal per step at the budget)",
         ("dtype", "stage 1", "repair", "live slots", "stage 1 ms", "stage 2 ms", "stage 3 ms",
-         "step ms", "step / stage 1", "host reads a step"),
+         "step ms", "step / stage 1", "host reads a step", "CUDA syncs a step"),
         tuple((r["dtype"], r.get("stage1", "plain"), r["repair"], str(r["context"]),
                fmt(r["stage1_ms"], 2),
                fmt(r["score_ms"], 2), fmt(r["decide_ms"], 2), fmt(r["step_ms"], 2),
-               fmt(r["overhead"], 2), fmt(r.get("host_reads"), 1)) for r in res["loop"]),
+               fmt(r["overhead"], 2), fmt(r.get("host_reads"), 1), fmt(r.get("cuda_syncs"), 1))
+              for r in res["loop"]),
         "Medians per stage, timed on the same view within each repetition; the step is "
         "`Session.step` (all four stages). With recall, stage 1 is timed as without it: the "
         "query and log-sum-exp it also hands stage 2 count as recall's cost, in the step. "
@@ -977,7 +979,8 @@ def tables(res: dict) -> list[Table]:
         "`--compile graph` (a GPU) copy (stages 2-4 as they are), so the same stages 2-4 "
         "weigh more against a shorter stage 1. Host reads: the values a step reads back from "
         "the device (`common.host_reads`; each waits for the device to drain on a GPU), "
-        "counted over one more round of steps.")
+        "counted over one more round of steps; CUDA syncs: the waits CUDA itself counts in "
+        "that round (`common.cuda_syncs`: also copies from host memory), on a GPU only.")
     edits = Table(
         "Cost of one edit vs context (stage 4 `apply`, which always appends the pending token too)",
         ("dtype", "context", "append only ms", "+ 1 cull ms", "+ cull + full re-index ms",
