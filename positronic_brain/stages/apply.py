@@ -428,24 +428,19 @@ def _fold(state: State, f: Fold) -> None:
     none there): there K and V become the mass-weighted mean of both, and the log-mass
     their log-sum-exp, so a query that scores both keys alike gives the pair the attention
     it gave them apart."""
-    split = isinstance(state.arena, SplitArena)
     for a, (into,) in _parts(state.arena, f.into):
-        # a fold folds somewhere (decide), but a block of a split arena may fold nowhere
-        # (its log-mass then stays unread: ``Arena.folded``)
-        if not split or bool((into >= 0).any()):
-            _fold_block(a, f.slot, into)
+        _fold_block(a, f.slot, into)
 
 
 def _fold_block(a: Arena, slot: int, into: torch.Tensor) -> None:
-    """``_fold`` in one block of layers: ``into`` (layers, kv_heads). Over every (layer, KV
-    head) pair at once, so nothing is read back: a pair that does not fold (-1) takes the
-    culled slot itself as its target, whose K, V and norms are then written back unchanged
-    (x + w (x - x) is x) and its log-mass kept; the slot goes at the end of the step."""
-    L, KVH = into.shape
-    li = torch.arange(L, device=into.device).repeat_interleave(KVH)  # (L KVH,)
-    hi = torch.arange(KVH, device=into.device).repeat(L)
-    folds = into.flatten() >= 0
-    into = torch.where(folds, into.flatten(), slot)
+    """``_fold`` in one block of layers: ``into`` (layers, kv_heads). Over the pairs that
+    fold alone, selected by value (a read of the device): on the CPU, sigmoid and logaddexp
+    may round an element otherwise by where it sits in the operand (vector loops, then a
+    scalar tail), so computing them over every pair would change the bits a fold gave."""
+    li, hi = (into >= 0).nonzero(as_tuple=True)  # the (layer, KV head) pairs that fold
+    if len(li) == 0:
+        return
+    into = into[li, hi]
     lm_i, lm_j = a.log_mass[li, hi, into], a.log_mass[li, hi, slot]  # (p,)
     w = torch.sigmoid(lm_j - lm_i).unsqueeze(-1)  # m_j / (m_i + m_j), (p, 1)
     for t, norm, rows in ((a.k, a.knorm, key_norms), (a.v, a.vnorm, value_norms)):
@@ -453,7 +448,7 @@ def _fold_block(a: Arena, slot: int, into: torch.Tensor) -> None:
         folded = (x + w * (t[li, hi, slot].float() - x)).to(t.dtype)
         t[li, hi, into] = folded
         norm[li, hi, into] = rows(folded)
-    a.log_mass[li, hi, into] = torch.where(folds, torch.logaddexp(lm_i, lm_j), lm_i)
+    a.log_mass[li, hi, into] = torch.logaddexp(lm_i, lm_j)
     a.folded = True
 
 
