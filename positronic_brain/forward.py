@@ -375,6 +375,22 @@ def _recall(queries: list[torch.Tensor], last_scores: list[torch.Tensor], dev: t
     return query, lse.view(len(queries), heads)
 
 
+def _past_views(past_k: Past, past_v: Past, past_log_mass: Past | None) -> tuple:
+    """Per layer, the past keys as stored, transposed (KVH, D, n), the values (KVH, n, D)
+    and the log-mass (KVH, n) or None: one operator each instead of a select per layer. An
+    arena's keys are stored transposed, so each key dimension is one contiguous run of
+    slots: the fast layout for q K^T."""
+    return (_layers(tuple(block.transpose(2, 3) for block in _blocks(past_k))), _layers(past_v),
+            None if past_log_mass is None else _layers(past_log_mass))
+
+
+def _past_bias(past_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``past_mask`` (T, n) bool as the additive bias built scores take (0 or -inf, float32),
+    or None."""
+    return (None if past_mask is None else torch.zeros(past_mask.shape, device=device)
+            .masked_fill_(~past_mask, float("-inf")))
+
+
 @torch.no_grad()
 def decode(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
            positions: torch.Tensor, past_mask: torch.Tensor | None = None,
@@ -388,11 +404,8 @@ def decode(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     g, n, dev, moves = H // KVH, _blocks(past_k)[0].shape[2], model.device, model.moves
     x = F.embedding(ids, model.embed)  # (1, hidden)
     cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, 1, D)
-    mask = (None if past_mask is None else
-            torch.zeros(1, n, device=dev).masked_fill_(~past_mask, float("-inf")))
-    past_kt = _layers(tuple(block.transpose(2, 3) for block in _blocks(past_k)))  # see forward
-    past_vs = _layers(past_v)
-    log_mass = _layers(past_log_mass) if past_log_mass is not None else None
+    mask = _past_bias(past_mask, dev)
+    past_kt, past_vs, log_mass = _past_views(past_k, past_v, past_log_mass)
     new_k, new_v, rows, queries, last_scores = [], [], [], [], []
     for i, w in enumerate(model.layers):
         if moves and i in moves:  # this layer runs on another device: take what it reads there
@@ -561,11 +574,7 @@ class _Prefill:  # pylint: disable=too-many-instance-attributes
                                        past_log_mass is not None, past_mask is not None))
         c = cls(s, dtype, T, n, fused, past_mask is not None,
                 _layers(past_k) if fused else None,
-                # one operator each instead of a select per layer; an arena's keys are
-                # stored transposed, so each (KVH, D, n) block has each key dimension as one
-                # contiguous run of slots: the fast layout for q K^T
-                _layers(tuple(block.transpose(2, 3) for block in _blocks(past_k))),
-                _layers(past_v), _layers(past_log_mass) if past_log_mass is not None else None,
+                *_past_views(past_k, past_v, past_log_mass),
                 attention=rows() if want_attention else None,
                 queries=[] if want_query else None, last_scores=[] if want_query else None,
                 received_from=received_from,
@@ -578,8 +587,7 @@ class _Prefill:  # pylint: disable=too-many-instance-attributes
             c.bias = torch.zeros(T, n + T, dtype=dtype, device=dev).masked_fill_(
                 ~allowed, float("-inf"))
         elif not fused:
-            if past_mask is not None:
-                c.mask_past = torch.zeros(T, n, device=dev).masked_fill_(~past_mask, float("-inf"))
+            c.mask_past = _past_bias(past_mask, dev)
             if T > 1:  # causal among the new
                 c.mask_new = torch.full((T, T), float("-inf"), device=dev).triu_(1)
         return c

@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-import torch
-
 from .. import native, threads
 from ..bench import passkey
 from ..blend import SELECT_LAYER, check_percents
@@ -487,7 +485,8 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
         return NO_TAPE
     return CaptureTape(args.capture, {
         "model": model.name, "dtype": model.precision, "compiled": model.compiled,
-        "threads": torch.get_num_threads(), "device": str(model.device), "device_kind": device_kind(model.device),
+        "threads": threads.current()["count"], "device": str(model.device),
+        "device_kind": device_kind(model.device),
         "kernels": native.for_model(model), "fingerprint": model.fingerprint,
         "command": args.command, "seed": sampler.seed,
         "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},
