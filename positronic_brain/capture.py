@@ -35,14 +35,15 @@ from .state import gathered, restore_args
 from .types import GenerateOut, UserError, inconsistent, require
 from .version import __version__
 
-FORMAT = 7
+FORMAT = 8
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
 EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step
 RESTORE = "s0_restore"  # stage 0 writing a whole saved state (a session file), named likewise
 FILE_KEYS = ("format", "stage", "step", "model", "inputs", "outputs", "cache_len", "arena_version")
 MANIFEST_EVERY = 50  # past this many files the manifest is rewritten every N saves (and at close)
-LEDGER_COLUMNS = ("uid", "token_id", "position", "source", "brightness", "flags", "born_step",
-                  "attn_sum", "origin", "origin_uid")  # what a file keeps of the view's ledger (what scorers read)
+# what a file keeps of the view's own ledger columns (what scorers read), with its scorer columns
+LEDGER_COLUMNS = ("uid", "token_id", "position", "source", "flags", "born_step", "origin",
+                  "origin_uid")
 _NAME = re.compile(r"(\d{6})_(s\d_\w+)\.pt")
 _STATE = re.compile(r"state_(\d{6})\.pt")
 
@@ -71,19 +72,24 @@ def arena_version(state) -> int:
     tensors' in-place version counters plus the live counts (reads never bump them)."""
     a, m, cold = state.arena, state.ledger, state.cold
     tensors = tuple(t for b in a.blocks for t in (b.kt, b.v, b.log_mass, b.knorm, b.vnorm)) + tuple(
-        getattr(m, c) for c in m.COLUMNS)
+        m.col(c) for c in m.names)
     counts = (a.n, m.n, m.next_uid)
     if cold is not None:
         c = cold.arena
         tensors += (c.kt, c.v, c.knorm, c.vnorm, cold.entered) + tuple(
-            getattr(cold.ledger, col) for col in m.COLUMNS)
+            cold.ledger.col(c) for c in cold.ledger.names)
         counts += (cold.n, cold.next_entry, id(c.kt))  # id: a grown store is new storage
     return hash((tuple(t._version for t in tensors), counts)) & (2 ** 62 - 1)
 
 
+def view_ledger(view) -> dict:
+    """The view's ledger columns, the scorer's by their names: name -> (n,)."""
+    return {**{c: getattr(view, c) for c in LEDGER_COLUMNS}, **view.columns}
+
+
 def view_columns(view) -> dict:
     """The view's ledger columns and scalars (no K/V): what a scorer or inspect reads."""
-    return {**{c: getattr(view, c) for c in LEDGER_COLUMNS},
+    return {**view_ledger(view),
             "pending_token": view.pending_token, "next_position": view.next_position,
             "step": view.step, "n": view.n, "capacity": view.capacity,
             "origins": list(view.origins)}
@@ -115,7 +121,7 @@ def _snapshot(state) -> dict:
     return {"arena_k": gathered(a, "k", a.n),  # (L, kv_heads, n, head_dim), slot order
             "arena_v": gathered(a, "v", a.n),
             "arena_log_mass": gathered(a, "log_mass", a.n),  # (L, kv_heads, n)
-            "ledger": {c: getattr(view, c) for c in LEDGER_COLUMNS},
+            "ledger": view_ledger(view),
             "origins": list(view.origins),
             "pending_token": state.pending_token, "next_position": state.next_position,
             "step": state.step}
@@ -194,7 +200,7 @@ class CaptureTape(Tape):
         ``prefill_total``: whether they include the total over every query."""
         self._follow(state, 0)
         self._stage(0, "s0_prime", {"segments": segments, "capacity": capacity,
-                                    "pinned": state.pinned, "seeds": state.ledger.seeds,
+                                    "pinned": state.pinned, "columns": state.ledger.specs,
                                     "cold_capacity": None if state.cold is None else state.cold.capacity,
                                     "prefill": prefill,
                                     "prefill_total": out.stats is not None

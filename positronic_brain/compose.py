@@ -42,7 +42,7 @@ from .session_io import load_saved, save_session
 from .special_tokens import TokenPolicy
 from .stages.apply import restore, rewrite
 from .state import Ledger, restore_args
-from .types import UserError, require
+from .types import Column, UserError, require
 
 
 @dataclass
@@ -58,11 +58,11 @@ class Part:
     k: torch.Tensor  # (L, kv_heads, n, head_dim); L: len(layers) for a partial part
     v: torch.Tensor
     log_mass: torch.Tensor  # (L, kv_heads, n)
-    columns: dict[str, torch.Tensor]  # every Ledger.COLUMNS, (n,)
+    columns: dict[str, torch.Tensor]  # Ledger.COLUMNS and its scorer columns, (n,)
     cold: dict | None  # the cold rows as ``restore`` takes them (None: no cold store)
     capacity: int  # its arena's slots
     state_fields: dict  # pending token, its source and position, step, pinned
-    ledger_fields: dict  # next uid, merge history, dropped, seeds, origins
+    ledger_fields: dict  # next uid, merge history, dropped, scorer column specs, origins
     layers: tuple[int, ...] | None = None  # the layers a partial part holds (None: whole)
 
     @classmethod
@@ -145,6 +145,9 @@ def compose(model: Model, parts: list[Part]) -> Session:
     origins = _Origins()
     hot, cold = [], []
     offset, next_uid, dropped, merged = 0, 0, 0, {}
+    specs = {}  # every part's scorer columns (a later part's declaration of a name wins)
+    for part in parts:
+        specs |= part.ledger_fields["specs"]
     for i, part in enumerate(parts):
         keep_uids = i == 0 and part.layers is None
         if keep_uids:
@@ -160,7 +163,7 @@ def compose(model: Model, parts: list[Part]) -> Session:
                 dropped += part.cold["k"].shape[2]
         for out, k, v, log_mass, cols in rows:
             n = k.shape[2]
-            cols = dict(cols)
+            cols = {**{c: _births(spec, cols["source"]) for c, spec in specs.items()}, **cols}
             cols["origin"], cols["origin_uid"] = origins.columns(part, cols)
             if not keep_uids:
                 cols["uid"] = torch.arange(next_uid, next_uid + n, device=cols["uid"].device)
@@ -177,17 +180,18 @@ def compose(model: Model, parts: list[Part]) -> Session:
             f"the composed context needs {next_position + 1} positions; the model has "
             f"{s.max_positions}")
     k, v, log_mass = _joined(model, hot)
-    columns = {c: torch.cat([h[3][c] for h in hot]) for c in Ledger.COLUMNS}
+    names = Ledger.COLUMNS + tuple(specs)
+    columns = {c: torch.cat([h[3][c] for h in hot]) for c in names}
     n = k.shape[2]
     capacity = min(s.max_positions, max(max(p.capacity for p in parts), n + 1))
     ledger_fields = {"next_uid": next_uid, "merged": merged, "dropped": dropped,
-                     "seeds": tuple(last.ledger_fields["seeds"]), "origins": tuple(origins.labels)}
+                     "specs": specs, "origins": tuple(origins.labels)}
     state_fields = {"pending_token": last.state_fields["pending_token"],
                     "pending_source": last.state_fields["pending_source"],
                     "next_position": next_position,
                     "step": max(p.state_fields["step"] for p in parts),
                     "pinned": tuple(sorted({x for p in parts for x in p.state_fields["pinned"]}))}
-    saved_cold = _cold(parts, cold) if cold else None
+    saved_cold = _cold(parts, cold, names) if cold else None
     try:
         state = restore(model, k, v, columns, capacity, ledger_fields, state_fields, log_mass,
                         saved_cold)
@@ -235,7 +239,13 @@ def _rebuilt(model: Model, before: list[tuple], layers: tuple[int, ...], k: torc
     return tuple(out)
 
 
-def _cold(parts: list[Part], rows: list[tuple]) -> dict:
+def _births(spec: Column, source: torch.Tensor) -> torch.Tensor:
+    """A scorer column ``spec`` at its birth values for rows of ``source`` (a part made
+    without it)."""
+    return torch.tensor(spec.births, dtype=torch.float32, device=source.device)[source.long()]
+
+
+def _cold(parts: list[Part], rows: list[tuple], names: tuple[str, ...]) -> dict:
     """The composed cold store (``restore``'s form): the parts' cold rows in part order,
     each part's entry order kept within it."""
     entered, base = [], 0
@@ -245,8 +255,7 @@ def _cold(parts: list[Part], rows: list[tuple]) -> dict:
             entered.append(e - (e.min() if e.numel() else 0) + base)
             base += int(e.numel() and (e.max() - e.min() + 1))
     k, v = (torch.cat([r[j] for r in rows], dim=2) for j in range(2))
-    return {"k": k, "v": v, "columns": {c: torch.cat([r[3][c] for r in rows])
-                                        for c in Ledger.COLUMNS},
+    return {"k": k, "v": v, "columns": {c: torch.cat([r[3][c] for r in rows]) for c in names},
             "entered": torch.cat(entered), "next_entry": base,
             "capacity": max(max(p.cold["capacity"] for p in parts if p.cold is not None),
                             k.shape[2])}

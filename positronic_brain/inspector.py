@@ -21,7 +21,7 @@ from rich.tree import Tree
 from . import page
 from .capture import CaptureRun, file_name, load_file, reads_capture
 from .model import compile_mode, load_model
-from .render import context_text, origin_legend, sparkline, steps_table
+from .render import context_text, origin_legend, shown_brightness, sparkline, steps_table
 from .special_tokens import TokenPolicy
 from .types import SOURCES, require
 
@@ -108,10 +108,11 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
         return
     f = run.step(t)
     view, out, patch = f.view, f.scores, f.patch  # the ledger before the step, its scores
-    bright = out.brightness if out.brightness is not None else view["brightness"]
+    bright = shown_brightness(out, view)
+    bright = [None] * len(view["uid"]) if bright is None else [float(b) for b in bright]
     origins = [None] + list(view["origins"])
     ledger = [{"uid": int(u), "token_id": int(tok), "position": int(pos),
-               "source": SOURCES[int(src)], "brightness": float(b), "origin": origins[int(o)]}
+               "source": SOURCES[int(src)], "brightness": b, "origin": origins[int(o)]}
               for u, tok, pos, src, b, o in zip(view["uid"], view["token_id"], view["position"],
                                                  view["source"], bright, view["origin"])]
     merged = [u for r in patch.merges for u in r.uids]

@@ -20,9 +20,9 @@ from . import threads
 from .capture import NO_TAPE, Tape
 from .model import Model
 from .sampler import make_generator
-from .scorers import make_scorer, prefill_scorer, reads_total, takes_prefill_scores
+from .scorers import columns_of, make_scorer, prefill_scorer, reads_total, takes_prefill_scores
 from .special_tokens import TextStream, TokenPolicy
-from .stages.apply import add_cold_store, apply, extend, prime, seed
+from .stages.apply import add_cold_store, add_columns, apply, extend, prime, seed
 from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import recall_query, score
@@ -66,8 +66,10 @@ class Session:
         self.generator = make_generator(self.sampler.seed, self.model.device)
         self.scorer = make_scorer(self.cache_params) if scorer is None else scorer
         self.cache_params.check_positions(self.model.spec.max_positions)
-        if self.state is not None and self.state.cold is None and self.cache_params.recall:
-            add_cold_store(self.model, self.state, self.cache_params.cold_capacity)  # stage 0
+        if self.state is not None:  # stage 0: what this scorer and recall need of a state
+            add_columns(self.state, columns_of(self.scorer))  # made without them
+            if self.state.cold is None and self.cache_params.recall:
+                add_cold_store(self.model, self.state, self.cache_params.cold_capacity)
 
     def prime(self, segments: list[Segment], capacity: int | None = None,
               stats: bool = False, total: bool = True) -> PrefillStats | None:
@@ -88,7 +90,8 @@ class Session:
         scorer = prefill_scorer(self.scorer, params)
         gather = stats or scorer is not None
         self.state, out = prime(self.model, segments, capacity, pinned=frozenset(params.pinned),
-                                seeds=params.seeds, cold_capacity=cold_capacity(params),
+                                columns=columns_of(self.scorer),
+                                cold_capacity=cold_capacity(params),
                                 prefill_window=params.prefill_window if gather else None,
                                 scorer=scorer, prefill_total=(stats and total) or reads_total(scorer))
         self.tape.primed(self.state, segments, capacity, out, params if gather else None)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .capture import RESTORE, CaptureRun, file_name
 from .plain import atomic_write
+from .render import shown_brightness
 from .types import SOURCES, require
 
 DEFAULT_STEPS = 400  # steps a page holds unless told (the last ones)
@@ -68,7 +69,7 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
     for t in shown:
         f = run.step(t)
         view, gen, patch = f.view, f.gen, f.patch
-        bright = f.scores.brightness if f.scores.brightness is not None else view["brightness"]
+        bright = shown_brightness(f.scores, view)
         att = gen.attention.float().mean(dim=(0, 1))  # (n,) slot order
         order = sorted(range(len(view["uid"])), key=lambda j: int(view["position"][j]))
         col = lambda name: [view[name][j] for j in order]  # noqa: E731
@@ -87,7 +88,7 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
             "born": [int(x) for x in col("born_step")],
             "changed": [max(int(b), changed_at.get(int(u), -1))
                         for u, b in zip(col("uid"), col("born_step"))],
-            "brightness": [_r(bright[j], 2) for j in order],
+            "brightness": [None if bright is None else _r(bright[j], 2) for j in order],
             "attention": [_r(att[j], 5) for j in order],
             "culled": [u for u in patch.culled_uids if u not in folded],
             "folded": sorted(folded),

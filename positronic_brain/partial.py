@@ -59,6 +59,8 @@ def select(session: Session, uids: tuple[int, int] | None = None,
         keep &= torch.isin(m.live("source"), torch.tensor([SOURCES.index(s) for s in sources],
                                                           dtype=torch.int8, device=m.device))
     if min_brightness is not None:
+        require("brightness" in m.columns, "--min-brightness: this session's ledger has no "
+                "brightness column (its scorer keeps none)")
         keep &= m.live("brightness") >= min_brightness
     return keep.nonzero().flatten()
 

@@ -18,12 +18,23 @@ ORIGIN_BG = ("on rgb(30,45,90)", "on rgb(30,75,45)", "on rgb(85,35,35)", "on rgb
              "on rgb(60,30,80)", "on rgb(20,70,75)")
 
 
-def brightness_style(b: float, max_b: float) -> str:
-    """Dim grey (0) to bright yellow (max), as an rgb colour."""
+def brightness_style(b: float | None, max_b: float) -> str:
+    """Dim grey (0) to bright yellow (max), as an rgb colour; no colour for None (a ledger
+    without a brightness column)."""
+    if b is None:
+        return ""
     f = 0.0 if max_b <= 0 else min(max(b / max_b, 0.0), 1.0)
     lo, hi = (70, 70, 90), (255, 225, 60)
     r, g, bl = (int(a + (c - a) * f) for a, c in zip(lo, hi))
     return f"rgb({r},{g},{bl})"
+
+
+def shown_brightness(scores, view: dict):
+    """What a step's context is coloured by: the brightness its scorer gave (``scores``, a
+    captured ``ScoreOut``), else the column as the view (a captured one) held it; None for
+    a ledger without a brightness column."""
+    given = (scores.columns or {}).get("brightness")
+    return given if given is not None else view.get("brightness")
 
 
 def context_text(rows: Iterable[dict], token_text: Callable[[int], str],
@@ -43,7 +54,7 @@ def context_text(rows: Iterable[dict], token_text: Callable[[int], str],
         elif row["uid"] in merged:
             style = "bold underline cyan"
         else:
-            style = f"{brightness_style(row['brightness'], max_brightness)} " \
+            style = f"{brightness_style(row.get('brightness'), max_brightness)} " \
                     f"{SOURCE_MARK.get(row.get('source', 'user'), '')}".strip()
         text.append(piece, style=f"{style} {backgrounds.get(row.get('origin'), '')}".strip())
     return text

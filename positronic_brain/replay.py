@@ -27,14 +27,14 @@ import torch
 from rich.console import Console
 
 from . import native, threads
-from .capture import (EXTEND, LEDGER_COLUMNS, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
+from .capture import (EXTEND, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
                       extend_outputs, file_name, gen_outputs, prime_outputs, reads_capture,
-                      view_columns)
+                      view_columns, view_ledger)
 from .model import Model, compile_flag, compile_mode, device_kind, load_model, resolve_device
 from .plain import to_plain
 from .sampler import make_generator
-from .scorers import make_scorer, prefill_scorer, user
-from .stages.apply import apply, extend, prime, restore
+from .scorers import columns_of, make_scorer, prefill_scorer, user
+from .stages.apply import add_columns, apply, extend, prime, restore
 from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import recall_query, score
@@ -171,7 +171,7 @@ class _Replay:
         inp = f.args
         params = inp["prefill"]  # the statistics' window and scorer, if it gathered them
         self.state, out = prime(self.model, list(inp["segments"]), inp["capacity"],
-                                pinned=frozenset(inp["pinned"]), seeds=tuple(inp["seeds"]),
+                                pinned=frozenset(inp["pinned"]), columns=inp["columns"],
                                 cold_capacity=inp["cold_capacity"],
                                 prefill_window=params and params.prefill_window,
                                 scorer=params and prefill_scorer(make_scorer(params), params),
@@ -202,7 +202,11 @@ class _Replay:
     def step(self, files: StepFiles) -> None:
         """Stages 1-4 of one step, each from the captured outputs of the stage before it; the
         captured generate output and actions re-applied rebuild the next state. The view
-        stage 1 recorded must be the rebuilt state's."""
+        stage 1 recorded must be the rebuilt state's. A step whose scorer keeps columns the
+        state lacks (a fork with another policy) first gives the state them at their birth
+        values, as ``Session`` did when it took the state over (stage 0)."""
+        scorer = make_scorer(files.cache_params)
+        add_columns(self.state, columns_of(scorer))
         t, view, model = files.step, self.state.view(), self.model
         if files.state is not None:
             _check_state(files.state, self.state, f"state_{t:06d}.pt", self.report)
@@ -227,8 +231,7 @@ class _Replay:
         params = files.cache_params
         if self.wanted(files.score.stage, t):  # 2) score the captured attention
             recall = recall_query(view, files.gen, params, model.compiled)
-            self.check(files.score, {"out": score(view, files.gen.attention, make_scorer(params),
-                                                  recall)})
+            self.check(files.score, {"out": score(view, files.gen.attention, scorer, recall)})
         if self.wanted(files.decide.stage, t):  # 3) decide from the captured scores
             self.check(files.decide, {"out": decide(model, view, files.scores, params)})
         patch = apply(model, self.state, files.gen, files.actions)  # 4) rebuilds the next state
@@ -341,7 +344,7 @@ def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
     theirs_order = torch.argsort(snap["ledger"]["uid"])
     ours = {f"arena_{name}": gathered(state.arena, name, view.n)[:, :, ours_order]
             for name in ("k", "v", "log_mass")}
-    ours |= {"ledger": {c: getattr(view, c)[ours_order] for c in LEDGER_COLUMNS},
+    ours |= {"ledger": {c: t[ours_order] for c, t in view_ledger(view).items()},
              "origins": list(view.origins), "pending_token": state.pending_token, "next_position": state.next_position,
              "step": state.step}
     theirs = {**snap, **{k: snap[k][:, :, theirs_order]

@@ -15,8 +15,12 @@ field's type and range here; ``stages.apply.restore`` (stage 0, the only writer)
 writes them back onto the model's device. On the device
 type it was saved from, the continuation is bit-exact; on another, kernels round
 differently (equal up to the dtype's tolerance) and a generator's state does not carry
-over, so sampling restarts from the sampler's seed. Format 5 added the ledger's origin
-columns; a format-4 file loads with every row made in its own session.
+over, so sampling restarts from the sampler's seed. The scorer's own ledger columns are
+saved like the ledger's, declared by the ledger field ``specs``. Format 6 made them the
+scorer's; formats 4 and 5, whose every ledger held brightness (born at the ledger's
+``seeds``) and H2O's attn_sum, load with those two as the built-ins declare them. Format 5
+added the ledger's origin columns; a format-4 file loads with every row made in its own
+session.
 
 A partial session file (``save_session``'s ``rows`` and ``layers``) holds some rows and the
 K/V and log-mass of some layers (``arena.k`` (layers held, kv_heads, n, head_dim)), no cold
@@ -38,11 +42,15 @@ from .model import Model
 from .plain import check_types, from_plain, load_signed, read_safetensors, save_signed, to_plain
 from .special_tokens import TokenPolicy
 from .stages.apply import restore
-from .state import MAX_BRIGHTNESS, Ledger, State, key_norms, restore_args
+from .scorers.brightness import Brightness
+from .scorers.h2o import H2O
+from .state import LEDGER_TENSORS, Ledger, State, key_norms, restore_args
 from .types import SOURCES, UserError, inconsistent, require
 
-FORMAT = "positronic-brain-session/5"
-# Format 4 lacks the ledger's origin columns: its rows were all made in its own session.
+FORMAT = "positronic-brain-session/6"
+# Format 5's ledgers all hold brightness and attn_sum, brightness born at its ``seeds``.
+FORMAT_5 = "positronic-brain-session/5"
+# Format 4 lacks the ledger's origin columns too: its rows were all made in its own session.
 FORMAT_4 = "positronic-brain-session/4"
 # Session fields not saved as JSON: rebuilt on load, or (a capture's tape) owned by the
 # saving process; a loaded session starts without a capture (``Session.record`` starts one).
@@ -51,8 +59,7 @@ PARTIAL = "partial"  # the header entry of a partial session file: {"layers": [.
 # the state's and the ledger's fields a file holds as JSON (not their tensors)
 STATE_FIELDS = tuple(f.name for f in dataclasses.fields(State)
                      if f.name not in ("arena", "ledger", "cold"))
-LEDGER_FIELDS = tuple(f.name for f in dataclasses.fields(Ledger)
-                      if f.name not in Ledger.COLUMNS + ("n",))
+LEDGER_FIELDS = tuple(f.name for f in dataclasses.fields(Ledger) if f.name not in LEDGER_TENSORS)
 
 
 def _mismatch(saved: dict, ours: dict) -> str | None:
@@ -175,11 +182,13 @@ def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | N
     holds of its state, as ``compose.Part`` takes it: ``k``, ``v`` (layers held, kv_heads,
     n, head_dim), ``log_mass``, ``columns``, ``capacity``, ``state_fields``,
     ``ledger_fields`` and ``layers`` (the layers held, ascending)."""
-    meta, tensors = load_signed(path, (FORMAT, FORMAT_4), "session file")
+    meta, tensors = load_signed(path, (FORMAT, FORMAT_5, FORMAT_4), "session file")
     if meta["format"] == FORMAT_4:
         tensors |= _made_here(tensors)
     with inconsistent(path, "session", name_refusals=True):
         saved, body = json.loads(meta["model"]), json.loads(meta["session"])
+        if meta["format"] != FORMAT:
+            body["ledger"] = _declared(body["ledger"])
         diff = _mismatch(saved, model.fingerprint)
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
                 f"{model.name!r}: {diff}")
@@ -201,7 +210,7 @@ def restore_session(model: Model, tensors: dict[str, torch.Tensor], body: dict) 
     against ``model``, written back by stage 0 (``stages.apply.restore``). The generator's
     state carries over from the same device type only."""
     columns, fields, ledger = _checked(model, tensors, body, model.spec.n_layers)
-    cold = _saved_cold(model, tensors, body["cold"])
+    cold = _saved_cold(model, tensors, body["cold"], ledger)
     state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
                     ledger, fields, tensors["arena.log_mass"], cold)
     return _session(model, tensors, body, state)
@@ -215,14 +224,14 @@ def _checked(model: Model, tensors: dict[str, torch.Tensor], body: dict,
     fields = from_plain(body["state"])
     ledger = {"origins": (), **from_plain(body["ledger"])}  # format 4: every row made here
     _check_fields(model, fields, ledger)
-    _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"], layers)
+    _check_saved(model, tensors, columns, body["capacity"], fields["pending_token"], layers,
+                 ledger)
     return columns, fields, ledger
 
 
 def _check_fields(model: Model, fields: dict, ledger: dict) -> None:
     """A file's state and ledger fields: each one there and of its type, the counts and
-    the next position (within the model's) not negative, the sources known, the seeds
-    brightnesses."""
+    the next position (within the model's) not negative, the sources known."""
     for what, cls, saved, names in (("state", State, fields, STATE_FIELDS),
                                     ("ledger", Ledger, ledger, LEDGER_FIELDS)):
         require(sorted(saved) == sorted(names),
@@ -235,9 +244,16 @@ def _check_fields(model: Model, fields: dict, ledger: dict) -> None:
             f"of range (the model has {model.spec.max_positions} positions)")
     require(fields["pending_source"] in SOURCES and set(fields["pinned"]) <= set(SOURCES),
             f"unknown sources {fields['pending_source']!r:.40}, {fields['pinned']!r:.40}")
-    require(len(ledger["seeds"]) == len(SOURCES)
-            and all(0 <= x <= MAX_BRIGHTNESS for x in ledger["seeds"]),
-            f"seeds {ledger['seeds']!r:.60}: one brightness in [0, {MAX_BRIGHTNESS}] per source")
+
+
+def _declared(ledger: dict) -> dict:
+    """A format-4 or -5 file's ledger fields (plain JSON) as format 6 has them: its
+    ``seeds`` become the declarations of the two scorer columns every ledger held then,
+    brightness (at most 255) and attn_sum, as ``Brightness`` and ``H2O`` declare them."""
+    seeds = from_plain(ledger.pop("seeds"))
+    require(isinstance(seeds, tuple), f"seeds {seeds!r:.60} are not a tuple")
+    specs = {**Brightness.declared(seeds, 255.0), **H2O.columns}
+    return {**ledger, "specs": to_plain(specs, json=True)}
 
 
 def _session(model: Model, tensors: dict[str, torch.Tensor], body: dict,
@@ -277,9 +293,10 @@ def _made_here(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _saved_cold(model: Model, tensors: dict[str, torch.Tensor], body: dict | None) -> dict | None:
-    """The saved cold store, checked like the arena (shapes, dtypes, columns, token ids):
-    what ``restore`` takes, or None."""
+def _saved_cold(model: Model, tensors: dict[str, torch.Tensor], body: dict | None,
+                ledger: dict) -> dict | None:
+    """The saved cold store, checked like the arena (shapes, dtypes, columns and origins as
+    the ``ledger`` fields declare them, token ids): what ``restore`` takes, or None."""
     if body is None:
         return None
     s = model.spec
@@ -290,8 +307,9 @@ def _saved_cold(model: Model, tensors: dict[str, torch.Tensor], body: dict | Non
     n = _check_kv(model, k, v, "cold ")[2]
     require(0 <= n <= body["capacity"] and entered.shape == (n,)
             and entered.dtype == torch.int64, f"{n} cold rows in a capacity of {body['capacity']}")
-    columns = {c: tensors[f"cold.{c}"] for c in Ledger.COLUMNS}
-    _check_columns(columns, n)
+    columns = {c.removeprefix("cold."): t for c, t in tensors.items()
+               if c.startswith("cold.") and c not in ("cold.k", "cold.v", "cold.entered")}
+    _check_columns(columns, n, ledger)
     require(bool(((columns["token_id"] >= 0) & (columns["token_id"] < s.vocab)).all()),
             "a saved cold token id is outside the vocabulary")
     return {"k": k, "v": v, "columns": columns, "entered": entered, **body}
@@ -312,20 +330,27 @@ def _check_kv(model: Model, k: torch.Tensor, v: torch.Tensor, what: str = "",
     return shape
 
 
-def _check_columns(columns: dict[str, torch.Tensor], n: int) -> None:
-    """Exactly ``Ledger.COLUMNS``, each (n,) of its dtype."""
-    require(sorted(columns) == sorted(Ledger.COLUMNS),
-            f"ledger columns {sorted(columns)} differ from {sorted(Ledger.COLUMNS)}")
-    empty = Ledger.allocate(1)
-    for c in Ledger.COLUMNS:
-        want = getattr(empty, c).dtype
+def _check_columns(columns: dict[str, torch.Tensor], n: int, ledger: dict) -> None:
+    """Exactly ``Ledger.COLUMNS`` and the scorer columns the ``ledger`` fields' ``specs``
+    declare, each (n,) of its dtype; each row's origin in the fields' ``origins`` table
+    (origin uid -1 for the rows made here, and only for them)."""
+    empty = Ledger.allocate(1, ledger["specs"])
+    require(sorted(columns) == sorted(empty.names),
+            f"ledger columns {sorted(columns)} differ from {sorted(empty.names)}")
+    for c in empty.names:
+        want = empty.col(c).dtype
         require(columns[c].shape == (n,) and columns[c].dtype == want,
                 f"ledger column {c}: {tuple(columns[c].shape)} {columns[c].dtype}, "
                 f"expected ({n},) {want}")
+    origin, there = columns["origin"], columns["origin_uid"]
+    require(bool(((origin >= 0) & (origin <= len(ledger["origins"]))).all())
+            and bool(((origin == 0) == (there == -1)).all()) and bool((there >= -1).all()),
+            f"a row's origin is outside the file's {len(ledger['origins'])} origins, or its "
+            "origin uid does not fit it")
 
 
 def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[str, torch.Tensor],
-                 capacity: int, pending_token: int, layers: int) -> None:
+                 capacity: int, pending_token: int, layers: int, ledger: dict) -> None:
     """Every saved tensor fits ``model`` (``layers`` of its layers) and the ledger: shapes,
     dtypes, columns, token ids."""
     s = model.spec
@@ -338,7 +363,7 @@ def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[s
             and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),
             f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]} "
             "torch.float32, finite and >= 0")
-    _check_columns(columns, n)
+    _check_columns(columns, n, ledger)
     saved = columns["token_id"]
     ids = torch.cat((saved, torch.tensor([pending_token], device=saved.device)))
     require(bool(((ids >= 0) & (ids < s.vocab)).all()), "a saved token id is outside the vocabulary")

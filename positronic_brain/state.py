@@ -10,10 +10,9 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from .model import ModelSpec
-from .types import SOURCES
+from .types import SOURCES, Column
 
 FLAG_PROTECTED = 1  # never culled (e.g. a pinned system prompt)
-MAX_BRIGHTNESS = 255.0
 
 
 def key_norms(k: torch.Tensor) -> torch.Tensor:
@@ -213,47 +212,57 @@ def gathered(a: Arena | SplitArena, name: str, n: int) -> torch.Tensor:
 
 @dataclass(eq=False)
 class Ledger:
-    """The token ledger: one row per live arena slot, columnar, preallocated."""
+    """The token ledger: one row per live arena slot, columnar, preallocated. Besides its
+    own columns (``COLUMNS``) it holds the scorer's (``columns``, name -> (capacity,)
+    float32, each as ``specs[name]`` declares: ``types.Column``)."""
 
     uid: torch.Tensor  # (capacity,) int64, unique, monotonic, never reused
     token_id: torch.Tensor  # (capacity,) int64
     position: torch.Tensor  # (capacity,) int64, logical position (RoPE phase)
     source: torch.Tensor  # (capacity,) int8, index into SOURCES
-    brightness: torch.Tensor  # (capacity,) float32 in [0, MAX_BRIGHTNESS]
     born_step: torch.Tensor  # (capacity,) int64
     changed_step: torch.Tensor  # (capacity,) int64
     flags: torch.Tensor  # (capacity,) int8 (FLAG_PROTECTED, ...)
-    attn_sum: torch.Tensor  # (capacity,) float32, attention received since born (H2O)
     # Where the row's K/V came from: 0 = made in this session's own lineage, k = the file
     # ``origins[k - 1]`` (a composed or transferred session), whose row ``origin_uid`` it was
     # there (-1 for rows of origin 0).
     origin: torch.Tensor  # (capacity,) int32
     origin_uid: torch.Tensor  # (capacity,) int64
+    columns: dict[str, torch.Tensor] = field(default_factory=dict)  # the scorer's (capacity,)
+    specs: dict[str, Column] = field(default_factory=dict)  # each scorer column's declaration
     n: int = 0
     next_uid: int = 0
     merged: dict[int, tuple[int, ...]] = field(default_factory=dict)  # repair history
     dropped: int = 0  # tokens culled for good (not into a cold store), an account of uids
-    # A new token's brightness by source (SOURCES order), written when it enters the cache.
-    seeds: tuple[float, ...] = (MAX_BRIGHTNESS,) * len(SOURCES)
     origins: tuple[str, ...] = ()  # the files rows came from, labelled (``origin`` k -> k-1)
 
-    COLUMNS = ("uid", "token_id", "position", "source", "brightness", "born_step",
-               "changed_step", "flags", "attn_sum", "origin", "origin_uid")
+    COLUMNS = ("uid", "token_id", "position", "source", "born_step", "changed_step", "flags",
+               "origin", "origin_uid")
 
     @classmethod
-    def allocate(cls, capacity: int, seeds: tuple[float, ...] | None = None,
+    def allocate(cls, capacity: int, specs: dict[str, Column] | None = None,
                  device: torch.device | str = "cpu") -> "Ledger":
-        def col(dtype: torch.dtype) -> torch.Tensor:
+        def col(dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.zeros(capacity, dtype=dtype, device=device)
 
-        i64, i32, i8, f32 = torch.int64, torch.int32, torch.int8, torch.float32
+        i64, i32, i8 = torch.int64, torch.int32, torch.int8
+        specs = dict(specs or {})
         return cls(uid=col(i64), token_id=col(i64), position=col(i64), source=col(i8),
-                   brightness=col(f32), born_step=col(i64), changed_step=col(i64),
-                   flags=col(i8), attn_sum=col(f32), origin=col(i32), origin_uid=col(i64) - 1,
-                   seeds=tuple(seeds or (MAX_BRIGHTNESS,) * len(SOURCES)))
+                   born_step=col(i64), changed_step=col(i64), flags=col(i8), origin=col(i32),
+                   origin_uid=col(i64) - 1, columns={name: col() for name in specs},
+                   specs=specs)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every column's name: the ledger's own, then the scorer's."""
+        return self.COLUMNS + tuple(self.columns)
+
+    def col(self, name: str) -> torch.Tensor:
+        """The whole column ``name`` (capacity,), the ledger's own or the scorer's."""
+        return self.columns[name] if name in self.columns else getattr(self, name)
 
     def live(self, column: str) -> torch.Tensor:
-        return getattr(self, column)[: self.n]
+        return self.col(column)[: self.n]
 
     @property
     def device(self) -> torch.device:
@@ -261,13 +270,13 @@ class Ledger:
 
     def rows(self) -> list[dict]:
         """Live rows in position (text) order, as plain Python values (``origin``: the
-        file's label, None for a row made here)."""
+        file's label, None for a row made here), each scorer column by its name."""
         order = torch.argsort(self.live("position")).tolist()
         cols = {c: self.live(c).tolist() for c in ("uid", "token_id", "position", "source",
-                                                  "brightness", "origin", "origin_uid")}
+                                                  "origin", "origin_uid", *self.columns)}
         return [{"uid": cols["uid"][i], "token_id": cols["token_id"][i],
                  "position": cols["position"][i], "source": SOURCES[cols["source"][i]],
-                 "brightness": float(cols["brightness"][i]),
+                 **{c: float(cols[c][i]) for c in self.columns},
                  "origin": self.origin_label(cols["origin"][i]),
                  "origin_uid": cols["origin_uid"][i]} for i in order]
 
@@ -279,8 +288,9 @@ class Ledger:
         """Assert every ledger invariant; raises AssertionError naming the first broken one."""
         n, cap = self.n, self.uid.shape[0]
         assert 0 <= n <= cap, f"live count {n} outside [0, {cap}]"
-        for c in self.COLUMNS:
-            assert getattr(self, c).shape == (cap,), f"column {c} has shape {tuple(getattr(self, c).shape)}"
+        assert sorted(self.columns) == sorted(self.specs), "scorer columns without their specs"
+        for c in self.names:
+            assert self.col(c).shape == (cap,), f"column {c} has shape {tuple(self.col(c).shape)}"
         uid, pos = self.live("uid"), self.live("position")
         assert torch.unique(uid).numel() == n, "uids are not unique"
         assert n == 0 or int(uid.max()) < self.next_uid, "a uid is >= next_uid"
@@ -288,23 +298,28 @@ class Ledger:
         assert n == 0 or int(pos.min()) >= 0, "negative position"
         if next_position is not None:
             assert n == 0 or int(pos.max()) < next_position, "a position is >= the next position"
-        src = self.live("source")
-        assert n == 0 or (int(src.min()) >= 0 and int(src.max()) < len(SOURCES)), "unknown source"
-        b = self.live("brightness")
-        assert bool(torch.isfinite(b).all()), "non-finite brightness"
-        assert n == 0 or (float(b.min()) >= 0 and float(b.max()) <= MAX_BRIGHTNESS), \
-            "brightness outside [0, max]"
-        att = self.live("attn_sum")
-        assert n == 0 or (bool(torch.isfinite(att).all()) and float(att.min()) >= 0), \
-            "attn_sum negative or non-finite"
-        born, changed = self.live("born_step"), self.live("changed_step")
-        assert bool((born <= changed).all()), "changed_step before born_step"
+        self.check_rows(self.origins)
+        changed = self.live("changed_step")
         if step is not None:
             assert n == 0 or int(changed.max()) <= step, "changed_step in the future"
         for new, old in self.merged.items():
             assert all(u < new for u in old), f"repair {new} merged a later uid {old}"
+
+    def check_rows(self, origins: tuple[str, ...]) -> None:
+        """Assert what each live row must hold on its own: a known source, the scorer columns
+        finite and in their ranges, born before changed, an origin in ``origins``."""
+        n = self.n
+        src = self.live("source")
+        assert n == 0 or (int(src.min()) >= 0 and int(src.max()) < len(SOURCES)), "unknown source"
+        for c, spec in self.specs.items():
+            x = self.live(c)
+            assert bool(torch.isfinite(x).all()), f"non-finite {c}"
+            assert n == 0 or (spec.holds(float(x.min())) and spec.holds(float(x.max()))), \
+                f"{c} outside [{spec.low}, {spec.high}]"
+        born, changed = self.live("born_step"), self.live("changed_step")
+        assert bool((born <= changed).all()), "changed_step before born_step"
         origin, there = self.live("origin"), self.live("origin_uid")
-        assert n == 0 or 0 <= int(origin.min()) <= int(origin.max()) <= len(self.origins), \
+        assert n == 0 or 0 <= int(origin.min()) <= int(origin.max()) <= len(origins), \
             "an origin outside the origins table"
         assert bool(((origin == 0) == (there == -1)).all()) and bool((there >= -1).all()), \
             "origin uid -1 is for rows made here, and only for them"
@@ -336,7 +351,7 @@ class Cold:
         log-mass, the ledger row and the entry order."""
         a = self.arena
         tensors = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm, self.entered) + tuple(
-            getattr(self.ledger, c) for c in Ledger.COLUMNS)
+            self.ledger.col(c) for c in self.ledger.names)
         return sum(t.untyped_storage().nbytes() for t in tensors) / self.entered.shape[0]
 
     def view(self) -> "ColdView":
@@ -361,6 +376,8 @@ class Cold:
             "a cold position outside [0, next position)"
         assert torch.unique(self.entered[:n]).numel() == n and (
             n == 0 or int(self.entered[:n].max()) < self.next_entry), "cold entry order"
+        assert m.specs == hot.specs, "the cold store's scorer columns are not the hot ones'"
+        m.check_rows(hot.origins)
         assert torch.allclose(a.knorm[:, :, :n], a.k[:, :, :n].float().norm(dim=-1),
                               rtol=1e-5, atol=1e-6), "the cold key norms do not match the keys"
         assert torch.equal(a.vnorm[:, :, :n], value_norms(a.v[:, :, :n])), "cold value norms"
@@ -398,10 +415,9 @@ class View:
     token_id: torch.Tensor  # (n,)
     position: torch.Tensor  # (n,)
     source: torch.Tensor  # (n,)
-    brightness: torch.Tensor  # (n,)
     flags: torch.Tensor  # (n,)
     born_step: torch.Tensor  # (n,)
-    attn_sum: torch.Tensor  # (n,)
+    columns: dict[str, torch.Tensor]  # the scorer's own columns, name -> (n,) float32
     origin: torch.Tensor  # (n,) 0 = made here, k = origins[k - 1]
     origin_uid: torch.Tensor  # (n,) the row's uid in that file (-1: made here)
     pending_token: int
@@ -410,6 +426,7 @@ class View:
     capacity: int
     cold: ColdView | None = None  # the cold store's rows (recall); None without recall
     origins: tuple[str, ...] = ()  # the ledger's origins table
+    specs: dict[str, Column] = field(default_factory=dict)  # the columns' declarations
 
     @property
     def n(self) -> int:
@@ -435,10 +452,10 @@ class State:
         knorm, vnorm = self.arena.norms(n)
         return View(k=k, v=v, log_mass=log_mass, knorm=knorm, vnorm=vnorm, uid=m.live("uid"),
                     token_id=m.live("token_id"), position=m.live("position"),
-                    source=m.live("source"), brightness=m.live("brightness"),
-                    flags=m.live("flags"), born_step=m.live("born_step"),
-                    attn_sum=m.live("attn_sum"), origin=m.live("origin"),
-                    origin_uid=m.live("origin_uid"), origins=m.origins,
+                    source=m.live("source"), flags=m.live("flags"),
+                    born_step=m.live("born_step"),
+                    columns={c: m.live(c) for c in m.columns}, origin=m.live("origin"),
+                    origin_uid=m.live("origin_uid"), origins=m.origins, specs=m.specs,
                     pending_token=self.pending_token,
                     next_position=self.next_position, step=self.step,
                     capacity=self.arena.capacity,
@@ -474,25 +491,28 @@ class State:
             f"{len(away)} merged away != {m.next_uid} issued")
 
 
+LEDGER_TENSORS = Ledger.COLUMNS + ("columns", "n")  # what a ledger holds besides its fields
+
+
 def restore_args(state: State) -> dict:
     """The whole ``state`` as stage 0's ``restore`` takes it back (``restore(model, **...)``):
     the live ``k``/``v`` (L, kv_heads, n, head_dim) and ``log_mass`` (L, kv_heads, n) in slot
     order, every ledger column (``columns``), the arena's ``capacity``, the ledger's other
-    fields (``ledger_fields``: next uid, merge history, dropped, seeds, origins), the state's
+    fields (``ledger_fields``: next uid, merge history, dropped, the scorer columns' specs, origins), the state's
     (``state_fields``: pending token, its source and position, step, pinned) and the cold
     store's live rows (``cold``: k, v, columns, entered, capacity, next entry; None without
-    one). Views, not copies (of a split arena, K/V and log-mass gathered onto its main device)."""
+    one). The scorer's columns are among ``columns``, declared in the ledger fields' ``specs``. Views, not copies (of a split arena, K/V and log-mass gathered onto its main device)."""
     a, m, cold = state.arena, state.ledger, state.cold
     return {
         "k": gathered(a, "k", a.n), "v": gathered(a, "v", a.n),
-        "columns": {c: m.live(c) for c in Ledger.COLUMNS}, "capacity": a.capacity,
+        "columns": {c: m.live(c) for c in m.names}, "capacity": a.capacity,
         "ledger_fields": {f.name: getattr(m, f.name) for f in fields(Ledger)
-                          if f.name not in Ledger.COLUMNS + ("n",)},
+                          if f.name not in LEDGER_TENSORS},
         "state_fields": {f.name: getattr(state, f.name) for f in fields(State)
                          if f.name not in ("arena", "ledger", "cold")},
         "log_mass": gathered(a, "log_mass", a.n),
         "cold": None if cold is None else {
             "k": cold.arena.k[:, :, :cold.n], "v": cold.arena.v[:, :, :cold.n],
-            "columns": {c: cold.ledger.live(c) for c in Ledger.COLUMNS},
+            "columns": {c: cold.ledger.live(c) for c in cold.ledger.names},
             "entered": cold.entered[:cold.n], "capacity": cold.capacity,
             "next_entry": cold.next_entry}}

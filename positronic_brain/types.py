@@ -133,6 +133,53 @@ class GenerateOut:
     lse: torch.Tensor | None = None
 
 
+MERGE_RULES = ("max", "birth")  # what a merged pair's token keeps of a column
+RECALL_RULES = ("keep", "birth", "signal")  # what a recalled token's column becomes
+
+
+@dataclass(frozen=True)
+class Column:
+    """A scorer's own per-token column in the ledger (float32, one value per token, hot or
+    cold), declared by the scorer's ``columns`` (name -> ``Column``, or a float: its value at
+    birth). ``birth``: a new token's value, one for every source or one per source (SOURCES
+    order). ``merge``: a merged pair's token keeps the ``max`` of the two, or starts at its
+    ``birth`` value. ``recall``: a token brought back from the cold store ``keep``s the value
+    it went cold with, starts at its ``birth`` value, or takes ``signal``: the recall signal
+    it beat the hot token with times the queries since it was born (an accumulated
+    attention's worth). Values stay finite and within [``low``, ``high``] (None: unbounded),
+    which stage 4 checks before it writes them."""
+
+    birth: float | tuple[float, ...] = 0.0
+    merge: str = "max"
+    recall: str = "keep"
+    low: float | None = None
+    high: float | None = None
+
+    def __post_init__(self) -> None:
+        require(self.merge in MERGE_RULES, f"a column's merge rule must be one of "
+                f"{', '.join(MERGE_RULES)}, got {self.merge!r}")
+        require(self.recall in RECALL_RULES, f"a column's recall rule must be one of "
+                f"{', '.join(RECALL_RULES)}, got {self.recall!r}")
+        b = self.birth if isinstance(self.birth, tuple) else (self.birth,)
+        require(all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in b),
+                f"a column's birth value is a number or a tuple of them, got {self.birth!r:.40}")
+        births = self.births
+        require(len(births) == len(SOURCES), f"a column's birth value is one number or one "
+                f"per source ({len(SOURCES)}), got {len(births)}")
+        require(all(math.isfinite(x) and self.holds(x) for x in births), f"a column's birth values {births} must be finite "
+                f"and within [{self.low}, {self.high}]")
+
+    @property
+    def births(self) -> tuple[float, ...]:
+        """The birth value of each source (SOURCES order)."""
+        b = self.birth
+        return tuple(float(x) for x in b) if isinstance(b, tuple) else (float(b),) * len(SOURCES)
+
+    def holds(self, x: float) -> bool:
+        """Whether ``x`` is within [low, high]."""
+        return (self.low is None or x >= self.low) and (self.high is None or x <= self.high)
+
+
 REPAIRS = ("none", "merge", "fold")
 AGGREGATIONS = ("all-mean", "all-max", "last-mean", "last-max", "max-max")  # layers-heads over attention
 SIGNALS = ("value", "attention")  # what brightness gains from: value-weighted attention or plain
@@ -287,12 +334,12 @@ class CacheParams:
 
 @dataclass(frozen=True)
 class ScoreOut:
-    """Stage 2 output: a score per live slot (higher = keep) and the scorer's persistent
-    per-token values for stage 4 to write (None = unchanged)."""
+    """Stage 2 output: a score per live slot (higher = keep) and the new values of the
+    scorer's own per-token columns for stage 4 to write (name -> (n,) float32; a column
+    left out is unchanged)."""
 
     scores: torch.Tensor  # (n,) float32
-    brightness: torch.Tensor | None = None  # (n,) float32 in [0, max]
-    attn_sum: torch.Tensor | None = None  # (n,) float32, attention received since born
+    columns: dict[str, torch.Tensor] | None = None
     # with recall: the attention signal each hot slot got (n,) and, on a step that scans the
     # cold store, each cold row would have got (c,), aggregated alike over the recall layers
     # (stage 3 compares them)
@@ -320,15 +367,14 @@ class RecallQuery:
 @dataclass(frozen=True)
 class Swap:
     """A recall: cold row ``cold_slot`` (uid ``cold_uid``) takes hot slot ``slot`` (uid
-    ``uid``), whose token goes cold in its place; the recalled token's scorer columns become
-    ``brightness`` and ``attn_sum`` (see ``decide.swaps``)."""
+    ``uid``), whose token goes cold in its place; the recalled token's scorer ``columns``
+    named here take these values (the others keep theirs: ``Column.recall``, ``decide.swaps``)."""
 
     slot: int
     uid: int
     cold_slot: int
     cold_uid: int
-    brightness: float
-    attn_sum: float
+    columns: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -359,8 +405,7 @@ class Fold:
 class Actions:
     """Stage 3 output: the patch stage 4 applies besides the append."""
 
-    brightness: torch.Tensor | None = None  # (n,) new values for the live slots
-    attn_sum: torch.Tensor | None = None  # (n,)
+    columns: dict[str, torch.Tensor] | None = None  # the scorer's columns' new values (n,)
     cull_slots: tuple[int, ...] = ()
     merges: tuple[Merge, ...] = ()
     folds: tuple[Fold, ...] = ()  # culled slots whose K/V fold into survivors
@@ -375,15 +420,14 @@ NO_ACTIONS = Actions()
 @dataclass(frozen=True)
 class Patch:
     """What stage 0/4 changed in one application (the capture's event-log entry): with the
-    previous state, enough to replay it. Stage 4's order: brightness/attn_sum, merges
+    previous state, enough to replay it. Stage 4's order: the scorer's columns, merges
     (slot ``slots[0]`` rewritten; ``slots[1]`` removed with the culls), folds, swaps (recalls),
     culled tokens into the cold store (with recall), removals (``moves`` fill the holes),
     re-index (of the cold store too), append. A prime's patch (step 0) holds the appended
     prompt slots and, with prefill scores, the scorer columns seeded after them."""
 
     step: int
-    brightness: torch.Tensor | None = None  # (n,) written before anything else
-    attn_sum: torch.Tensor | None = None  # (n,)
+    columns: dict[str, torch.Tensor] | None = None  # (n,) each, written before anything else
     merges: tuple[Merge, ...] = ()
     merged_uids: tuple[int, ...] = ()  # the new uid of each repair
     folds: tuple[Fold, ...] = ()  # applied after merges, before removals
@@ -428,7 +472,7 @@ class PrimeOut:
     """Stage 0 output besides the new state."""
 
     logits: torch.Tensor  # (T', V) float32: every cached prompt token's logits, or the last row
-    patch: Patch  # with prefill scores, the scorer columns it seeded (brightness, attn_sum)
+    patch: Patch  # with prefill scores, the scorer columns it seeded
     stats: PrefillStats | None = None  # the prompt's attention statistics, when gathered
 
 

@@ -65,7 +65,7 @@ def test_s2_scores_follow_the_brightness_rule(capture):
         view, out = f["s1_generate"]["inputs"]["view"], f["s2_score"]["outputs"]["out"]
         n = view["n"]
         assert out["scores"].shape == (n,) and torch.isfinite(out["scores"]).all()
-        b = out["brightness"]
+        b = out["columns"]["brightness"]
         assert b.shape == (n,) and (b >= 0).all() and (b <= cache.max_brightness).all()
         # the rule, from the captured inputs alone: the s1 attention and the value norms
         att, norms = f["s1_generate"]["outputs"]["attention"], f["s2_score"]["inputs"]["value_norms"]

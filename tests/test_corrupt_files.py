@@ -34,7 +34,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from positronic_brain import compare, fork, inspector, replay
-from positronic_brain.capture import CaptureTape, resolve_run, sha256
+from positronic_brain.capture import FORMAT, CaptureTape, resolve_run, sha256
 from positronic_brain.chat import Chat
 from positronic_brain.cli import main as cli
 from positronic_brain.compose import compose_files
@@ -649,7 +649,7 @@ CLI_CASES = {
         TRANSFER + ["{a}", "--projector", "{file}"]),
     "replay: a flipped bit in a stage file": ("000001_s2_score.pt", _flipped, REPLAY),
     "replay: a manifest of an unknown format": (
-        "manifest.json", lambda raw: raw.replace(b'"format": 7', b'"format": 99'), REPLAY),
+        "manifest.json", lambda raw: raw.replace(f'"format": {FORMAT}'.encode(), b'"format": 99'), REPLAY),
     "inspect: a truncated stage file alone": (
         "000002_s1_generate.pt", lambda raw: raw[:len(raw) // 2], ["inspect", "{file}"]),
     "inspect: a manifest listing a negative step": (

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from positronic_brain import forward as forward_module
 from positronic_brain.model import load_model, pack, packable, quantize
-from positronic_brain.stages import apply as apply_module
+from positronic_brain.stages.apply import prefill as prefill_module
 from positronic_brain.stages.apply import chunks, prime
 from positronic_brain.types import Segment, UserError
 from tests.oracle import assert_close, hf_prompt_logits
@@ -353,11 +353,11 @@ def test_a_prefill_writes_its_kv_into_the_arena_with_the_bits_of_a_block(monkeyp
     model = load_model("tiny-random", dtype)
     segs = tiny_policy.raw_prompt("each chunk's keys and values go straight to the arena " * 3)
     real, given = forward_module.forward, []
-    monkeypatch.setattr(apply_module, "forward", lambda *a, **kw: (
+    monkeypatch.setattr(prefill_module, "forward", lambda *a, **kw: (
         given.append(kw.get("into")) or real(*a, **kw)))
     direct, out = prime(model, segs, capacity=200, chunk=16, all_logits=True)
     assert len(given) > 1 and all(into is not None for into in given)
-    monkeypatch.setattr(apply_module, "_slots", lambda *args: None)
+    monkeypatch.setattr(prefill_module, "slots_of", lambda *args: None)
     block, plain = prime(model, segs, capacity=200, chunk=16, all_logits=True)
     n = direct.arena.n
     assert torch.equal(direct.arena.k[:, :, :n], block.arena.k[:, :, :n])
@@ -388,7 +388,7 @@ def test_prefill_chunks_by_device(monkeypatch):
     grows with the chunk within a 16th of its memory: one layer's scores, probabilities and
     mask over every head where the forward builds them, the mask's row and the MLP's
     activations where its fused kernels do not; all logits where wanted."""
-    monkeypatch.setattr(apply_module, "gpu_chunk_bytes", lambda device: 1 << 32)  # 64 GiB / 16
+    monkeypatch.setattr(prefill_module, "gpu_chunk_bytes", lambda device: 1 << 32)  # 64 GiB / 16
     spec = SimpleNamespace(n_heads=32, vocab=128_000)
     hf = SimpleNamespace(config=SimpleNamespace(intermediate_size=14_336))
     cpu = SimpleNamespace(device=torch.device("cpu"), spec=spec, hf=hf)

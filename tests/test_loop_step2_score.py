@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from positronic_brain.loop import Session
-from positronic_brain.scorers import SCORERS, make_scorer
+from positronic_brain.scorers import SCORERS, columns_of, make_scorer
 from positronic_brain.stages.apply import prime
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
@@ -36,7 +36,7 @@ def walked(real_model, real_policy):
 def test_brightness_on_the_real_model(walked, real_policy):
     session, view, gen = walked
     out = score(view, gen.attention, session.scorer)
-    b = out.brightness
+    b = out.columns["brightness"]
     assert out.scores is b and b.shape == (view.n,) and b.dtype == torch.float32
     assert float(b.min()) >= 0 and float(b.max()) <= session.cache_params.max_brightness
     order = torch.argsort(b, descending=True).tolist()
@@ -51,11 +51,11 @@ def test_brightness_on_the_real_model(walked, real_policy):
     norm = view.v[first:].float().norm(dim=-1)  # (L - first, kv_heads, n)
     norm = (norm / norm.mean(-1, keepdim=True)).repeat_interleave(3, dim=1)  # 9 heads, 3 KV
     share = view.n * (gen.attention[first:] * norm).mean((0, 1))
-    expected = (view.brightness - c.decay + c.gain * share).clamp(0, 255)
+    expected = (view.columns["brightness"] - c.decay + c.gain * share).clamp(0, 255)
     # the value norms (head_dim terms), their mean over the slots and the share's over layers
     # and heads, in other orders; then brightness - decay + gain x share, 3 terms
     terms = max(view.v.shape[-1], view.n, norm.shape[0] * norm.shape[1])
-    top = float((view.brightness.abs() + c.decay + c.gain * share).max())
+    top = float((view.columns["brightness"].abs() + c.decay + c.gain * share).max())
     bound = products(torch.float32, terms, 3, float(c.gain * share.max())) + sum_bound(
         torch.float32, 3, top)
     assert torch.allclose(b, expected, rtol=0, atol=bound)
@@ -73,8 +73,8 @@ def _value_weights(v, layer, head, heads):
 @pytest.mark.parametrize("signal", ["value", "attention"])
 def test_brightness_update_rule_by_hand(tiny_model, tiny_policy, signal):
     state, _ = prime(tiny_model, tiny_policy.raw_prompt("abcdefgh"), capacity=16)
-    view = replace(state.view(), brightness=torch.tensor([0.5, 3.0, 100.0, 254.0, 255.0, 1.0, 2.0],
-                                                         device=tiny_model.device))
+    view = replace(state.view(), columns={"brightness": torch.tensor(
+        [0.5, 3.0, 100.0, 254.0, 255.0, 1.0, 2.0], device=tiny_model.device)})
     L, H, n = tiny_model.spec.n_layers, tiny_model.spec.n_heads, view.n
     attention = torch.rand(L, H, n, generator=torch.Generator().manual_seed(0)).to(tiny_model.device)
     weight = [[_value_weights(view.v, li, h, H) if signal == "value" else [1.0] * n
@@ -82,7 +82,7 @@ def test_brightness_update_rule_by_hand(tiny_model, tiny_policy, signal):
     for how, skip in [(how, 0.0) for how in AGGREGATIONS] + [("all-mean", 0.5), ("all-max", 0.6)]:
         scorer = make_scorer(CacheParams(decay=1.5, gain=0.5, max_brightness=200.0,
                                          aggregate=how, signal=signal, skip_layers=skip))
-        got = scorer.score(view, attention).brightness
+        got = scorer.score(view, attention).columns["brightness"]
         first = round(skip * L)
         if signal == "value":
             weight = [[_value_weights(view.v[first:], li - first, h, H) if li >= first else None
@@ -93,12 +93,12 @@ def test_brightness_update_rule_by_hand(tiny_model, tiny_policy, signal):
                      for li in layers]
             per_layer = [max(x) if how.endswith("max") else sum(x) / H for x in heads]
             share = n * (max(per_layer) if how.startswith("max") else sum(per_layer) / len(per_layer))
-            want = min(200.0, max(0.0, float(view.brightness[i]) - 1.5 + 0.5 * share))
+            want = min(200.0, max(0.0, float(view.columns["brightness"][i]) - 1.5 + 0.5 * share))
             # float32 against float64 by hand: the value norms (head_dim terms), their mean
             # over the slots, the share's over heads and layers; then b - decay + gain x share
             terms = max(view.v.shape[-1], n, H * L)
             bound = products(torch.float32, terms, 3, 0.5 * share) + sum_bound(
-                torch.float32, 3, abs(float(view.brightness[i])) + 1.5 + 0.5 * share)
+                torch.float32, 3, abs(float(view.columns["brightness"][i])) + 1.5 + 0.5 * share)
             assert abs(float(got[i]) - want) <= bound, (how, i)
 
 
@@ -106,19 +106,20 @@ def test_value_weights_favour_large_values(tiny_model, tiny_policy):
     """Equal attention, one value scaled up: that slot gains more brightness, the others
     less (the weights keep their mean at 1)."""
     state, _ = prime(tiny_model, tiny_policy.raw_prompt("abcdef"), capacity=16)
-    view = replace(state.view(), brightness=torch.zeros(state.arena.n, device=tiny_model.device))
+    view = replace(state.view(), columns={"brightness": torch.zeros(state.arena.n,
+                                                                    device=tiny_model.device)})
     view = replace(view, vnorm=torch.ones_like(view.vnorm))  # equal value norms
     norms = view.vnorm.clone()
     norms[:, :, 2] *= 5
     attention = torch.full((tiny_model.spec.n_layers, tiny_model.spec.n_heads, view.n), 1 / view.n,
                            device=tiny_model.device)
     scorer = make_scorer(CacheParams(decay=0.0, gain=1.0))
-    plain = scorer.score(view, attention).brightness
+    plain = scorer.score(view, attention).columns["brightness"]
     # n x 1/n, the same for every slot: 1/n rounded, L x H of them averaged, times n, plus 0
     L, H = attention.shape[:2]
     bound = sum_bound(torch.float32, L * H) + sum_bound(torch.float32, 3) + step(torch.float32)
     assert torch.allclose(plain, torch.ones_like(plain), rtol=0, atol=bound)
-    b = scorer.score(replace(view, vnorm=norms), attention).brightness
+    b = scorer.score(replace(view, vnorm=norms), attention).columns["brightness"]
     assert float(b[2]) > 1 and bool((b[torch.arange(view.n, device=b.device) != 2] < 1).all())
     # the norms' mean, each weight's over layers and heads, 0 - decay + gain x share and b's
     # mean over the slots: 1 in exact arithmetic
@@ -129,7 +130,8 @@ def test_value_weights_favour_large_values(tiny_model, tiny_policy):
 def test_new_tokens_are_seeded_by_source(tiny_model, tiny_policy):
     seeds = (200.0, 100.0, 50.0, 25.0)
     segs = tiny_policy.chat([("system", "S"), ("user", "U")])  # ends with the assistant opener
-    state, _ = prime(tiny_model, segs, capacity=64, seeds=seeds)
+    scorer = make_scorer(CacheParams(seeds=seeds))
+    state, _ = prime(tiny_model, segs, capacity=64, columns=columns_of(scorer))
     m = state.ledger
     want = torch.tensor(seeds)[m.live("source").long().cpu()]
     assert torch.equal(m.live("brightness").cpu(), want)
@@ -143,7 +145,7 @@ def _synthetic_view(tiny_model, tiny_policy, step=10):
     return replace(state.view(), step=step,
                    position=torch.tensor([0, 1, 2, 3, 5, 7, 8, 9, 4], device=dev),
                    born_step=torch.tensor([0, 0, 0, 2, 4, 6, 8, 9, 10], device=dev),
-                   attn_sum=torch.arange(n, dtype=torch.float32, device=dev)), n
+                   columns={"attn_sum": torch.arange(n, dtype=torch.float32, device=dev)}), n
 
 
 def test_baselines(tiny_model, tiny_policy):
@@ -154,20 +156,20 @@ def test_baselines(tiny_model, tiny_policy):
     agg = attention.mean((0, 1))
 
     h2o = make_scorer(CacheParams(scorer="h2o")).score(view, attention)
-    total = view.attn_sum + agg
+    total = view.columns["attn_sum"] + agg
     # the mean over layers and heads in another order, then added to attn_sum (and divided)
     bound = sum_bound(torch.float32, s.n_layers * s.n_heads, float(agg.max()))
     bound += sum_bound(torch.float32, 2, float(total.max()))
-    assert torch.allclose(h2o.attn_sum, total, rtol=0, atol=bound)
+    assert torch.allclose(h2o.columns["attn_sum"], total, rtol=0, atol=bound)
     queries = torch.tensor([11, 11, 11, 9, 7, 5, 3, 2, 1], dtype=torch.float32, device=view.uid.device)
     scores = total / queries
     assert torch.allclose(h2o.scores, scores, rtol=0,
                           atol=bound + step(torch.float32) * float(scores.max()))
-    assert h2o.brightness is None
+    assert list(h2o.columns) == ["attn_sum"]
 
     # a max is one of its terms, whatever the order: the same bits
     tova = make_scorer(CacheParams(scorer="tova", aggregate="last-max")).score(view, attention)
-    assert torch.equal(tova.scores, attention[-1].amax(0)) and tova.attn_sum is None
+    assert torch.equal(tova.scores, attention[-1].amax(0)) and tova.columns is None
 
     st = make_scorer(CacheParams(scorer="streaming", sinks=2)).score(view, attention).scores
     assert torch.isinf(st[:2]).all() and torch.equal(st[2:], view.position[2:].float())

@@ -49,7 +49,7 @@ def test_decide_at_budget_on_the_real_model(at_budget, real_model, real_policy):
     print("culls:", [text(s) for s in actions.cull_slots], "reindex:", actions.reindex)
     # at the budget exactly one removal makes room for the append: here a repair
     assert len(actions.cull_slots) + len(actions.merges) == 1 and len(actions.merges) == 1
-    assert actions.brightness is scores.brightness and not actions.reindex
+    assert actions.columns is scores.columns and not actions.reindex
 
 
 def test_repair_kv_and_token_equal_hf(at_budget, real_model):

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-import positronic_brain.stages.apply as stage4
+from positronic_brain.stages.apply import cold as stage4_cold, patch as stage4, rows as stage4_rows
 from positronic_brain.forward import apply_rope, rerotation
 from positronic_brain.loop import Session, run
 from positronic_brain.model import hf_forward
@@ -244,23 +244,23 @@ def test_many_removed_slots_move_as_a_few_do(tiny_model, folded):
     if folded:  # a slot holds a folded log-mass: that column moves too
         state.arena.log_mass[..., 5] = 0.25
         state.arena.folded = True
-    cold = stage4.cold_store(tiny_model, 64, 64)
+    cold = stage4_cold.cold_store(tiny_model, 64, 64)
     for arena, ledger in ((state.arena, state.ledger), (cold.arena, cold.ledger)):
         if arena is cold.arena:  # the cold store's rows: the hot arena's, copied in
             n = state.arena.n
             rows = torch.arange(n, device=ledger.device)
-            stage4._put_rows(arena, ledger, rows,
-                             stage4._take_rows(state.arena, state.ledger, rows))
+            stage4_rows.put_rows(arena, ledger, rows,
+                             stage4_rows.take_rows(state.arena, state.ledger, rows))
             arena.n = ledger.n = n
         slots = list(range(1, 40, 2))  # 20 holes, each filled from the end
         results = []
         for limit in (len(slots) + 1, 0):  # slot by slot, then by index copies
             a, m = copy.deepcopy(arena), copy.deepcopy(ledger)
-            stage4.SLICE_MOVES, was = limit, stage4.SLICE_MOVES
+            stage4_rows.SLICE_MOVES, was = limit, stage4_rows.SLICE_MOVES
             try:
-                moves = stage4._remove(a, m, slots)
+                moves = stage4_rows.remove(a, m, slots)
             finally:
-                stage4.SLICE_MOVES = was
+                stage4_rows.SLICE_MOVES = was
             results.append((moves, a, m))
         (moves1, a1, m1), (moves2, a2, m2) = results
         assert moves1 == moves2 and len(moves1) > 8

@@ -76,7 +76,7 @@ def test_the_page_data_are_the_ledger_at_every_step(edited_run, tiny_policy):
         assert s["changed"] == ledger["changed_step"]  # derived from the recalls
         changed_by_recall += sum(c != b for c, b in zip(s["changed"], s["born"]))
         f = run.step(s["step"])
-        by_uid = dict(zip(f.view["uid"].tolist(), f.scores.brightness.tolist()))
+        by_uid = dict(zip(f.view["uid"].tolist(), f.scores.columns["brightness"].tolist()))
         assert s["brightness"] == [round(by_uid[u], 2) for u in s["uid"]]
         att = f.gen.attention.float().mean(dim=(0, 1))
         by_uid = dict(zip(f.view["uid"].tolist(), att.tolist()))

@@ -18,7 +18,7 @@ import copy
 import hashlib
 import itertools
 from collections import Counter
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -29,7 +29,7 @@ from positronic_brain import forward as forward_module
 from positronic_brain.forward import apply_rope, rerotation
 from positronic_brain.model import load_model
 from positronic_brain.sampler import make_generator
-from positronic_brain.scorers import SCORERS, make_scorer
+from positronic_brain.scorers import SCORERS, columns_of, make_scorer
 from positronic_brain.stages.apply import apply, prime
 from positronic_brain.stages.decide import decide, fold_targets, merge_pair
 from positronic_brain.stages.generate import generate
@@ -106,11 +106,13 @@ def snapshot(state) -> tuple[dict, dict]:
     and every other field of the state, arena and ledger (whatever their dataclasses list)."""
     a, m = state.arena, state.ledger
     tensors = {"arena.kt": a.kt, "arena.v": a.v, "arena.log_mass": a.log_mass,
-               "arena.knorm": a.knorm, "arena.vnorm": a.vnorm, **{f"ledger.{c}": getattr(m, c) for c in Ledger.COLUMNS}}
+               "arena.knorm": a.knorm, "arena.vnorm": a.vnorm,
+               **{f"ledger.{c}": m.col(c) for c in m.names}}
     scalars = {f"{prefix}{f.name}": copy.deepcopy(getattr(obj, f.name))
                for prefix, obj in (("arena.", a), ("ledger.", m), ("", state))
                for f in fields(obj)
-               if f.name not in ("kt", "v", "log_mass", "knorm", "vnorm", "arena", "ledger") + Ledger.COLUMNS}
+               if f.name not in ("kt", "v", "log_mass", "knorm", "vnorm", "arena", "ledger",
+                                 "columns") + Ledger.COLUMNS}
     return {name: (t._version, t.data_ptr(), _sha(t)) for name, t in tensors.items()}, scalars
 
 
@@ -128,8 +130,8 @@ def assert_unchanged(before: tuple[dict, dict], state, what: str) -> None:
 def rows(state) -> dict[int, dict]:
     """Live ledger rows by uid, each with its slot and that slot's K/V (L, kv_heads, head_dim)."""
     a, m = state.arena, state.ledger
-    cols = {c: m.live(c).tolist() for c in Ledger.COLUMNS}
-    return {u: {**{c: cols[c][s] for c in Ledger.COLUMNS}, "slot": s,
+    cols = {c: m.live(c).tolist() for c in m.names}
+    return {u: {**{c: cols[c][s] for c in m.names}, "slot": s,
                 "k": a.k[:, :, s].clone(), "v": a.v[:, :, s].clone(),
                 "log_mass": a.log_mass[:, :, s].clone()}
             for s, u in enumerate(cols["uid"])}
@@ -163,23 +165,28 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
     assert list(patch.merged_uids) == list(range(next_uid, next_uid + len(actions.merges)))
 
     # What each live uid must hold, before any re-index: (row fields, position, K, V).
+    new_columns = actions.columns or {}
+
+    def column(r: dict, name: str) -> float:  # a scorer column after stage 4's first write
+        return float(new_columns[name][r["slot"]]) if name in new_columns else r[name]
+
+    def birth(name: str, source: int) -> float:  # as the float32 column holds it
+        return float(torch.tensor(m.specs[name].births[source], dtype=torch.float32))
+
     want = {}
     for u in set(old) & set(new):
         r = old[u]
-        b = r["brightness"] if actions.brightness is None else float(actions.brightness[r["slot"]])
-        s = r["attn_sum"] if actions.attn_sum is None else float(actions.attn_sum[r["slot"]])
         want[u] = ({"token_id": r["token_id"], "source": r["source"], "flags": r["flags"],
                     "born_step": r["born_step"], "changed_step": r["changed_step"],
-                    "brightness": b, "attn_sum": s}, r["position"], r["k"], r["v"])
+                    **{c: column(r, c) for c in m.specs}}, r["position"], r["k"], r["v"])
     for rep, u in zip(actions.merges, patch.merged_uids):
         first, second = (old[x] for x in rep.uids)
-        bright = [x["brightness"] if actions.brightness is None
-                  else float(actions.brightness[x["slot"]]) for x in (first, second)]
         assert m.merged[u] == rep.uids
         want[u] = ({"token_id": rep.token_id, "source": first["source"], "flags": 0,
                     "born_step": state.step, "changed_step": state.step,
-                    "brightness": max(bright), "attn_sum": 0.0}, rep.position,
-                   rep.k[:, :, 0], rep.v[:, :, 0])
+                    **{c: max(column(first, c), column(second, c)) if spec.merge == "max"
+                       else birth(c, first["source"]) for c, spec in m.specs.items()}},
+                   rep.position, rep.k[:, :, 0], rep.v[:, :, 0])
     # Folds, in order: per layer and KV head, the target's K/V move toward the culled slot's
     # by its share of their mass, and its log-mass becomes their log-sum-exp.
     zero = a.log_mass.new_zeros(a.log_mass.shape[:2])  # repaired and appended slots hold one token
@@ -200,8 +207,7 @@ def assert_apply_did_what_actions_say(model, state, before: tuple[dict, dict],
     pinned = FLAG_PROTECTED if SOURCES[pending_source] in state.pinned else 0
     want[u_app] = ({"token_id": gen.input_token, "source": pending_source, "flags": pinned,
                     "born_step": state.step, "changed_step": state.step,
-                    "brightness": float(torch.tensor(m.seeds, dtype=torch.float32)[pending_source]),
-                    "attn_sum": 0.0},
+                    **{c: birth(c, pending_source) for c in m.specs}},
                    gen.position, gen.k[:, :, 0], gen.v[:, :, 0])
 
     # Re-index: positions become text-order ranks (the appended token last); keys re-rotate.
@@ -255,7 +261,13 @@ def _read_only_call(model, view, state, data, kind: str, seen: Counter):
             cache = CacheParams(budget=budget, scorer=cache.scorer,
                                 repair="merge", sinks=cache.sinks, recent=cache.recent,
                                 max_merges=3, aggregate=cache.aggregate)
-        scores = score(view, gen.attention, make_scorer(cache))
+        scorer = make_scorer(cache)
+        # a scorer the state was not made with reads its columns at their birth values
+        view = replace(view, columns={**{c: torch.full((view.n,), spec.births[0],
+                                                      device=view.uid.device)
+                                         for c, spec in columns_of(scorer).items()},
+                                      **view.columns})
+        scores = score(view, gen.attention, scorer)
         if kind == "decide":
             try:
                 seen["decide repairs"] += len(decide(model, view, scores, cache).merges)
@@ -282,8 +294,7 @@ def _draw_actions(model, view, data, scores) -> Actions:
     # folds (never with repairs: a fold's target must survive the step as itself)
     folded = data.draw(st.lists(st.sampled_from(culls), unique=True)) if culls and not pairs \
         else []
-    return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum,
-                   cull_slots=tuple(culls),
+    return Actions(columns=scores.columns, cull_slots=tuple(culls),
                    merges=tuple(merge_pair(model, view, *p) for p in pairs),
                    folds=tuple(f for f in fold_targets(view, tuple(culls),
                                                         data.draw(st.sampled_from((-1.0, 0.3))))
@@ -323,7 +334,8 @@ def _walk(tiny_model) -> None:
     def walk(data, segments, cache, sampler, steps):
         n_prompt = sum(len(s.ids) for s in segments)
         state, _ = prime(tiny_model, segments, n_prompt + steps + 1,
-                         pinned=frozenset(cache.pinned), seeds=cache.seeds)
+                         pinned=frozenset(cache.pinned),
+                         columns=columns_of(make_scorer(cache)))
         state.check_valid()
         scorer, generator = make_scorer(cache), make_generator(sampler.seed, tiny_model.device)
         for _ in range(steps):

@@ -164,7 +164,7 @@ def test_a_bad_recall_is_refused_before_anything_changes(tiny_model, tiny_policy
     assert view.cold.n >= 2
     slot, row = view.n // 2, 0
     swap = Swap(slot=slot, uid=int(view.uid[slot]), cold_slot=row,
-                cold_uid=int(view.cold.uid[row]), brightness=1.0, attn_sum=0.0)
+                cold_uid=int(view.cold.uid[row]), columns={"brightness": 1.0})
     swaps = {"hot uid": (dataclasses.replace(swap, uid=swap.uid + 1000),),
              "cold uid": (dataclasses.replace(swap, cold_uid=swap.cold_uid + 1000),),
              "protected": (swap,), "row": (dataclasses.replace(swap, cold_slot=view.cold.n),),
@@ -212,7 +212,7 @@ def test_bad_recall_parameters_are_one_line_errors(kw, message):
 def test_a_prompt_far_over_the_budget_fills_a_grown_cold_store(tiny_model, tiny_policy,
                                                                monkeypatch):
     """The first step culls more tokens than the cold store's first allocation holds."""
-    monkeypatch.setattr("positronic_brain.stages.apply.COLD_ROWS", 16)
+    monkeypatch.setattr("positronic_brain.stages.apply.cold.COLD_ROWS", 16)
     s = Session(tiny_model, tiny_policy, GREEDY, dataclasses.replace(RECALL, reindex_at=None))
     s.prime([Segment(tuple(range(5, 105)), "user")])
     assert s.state.cold.arena.capacity == 16
@@ -245,7 +245,8 @@ def test_a_cold_token_swaps_in_only_past_the_margin():
     cold = type("C", (), {"position": torch.tensor([10, 3]), "n": 2, "uid": torch.tensor([7, 8]),
                           "source": torch.tensor([0, 0]), "born_step": torch.tensor([0, 0])})
     view = type("V", (), {"cold": cold, "position": torch.tensor([30, 5, 19, 40]), "n": 4,
-                          "uid": torch.tensor([1, 2, 3, 4]), "step": 5, "next_position": 41})
+                          "uid": torch.tensor([1, 2, 3, 4]), "step": 5, "next_position": 41,
+                          "specs": {}})
     scores = type("S", (), {"cold_signal": torch.tensor([0.5, 0.375]),
                             "hot_signal": torch.tensor([0.0, 0.125, 0.75, 0.25])})
     dim = torch.tensor([0, 1])  # the dimmest hot slots, ascending score

@@ -67,16 +67,16 @@ def test_a_changed_logit_is_reported_with_file_key_and_difference(run_copy, real
 
 
 def test_replay_cli_exit_codes(run_copy, capsys):
-    assert cli(["replay", str(run_copy), "--stage", "s2_score"]) == 0
+    assert cli(["replay", str(run_copy), "--stage", "s2_score", "--step", "3"]) == 0
     assert "replay OK" in capsys.readouterr().err
 
     def edit(d):
-        b = d["outputs"]["out"]["brightness"]  # a value stage 4 would still accept
+        b = d["outputs"]["out"]["columns"]["brightness"]  # a value stage 4 would still accept
         b[3] += -1.0 if b[3] >= 1 else 1.0
     _tamper(run_copy, "000012_s3_decide.pt", edit)
-    assert cli(["replay", str(run_copy), "--stage", "s3_decide"]) == 1
+    assert cli(["replay", str(run_copy), "--stage", "s3_decide", "--step", "12"]) == 1
     err = capsys.readouterr().err
-    assert "000012_s3_decide.pt: out.brightness: max abs diff 1" in err
+    assert "000012_s3_decide.pt: out.columns.brightness: max abs diff 1" in err
 
     (run_copy / "000003_s2_score.pt").write_bytes(b"garbage")
     assert cli(["replay", str(run_copy)]) == 2

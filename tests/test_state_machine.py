@@ -253,7 +253,7 @@ class LoopMachine(RuleBasedStateMachine):
         row = self.session.state.cold.ledger.live("uid").tolist().index(cold)
         gen = self._generate()
         sw = Swap(slot=self._slot(hot), uid=hot, cold_slot=row, cold_uid=cold,
-                  brightness=1.0, attn_sum=0.5)
+                  columns={c: 0.5 for c in self.session.state.ledger.columns})
         apply(self.model, self.session.state, gen, Actions(swaps=(sw,)))
         self._apply(gen, swaps=(sw,))
         self.seen["recall"] += 1

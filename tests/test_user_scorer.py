@@ -90,7 +90,7 @@ BAD = {
     "shape": ("return ScoreOut(scores=view.position[:-1].float())", "scores has shape"),
     "nan": ("return ScoreOut(scores=view.position.float() * float('nan'))", "NaN or infinite"),
     "type": ("return view.position.float()", "not a ScoreOut"),
-    "writes": ("view.brightness.add_(1.0); return ScoreOut(scores=view.position.float())",
+    "writes": ("view.position.add_(1); return ScoreOut(scores=view.position.float())",
                "it wrote to its input"),
 }
 
@@ -113,7 +113,7 @@ def test_a_bad_scorer_is_one_line_and_the_session_is_intact(capsys, tmp_path, ti
     s = Session(tiny_model, tiny_policy, SamplerParams(greedy=True),
                 CacheParams(budget=24, scorer=spec))
     s.prime(tiny_policy.raw_prompt(PROMPT))
-    before = {c: s.state.ledger.live(c).clone() for c in ("uid", "brightness", "attn_sum")}
+    before = {c: s.state.ledger.live(c).clone() for c in ("uid", "position")}
     k, n = s.state.arena.k.clone(), s.state.arena.n
     with pytest.raises(UserError, match=message) as e:
         s.step()

@@ -2,9 +2,10 @@
 
 A scorer is a frozen dataclass whose fields are its hyperparameters, named as in
 ``CacheParams`` (which holds their one default), with one method
-``score(view, attention) -> ScoreOut``. Per-token state that persists across steps
-(brightness, attn_sum) lives in the ledger: a scorer returns the new values and stage 4
-writes them. A scorer that takes stage 0's statistics of the prompt's own attention
+``score(view, attention) -> ScoreOut``. Per-token state that persists across steps lives in
+the ledger, in the scorer's own columns: it declares them (``columns``: name -> ``Column`` or
+its value at birth; ``columns_of``), reads them as ``view.columns[name]`` and returns their
+new values in ``ScoreOut.columns``, which stage 4 writes. A scorer that takes stage 0's statistics of the prompt's own attention
 (``CacheParams.prefill_scores``) also has ``prefill(view, stats) -> ScoreOut``: the columns
 the prime seeds (its file says how), and says by ``prefill_total`` whether it reads the
 statistics' ``total`` (gathering it costs the prime another product over every prompt
@@ -21,8 +22,8 @@ from typing import Protocol
 
 import torch
 
-from ..state import View
-from ..types import CacheParams, ScoreOut, require
+from ..state import Ledger, View
+from ..types import CacheParams, Column, ScoreOut, UserError, require
 from .brightness import Brightness
 from .h2o import H2O
 from .none import NoScore
@@ -66,6 +67,25 @@ def reads_total(scorer: object) -> bool:
 def prefill_scorer(scorer: object, params: CacheParams) -> object | None:
     """``scorer`` if the prime should seed its columns (``takes_prefill_scores``), else None."""
     return scorer if takes_prefill_scores(scorer, params) else None
+
+
+def columns_of(scorer: object) -> dict[str, Column]:
+    """The ledger columns ``scorer`` declares (its ``columns``: name -> ``Column``, or a
+    number, its value at birth), checked: none (an empty dict) for a scorer without."""
+    declared = getattr(scorer, "columns", None) or {}
+    who = f"scorer {getattr(scorer, 'name', type(scorer).__name__)}"
+    require(isinstance(declared, dict), f"{who}: its columns must be a dict of name -> "
+            f"Column or a number, not {type(declared).__name__}")
+    out = {}
+    for name, spec in declared.items():
+        require(isinstance(name, str) and name.isidentifier() and name not in Ledger.COLUMNS
+                and name not in ("scores", "columns"), f"{who}: column name {name!r} is not an "
+                f"identifier or is the ledger's own ({', '.join(Ledger.COLUMNS)})")
+        try:
+            out[name] = spec if isinstance(spec, Column) else Column(birth=spec)
+        except UserError as e:
+            raise UserError(f"{who}: column {name}: {e}") from None
+    return out
 
 
 def culling(name: str) -> bool:

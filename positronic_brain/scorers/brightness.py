@@ -1,6 +1,6 @@
 """Brightness (the default): a per-token value that persists across steps in the ledger.
 
-New tokens start at their source's seed; each step b <- clamp(b - decay + gain * share, 0, max)
+Its ledger column ``brightness`` (``columns``): new tokens start at their source's seed; each step b <- clamp(b - decay + gain * share, 0, max)
 where share is what the new query paid to the token relative to a uniform share of the n live
 slots: n times its attention, weighted by the token's value norm (``signal`` value) or not
 (``signal`` attention), aggregated over layers/heads, leaving out the first ``skip_layers``
@@ -24,7 +24,7 @@ import torch
 
 from .attention import aggregate, value_weighted
 from ..state import View
-from ..types import PrefillStats, ScoreOut
+from ..types import Column, PrefillStats, ScoreOut
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,18 @@ class Brightness:
     aggregate: str
     signal: str
     skip_layers: float
+    seeds: tuple[float, ...]
+
+    @property
+    def columns(self) -> dict[str, Column]:
+        return self.declared(self.seeds, self.max_brightness)
+
+    @staticmethod
+    def declared(seeds: tuple[float, ...], top: float) -> dict[str, Column]:
+        """Its one column: born at the source's seed, a merged pair's max, a recalled
+        token's seed again (it re-enters as a new token would), within [0, ``top``]."""
+        return {"brightness": Column(birth=tuple(seeds), merge="max", recall="birth",
+                                     low=0.0, high=top)}
 
     def share(self, view: View, attention: torch.Tensor) -> torch.Tensor:
         """Attention (L, H, n) -> each slot's share (n,), 1 = a uniform share of the n live
@@ -51,14 +63,14 @@ class Brightness:
         return view.n * aggregate(attention, self.aggregate)
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
-        b = (view.brightness - self.decay + self.gain * self.share(view, attention)).clamp(
+        b = (view.columns["brightness"] - self.decay + self.gain * self.share(view, attention)).clamp(
             0.0, self.max_brightness)
-        return ScoreOut(scores=b, brightness=b)
+        return ScoreOut(scores=b, columns={"brightness": b})
 
     def prefill(self, view: View, stats: PrefillStats) -> ScoreOut:
         """The window's W queries as W steps from 0, each paying the window's mean attention;
         at most the token's seed (its brightness at the prime)."""
         w = stats.window_queries
         lit = w * (self.gain * self.share(view, stats.window) - self.decay)
-        b = torch.minimum(lit.clamp(min=0.0), view.brightness)
-        return ScoreOut(scores=b, brightness=b)
+        b = torch.minimum(lit.clamp(min=0.0), view.columns["brightness"])
+        return ScoreOut(scores=b, columns={"brightness": b})

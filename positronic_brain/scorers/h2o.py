@@ -1,6 +1,8 @@
 """H2O (Zhang et al., 2023): heavy hitters by accumulated attention.
 
-The sum of the attention each token received since it was born (a ledger column), divided
+The sum of the attention each token received since it was born (its ledger column
+``attn_sum``: 0 at birth and for a merged pair's new token; a recalled token's is the
+attention it beat a hot token with times the queries since it was born), divided
 by the number of queries that could attend to it, so old tokens are not favoured for age.
 
 Prefill scores (``prefill``): a prompt token's ``attn_sum`` starts at the mean attention the
@@ -18,7 +20,7 @@ import torch
 
 from .attention import aggregate
 from ..state import View
-from ..types import PrefillStats, ScoreOut
+from ..types import Column, PrefillStats, ScoreOut
 
 
 @dataclass(frozen=True)
@@ -28,14 +30,16 @@ class H2O:
     # (docs/BENCHMARKS.md, pass-key retrieval).
     prefill_default: ClassVar[bool] = False
     prefill_total: ClassVar[bool] = True  # its prefill reads ``total``
+    columns: ClassVar[dict[str, Column]] = {
+        "attn_sum": Column(birth=0.0, merge="birth", recall="signal", low=0.0)}
     aggregate: str
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
-        total = view.attn_sum + aggregate(attention, self.aggregate)  # (n,)
+        total = view.columns["attn_sum"] + aggregate(attention, self.aggregate)  # (n,)
         queries = (view.step - view.born_step + 1).clamp(min=1).float()  # (n,) incl. this one
-        return ScoreOut(scores=total / queries, attn_sum=total)
+        return ScoreOut(scores=total / queries, columns={"attn_sum": total})
 
     def prefill(self, view: View, stats: PrefillStats) -> ScoreOut:
         """The prompt's mean attention per later query, as one query's worth."""
         mean = aggregate(stats.total, self.aggregate) / stats.queries.clamp(min=1)
-        return ScoreOut(scores=mean, attn_sum=view.attn_sum + mean)
+        return ScoreOut(scores=mean, columns={"attn_sum": view.columns["attn_sum"] + mean})

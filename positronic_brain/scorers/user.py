@@ -7,7 +7,8 @@
 
 The class is a dataclass with ``score(view, attention) -> ScoreOut`` (and optionally
 ``prefill(view, stats) -> ScoreOut``, taken when ``--prefill-scores`` is on, or unset and
-a class attribute ``prefill_default`` is true), like the built-ins. Its fields are its options: one
+a class attribute ``prefill_default`` is true), like the built-ins, and may declare ledger
+columns of its own (``columns``: ``scorers.columns_of``). Its fields are its options: one
 named as a ``CacheParams`` field takes that value; any other one takes ``--param NAME=VALUE``
 (``CacheParams.scorer_params``) or its default. ``Guarded`` runs it in stage 2: a scorer that
 raises, returns the wrong type or shape, non-finite values, or writes to what it reads is
@@ -32,9 +33,9 @@ from ..types import CacheParams, ScoreOut, UserError, require
 
 GROUP = "positronic_brain.scorers"
 _CLASSES: dict[tuple[str, str], type] = {}  # (spec, file sha256 or "") -> class
-# the view's ledger columns, which a user scorer gets copies of: a write to them loses nothing
-COLUMNS = ("uid", "token_id", "position", "source", "brightness", "flags", "born_step",
-           "attn_sum")
+# the view's ledger columns, which a user scorer gets copies of (its own ones too): a write
+# to them loses nothing
+COLUMNS = ("uid", "token_id", "position", "source", "flags", "born_step")
 
 
 def is_user(name: str) -> bool:
@@ -171,31 +172,38 @@ class Guarded:
         return self._call("score", view.n, view, attention)
 
     def _call(self, method: str, n: int, view, *args) -> ScoreOut:
-        view = dataclasses.replace(view, **{c: getattr(view, c).clone() for c in COLUMNS})
-        read = _tensors(view, *args)
+        view = dataclasses.replace(view, **{c: getattr(view, c).clone() for c in COLUMNS},
+                                   columns={c: t.clone() for c, t in view.columns.items()})
+        read = _tensors(view, *args) + list(view.columns.values())
         versions = [t._version for t in read]
         try:
             out = getattr(self.inner, method)(view, *args)
         except Exception as e:  # noqa: BLE001 -- the user's code: any error is one line
             raise UserError(f"scorer {self.name}: {method} raised {type(e).__name__}: {e}") \
                 from None
-        bad = self._problem(out, n) or (
+        bad = self._problem(out, n, view.specs) or (
             "it wrote to its input (the view or the attention are read-only)"
             if [t._version for t in read] != versions else None)
         require(bad is None, f"scorer {self.name}: {method}: {bad}")
         return out
 
     @staticmethod
-    def _problem(out, n: int) -> str | None:
+    def _problem(out, n: int, declared: dict) -> str | None:
         if not isinstance(out, ScoreOut):
             return f"returned {type(out).__name__}, not a ScoreOut"
-        for col in ("scores", "brightness", "attn_sum"):
-            t = getattr(out, col)
-            if t is None and col != "scores":
-                continue
+        columns = out.columns or {}
+        if not isinstance(columns, dict) or set(columns) - set(declared):
+            return (f"its columns {sorted(columns) if isinstance(columns, dict) else columns} "
+                    f"are not among the ledger's ({', '.join(declared) or 'none'})")
+        for col, t in {"scores": out.scores, **columns}.items():
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,):
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 return f"{col} has shape {shape}, not ({n},)"
             if not bool(torch.isfinite(t).all()):
                 return f"{col} holds NaN or infinite values"
+            spec = declared.get(col) if col != "scores" else None
+            if spec is not None and n and not (t.dtype == torch.float32 and spec.holds(
+                    float(t.min())) and spec.holds(float(t.max()))):
+                return (f"its column {col} ({t.dtype}) must be float32 within "
+                        f"[{spec.low}, {spec.high}]")
         return None

@@ -192,11 +192,12 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
     the n live slots): a margin keeps a token that is about as useful as the one it would
     replace from trading places with it step after step.
 
-    A recalled token re-enters as a new token would, so it is not culled again at once: its
-    brightness becomes its source's seed, and its ``attn_sum`` its signal times the queries
-    since it was born (so H2O's average starts at the attention it would get now). TOVA
-    scores this step's attention, so it keeps what it recalled while the query attends to it;
-    streaming keeps the most recent tokens and so culls a recalled one again first."""
+    A recalled token's scorer columns follow their ``Column.recall``: ``keep`` the value it
+    went cold with, ``birth`` (brightness: its source's seed, as a new token, so it is not
+    culled again at once) or ``signal``: its signal times the queries since it was born
+    (H2O's average starts at the attention it would get now). TOVA scores this step's
+    attention, so it keeps what it recalled while the query attends to it; streaming keeps
+    the most recent tokens and so culls a recalled one again first."""
     if scores.hot_signal is None or view.cold is None or not view.cold.n:
         return ()
     cold = view.cold
@@ -212,11 +213,13 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
                victims.tolist(), view.uid[victims].tolist(), scores.hot_signal[victims].tolist(),
                picks, cold.uid[rows].tolist(), cold.source[rows].tolist(),
                cold.born_step[rows].tolist())
-           if signal > hot + margin]  # attn_sum: signal x the queries since it was born
+           if signal > hot + margin]  # signal x the queries since it was born
+    # as float32 holds them (what the column will)
     sums = torch.tensor([x[-1] for x in out], dtype=torch.float32, device="cpu").tolist()
     return tuple(Swap(slot=slot, uid=uid, cold_slot=row, cold_uid=cold_uid,
-                      brightness=float(params.seeds[source]), attn_sum=attn_sum)
-                 for (slot, uid, row, cold_uid, source, _), attn_sum in zip(out, sums))
+                      columns={name: spec.births[source] if spec.recall == "birth" else total
+                               for name, spec in view.specs.items() if spec.recall != "keep"})
+                 for (slot, uid, row, cold_uid, source, _), total in zip(out, sums))
 
 
 def oldest_turns(view: View, need: int) -> tuple[int, ...]:
@@ -262,8 +265,7 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     limit = params.reindex_position(model.spec.max_positions)
     reindex = params.positions == "compact" and view.next_position + 1 >= limit
     if params.prune == "turns":
-        return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum,
-                       cull_slots=oldest_turns(view, need), reindex=reindex)
+        return Actions(columns=scores.columns, cull_slots=oldest_turns(view, need), reindex=reindex)
     order = torch.argsort(view.position)  # slots in text order
     keep = protected(view, params, order)
 
@@ -296,7 +298,7 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
              if params.repair == "fold" else ())
     rest = candidates[k:]  # the unprotected slots that stay, with recall (a selection)
     rest = rest[~taken[rest]] if scores.hot_signal is not None else rest
-    return Actions(brightness=scores.brightness, attn_sum=scores.attn_sum, cull_slots=culls,
+    return Actions(columns=scores.columns, cull_slots=culls,
                    merges=merges, folds=folds, reindex=reindex,
                    cold_keep=cold_kept(limit, params) if reindex and params.recall else None,
                    swaps=swaps(view, scores, params, rest))

@@ -1,8 +1,8 @@
 """Stage 2: score every live slot (read-only). Higher = keep.
 
 The scorer (``positronic_brain.scorers``) maps the view and the attention the pending
-token paid to each live slot to scores, plus the new values of its persistent per-token
-columns (brightness, attn_sum) for stage 4 to write.
+token paid to each live slot to scores, plus the new values of its own per-token ledger
+columns (``ScoreOut.columns``) for stage 4 to write.
 
 With recall, the hot tokens get one signal each from this step's attention over
 ``recall_layers`` layers, and on every ``recall_every``-th step the same query also scores
@@ -136,9 +136,9 @@ def score(view: View, attention: torch.Tensor, scorer: Scorer,
     with ``recall`` (``recall_query``) also the hot and cold signals."""
     assert attention.shape[-1] == view.n, f"attention over {attention.shape[-1]} slots, not {view.n}"
     out = scorer.score(view, attention)
-    for name in ("scores", "brightness", "attn_sum"):
-        t = getattr(out, name)
-        assert t is None or t.shape == (view.n,), f"{name} has shape {tuple(t.shape)}"
+    for name, t in {"scores": out.scores, **(out.columns or {})}.items():
+        assert name == "scores" or name in view.columns, f"{name} is not a column of the ledger"
+        assert t.shape == (view.n,), f"{name} has shape {tuple(t.shape)}"
     if recall is not None:
         hot, cold = recall_signals(view, attention, recall)
         out = dataclasses.replace(out, hot_signal=hot, cold_signal=cold)

@@ -1,0 +1,31 @@
+"""Stage 0/4: build and patch the cache — the only code that writes to an arena or a ledger,
+one module for each kind of write:
+
+- ``prefill``: ``prime``, allocate the arena and ledger and prefill a prompt (stage 0),
+  gathering the prompt's attention statistics on request.
+  ``seed``, write a scorer's ledger columns from those statistics (stage 0; prefill scores).
+  ``extend``, prefill new prompt segments onto an existing state (stage 0; chat turns,
+  imported sessions).
+- ``patch``: ``apply``, apply one step's actions atomically, in a fixed order: the scorer's
+  columns, merges, folds (a culled slot's K/V into survivors), removals (each hole is filled
+  by moving the last live slot into it, so live slots stay a dense prefix), position
+  re-index (keys re-rotated exactly), then the append of the pending token's K/V (stage 4).
+- ``restore``: ``rebuild_from_ledger``, re-prefill the arena from the ledger after a failure
+  part-way.
+  ``restore``, write a saved or composed session back (stage 0); ``rewrite``, write
+  recomputed K/V into live slots (stage 0; a selective recompute); ``add_columns``, give a
+  live state the columns of a scorer it was not made with.
+- ``cold``: the recall tier's cold store (stage 4's culls going in, recalls coming back).
+- ``rows``: the row writers they share (a slot's K/V and norms, a new token's ledger row,
+  moving and removing slots) and the checks of a scorer's column values.
+"""
+from .cold import COLD_ROWS, add_cold_store, cold_store
+from .patch import apply
+from .prefill import (FUSED_CHUNK, PREFILL_CHUNK, TOTAL_UNREAD, chunks, extend, gpu_chunk_bytes,
+                      prime, seed)
+from .restore import add_columns, rebuild_from_ledger, restore, rewrite
+from .rows import arena
+
+__all__ = ["COLD_ROWS", "FUSED_CHUNK", "PREFILL_CHUNK", "TOTAL_UNREAD", "add_cold_store",
+           "add_columns", "apply", "arena", "chunks", "cold_store", "extend", "gpu_chunk_bytes",
+           "prime", "rebuild_from_ledger", "restore", "rewrite", "seed"]

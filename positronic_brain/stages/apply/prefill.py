@@ -1,0 +1,220 @@
+"""Stage 0: the prime (a prompt prefilled into a fresh arena, with the prompt's attention
+statistics on request), the seed of a scorer's columns from them, and the extend of a live
+state by new segments (chat turns, imported sessions)."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from ...forward import builds_scores, forward
+from ...model import Model
+from ...scorers import reads_total
+from ...state import FLAG_PROTECTED, Ledger, State
+from ...types import SOURCES, Column, Patch, PrefillStats, PrimeOut, ScoreOut, Segment, require
+from .cold import cold_store
+from .rows import arena, check_columns, slots_of, write, write_rows
+
+
+PREFILL_CHUNK = 256  # tokens per prefill chunk on the CPU (longer ones measured slower there)
+
+
+FUSED_CHUNK = 1024  # ... through torch's fused attention, without every token's logits
+
+
+def gpu_chunk_bytes(device: torch.device) -> int:
+    """What a GPU prefill chunk's buffers that grow with chunk x context may take: a 16th of
+    the device's memory (its total, not what is free, so one kind of GPU always cuts a
+    prompt the same way: a replay's bits)."""
+    return torch.cuda.get_device_properties(device).total_memory // 16
+
+
+def chunks(model: Model, n: int, total: int, chunk: int | None = None,
+           logits: bool = False, scores: bool = False) -> Iterator[slice]:
+    """The slices of ``total`` new tokens prefilled, a chunk at a time, after ``n`` live
+    slots: ``chunk`` tokens each if given. Else on the CPU ``FUSED_CHUNK`` where the forward
+    attends through torch's fused attention (not ``scores``) without every token's
+    ``logits`` (float32, or bfloat16 where ``forward.WIDEN``: fewer, larger products, and each
+    chunk copies the past
+    keys once; at 4,096 tokens 256 or 512 measured slower, and so did 2,048 or one chunk,
+    whose MLP activations outgrow the caches), else ``PREFILL_CHUNK``; on a GPU, where
+    a chunk's kernel launches cost about what a decode step's do however many tokens it
+    holds, as many as keep what grows with the chunk within ``gpu_chunk_bytes``, but at
+    least ``PREFILL_CHUNK``: with ``scores`` (the forward builds them:
+    ``forward.builds_scores``) one layer's float32 scores, probabilities and mask over every
+    head and slot; else (``forward.fused_attention``, whose kernels never build them) the mask's row
+    over every slot and the MLP's activations (gate and up, the activation, their product),
+    4 bytes each at most; with ``logits`` every token's logits. (The intermediate size comes
+    from the config: ``ModelSpec`` is part of the fingerprint that captures record.)"""
+    if chunk is None and model.device.type == "cpu":
+        chunk = PREFILL_CHUNK if scores or logits else FUSED_CHUNK
+    if chunk is None:
+        s = model.spec
+        row = (4 * s.n_heads * (n + total) if scores
+               else n + total + 4 * model.hf.config.intermediate_size)
+        per_token = 4 * (row + s.vocab * logits)
+        chunk = max(PREFILL_CHUNK, gpu_chunk_bytes(model.device) // max(1, per_token))
+    require(chunk >= 1, f"prefill chunk must be >= 1, got {chunk}")
+    for start in range(0, total, chunk):
+        yield slice(start, min(total, start + chunk))
+
+
+TOTAL_UNREAD = ("this scorer's prefill reads the prompt's total attention, which the prime "
+                "does not gather")
+
+
+def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Tensor,
+             sources: torch.Tensor, flags: torch.Tensor, chunk: int | None, all_logits: bool,
+             received: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+             ) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """Append ``ids`` at ``positions`` in causal chunks; each chunk attends to all live slots.
+    ``received`` (total, window, first): add into ``total`` (L, H, >= n) what every new
+    query paid each slot (None: not wanted) and into ``window`` what the queries from the
+    ``first``-th new one on paid (``forward``'s ``received``), without a second forward."""
+    a, m = state.arena, state.ledger
+    logits, slots, uids = [], [], []
+    built = builds_scores(model, received is not None, a.folded)
+    window_only = received is not None and received[0] is None
+    for sl in chunks(model, a.n, ids.shape[0], chunk, logits=all_logits, scores=built):
+        start, n = sl.start, a.n
+        past_k, past_v, log_mass = a.past(n)
+        into = slots_of(a, n, sl.stop - start)
+        # the queries from which this chunk's statistics are wanted (none: a chunk before
+        # the window when only the window is)
+        first = None if received is None or (window_only and received[2] >= sl.stop) else (
+            max(0, received[2] - start))
+        out = forward(model, past_k, past_v, ids[sl], positions[sl], all_logits=all_logits,
+                      past_log_mass=log_mass, received_from=first, window_only=window_only,
+                      into=into)
+        t = out.k.shape[2]
+        if out.received is not None:
+            received[0][:, :, :n + t] += out.received
+        if out.received_window is not None:
+            received[1][:, :, :n + t] += out.received_window
+        write(a, n, out.k, out.v, norms_of_kv=False, copy=into is None)  # (L, KVH, t, D)
+        uids += write_rows(m, slice(n, n + t), ids[sl], positions[sl], sources[sl],
+                            state.step, flags[sl])
+        slots += range(n, n + t)
+        a.n = m.n = n + t
+        logits.append(out.logits)
+    return logits, slots, uids
+
+
+@torch.no_grad()
+def prime(model: Model, segments: list[Segment], capacity: int,
+          pinned: frozenset[str] = frozenset(), chunk: int | None = None,
+          all_logits: bool = False, columns: dict[str, Column] | None = None,
+          cold_capacity: int | None = None, prefill_window: int | None = None,
+          scorer=None, prefill_total: bool = True) -> tuple[State, PrimeOut]:
+    """Stage 0: allocate an arena of ``capacity`` slots and prefill all prompt tokens but
+    the last, which becomes the pending token (stage 1 runs it and samples the first
+    generated token). Tokens whose source is in ``pinned`` are protected from culls;
+    ``columns``: the scorer's ledger columns (``scorers.columns_of``; default none).
+
+    ``capacity``: the arena's slots (``loop.arena_capacity`` chooses them for a session).
+    ``cold_capacity``: with recall, the cold store's (None: no cold store).
+    ``prefill_window``: also gather the prompt's attention statistics (``PrimeOut.stats``,
+    ``PrefillStats``) over its last ``prefill_window`` prefilled queries and, with
+    ``prefill_total``, all of them, inside the chunked prefill; ``scorer``: then seed its
+    ledger columns from them (``seed``).
+    """
+    ids_list = [i for s in segments for i in s.ids]
+    require(len(ids_list) > 0, "the prompt is empty")
+    require(capacity >= 1, f"capacity must be >= 1, got {capacity}")
+    require(len(ids_list) <= capacity,
+            f"the prompt has {len(ids_list)} tokens, more than the arena's capacity of {capacity}")
+    require(len(ids_list) <= model.spec.max_positions,
+            f"the prompt has {len(ids_list)} tokens, more than the model's "
+            f"{model.spec.max_positions} positions")
+    bad = [i for i in ids_list if not 0 <= i < model.spec.vocab]
+    require(not bad, f"token id {bad[:1]} outside the model's vocabulary of {model.spec.vocab}")
+    require(prefill_total or scorer is None or not reads_total(scorer), TOTAL_UNREAD)
+
+    src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
+    flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
+    state = State(arena(model, capacity), Ledger.allocate(capacity, columns, model.device),
+                  pinned=tuple(sorted(pinned)), cold=None if cold_capacity is None else
+                  cold_store(model, cold_capacity, columns=columns))
+    T = len(ids_list) - 1
+    dev = model.device
+    received = None
+    if prefill_window is not None:
+        shape = (model.spec.n_layers, model.spec.n_heads, T)
+        received = (torch.zeros(shape, device=dev) if prefill_total else None,
+                    torch.zeros(shape, device=dev), max(0, T - prefill_window))
+    logits, slots, uids = _prefill(
+        model, state, torch.tensor(ids_list[:T], device=dev), torch.arange(T, device=dev),
+        torch.tensor(src[:T], dtype=torch.int8, device=dev),
+        torch.tensor(flg[:T], dtype=torch.int8, device=dev), chunk, all_logits, received)
+    state.pending_token = ids_list[-1]
+    state.pending_source = segments[-1].source
+    state.next_position = T
+    rows = torch.cat(logits) if logits else torch.empty(0, model.spec.vocab, device=model.device)
+    patch = Patch(step=0, appended_slots=tuple(slots), appended_uids=tuple(uids))
+    stats = None
+    if received is not None:
+        total, window, first = received
+        stats = PrefillStats(uid=state.ledger.live("uid").clone(),
+                             window=window / max(1, T - first), window_queries=T - first,
+                             total=total, queries=torch.arange(T - 1, -1, -1, device=dev).float())
+        seeded = seed(state, scorer, stats)
+        if seeded is not None:
+            patch = dataclasses.replace(patch, columns=seeded.columns)
+    return state, PrimeOut(logits=rows, patch=patch, stats=stats)
+
+
+@torch.no_grad()
+def seed(state: State, scorer, stats: PrefillStats) -> ScoreOut | None:
+    """Stage 0: write the ledger columns ``scorer`` seeds from the prompt's statistics
+    ``stats`` (its ``prefill(view, stats)``, read-only; None: a scorer without one ignores
+    them, and nothing changes) into the live slots they are of (a fresh prime's, or a copy
+    of it: bench passkey seeds each cell's). Returns what the scorer gave."""
+    view = state.view()
+    take = getattr(scorer, "prefill", None)
+    if take is None:
+        return None
+    assert torch.equal(view.uid, stats.uid), "the prompt statistics are of other slots"
+    require(stats.total is not None or not reads_total(scorer), TOTAL_UNREAD)
+    out = take(view, stats)
+    m = state.ledger
+    check_columns(m, out.columns, view.n)
+    for name, t in (out.columns or {}).items():
+        m.columns[name][: view.n] = t
+    return out
+
+
+@torch.no_grad()
+def extend(model: Model, state: State, segments: list[Segment], chunk: int | None = None,
+           pending: int | None = None) -> Patch:
+    """Stage 0 on a live state: prefill the pending token, then every new id but the last,
+    which becomes the pending token (a chat turn, or an imported session's next prompt).
+
+    Positions continue from ``state.next_position``; tokens whose source is pinned
+    (``state.pinned``) are protected. ``pending`` first replaces the pending token, which is
+    not cached yet (a chat closes a reply that ended on another stop token with its end-of-turn marker).
+    Raises UserError (changing nothing) if they would not fit.
+    """
+    new = [i for s in segments for i in s.ids]
+    require(len(new) > 0, "nothing to extend: the segments are empty")
+    a, spec = state.arena, model.spec
+    require(a.n + len(new) <= a.capacity, f"{len(new)} more tokens do not fit the arena "
+            f"({a.n} of {a.capacity} slots live)")
+    require(state.next_position + len(new) < spec.max_positions,
+            f"{len(new)} more tokens would pass the model's {spec.max_positions} positions")
+    first = state.pending_token if pending is None else pending
+    bad = [i for i in [first] + new if not 0 <= i < spec.vocab]
+    require(not bad, f"token id {bad[:1]} outside the model's vocabulary of {spec.vocab}")
+    ids = [first] + new[:-1]
+    src = [state.pending_source] + [s.source for s in segments for _ in s.ids][:-1]
+    dev = model.device
+    _, slots, uids = _prefill(
+        model, state, torch.tensor(ids, device=dev),
+        torch.arange(state.next_position, state.next_position + len(ids), device=dev),
+        torch.tensor([SOURCES.index(x) for x in src], dtype=torch.int8, device=dev),
+        torch.tensor([FLAG_PROTECTED if x in state.pinned else 0 for x in src], dtype=torch.int8,
+                     device=dev), chunk, all_logits=False)
+    state.pending_token = new[-1]
+    state.pending_source = segments[-1].source
+    state.next_position += len(ids)
+    return Patch(step=state.step, appended_slots=tuple(slots), appended_uids=tuple(uids))
