@@ -31,7 +31,7 @@ import torch
 import transformers
 
 from .plain import atomic_write, from_plain, sha256, to_plain
-from .state import gathered, restore_args
+from .state import VIEW_COLUMNS, gathered, restore_args
 from .types import GenerateOut, UserError, inconsistent, require
 from .version import __version__
 
@@ -42,8 +42,7 @@ RESTORE = "s0_restore"  # stage 0 writing a whole saved state (a session file), 
 FILE_KEYS = ("format", "stage", "step", "model", "inputs", "outputs", "cache_len", "arena_version")
 MANIFEST_EVERY = 50  # past this many files the manifest is rewritten every N saves (and at close)
 # what a file keeps of the view's own ledger columns (what scorers read), with its scorer columns
-LEDGER_COLUMNS = ("uid", "token_id", "position", "source", "flags", "born_step", "origin",
-                  "origin_uid")
+LEDGER_COLUMNS = VIEW_COLUMNS
 _NAME = re.compile(r"(\d{6})_(s\d_\w+)\.pt")
 _STATE = re.compile(r"state_(\d{6})\.pt")
 

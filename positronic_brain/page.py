@@ -4,10 +4,12 @@ RUN_B --html``.
 The page holds its data as JSON in a ``<script type="application/json">`` tag and draws it
 with plain JS and inline SVG (``page.html`` beside this module): nothing is fetched, nothing
 serves it. Per step ``t`` it shows the cache the step's query read (the ledger before the
-step, in text order), coloured by the brightness stage 2 gave it, the step's culls, folds and
+step, in text order), coloured by the brightness stage 2 gave it (grey for a scorer that
+keeps none), the step's culls, folds and
 merges, the tokens recalled at the step before, the cache length after each step and the NLL
 of each step's token; hovering a token shows its ledger row (with its origin file, if it came
-from one) and the attention the step's query paid it (mean over layers and heads). A slider
+from one), the attention the step's query paid it (mean over layers and heads), stage 2's
+score and each of the scorer's own columns by name (``scorer_columns``). A slider
 (or ``#step=T`` in the address) picks the step. Two runs (``compare``) are drawn side by side
 at the same step, the tokens one run held and the other did not outlined, with the NLL of
 both and the jumps ``compare`` found.
@@ -17,10 +19,13 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 from importlib import resources
 from pathlib import Path
 
-from .capture import RESTORE, CaptureRun, file_name
+import torch
+
+from .capture import LEDGER_COLUMNS, RESTORE, CaptureRun, file_name
 from .plain import atomic_write
 from .render import shown_brightness
 from .types import SOURCES, require
@@ -28,8 +33,10 @@ from .types import SOURCES, require
 DEFAULT_STEPS = 400  # steps a page holds unless told (the last ones)
 
 
-def _r(x: float, digits: int) -> float:
-    return round(float(x), digits)
+def _r(x: float, digits: int) -> float | str:
+    """``x`` rounded; "inf" or "-inf" (what JSON cannot hold) for a score that is."""
+    x = float(x)
+    return round(x, digits) if math.isfinite(x) else str(x)
 
 
 def done_steps(run: CaptureRun) -> list[int]:
@@ -70,6 +77,7 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
         f = run.step(t)
         view, gen, patch = f.view, f.gen, f.patch
         bright = shown_brightness(f.scores, view)
+        columns = scorer_columns(f.scores, view)
         att = gen.attention.float().mean(dim=(0, 1))  # (n,) slot order
         order = sorted(range(len(view["uid"])), key=lambda j: int(view["position"][j]))
         col = lambda name: [view[name][j] for j in order]  # noqa: E731
@@ -90,6 +98,8 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
                         for u, b in zip(col("uid"), col("born_step"))],
             "brightness": [None if bright is None else _r(bright[j], 2) for j in order],
             "attention": [_r(att[j], 5) for j in order],
+            "score": [_r(f.scores.scores[j], 4) for j in order],
+            "columns": {c: [_r(x[j], 4) for j in order] for c, x in columns.items()},
             "culled": [u for u in patch.culled_uids if u not in folded],
             "folded": sorted(folded),
             "merged": [[m.uids[0], m.uids[1], m.token_id, new]
@@ -110,6 +120,15 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
             "parent": m.get("parent"), "steps_in_run": len(done),
             "max_brightness": float(params.get("max_brightness", 255.0)),
             "vocab": {str(k): v for k, v in vocab.items()}, "steps": steps}
+
+
+def scorer_columns(scores, view: dict) -> dict:
+    """The scorer's own columns at a step, name -> (n,): as stage 2 gave them (``scores``, a
+    captured ``ScoreOut``), else as the captured view held them (float32, not the ledger's
+    own)."""
+    held = {c: t for c, t in view.items() if c not in LEDGER_COLUMNS
+            and isinstance(t, torch.Tensor) and t.dtype == torch.float32}
+    return {**held, **(scores.columns or {})}
 
 
 def _after(run: CaptureRun, t: int, patch, changed_at: dict[int, int]) -> list[int]:

@@ -210,6 +210,15 @@ def gathered(a: Arena | SplitArena, name: str, n: int) -> torch.Tensor:
     return torch.cat([getattr(b, name)[:, :, :n].to(a.device) for b in a.blocks])
 
 
+# The ledger's own columns, the one statement of them: name -> (dtype, an empty row's value).
+SCHEMA = {"uid": (torch.int64, 0), "token_id": (torch.int64, 0), "position": (torch.int64, 0),
+          "source": (torch.int8, 0), "born_step": (torch.int64, 0),
+          "changed_step": (torch.int64, 0), "flags": (torch.int8, 0),
+          "origin": (torch.int32, 0), "origin_uid": (torch.int64, -1)}
+# what stages 1-3 see of them (``View``; a capture keeps these): all but ``changed_step``
+VIEW_COLUMNS = tuple(c for c in SCHEMA if c != "changed_step")
+
+
 @dataclass(eq=False)
 class Ledger:
     """The token ledger: one row per live arena slot, columnar, preallocated. Besides its
@@ -236,21 +245,19 @@ class Ledger:
     dropped: int = 0  # tokens culled for good (not into a cold store), an account of uids
     origins: tuple[str, ...] = ()  # the files rows came from, labelled (``origin`` k -> k-1)
 
-    COLUMNS = ("uid", "token_id", "position", "source", "born_step", "changed_step", "flags",
-               "origin", "origin_uid")
+    COLUMNS = tuple(SCHEMA)
 
     @classmethod
     def allocate(cls, capacity: int, specs: dict[str, Column] | None = None,
                  device: torch.device | str = "cpu") -> "Ledger":
-        def col(dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.zeros(capacity, dtype=dtype, device=device)
+        """Empty rows for ``capacity`` tokens: ``SCHEMA``'s columns and the scorer columns
+        ``specs`` declares (float32)."""
+        def col(dtype: torch.dtype = torch.float32, fill: int = 0) -> torch.Tensor:
+            return torch.full((capacity,), fill, dtype=dtype, device=device)
 
-        i64, i32, i8 = torch.int64, torch.int32, torch.int8
         specs = dict(specs or {})
-        return cls(uid=col(i64), token_id=col(i64), position=col(i64), source=col(i8),
-                   born_step=col(i64), changed_step=col(i64), flags=col(i8), origin=col(i32),
-                   origin_uid=col(i64) - 1, columns={name: col() for name in specs},
-                   specs=specs)
+        return cls(**{c: col(*how) for c, how in SCHEMA.items()},
+                   columns={name: col() for name in specs}, specs=specs)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -450,12 +457,9 @@ class State:
         n, m = self.arena.n, self.ledger
         k, v, log_mass = self.arena.past(n)
         knorm, vnorm = self.arena.norms(n)
-        return View(k=k, v=v, log_mass=log_mass, knorm=knorm, vnorm=vnorm, uid=m.live("uid"),
-                    token_id=m.live("token_id"), position=m.live("position"),
-                    source=m.live("source"), flags=m.live("flags"),
-                    born_step=m.live("born_step"),
-                    columns={c: m.live(c) for c in m.columns}, origin=m.live("origin"),
-                    origin_uid=m.live("origin_uid"), origins=m.origins, specs=m.specs,
+        return View(k=k, v=v, log_mass=log_mass, knorm=knorm, vnorm=vnorm,
+                    **{c: m.live(c) for c in VIEW_COLUMNS},
+                    columns={c: m.live(c) for c in m.columns}, origins=m.origins, specs=m.specs,
                     pending_token=self.pending_token,
                     next_position=self.next_position, step=self.step,
                     capacity=self.arena.capacity,

@@ -4,6 +4,8 @@
 and prints each patch as it is applied.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -13,6 +15,7 @@ from positronic_brain.stages.apply import cold as stage4_cold, patch as stage4, 
 from positronic_brain.forward import apply_rope, rerotation
 from positronic_brain.loop import Session, run
 from positronic_brain.model import hf_forward
+from positronic_brain.sampler import make_generator
 from positronic_brain.stages.apply import apply, extend, prime
 from positronic_brain.stages.decide import decide
 from positronic_brain.stages.generate import generate
@@ -131,7 +134,7 @@ def hf_cache_of_ledger(model, state):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("fail_in", ["_reindex", "_append"])
+@pytest.mark.parametrize("fail_in", ["remove", "_reindex", "_append"])
 def test_a_failure_part_way_rebuilds_from_the_mirror(tiny_model, tiny_policy, monkeypatch,
                                                        fail_in):
     session = _at_budget(tiny_model, tiny_policy, repair="merge",
@@ -269,3 +272,25 @@ def test_many_removed_slots_move_as_a_few_do(tiny_model, folded):
                 assert torch.equal(getattr(b1, name), getattr(b2, name)), name
         for col in m1.COLUMNS:
             assert torch.equal(getattr(m1, col), getattr(m2, col)), col
+
+
+def test_the_undo_copies_only_what_stage_4_changes(tiny_model, tiny_policy):
+    """A cull and a merge at the budget: the undo holds the rows of the merged slot, the
+    holes the removals leave below the new count and the append's slot, the scorer's
+    column whole (stage 4 writes all of it), the positions whole only with a re-index."""
+    session = _at_budget(tiny_model, tiny_policy, repair="merge", max_merges=1)
+    state, view = session.state, session.state.view()
+    n = view.n
+    gen = generate(tiny_model, view, SamplerParams(greedy=True), make_generator(0))
+    scores = score(view, gen.attention, session.scorer)
+    actions = decide(tiny_model, view, scores, dataclasses.replace(session.cache_params,
+                                                                   budget=n - 2))
+    assert len(actions.cull_slots) + len(actions.merges) == 3 and actions.merges
+    at, rows, whole, _, _ = stage4._undo(state.ledger, actions)
+    gone = list(actions.cull_slots) + [r.slots[1] for r in actions.merges]
+    kept = n - len(gone)
+    want = {r.slots[0] for r in actions.merges} | {s for s in gone if s < kept} | {kept}
+    assert at.tolist() == sorted(want) and len(want) <= 2 * len(gone) + 1
+    assert set(whole) == {"brightness"} and set(rows) == set(state.ledger.names) - {"brightness"}
+    reindexed = stage4._undo(state.ledger, dataclasses.replace(actions, reindex=True))
+    assert set(reindexed[2]) == {"brightness", "position"}

@@ -78,6 +78,9 @@ def test_the_page_data_are_the_ledger_at_every_step(edited_run, tiny_policy):
         f = run.step(s["step"])
         by_uid = dict(zip(f.view["uid"].tolist(), f.scores.columns["brightness"].tolist()))
         assert s["brightness"] == [round(by_uid[u], 2) for u in s["uid"]]
+        assert s["columns"]["brightness"] == [round(by_uid[u], 4) for u in s["uid"]]
+        scores = dict(zip(f.view["uid"].tolist(), f.scores.scores.tolist()))
+        assert s["score"] == [round(scores[u], 4) for u in s["uid"]]
         att = f.gen.attention.float().mean(dim=(0, 1))
         by_uid = dict(zip(f.view["uid"].tolist(), att.tolist()))
         # the page's rounding of the same mean of the same captured row (bit-exact)
@@ -111,6 +114,8 @@ def test_inspect_and_compare_write_pages_and_refuse_bad_input(tmp_path, capsys, 
     assert main(["compare", caps["brightness"], caps["h2o"], "--html", str(pair)]) == 0
     data = _page_data(pair)
     assert [r["params"]["scorer"] for r in data["runs"]] == ["brightness", "h2o"]
+    h2o = data["runs"][1]["steps"][-1]  # each scorer's own column by name, no brightness
+    assert list(h2o["columns"]) == ["attn_sum"] and set(h2o["brightness"]) == {None}
     assert main(["compare", caps["brightness"], caps["h2o"], "--json"]) == 0
     assert data["compare"] == json.loads(capsys.readouterr().out)
     assert main(["run", "--model", "tiny-random", "--prompt", PROMPT, "--max-new-tokens", "30",

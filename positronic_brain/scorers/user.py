@@ -29,13 +29,11 @@ from pathlib import Path
 
 import torch
 
+from ..state import VIEW_COLUMNS
 from ..types import CacheParams, ScoreOut, UserError, require
 
 GROUP = "positronic_brain.scorers"
 _CLASSES: dict[tuple[str, str], type] = {}  # (spec, file sha256 or "") -> class
-# the view's ledger columns, which a user scorer gets copies of (its own ones too): a write
-# to them loses nothing
-COLUMNS = ("uid", "token_id", "position", "source", "flags", "born_step")
 
 
 def is_user(name: str) -> bool:
@@ -172,7 +170,8 @@ class Guarded:
         return self._call("score", view.n, view, attention)
 
     def _call(self, method: str, n: int, view, *args) -> ScoreOut:
-        view = dataclasses.replace(view, **{c: getattr(view, c).clone() for c in COLUMNS},
+        # copies of the view's ledger columns (its own ones too): a write to them loses nothing
+        view = dataclasses.replace(view, **{c: getattr(view, c).clone() for c in VIEW_COLUMNS},
                                    columns={c: t.clone() for c, t in view.columns.items()})
         read = _tensors(view, *args) + list(view.columns.values())
         versions = [t._version for t in read]

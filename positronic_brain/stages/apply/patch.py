@@ -8,7 +8,7 @@ import torch
 
 from ...forward import apply_rope, rerotation
 from ...model import Model
-from ...state import FLAG_PROTECTED, Arena, SplitArena, State, key_norms, value_norms
+from ...state import FLAG_PROTECTED, Arena, Ledger, SplitArena, State, key_norms, value_norms
 from ...types import NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Merge, Patch, require
 from .cold import cool, drop_oldest, leaving_rows, swap
 from .restore import rebuild_from_ledger
@@ -210,6 +210,23 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
     return n, uid, k
 
 
+def _undo(m: Ledger, actions: Actions) -> tuple:
+    """What ``apply`` will change of the ledger ``m``, copied, and only that: the rows of
+    the slots it rewrites (a merge's, a recall's, each hole a removal fills, the append's
+    when it lands below the live count), the scorer columns it writes whole, the positions
+    a re-index writes, the counts. (slots, their rows by column, whole columns, next uid,
+    dropped)."""
+    n = m.n
+    gone = list(actions.cull_slots) + [r.slots[1] for r in actions.merges]
+    kept = n - len(gone)
+    slots = ({r.slots[0] for r in actions.merges} | {s.slot for s in actions.swaps}
+             | {s for s in gone if s < kept} | ({kept} if kept < n else set()))
+    whole = set(actions.columns or ()) | ({"position"} if actions.reindex else set())
+    at = torch.tensor(sorted(slots), dtype=torch.long).to(m.device, non_blocking=True)
+    return (at, {c: m.col(c).index_select(0, at) for c in m.names if c not in whole},
+            {c: m.live(c).clone() for c in whole}, m.next_uid, m.dropped)
+
+
 @torch.no_grad()
 def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_ACTIONS) -> Patch:
     """Stage 4: in this order, write the scorer's columns, apply merges, fold culled slots'
@@ -226,7 +243,7 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
     culled_uids = _check(model, state, gen, actions)
     m, step = state.ledger, state.step + 1
     n = m.n
-    undo = ({c: m.live(c).clone() for c in m.names}, m.next_uid, m.dropped)
+    undo = _undo(m, actions)
     culls = list(actions.cull_slots)
     reindex_from = reindex_to = cold_to = None
     cooled, dropped = [], []
@@ -250,9 +267,11 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
             position = m.n + (state.cold.n if state.cold is not None else 0)
         slot, uid, k = _append(state, gen, position, model, step)  # 8) append
     except BaseException:
-        cols, next_uid, m.dropped = undo
-        for c, col in cols.items():
-            m.col(c)[:n] = col
+        at, rows, whole, next_uid, m.dropped = undo
+        for c, x in rows.items():
+            m.col(c).index_copy_(0, at, x)
+        for c, x in whole.items():
+            m.col(c)[:n] = x
         for uid in range(next_uid, m.next_uid):
             m.merged.pop(uid, None)
         m.n, m.next_uid = n, next_uid
