@@ -248,8 +248,8 @@ COMPILERS = ("inductor", NATIVE, GRAPH)  # --compile's choices; --compile alone:
 
 def compile_mode(value: bool | str | None) -> str:
     """``load_model``'s ``compile`` (or a capture's ``compiled``) as a ``Model.compiled``:
-    True (as older captures say) is "inductor", False or None plain ("")."""
-    mode = COMPILERS[0] if value is True else (value or "")
+    True (as older captures say) is "inductor", False, None or "none" plain ("")."""
+    mode = COMPILERS[0] if value is True else ("" if value in (None, False, "none") else value)
     require(mode in ("",) + COMPILERS, f"compile must be one of {', '.join(COMPILERS)}, "
             f"got {value!r}")
     return mode
@@ -289,7 +289,8 @@ def load_model(name: str = "smollm2", dtype: str = "float32", device: str | None
     ``balanced``). Not both.
 
     ``compile``: stage 1 runs through ``torch.compile`` (True or "inductor") or through
-    native kernels ("native"; ``Model.compiled``, docs/DESIGN.md, stage 1)."""
+    native kernels ("native"; ``Model.compiled``, docs/DESIGN.md, stage 1). (The command
+    line's ``--compile auto`` chooses between native and plain: ``cli.args.cli_model``.)"""
     require(device is None or device_map is None, "give a device or a device map, not both")
     dev = resolve_device(device or "cpu") if device_map is None else torch.device("cpu")
     torch_dtype = check_dtype(dtype, dev)

@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from .forward import forward, rope_tables
-from .model import NATIVE, Int8Weight, Model, PackedWeight, cache_dir, check_compile, cpu_flags
+from .model import (NATIVE, Int8Weight, Model, PackedWeight, cache_dir, check_compile,
+                    check_dtype, cpu_flags)
 from .state import ColdView, View
-from .types import ForwardOut, RecallQuery
+from .types import ForwardOut, RecallQuery, UserError
 
 SOURCE = Path(__file__).with_name("native.cpp")
 
@@ -40,6 +41,29 @@ def build() -> str:
     decides a native model's bits, so a capture records it (``for_model``)."""
     return hashlib.sha256(SOURCE.read_bytes() + cpu_flags().encode()
                           + torch.__version__.encode()).hexdigest()[:12]
+
+
+def unavailable(devices, dtype: str) -> str | None:
+    """Why a model of ``dtype`` on ``devices`` cannot run these kernels (``--compile auto``
+    then runs the plain stage 1), or None: they run on one CPU, compute in float32 or
+    bfloat16 (int8's weights too), and need a C++ compiler and ninja, and their build
+    (tried once per process)."""
+    return _unavailable(tuple(sorted({str(torch.device(d)) for d in devices})), dtype)
+
+
+@functools.cache
+def _unavailable(devices: tuple[str, ...], dtype: str) -> str | None:
+    if {torch.device(d).type for d in devices} != {"cpu"}:
+        return "the native kernels run on the CPU only"
+    if check_dtype(dtype, torch.device("cpu")) not in KERNEL_DTYPES:
+        return f"the native kernels compute in float32 or bfloat16, not {dtype}"
+    try:
+        kernels()
+    except UserError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 -- a failed build (the compiler's error)
+        return f"the native kernels did not build ({type(e).__name__})"
+    return None
 
 
 def chosen(compiled: str) -> bool:

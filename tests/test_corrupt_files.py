@@ -97,7 +97,8 @@ def models():
 
 def _captured(root: Path, *argv: str) -> Path:
     """A capture run of ``run argv`` (tiny-random, 2 steps) under ``root``."""
-    assert cli(["run", "--device", "cpu", "--max-new-tokens", "2", "--ignore-eos", *argv,
+    assert cli(["run", "--device", "cpu", "--compile", "none", "--max-new-tokens", "2",
+                "--ignore-eos", *argv,
                 "--capture", str(root)]) == 0
     return resolve_run(root)
 

@@ -11,7 +11,7 @@ from positronic_brain.replay import diff, replay
 
 RUN = ["run", "--model", "tiny-random", "--prompt", "what if another policy had been in charge",
        "--max-new-tokens", "30", "--budget", "24", "--temperature", "1.0", "--top-k", "40",
-       "--seed", "3", "--json"]
+       "--seed", "3", "--json", "--compile", "none"]
 
 
 @pytest.fixture

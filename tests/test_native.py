@@ -321,3 +321,28 @@ def test_fold_into_finds_the_plain_targets(tiny_model, dtype, n, culls):
     with pytest.raises(RuntimeError, match="is not live"):
         native.kernels().fold_into(view.k.transpose(2, 3), view.knorm,
                                    torch.tensor([n]), -1.0)
+
+
+def test_run_takes_the_native_kernels_by_default_where_they_build(capsys):
+    """``--compile auto`` (run's default): native where ``native.unavailable`` finds nothing
+    missing, else the plain path with one line on stderr saying why; ``none`` the plain path
+    without a word; float16, which the kernels do not compute in, the plain path."""
+    import json  # pylint: disable=import-outside-toplevel
+
+    from positronic_brain.cli import main  # pylint: disable=import-outside-toplevel
+
+    def run(*argv):
+        rc = main(["run", "--model", "tiny-random", "--prompt", "auto or not", "--greedy",
+                   "--max-new-tokens", "3", "--json", *argv])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        return json.loads(out)["compiled"], err
+
+    why = native.unavailable([torch.device("cpu")], "float32")
+    compiled, err = run()
+    assert compiled == ("native" if why is None else "")
+    assert err == ("" if why is None else f"positronic-brain: --compile auto: the plain stage 1 "
+                                           f"({why})\n")
+    assert run("--compile", "none") == ("", "")
+    compiled, err = run("--dtype", "float16")
+    assert compiled == "" and err.count("\n") == 1 and "not float16" in err

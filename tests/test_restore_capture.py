@@ -43,7 +43,7 @@ def composed(tiny_model, tiny_policy, tmp_path, one_thread):
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:
-    code = main(["run", *argv])
+    code = main(["run", "--compile", "none", *argv])  # the plain path, as the sessions here
     out, err = capsys.readouterr()
     return code, out, err
 

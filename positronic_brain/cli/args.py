@@ -5,13 +5,14 @@ Bad input gets one line on stderr and exit code 2 (``UserError``), never a trace
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import asdict
 
 from .. import native, threads
 from ..bench import passkey
 from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
-from ..model import COMPILERS, DTYPES, Model, device_kind, load_model
+from ..model import COMPILERS, DTYPES, NATIVE, Model, device_kind, load_model, resolve_device
 from ..scorers import SCORERS, make_scorer, user
 from ..transfer import INITS, KINDS, TrainParams
 from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
@@ -38,6 +39,7 @@ DEVICE_MAP_HELP = ("instead of --device, the decoder layers over several devices
 
 
 MODEL, DTYPE = "smollm2", "float32"  # --model and --dtype unless given (or a file says)
+AUTO = "auto"  # --compile's default: native where its kernels build (the fastest measured)
 
 
 def _add_model_args(p: argparse.ArgumentParser, session: bool = False) -> None:
@@ -51,11 +53,14 @@ def _add_model_args(p: argparse.ArgumentParser, session: bool = False) -> None:
     where.add_argument("--device", default="auto", help=DEVICE_HELP)
     where.add_argument("--device-map", default=None, metavar="auto|balanced|PATH.json",
                        help=DEVICE_MAP_HELP)
-    p.add_argument("--compile", nargs="?", const=COMPILERS[0], default="", choices=COMPILERS,
-                   help="run stage 1 through torch.compile (--compile: the first step "
-                        "compiles, tens of seconds), or through native kernels built for this "
-                        "CPU (--compile native: built once, tens of seconds), or replayed as "
-                        "a CUDA graph on a GPU (--compile graph: captured at the first step of "
+    p.add_argument("--compile", nargs="?", const=COMPILERS[0], default=AUTO,
+                   choices=(AUTO, "none") + COMPILERS,
+                   help="auto (default): stage 1 through native kernels built for this CPU "
+                        "(make install builds them), the fastest measured, where they build, "
+                        "else the plain path (a note on stderr says why); none: the plain "
+                        "path; --compile: through torch.compile (the first step compiles, "
+                        "tens of seconds); native: the native kernels or an error; graph: "
+                        "replayed as a CUDA graph on a GPU (captured at the first step of "
                         "each power-of-two context; docs/DESIGN.md, stage 1)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch's threads (default: the cores free when the run starts, at "
@@ -66,7 +71,15 @@ def cli_model(args, name: str, dtype: str) -> Model:
     """The model a command runs, on the threads ``--threads`` or the machine's free cores
     give (``threads.use``), placed by ``--device`` / ``--device-map`` and ``--compile``."""
     threads.use(args.threads)
-    return load_model(name, dtype, **model_placement(args))
+    placement = model_placement(args)
+    if args.compile == AUTO:  # native where it runs, else plain (a note says why on a CPU)
+        why = "a device map" if args.device_map is not None else native.unavailable(
+            [resolve_device(args.device)], dtype)
+        placement["compile"] = "" if why else NATIVE
+        if why and args.device_map is None and resolve_device(args.device).type == "cpu":
+            print(f"positronic-brain: --compile auto: the plain stage 1 ({why})",
+                  file=sys.stderr)
+    return load_model(name, dtype, **placement)
 
 
 def model_placement(args) -> dict:
