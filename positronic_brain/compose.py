@@ -41,8 +41,9 @@ from .plain import output_file
 from .session_io import load_saved, save_session
 from .special_tokens import TokenPolicy
 from .stages.apply import restore, rewrite
+from .stages.apply.rows import birth_values
 from .state import Ledger, restore_args
-from .types import Column, UserError, require
+from .types import UserError, require
 
 
 @dataclass
@@ -163,7 +164,9 @@ def compose(model: Model, parts: list[Part]) -> Session:
                 dropped += part.cold["k"].shape[2]
         for out, k, v, log_mass, cols in rows:
             n = k.shape[2]
-            cols = {**{c: _births(spec, cols["source"]) for c, spec in specs.items()}, **cols}
+            born = cols["source"].long()  # a part made without a column: its birth values
+            cols = {**{c: birth_values(spec.births, born.device)[born]
+                       for c, spec in specs.items()}, **cols}
             cols["origin"], cols["origin_uid"] = origins.columns(part, cols)
             if not keep_uids:
                 cols["uid"] = torch.arange(next_uid, next_uid + n, device=cols["uid"].device)
@@ -237,12 +240,6 @@ def _rebuilt(model: Model, before: list[tuple], layers: tuple[int, ...], k: torc
     for full, part in zip(out, (k, v, log_mass)):
         full[held] = part
     return tuple(out)
-
-
-def _births(spec: Column, source: torch.Tensor) -> torch.Tensor:
-    """A scorer column ``spec`` at its birth values for rows of ``source`` (a part made
-    without it)."""
-    return torch.tensor(spec.births, dtype=torch.float32, device=source.device)[source.long()]
 
 
 def _cold(parts: list[Part], rows: list[tuple], names: tuple[str, ...]) -> dict:
