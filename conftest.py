@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from positronic_brain import threads
+from positronic_brain import options, threads
 from positronic_brain.model import load_model  # the package sets the offline environment
 from positronic_brain.special_tokens import TokenPolicy
 
@@ -79,9 +79,9 @@ CAPTURE_STEPS = 24
 def captured_run(real_model, real_policy, tmp_path_factory):
     from positronic_brain.capture import CaptureTape
     from positronic_brain.loop import run
-    from positronic_brain.types import CacheParams, SamplerParams
+    from positronic_brain.types import SamplerParams
 
-    cache = CacheParams(budget=24, sinks=2, recent=6, repair="merge", max_merges=1,
+    cache = options.params(budget=24, sinks=2, recent=6, repair="merge", max_merges=1,
                         reindex_at=40)
     sampler = SamplerParams(temperature=0.8, top_k=40, seed=11)
     capture = CaptureTape(tmp_path_factory.mktemp("captures"),

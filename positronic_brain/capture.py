@@ -32,10 +32,10 @@ import transformers
 
 from .plain import atomic_write, from_plain, sha256, to_plain
 from .state import VIEW_COLUMNS, gathered, restore_args
-from .types import GenerateOut, UserError, inconsistent, require
+from .types import CacheParams, GenerateOut, UserError, inconsistent, require
 from .version import __version__
 
-FORMAT = 8
+FORMAT = 9
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
 EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step
 RESTORE = "s0_restore"  # stage 0 writing a whole saved state (a session file), named likewise
@@ -92,6 +92,18 @@ def view_columns(view) -> dict:
             "pending_token": view.pending_token, "next_position": view.next_position,
             "step": view.step, "n": view.n, "capacity": view.capacity,
             "origins": list(view.origins)}
+
+
+def manifest_params(manifest: dict) -> CacheParams | None:
+    """The cache parameters a manifest records (``params.cache_params``, plain data in
+    JSON's flavour; None where it records none)."""
+    saved = (manifest.get("params") or {}).get("cache_params")
+    if saved is None:
+        return None
+    with inconsistent("manifest.json", "cache parameters"):
+        params = from_plain(saved)
+        require(isinstance(params, CacheParams), "not a CacheParams")
+    return params
 
 
 def gen_outputs(gen: GenerateOut) -> dict:
@@ -195,7 +207,7 @@ class CaptureTape(Tape):
     # the loop's calls, one per stage
     def primed(self, state, segments, capacity, out, prefill) -> None:
         """``prefill``: the cache parameters the prime gathered the prompt's statistics
-        with (its window; its scorer, if ``prefill_scores``); None if it gathered none.
+        with (its window; its scorer, if ``prefill.scores``); None if it gathered none.
         ``prefill_total``: whether they include the total over every query."""
         self._follow(state, 0)
         self._stage(0, "s0_prime", {"segments": segments, "capacity": capacity,

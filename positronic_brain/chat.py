@@ -52,7 +52,7 @@ class Chat:
     """A conversation: ``say(text) -> reply text`` or ``stream(text)`` (StreamEvents).
 
     A chat always has a budget (``cache_params.budget`` None: DEFAULT_BUDGET). With compact
-    positions it re-indexes early enough (``reindex_at`` at most max positions - budget) that
+    positions it re-indexes early enough (``Positions.reindex_at`` at most max positions - budget) that
     a turn always finds positions; the arena holds 2 x budget slots, room for the cache at the
     budget plus a new turn until the next step culls back down to it.
     """
@@ -94,10 +94,11 @@ class Chat:
         budget = params.budget or min(DEFAULT_BUDGET, limit // 4)
         require(2 * budget < limit, f"a chat budget must be below half the model's {limit} "
                 f"positions (room for a turn past the budget), got {budget}")
-        if params.positions == "keep":
-            return dataclasses.replace(params, budget=budget)
-        return dataclasses.replace(params, budget=budget,
-                                   reindex_at=params.reindex_position(limit - budget))
+        positions = params.positions
+        if positions.mode == "compact":
+            positions = dataclasses.replace(
+                positions, reindex_at=positions.reindex_position(limit - budget))
+        return dataclasses.replace(params, budget=budget, positions=positions)
 
     def _prime_system(self, system: str) -> None:
         segments = self.policy.chat([("system", system)], add_generation_prompt=False)
@@ -197,7 +198,7 @@ class Chat:
         s, t, state = self.session, self.totals, self.session.state
         return {"turns": self.turns, "cache_len": state.arena.n if state else 0,
                 "budget": s.cache_params.budget, "capacity": self.capacity,
-                "prune": s.cache_params.prune, "policy": s.cache_params.scorer,
+                "prune": s.cache_params.prune, "policy": s.cache_params.scorer.name,
                 "next_position": state.next_position if state else 0,
                 "max_position": self.max_position, "steps": t.steps,
                 "ms_per_token": t.ms_per_token,

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import page
-from .capture import CaptureRun, reads_capture
+from .capture import CaptureRun, manifest_params, reads_capture
 from .model import load_model
 from .special_tokens import TokenPolicy
 from .types import require
@@ -48,10 +48,10 @@ class Run:
 
 
 def label(run: CaptureRun) -> str:
-    p = run.manifest.get("params", {}).get("cache_params", {})
-    what = [p.get("scorer", "?"), f"budget {p.get('budget')}"]
-    what += [f"repair {p['repair']}"] if p.get("repair", "none") != "none" else []
-    what += ["recall"] if p.get("recall") else []
+    p = manifest_params(run.manifest)
+    what = [p.scorer.name, f"budget {p.budget}"] if p else ["?"]
+    what += [f"repair {p.repair_name}"] if p and p.repair else []
+    what += ["recall"] if p and p.recall else []
     parent = run.manifest.get("parent")
     what += [f"fork at step {parent['step']}"] if parent else []
     return f"{run.dir.name} ({', '.join(what)})"

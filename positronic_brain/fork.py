@@ -16,13 +16,15 @@ import dataclasses
 from pathlib import Path
 
 from . import native
-from .capture import CaptureTape, reads_capture
+from . import options
+from .capture import CaptureTape, manifest_params, reads_capture
 from .loop import Session, drive
 from .model import device_kind
 from .replay import open_run, rebuild
-from .scorers import make_scorer, user
+from .plain import to_plain
+from .scorers import user
 from .special_tokens import TokenPolicy
-from .types import CacheParams, SamplerParams, require
+from .types import SamplerParams, require
 
 # the parent's manifest keys a fork's capture does not inherit (its own run's)
 OWN = ("format", "run_id", "level", "created", "versions", "complete", "stop_reason",
@@ -35,7 +37,7 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
          level: str = "light", command: str = "", device: str | None = None,
          on_text=None) -> dict:
     """Fork the capture ``run_dir`` before its step ``step`` with ``cache`` and ``sampler``
-    overrides (CacheParams / SamplerParams fields); ``max_new_tokens`` defaults to what the
+    overrides (cache options by their flat names, ``options``; SamplerParams fields); ``max_new_tokens`` defaults to what the
     parent had left from there. Returns the fork's run as ``loop.run`` does, plus its
     parent."""
     run, model = open_run(run_dir, device=device)
@@ -43,12 +45,12 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
     require(step in steps, f"step {step} is not in this capture (steps "
             f"{f'1..{steps[-1]}' if steps else 'none'})")
     params = manifest["params"]
-    was = CacheParams(**_tuples(params["cache_params"]))
+    was = manifest_params(manifest)
+    require(was is not None, f"{run_dir}: its manifest records no cache parameters")
     cache = dict(cache or {})
-    if "scorer" in cache:
-        cache["scorer"] = user.absolute(cache["scorer"])
-    cache_params = dataclasses.replace(was, **cache)
-    make_scorer(cache_params)  # refuse a bad scorer before the rebuild
+    if "policy" in cache:
+        cache["policy"] = user.absolute(cache["policy"])
+    cache_params = options.cache_params(cache, was)  # a bad scorer refused before the rebuild
     old_sampler = SamplerParams(**_tuples(params["sampler"]))
     new_sampler = dataclasses.replace(old_sampler, **(sampler or {}))
     args = params.get("args", {})
@@ -78,9 +80,9 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
             **own, "command": command, "device": str(model.device),
             "device_kind": _both(manifest.get("device_kind"), device_kind(model.device)),
             "kernels": _both(manifest.get("kernels"), native.for_model(model)),
-            "params": {**params, "cache_params": dataclasses.asdict(cache_params),
+            "params": {**params, "cache_params": to_plain(cache_params, json=True),
                        "sampler": dataclasses.asdict(new_sampler)},
-            "scorer_sha256": user.file_sha256(cache_params.scorer),
+            "scorer_sha256": user.file_sha256(cache_params.scorer.name),
             "parent": {"run": str(run.dir.resolve()), "run_id": manifest.get("run_id"),
                        "step": step}},
             level=level)
@@ -107,13 +109,6 @@ def overrides(args, fields) -> dict:
     are None: a missing one keeps the parent's)."""
     return {f.name: getattr(args, f.name) for f in fields
             if getattr(args, f.name, None) is not None}
-
-
-def cache_overrides(args) -> dict:
-    given = overrides(args, dataclasses.fields(CacheParams))
-    if args.param:
-        given["scorer_params"] = ",".join(args.param)
-    return given
 
 
 def sampler_overrides(args) -> dict:

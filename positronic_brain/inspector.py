@@ -120,7 +120,7 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
                            ("culled", "strike red"), "   ", ("merged pair", "bold underline cyan"))
     console.print(Panel(Group(context_text(ledger, policy.token_text, culled=patch.culled_uids,
                                            merged=merged,
-                                           max_brightness=f.cache_params.max_brightness),
+                                           max_brightness=f.cache_params.scorer.get("max_brightness", 255.0)),
                               Text(""), legend, origin_legend(ledger)),
                         title=f"context at step {t} ({len(ledger)} live slots, "
                               f"{len(patch.culled_uids)} culled, {len(patch.merges)} merged)"))

@@ -43,8 +43,8 @@ def arena_capacity(model: Model, cache_params: CacheParams, n_prompt: int,
 
 
 def cold_capacity(cache_params: CacheParams) -> int | None:
-    """The cold store's capacity a prime allocates: with recall, ``cold_capacity``; else None."""
-    return cache_params.cold_capacity if cache_params.recall else None
+    """The cold store's capacity a prime allocates: with recall, its ``cold_capacity``; else None."""
+    return cache_params.recall.cold_capacity if cache_params.recall else None
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Session:
         if self.state is not None:  # stage 0: what this scorer and recall need of a state
             add_columns(self.state, columns_of(self.scorer))  # made without them
             if self.state.cold is None and self.cache_params.recall:
-                add_cold_store(self.model, self.state, self.cache_params.cold_capacity)
+                add_cold_store(self.model, self.state, self.cache_params.recall.cold_capacity)
 
     def prime(self, segments: list[Segment], capacity: int | None = None,
               stats: bool = False, total: bool = True) -> PrefillStats | None:
@@ -92,7 +92,7 @@ class Session:
         self.state, out = prime(self.model, segments, capacity, pinned=frozenset(params.pinned),
                                 columns=columns_of(self.scorer),
                                 cold_capacity=cold_capacity(params),
-                                prefill_window=params.prefill_window if gather else None,
+                                prefill_window=params.prefill.window if gather else None,
                                 scorer=scorer, prefill_total=(stats and total) or reads_total(scorer))
         self.tape.primed(self.state, segments, capacity, out, params if gather else None)
         self.prompt_ids = [i for s in segments for i in s.ids]
@@ -117,12 +117,13 @@ class Session:
         seed(self.state, prefill_scorer(self.scorer, params), stats)
 
     def _resolve_prefill(self, n_prompt: int) -> CacheParams:
-        """The cache parameters with ``prefill_scores`` as this prime of ``n_prompt`` tokens
+        """The cache parameters with ``prefill.scores`` as this prime of ``n_prompt`` tokens
         takes it (unset: the scorer's default), kept: captures, sessions and forks record
         what ran, not what a later default would make of it."""
-        if self.cache_params.prefill_scores is None:
-            self.cache_params = replace(self.cache_params, prefill_scores=(
-                takes_prefill_scores(self.scorer, self.cache_params, n_prompt)))
+        params = self.cache_params
+        if params.prefill.scores is None:
+            self.cache_params = replace(params, prefill=replace(
+                params.prefill, scores=takes_prefill_scores(self.scorer, params, n_prompt)))
         return self.cache_params
 
     def extend(self, segments: list[Segment], pending: int | None = None) -> Patch:

@@ -16,7 +16,6 @@ both and the jumps ``compare`` found.
 """
 from __future__ import annotations
 
-import dataclasses
 import html
 import json
 import math
@@ -25,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .capture import LEDGER_COLUMNS, RESTORE, CaptureRun, file_name
+from . import options
+from .capture import LEDGER_COLUMNS, RESTORE, CaptureRun, file_name, manifest_params
 from .plain import atomic_write
 from .render import shown_brightness
 from .types import SOURCES, require
@@ -111,14 +111,13 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
         prev_recalled = _after(run, t, patch, changed_at)
     m = run.manifest
     # what the run was asked for (a fork's own options), else what its last step ran with
-    params = ((m.get("params") or {}).get("cache_params")
-              or dataclasses.asdict(run.step(shown[-1]).cache_params))
+    params = manifest_params(m) or run.step(shown[-1]).cache_params
     return {"dir": str(run.dir), "run_id": m.get("run_id"), "model": m.get("model"),
-            "dtype": m.get("dtype"), "params": {k: v for k, v in params.items()
+            "dtype": m.get("dtype"), "params": {k: v for k, v in options.flat(params).items()
                                                 if isinstance(v, (int, float, str, bool))
                                                 or v is None},
             "parent": m.get("parent"), "steps_in_run": len(done),
-            "max_brightness": float(params.get("max_brightness", 255.0)),
+            "max_brightness": float(params.scorer.get("max_brightness", 255.0)),
             "vocab": {str(k): v for k, v in vocab.items()}, "steps": steps}
 
 

@@ -28,7 +28,8 @@ from rich.console import Console
 
 from . import native, threads
 from .capture import (EXTEND, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
-                      extend_outputs, file_name, gen_outputs, prime_outputs, reads_capture,
+                      extend_outputs, file_name, gen_outputs, manifest_params, prime_outputs,
+                      reads_capture,
                       view_columns, view_ledger)
 from .model import Model, compile_flag, compile_mode, device_kind, load_model, resolve_device
 from .plain import to_plain
@@ -173,7 +174,7 @@ class _Replay:
         self.state, out = prime(self.model, list(inp["segments"]), inp["capacity"],
                                 pinned=frozenset(inp["pinned"]), columns=inp["columns"],
                                 cold_capacity=inp["cold_capacity"],
-                                prefill_window=params and params.prefill_window,
+                                prefill_window=params and params.prefill.window,
                                 scorer=params and prefill_scorer(make_scorer(params), params),
                                 prefill_total=inp.get("prefill_total", True))
         if self.wanted(f.stage, 0):
@@ -247,8 +248,8 @@ def open_run(run_dir: str | Path, model: Model | None = None,
     be the one captured."""
     run = CaptureRun(run_dir)
     manifest = run.manifest
-    scorer = manifest.get("params", {}).get("cache_params", {}).get("scorer", "")
-    user.check_unchanged(scorer, manifest.get("scorer_sha256"))  # your own scorer's file
+    params = manifest_params(manifest)
+    user.check_unchanged(params.scorer.name if params else "", manifest.get("scorer_sha256"))  # your own scorer's file
     if model is None and device is None:
         captured = torch.device(manifest.get("device", "cpu"))
         here = captured.type == "cpu" or (torch.cuda.is_available()

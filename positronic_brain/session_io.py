@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from . import options
 from .loop import Session
 from .model import Model
 from .plain import check_types, from_plain, load_signed, read_safetensors, save_signed, to_plain
@@ -47,7 +48,9 @@ from .scorers.h2o import H2O
 from .state import LEDGER_TENSORS, Ledger, State, key_norms, restore_args
 from .types import SOURCES, UserError, inconsistent, require
 
-FORMAT = "positronic-brain-session/6"
+FORMAT = "positronic-brain-session/7"
+# Format 6 held CacheParams' 30 flat fields (``_flat_params``).
+FORMAT_6 = "positronic-brain-session/6"
 # Format 5's ledgers all hold brightness and attn_sum, brightness born at its ``seeds``.
 FORMAT_5 = "positronic-brain-session/5"
 # Format 4 lacks the ledger's origin columns too: its rows were all made in its own session.
@@ -182,13 +185,15 @@ def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | N
     holds of its state, as ``compose.Part`` takes it: ``k``, ``v`` (layers held, kv_heads,
     n, head_dim), ``log_mass``, ``columns``, ``capacity``, ``state_fields``,
     ``ledger_fields`` and ``layers`` (the layers held, ascending)."""
-    meta, tensors = load_signed(path, (FORMAT, FORMAT_5, FORMAT_4), "session file")
+    meta, tensors = load_signed(path, (FORMAT, FORMAT_6, FORMAT_5, FORMAT_4), "session file")
     if meta["format"] == FORMAT_4:
         tensors |= _made_here(tensors)
     with inconsistent(path, "session", name_refusals=True):
         saved, body = json.loads(meta["model"]), json.loads(meta["session"])
-        if meta["format"] != FORMAT:
+        if meta["format"] in (FORMAT_5, FORMAT_4):
             body["ledger"] = _declared(body["ledger"])
+        if meta["format"] != FORMAT:
+            body["session"] = _flat_params(body["session"])
         diff = _mismatch(saved, model.fingerprint)
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
                 f"{model.name!r}: {diff}")
@@ -244,6 +249,18 @@ def _check_fields(model: Model, fields: dict, ledger: dict) -> None:
             f"of range (the model has {model.spec.max_positions} positions)")
     require(fields["pending_source"] in SOURCES and set(fields["pinned"]) <= set(SOURCES),
             f"unknown sources {fields['pending_source']!r:.40}, {fields['pinned']!r:.40}")
+
+
+def _flat_params(session: dict) -> dict:
+    """A format 4-6 file's session fields (plain JSON) as this format has them: its cache
+    parameters, CacheParams' 30 flat fields then, are the options of the same names
+    (``scorer`` is ``policy``, ``scorer_params`` the ``param`` items), each where its
+    scorer or piece takes it."""
+    flat = {k: from_plain(v) for k, v in session["cache_params"].items() if k != "__type__"}
+    flat["policy"] = flat.pop("scorer")
+    flat["param"] = [i for i in flat.pop("scorer_params", "").split(",") if i.strip()]
+    params = options.cache_params(flat, strict=False)
+    return {**session, "cache_params": to_plain(params, json=True)}
 
 
 def _declared(ledger: dict) -> dict:

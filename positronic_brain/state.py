@@ -345,7 +345,7 @@ class Cold:
     arena: Arena
     ledger: Ledger
     entered: torch.Tensor  # (rows,) int64, order of entry
-    capacity: int  # the most tokens it may hold (CacheParams.cold_capacity)
+    capacity: int  # the most tokens it may hold (Recall.cold_capacity)
     next_entry: int = 0
 
     @property

@@ -9,6 +9,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
@@ -180,156 +181,243 @@ class Column:
         return (self.low is None or x >= self.low) and (self.high is None or x <= self.high)
 
 
-REPAIRS = ("none", "merge", "fold")
 AGGREGATIONS = ("all-mean", "all-max", "last-mean", "last-max", "max-max")  # layers-heads over attention
 SIGNALS = ("value", "attention")  # what brightness gains from: value-weighted attention or plain
+PRUNES = ("tokens", "turns")
+POSITIONS = ("compact", "keep")
+
+
+def option(default, help: str, flag: str | None = None, **extra):  # noqa: A002 (argparse's word)
+    """A config field with its one help string and, where it is not the field's name after
+    its class's ``PREFIX``, its option's name (``flag``; ``choices`` and ``metavar`` too):
+    the CLI's flags, ``bench --params`` and the flag reference are made from these fields
+    (``options``)."""
+    return field(default=default, metadata={"help": help, "flag": flag, **extra})
+
+
+def _at_least_one(config, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        require(value is None or value >= 1,
+                f"{type(config).__name__.lower()} {name.replace('_', ' ')} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
-class CacheParams:
-    """What to keep in the cache and how (stages 2-4).
+class Positions:
+    """What happens as positions reach the model's last one."""
 
-    ``budget``: live slots after each step (None = never cull). ``scorer``: the stage-2
-    scorer (``scorers.SCORERS``; the CLI calls it the policy).
-    ``repair``: ``merge`` turns up to ``max_merges`` of each step's removals into merges of
-    a dim adjacent pair; ``fold`` folds every culled token's K/V into the surviving slot
-    whose key is most alike (per layer and KV head), weighted by how many tokens each
-    holds, and that slot's attention scores get log(tokens held) added; where the best
-    cosine is below ``fold_min_cos`` the token is only dropped. ``positions``: ``compact``
-    re-indexes to 0..n-1 when the next
-    position would reach ``reindex_at`` (default: the model's max positions); ``keep``
-    never does (the run stops there). Protected from culls and repairs: the first
-    ``sinks`` live tokens, the last ``recent`` ones, and tokens whose source is ``pinned``.
-    ``prune``: ``tokens`` culls single tokens by score; ``turns`` drops whole oldest chat
-    turns instead (a user turn with everything up to the next one; never the last, never
-    pinned tokens; sinks, recent and repairs do not apply).
-    ``recall``: a culled token goes to a cold store (at most ``cold_capacity`` tokens, the
-    oldest to enter dropped for good past it) instead of away; every ``recall_every`` steps
-    the current query scores the cold keys over ``recall_layers`` layers (evenly spread over
-    those brightness reads; None: all of them), hot and cold alike ``recall_aggregate``d,
-    and up to ``recall_max`` cold tokens swap places with the dimmest unprotected hot ones
-    they beat: those the query attends to most, each with the cold tokens that follow it
-    within ``recall_span`` positions, and those that follow a hot token it attends to most,
-    where their signal beats the hot one's by more than ``recall_margin`` uniform shares
-    (1/n of the live slots' attention). It takes no
-    ``fold`` repair (a folded token lives on inside its survivor) and no ``turns`` pruning.
-    Brightness: new tokens start at ``seeds[source]`` (in SOURCES order); each step
-    b <- clamp(b - decay + gain * share, 0, max_brightness), where share is n times the
-    token's ``signal`` (``value``: attention weighted by its value norm relative to the mean
-    live one; ``attention``: plain), ``aggregate``d over layers-heads: 1 = a uniform share.
-    Brightness leaves out the first ``skip_layers`` fraction of the layers (rounded), whose
-    attention is spread broadly and says little about which tokens matter.
-    ``prefill_scores``: stage 0 also gathers the prompt's own attention (``PrefillStats``:
-    what its last ``prefill_window`` queries paid each token, and what every later query
-    did) and seeds the scorer's ledger columns from it (each scorer's ``prefill``), so the
-    first cull of a prompt longer than the budget sees the whole prompt's view. None (the
-    default): the scorer's own ``prefill_default``, for a prompt longer than the budget
-    (``scorers.takes_prefill_scores``; a session records the value it resolved to at the prime).
-    """
-
-    budget: int | None = None
-    scorer: str = "brightness"  # a name in scorers.SCORERS or a user scorer (scorers.user)
-    repair: str = "none"
-    positions: str = "compact"
-    sinks: int = 4
-    recent: int = 16
-    pinned: tuple[str, ...] = ("system",)
-    decay: float = 0.5
-    gain: float = 2.34
-    max_brightness: float = 255.0
-    seeds: tuple[float, ...] | None = None  # None: every source at max_brightness
-    aggregate: str = "all-mean"
-    signal: str = "value"
-    skip_layers: float = 0.2
-    max_merges: int = 1
-    fold_min_cos: float = 0.8
-    reindex_at: int | None = None
-    random_seed: int = 0  # the random scorer's seed
-    prune: str = "tokens"
-    recall: bool = False
-    cold_capacity: int = 16384
-    recall_every: int = 4
-    recall_max: int = 4
-    recall_layers: int | None = None
-    recall_span: int = 8
-    recall_aggregate: str = "max-max"
-    recall_margin: float = 0.0
-    prefill_scores: bool | None = None  # None: the scorer's own default
-    prefill_window: int = 8
-    scorer_params: str = ""  # a user scorer's own fields: "name=value,..." (the CLI's --param)
-
-    def param_dict(self) -> dict[str, str]:
-        """``scorer_params`` as {name: value text}."""
-        items = [i.strip() for i in self.scorer_params.split(",") if i.strip()]
-        return dict(i.split("=", 1) for i in items)
+    PREFIX: ClassVar[str] = ""
+    mode: str = option("compact", "compact: re-index to 0..n-1 when the next position would "
+                       "reach --reindex-at; keep: never (the run stops there)",
+                       flag="positions", choices=POSITIONS)
+    reindex_at: int | None = option(None, "compact when the next position reaches this "
+                                    "(default: the model's max positions)")
 
     def __post_init__(self) -> None:
-        items = [i for i in self.scorer_params.split(",") if i.strip()]
-        bad = [i for i in items if "=" not in i or not i.split("=", 1)[0].strip().isidentifier()]
-        require(not bad, f"--param takes NAME=VALUE (no commas in values), got {bad[:1]}")
-        require(self.repair in REPAIRS,
-                f"repair must be one of {', '.join(REPAIRS)}, got {self.repair!r}")
-        require(self.positions in ("keep", "compact"),
-                f"positions must be keep or compact, got {self.positions!r}")
-        for how in (self.aggregate, self.recall_aggregate):
-            require(how in AGGREGATIONS, f"unknown aggregation {how!r}; "
-                    f"expected one of {', '.join(AGGREGATIONS)}")
-        require(self.signal in SIGNALS, f"signal must be one of {', '.join(SIGNALS)}, "
-                f"got {self.signal!r}")
-        require(0 <= self.skip_layers < 1,
-                f"skip layers must be a fraction in [0, 1), got {self.skip_layers}")
-        require(-1 <= self.fold_min_cos <= 1,
-                f"fold min cos must be a cosine in [-1, 1], got {self.fold_min_cos}")
-        require(self.prefill_scores is None or isinstance(self.prefill_scores, bool),
-                f"prefill scores must be on, off or unset (None), got {self.prefill_scores!r}")
-        require(self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}")
-        require(self.recent >= 0, f"recent must be >= 0, got {self.recent}")
-        require(all(s in SOURCES for s in self.pinned), f"pinned sources must be among {SOURCES}")
-        for name in ("decay", "gain"):
-            v = getattr(self, name)
-            require(math.isfinite(v) and v >= 0, f"{name} must be >= 0, got {v}")
-        require(math.isfinite(self.max_brightness) and 0 < self.max_brightness <= 255,
-                f"max brightness must be in (0, 255], got {self.max_brightness}")
-        if self.seeds is None:
-            object.__setattr__(self, "seeds", (float(self.max_brightness),) * len(SOURCES))
-        require(len(self.seeds) == len(SOURCES)
-                and all(0 <= s <= self.max_brightness for s in self.seeds),
-                f"seeds must be {len(SOURCES)} values in [0, max brightness]")
-        require(self.max_merges >= 0, f"max merges must be >= 0, got {self.max_merges}")
-        require(self.prune in ("tokens", "turns"),
-                f"prune must be tokens or turns, got {self.prune!r}")
-        require(self.prune == "tokens" or self.repair == "none",
-                "prune turns drops whole turns; it takes no token repairs")
-        for name in ("cold_capacity", "recall_every", "recall_max", "recall_layers", "recall_span",
-                     "prefill_window"):
-            require(getattr(self, name) is None or getattr(self, name) >= 1,
-                    f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
-        require(self.recall_margin >= 0, f"recall margin must be >= 0, got {self.recall_margin}")
-        if self.recall:
-            require(self.budget is not None, "recall brings back culled tokens; it needs a budget")
-            require(self.repair != "fold", "recall keeps culled tokens whole; it takes no fold "
-                    "repair")
-            require(self.prune == "tokens", "recall swaps single tokens; it takes no prune turns")
-        if self.budget is not None:
-            require(self.scorer != "none", "policy none never culls; it takes no budget")
-            need = self.sinks + self.recent + 1
-            require(self.budget >= need, f"budget {self.budget} is smaller than sinks + recent "
-                    f"+ 1 = {need}")
-        if self.reindex_at is not None:
-            require(self.reindex_at > (self.budget or 1),
-                    f"reindex-at must be > the budget (and > 1), got {self.reindex_at}")
+        require(self.mode in POSITIONS,
+                f"positions must be {' or '.join(POSITIONS)}, got {self.mode!r}")
 
-    def check_positions(self, max_positions: int) -> None:
-        """Refuse a budget or re-index point a model of ``max_positions`` cannot hold."""
+    def check(self, params: "CacheParams") -> None:
+        require(self.reindex_at is None or self.reindex_at > (params.budget or 1),
+                f"reindex-at must be > the budget (and > 1), got {self.reindex_at}")
+
+    def check_model(self, max_positions: int) -> None:
         require(self.reindex_at is None or self.reindex_at <= max_positions,
                 f"reindex-at {self.reindex_at} is past the model's {max_positions} positions")
-        require(self.budget is None or self.budget < max_positions,
-                f"budget {self.budget} must be below the model's {max_positions} positions")
 
     def reindex_position(self, max_positions: int) -> int:
         """The next position at which ``compact`` re-indexes: ``reindex_at``, capped by the
         model's positions."""
         return min(self.reindex_at or max_positions, max_positions)
+
+
+@dataclass(frozen=True)
+class ScorerSpec:
+    """The stage-2 scorer: its ``name`` (a key of ``scorers.SCORERS``, or a scorer of the
+    user's own: ``scorers.user``) and the fields of its dataclass given here (``params``:
+    (field, value) pairs, sorted; a dict is taken too); the rest take the scorer's own
+    defaults. ``scorers.make_scorer`` builds it and checks them."""
+
+    name: str = "brightness"
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        items = self.params.items() if isinstance(self.params, dict) else self.params
+        require(all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                    for p in items), f"a scorer's params are (field, value) pairs, "
+                f"got {self.params!r:.60}")
+        object.__setattr__(self, "params", tuple(sorted(items)))
+
+    def get(self, name: str, default=None):
+        return dict(self.params).get(name, default)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill scores: stage 0 also gathers the prompt's own attention (``PrefillStats``:
+    what its last ``window`` queries paid each token, and what every later query did) and
+    seeds the scorer's ledger columns from it (each scorer's ``prefill``), so the first cull
+    of a prompt longer than the budget sees the whole prompt's view."""
+
+    PREFIX: ClassVar[str] = "prefill"
+    scores: bool | None = option(
+        None, "seed the scorer's per-token values from the prompt's own attention at the "
+        "prime (brightness, h2o), so the first cull sees the whole prompt (unset: the "
+        "scorer's own default, for a prompt longer than the budget; "
+        "scorers.takes_prefill_scores)")
+    window: int = option(8, "the prompt's last W queries are the scorers' observation window",
+                         metavar="W")
+
+    def __post_init__(self) -> None:
+        require(self.scores is None or isinstance(self.scores, bool),
+                f"prefill scores must be on, off or unset (None), got {self.scores!r}")
+        _at_least_one(self, "window")
+
+
+@dataclass(frozen=True)
+class MergeRepair:
+    """Repair: up to ``max_merges`` of each step's removals become merges of a dim adjacent
+    pair instead (``stages.decide``)."""
+
+    name: ClassVar[str] = "merge"
+    PREFIX: ClassVar[str] = ""
+    max_merges: int = option(1, "merge: the most removals a step turned into merges")
+
+    def __post_init__(self) -> None:
+        require(self.max_merges >= 0, f"max merges must be >= 0, got {self.max_merges}")
+
+    def check(self, params: "CacheParams") -> None:
+        require(params.prune == "tokens", "prune turns drops whole turns; it takes no token "
+                "repairs")
+
+
+@dataclass(frozen=True)
+class FoldRepair:
+    """Repair: every culled token's K/V is folded into the surviving slot whose key is most
+    alike (per layer and KV head), weighted by how many tokens each holds, and that slot's
+    attention scores get log(tokens held) added; where the best cosine is below ``min_cos``
+    the token is only dropped."""
+
+    name: ClassVar[str] = "fold"
+    PREFIX: ClassVar[str] = "fold"
+    min_cos: float = option(0.8, "fold only where the key cosine reaches this (elsewhere "
+                            "just drop)")
+
+    def __post_init__(self) -> None:
+        require(-1 <= self.min_cos <= 1,
+                f"fold min cos must be a cosine in [-1, 1], got {self.min_cos}")
+
+    check = MergeRepair.check
+
+
+REPAIRS = {"none": None, "merge": MergeRepair, "fold": FoldRepair}
+
+
+@dataclass(frozen=True)
+class Recall:
+    """A culled token goes to a cold store (at most ``cold_capacity`` tokens, the oldest to
+    enter dropped for good past it) instead of away; every ``every`` steps the current query
+    scores the cold keys over ``layers`` layers (evenly spread over those the scorer reads;
+    None: all of them), hot and cold alike ``aggregate``d, and up to ``swaps`` cold tokens
+    swap places with the dimmest unprotected hot ones they beat: those the query attends to
+    most, each with the cold tokens that follow it within ``span`` positions, and those that
+    follow a hot token it attends to most, where their signal beats the hot one's by more
+    than ``margin`` uniform shares (1/n of the live slots' attention)."""
+
+    PREFIX: ClassVar[str] = "recall"
+    cold_capacity: int = option(16384, "recall: the most cold tokens kept (the oldest dropped "
+                                "past it)", flag="cold_capacity")
+    every: int = option(4, "recall: score the cold store every K steps", metavar="K")
+    swaps: int = option(4, "recall: the most tokens swapped in per step", flag="recall_max")
+    layers: int | None = option(None, "recall: how many layers score the cold keys (default: "
+                                "every layer the scorer reads)")
+    span: int = option(8, "recall: a recalled token comes back with the cold tokens that "
+                       "follow it within this many positions")
+    aggregate: str = option("max-max", "recall: attention over layers-heads, hot and cold "
+                            "alike", choices=AGGREGATIONS)
+    margin: float = option(0.0, "recall: a cold token swaps in only if it beats the hot one "
+                           "by more than M uniform shares (1/n of the attention)", metavar="M")
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "cold_capacity", "every", "swaps", "layers", "span")
+        require(self.aggregate in AGGREGATIONS, f"unknown aggregation {self.aggregate!r}; "
+                f"expected one of {', '.join(AGGREGATIONS)}")
+        require(math.isfinite(self.margin) and self.margin >= 0,
+                f"recall margin must be >= 0, got {self.margin}")
+
+    def check(self, params: "CacheParams") -> None:
+        require(params.budget is not None, "recall brings back culled tokens; it needs a budget")
+        require(not isinstance(params.repair, FoldRepair), "recall keeps culled tokens whole; it "
+                "takes no fold repair")
+        require(params.prune == "tokens", "recall swaps single tokens; it takes no prune turns")
+
+
+@dataclass(frozen=True)
+class CacheParams:
+    """What to keep in the cache and how (stages 2-4): what every run shares, and its pieces.
+
+    ``budget``: live slots after each step (None = never cull). Protected from culls and
+    repairs: the first ``sinks`` live tokens, the last ``recent`` ones, and tokens whose
+    source is ``pinned``. ``positions``: ``Positions``. ``scorer``: the stage-2 scorer and
+    its fields (``ScorerSpec``; the CLI calls it the policy); ``prefill``: whether and how
+    the prime seeds its columns (``Prefill``). ``prune``: ``tokens`` culls single tokens by
+    score; ``turns`` drops whole oldest chat turns instead (a user turn with everything up
+    to the next one; never the last, never pinned tokens; sinks, recent and repairs do not
+    apply). ``repair``: None, ``MergeRepair`` or ``FoldRepair``; ``recall``: None or ``Recall``. Each
+    piece checks its own fields and its rules with the rest (its ``check``).
+
+    Shorthands: ``scorer`` takes a name, ``repair`` a name in ``REPAIRS``, ``recall`` a
+    bool and ``positions`` a mode, for the piece with its defaults.
+    """
+
+    budget: int | None = option(None, "live cache slots after each step (default: no culling)")
+    sinks: int = option(4, "first tokens never culled")
+    recent: int = option(16, "last tokens never culled")
+    pinned: tuple[str, ...] = option(("system",), "sources never culled (of "
+                                     f"{', '.join(SOURCES)})")
+    positions: Positions = Positions()
+    scorer: ScorerSpec = ScorerSpec()
+    prefill: Prefill = Prefill()
+    prune: str = option("tokens", "tokens: cull single tokens by score; turns: drop the oldest "
+                        "whole chat turns (chat)", choices=PRUNES)
+    repair: MergeRepair | FoldRepair | None = None
+    recall: Recall | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scorer, str):
+            object.__setattr__(self, "scorer", ScorerSpec(self.scorer))
+        if isinstance(self.repair, str):
+            require(self.repair in REPAIRS,
+                    f"repair must be one of {', '.join(REPAIRS)}, got {self.repair!r}")
+            object.__setattr__(self, "repair", REPAIRS[self.repair] and REPAIRS[self.repair]())
+        if isinstance(self.recall, bool):
+            object.__setattr__(self, "recall", Recall() if self.recall else None)
+        if isinstance(self.positions, str):
+            object.__setattr__(self, "positions", Positions(self.positions))
+        require(self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}")
+        require(self.recent >= 0, f"recent must be >= 0, got {self.recent}")
+        require(all(s in SOURCES for s in self.pinned), f"pinned sources must be among {SOURCES}")
+        require(self.prune in PRUNES,
+                f"prune must be {' or '.join(PRUNES)}, got {self.prune!r}")
+        if self.budget is not None:
+            require(self.scorer.name != "none", "policy none never culls; it takes no budget")
+            need = self.sinks + self.recent + 1
+            require(self.budget >= need, f"budget {self.budget} is smaller than sinks + recent "
+                    f"+ 1 = {need}")
+        for piece in (self.positions, self.repair, self.recall):
+            if piece is not None:
+                piece.check(self)
+
+    @property
+    def repair_name(self) -> str:
+        """``none``, ``merge`` or ``fold``."""
+        return self.repair.name if self.repair else "none"
+
+    def check_positions(self, max_positions: int) -> None:
+        """Refuse a budget or re-index point a model of ``max_positions`` cannot hold."""
+        self.positions.check_model(max_positions)
+        require(self.budget is None or self.budget < max_positions,
+                f"budget {self.budget} must be below the model's {max_positions} positions")
 
 
 @dataclass(frozen=True)

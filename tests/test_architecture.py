@@ -1,10 +1,14 @@
 """Architecture rule: only stage 0/4 (the package ``stages/apply/``) writes to an arena,
 a ledger, a view of them, or a state's scalars. A static check over the package's source; the
 property tests check the same rule at run time with tensor version counters."""
+import argparse
 import ast
+import dataclasses
 from pathlib import Path
 
 import positronic_brain
+from positronic_brain import options
+from positronic_brain.types import CacheParams
 
 PACKAGE = Path(positronic_brain.__file__).parent
 WRITER = PACKAGE / "stages" / "apply"  # the writers' package
@@ -78,6 +82,34 @@ def test_no_function_outside_the_benchmarks_is_longer_than_a_screen():
     assert not long, f"functions over {LONGEST} lines: {long}"
 
 
+def test_cache_params_holds_what_every_run_shares_and_a_field_per_piece():
+    """At most 10 fields: budget, sinks, recent, pinned, prune, and one per piece
+    (positions, scorer, prefill, repair, recall); each piece's own options live in it."""
+    fields = [f.name for f in dataclasses.fields(CacheParams)]
+    assert len(fields) <= 10, fields
+    assert set(fields) == {"budget", "sinks", "recent", "pinned", "prune", "positions", "scorer",
+                           "prefill", "repair", "recall"}
+
+
+def test_the_options_page_is_made_from_the_code():
+    """docs/OPTIONS.md is ``options.reference()``: regenerate it with
+    ``python -m positronic_brain.options > docs/OPTIONS.md``."""
+    assert (PACKAGE.parent / "docs" / "OPTIONS.md").read_text() == options.reference()
+
+
+def test_every_cache_flag_comes_from_a_field():
+    """The cache flags of run, chat and fork are the options (``options.NAMES``): no flag is
+    added by hand beside them, so each is stated once."""
+    from positronic_brain.cli.args import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("run", "chat", "fork"):
+        group = next(g for g in sub.choices[command]._action_groups
+                     if g.title.startswith("cache"))
+        dests = {a.dest for a in group._group_actions}
+        assert dests == set(options.NAMES) - ({"prune"} if command != "chat" else set()), command
+
+
 def test_the_loop_names_no_scorer_column():
     """A scorer's per-token state is its own: the ledger, the stages, the loop and the file
     formats handle scorer columns by the names scorers declare, never by a built-in's
@@ -89,8 +121,8 @@ def test_the_loop_names_no_scorer_column():
     offenders = []
     for path in core:
         tree = ast.parse(path.read_text())
-        default = {id(n.value) for n in ast.walk(tree)  # ``scorer = "brightness"``: a name
-                   if isinstance(n, ast.AnnAssign) and ast.unparse(n.target) == "scorer"}
+        default = {id(n.value) for n in ast.walk(tree)  # ``name = "brightness"``: a scorer's
+                   if isinstance(n, ast.AnnAssign) and ast.unparse(n.target) == "name"}
         for node in ast.walk(tree):
             if id(node) in default:
                 continue

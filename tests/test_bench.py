@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from positronic_brain import options
 from positronic_brain.bench import speed
 from positronic_brain.cli import main
 from positronic_brain.model import hf_forward, packable
@@ -276,6 +277,6 @@ def test_a_gpu_run_holds_the_graph_to_the_floor_and_says_why_it_missed():
 
 
 def test_the_scan_reads_every_recall_layer_s_cold_keys():
-    params = CacheParams(budget=64, recall=True, recall_layers=3)
+    params = options.params(budget=64, recall=True, recall_layers=3)
     k = torch.zeros(6, 2, 100, 4, dtype=torch.bfloat16)
     assert speed.scan_bytes(params, k, 10) == 3 * 2 * 10 * 4 * 2

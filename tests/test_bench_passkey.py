@@ -57,11 +57,11 @@ def test_variants_are_one_more_axis():
     cfg = passkey.PasskeyConfig(budgets=(128, 256), policies=("h2o", "tova"),
                                 variants=({}, {"repair": "fold"}))
     grid = passkey.cells(cfg)
-    assert len(grid) == 8 and grid[4].cache.repair == "fold" and grid[0].cache.repair == "none"
+    assert len(grid) == 8 and grid[4].cache.repair_name == "fold" and grid[0].cache.repair is None
     assert [passkey.variant_label(c.variant) for c in grid] == ["plain"] * 4 + ["repair=fold"] * 4
-    with pytest.raises(UserError, match="not a cache parameter"):
+    with pytest.raises(UserError, match="unknown cache option"):
         passkey.PasskeyConfig(variants=({"no_such_field": True},))
-    with pytest.raises(UserError, match="other than budget and scorer"):
+    with pytest.raises(UserError, match="other than budget and policy"):
         passkey.PasskeyConfig(variants=({"budget": 4},))
     with pytest.raises(UserError, match="fixed by the shared prime"):
         passkey.PasskeyConfig(variants=({"prefill_scores": True, "prefill_window": 8},))

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from positronic_brain import options
 from positronic_brain.bench import quality
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
@@ -306,16 +307,21 @@ def test_pool_workers_give_the_inline_result(tiny_model, tiny_policy):
 
 
 def test_params_take_true_and_false_for_yes_no_fields():
-    assert quality.base_params("prefill_scores=false").prefill_scores is False
-    assert quality.base_params("prefill_scores=On,decay=1").prefill_scores is True
-    with pytest.raises(UserError, match=r"bad value for prefill_scores: 'maybe' \(true or false\)"):
-        quality.base_params("prefill_scores=maybe")
+    read = lambda text: options.cache_params(options.pairs(text, "--params"), text=True)  # noqa: E731
+    assert read("prefill_scores=false").prefill.scores is False
+    assert read("prefill_scores=On,decay=1").prefill.scores is True
+    assert read("prefill-window=3,seeds=1:2:3:4").scorer.get("seeds") == (1.0, 2.0, 3.0, 4.0)
+    with pytest.raises(UserError, match=r"prefill_scores: 'maybe' is not true or false"):
+        read("prefill_scores=maybe")
+    with pytest.raises(UserError, match=r"--params: unknown option 'bogus'"):
+        read("bogus=1")
 
 
 def test_bad_input_is_one_line(capsys):
     for argv, msg in ((["--budgets", "1,a"], "comma-separated integers"),
-                      (["--params", "gain=x"], "bad value for gain"),
-                      (["--params", "budget=3"], "unknown or fixed field"),
+                      (["--params", "gain=x"], "gain: 'x' is not a finite number"),
+                      (["--params", "budget=3"], "budget is the benchmark's own axis"),
+                      (["--params", "recall_every=0"], "recall every must be >= 1"),
                       (["--policies", "none"], "non-culling"),
                       (["--budgets", "8"], "smaller than sinks + recent"),
                       (["--at", "0.7"], "--at places the tune slice"),

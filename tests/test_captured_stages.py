@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from positronic_brain.capture import load_file, read_manifest
+from positronic_brain.scorers import make_scorer
 from positronic_brain.state import FLAG_PROTECTED
 from tests.tolerance import products, sum_bound
 
@@ -61,24 +62,25 @@ def test_s1_generate_outputs(capture, real_model):
 
 def test_s2_scores_follow_the_brightness_rule(capture):
     _, files, _, cache = capture
+    rule = make_scorer(cache)  # brightness, its fields at their defaults
     for f in files.values():
         view, out = f["s1_generate"]["inputs"]["view"], f["s2_score"]["outputs"]["out"]
         n = view["n"]
         assert out["scores"].shape == (n,) and torch.isfinite(out["scores"]).all()
         b = out["columns"]["brightness"]
-        assert b.shape == (n,) and (b >= 0).all() and (b <= cache.max_brightness).all()
+        assert b.shape == (n,) and (b >= 0).all() and (b <= rule.max_brightness).all()
         # the rule, from the captured inputs alone: the s1 attention and the value norms
         att, norms = f["s1_generate"]["outputs"]["attention"], f["s2_score"]["inputs"]["value_norms"]
         assert norms.shape == (att.shape[0], att.shape[1] // 3, n) and (norms >= 0).all()
-        first = round(cache.skip_layers * att.shape[0])  # brightness leaves these layers out
+        first = round(rule.skip_layers * att.shape[0])  # brightness leaves these layers out
         norms, att = norms[first:], att[first:]
         w = (norms / norms.mean(-1, keepdim=True)).repeat_interleave(3, dim=1)
         share = n * (att * w).mean((0, 1))
-        want = (view["brightness"] - cache.decay + cache.gain * share).clamp(0, cache.max_brightness)
+        want = (view["brightness"] - rule.decay + rule.gain * share).clamp(0, rule.max_brightness)
         # two means in series (the norms' over n, the weighted attention's over layers and
         # heads, which the scorer takes per layer first), then the 3-term update on each side
-        terms = view["brightness"].abs() + cache.decay + cache.gain * share
-        tol = cache.gain * products(torch.float32, max(n, att.shape[0] * att.shape[1]), 2,
+        terms = view["brightness"].abs() + rule.decay + rule.gain * share
+        tol = rule.gain * products(torch.float32, max(n, att.shape[0] * att.shape[1]), 2,
                                     float(share.max())) \
             + sum_bound(torch.float32, 3, float(terms.max()))
         assert float((b - want).abs().max()) <= tol
@@ -101,7 +103,7 @@ def test_s3_decisions_respect_budget_and_protections(capture):
         for r in act["merges"]:  # adjacent in text order
             a, b = r["slots"]
             assert order.index(b) == order.index(a) + 1 and r["position"] == int(view["position"][a])
-        assert act["reindex"] == (view["next_position"] + 1 >= cache.reindex_at)
+        assert act["reindex"] == (view["next_position"] + 1 >= cache.positions.reindex_at)
 
 
 def test_s4_applies_exactly_the_decided_patch(capture):

@@ -172,7 +172,7 @@ def test_a_script_that_is_not_text_is_one_line(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--param", "x=1"], "--param is for a scorer of your own"),
+    (["--param", "x=1"], "x: a field of none of the policies"),
     (["--policies", "NOFILE:X"], "no such file"),
 ])
 def test_bench_quality_checks_its_scorers_before_measuring(capsys, tmp_path, argv, message):

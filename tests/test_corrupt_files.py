@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from positronic_brain import options
 from positronic_brain import compare, fork, inspector, replay
 from positronic_brain.capture import FORMAT, CaptureTape, resolve_run, sha256
 from positronic_brain.chat import Chat
@@ -113,7 +114,7 @@ def made(tmp_path_factory, models) -> dict:
     policy = TokenPolicy(model.tokenizer)
     d = tmp_path_factory.mktemp("valid")
     a = Session(model, policy, SamplerParams(temperature=1.0, top_k=40, seed=11),
-                CacheParams(budget=20, sinks=2, recent=4, recall=True, repair="merge",
+                options.params(budget=20, sinks=2, recent=4, recall=True, repair="merge",
                             max_merges=1))
     a.prime(policy.raw_prompt("a session that culls and recalls"), 64)
     for _ in range(12):

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from positronic_brain import options
 from positronic_brain.capture import NO_TAPE, CaptureTape, Tape
 from positronic_brain.cli import main as cli
 from positronic_brain.loop import Session
@@ -23,10 +24,10 @@ TEXT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 
 SAMPLED = SamplerParams(temperature=0.9, top_k=40, seed=3)
 # budgets below the text, so stage 4 culls and moves slots every step, and the edits each makes
 CACHES = {
-    "merge+reindex": CacheParams(budget=40, sinks=2, recent=4, repair="merge", max_merges=1,
+    "merge+reindex": options.params(budget=40, sinks=2, recent=4, repair="merge", max_merges=1,
                                  reindex_at=160),
-    "fold": CacheParams(budget=40, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0),
-    "recall": CacheParams(budget=40, sinks=2, recent=4, recall=True, recall_every=1,
+    "fold": options.params(budget=40, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0),
+    "recall": options.params(budget=40, sinks=2, recent=4, recall=True, recall_every=1,
                           recall_margin=0.0, reindex_at=160),
 }
 EDITS = {"merge+reindex": {"culled", "merged", "reindexed"}, "fold": {"culled", "folded"},

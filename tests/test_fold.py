@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from positronic_brain import options
 from positronic_brain.forward import forward
 from positronic_brain.loop import Session
 from positronic_brain.model import load_model, packable
@@ -21,7 +22,7 @@ from tests.oracle import assert_close
 from tests.tolerance import gamma, model_bound, products
 
 GREEDY = SamplerParams(greedy=True)
-FOLD = CacheParams(budget=20, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0)
+FOLD = options.params(budget=20, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0)
 
 
 def _cosines(model) -> float:
@@ -119,7 +120,7 @@ def test_below_the_cosine_threshold_a_culled_token_is_only_dropped(tiny_model, t
     """With ``fold_min_cos``, a culled token folds only in the layers and KV heads where its
     most alike survivor's cosine reaches it (into that survivor), is dropped elsewhere, and
     gets no Fold if dropped everywhere; the masses count every token not dropped."""
-    cache = dataclasses.replace(FOLD, fold_min_cos=min_cos)
+    cache = options.cache_params({"fold_min_cos": min_cos}, FOLD)
     session = Session(tiny_model, tiny_policy, GREEDY, cache)
     session.prime(tiny_policy.raw_prompt("fold only the culled tokens that have a close match"))
     state = session.state
@@ -231,7 +232,7 @@ def test_a_slots_key_and_value_norms_are_the_same_bits_either_way(tiny_model, dt
 def test_chat_stats_count_the_folds(tiny_model, tiny_policy):
     from positronic_brain.chat import Chat
 
-    cache = CacheParams(budget=96, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0)
+    cache = options.params(budget=96, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0)
     chat = Chat(tiny_model, tiny_policy, system="be brief", sampler=GREEDY, cache_params=cache,
                 max_new_tokens=16)
     for t in range(6):

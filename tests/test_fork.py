@@ -76,8 +76,8 @@ def test_a_fork_with_another_policy_parts_at_its_step(parent, capsys, tmp_path):
         for st in ("s1_generate", "s2_score", "s3_decide", "s4_apply"):
             name = file_name(t, st)
             assert frun.manifest["files"][name] == run.manifest["files"][name]
-    assert frun.stage(9, "s2_score").args["cache_params"].scorer == "brightness"
-    assert frun.stage(10, "s2_score").args["cache_params"].scorer == "h2o"
+    assert frun.stage(9, "s2_score").args["cache_params"].scorer.name == "brightness"
+    assert frun.stage(10, "s2_score").args["cache_params"].scorer.name == "h2o"
     assert frun.steps == list(range(1, 22))
     assert main(["replay", str(frun.dir)]) == 0
 

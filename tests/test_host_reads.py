@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from positronic_brain import options
 from positronic_brain.bench.common import cuda_syncs, host_reads
 from positronic_brain.loop import Session
 from positronic_brain.model import load_model
@@ -77,7 +78,7 @@ def test_a_graph_step_reads_only_the_sampler_s_report(model):
 
 
 def test_a_folding_step_reads_its_targets_too(model):
-    params = CacheParams(budget=24, repair="fold", fold_min_cos=-1.0)  # every cull folds
+    params = options.params(budget=24, repair="fold", fold_min_cos=-1.0)  # every cull folds
     for reads in _stage_reads(model, params):
         assert all(r <= c for r, c in zip(reads, FOLDING)), reads
 

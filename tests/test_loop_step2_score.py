@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from positronic_brain import options
 from positronic_brain.loop import Session
 from positronic_brain.scorers import SCORERS, columns_of, make_scorer
 from positronic_brain.stages.apply import prime
@@ -38,7 +39,7 @@ def test_brightness_on_the_real_model(walked, real_policy):
     out = score(view, gen.attention, session.scorer)
     b = out.columns["brightness"]
     assert out.scores is b and b.shape == (view.n,) and b.dtype == torch.float32
-    assert float(b.min()) >= 0 and float(b.max()) <= session.cache_params.max_brightness
+    assert float(b.min()) >= 0 and float(b.max()) <= session.scorer.max_brightness
     order = torch.argsort(b, descending=True).tolist()
     show = lambda i: f"{real_policy.token_text(int(view.token_id[i]))!r}@{int(view.position[i])}"  # noqa: E731
     print(f"\nstep {view.step}: {view.n} live slots, next position {view.next_position}")
@@ -46,7 +47,7 @@ def test_brightness_on_the_real_model(walked, real_policy):
     print("dimmest:  ", ", ".join(f"{show(i)}={float(b[i]):.1f}" for i in order[-8:]))
     # the update rule, from the stored values, the attention row, the live values and the
     # session's parameters: n x the value-weighted attention, averaged over layers and heads
-    c = session.cache_params
+    c = session.scorer  # brightness, its fields at their defaults
     first = round(c.skip_layers * 30)  # the layers brightness leaves out (6 of 30)
     norm = view.v[first:].float().norm(dim=-1)  # (L - first, kv_heads, n)
     norm = (norm / norm.mean(-1, keepdim=True)).repeat_interleave(3, dim=1)  # 9 heads, 3 KV
@@ -80,7 +81,7 @@ def test_brightness_update_rule_by_hand(tiny_model, tiny_policy, signal):
     weight = [[_value_weights(view.v, li, h, H) if signal == "value" else [1.0] * n
                for h in range(H)] for li in range(L)]
     for how, skip in [(how, 0.0) for how in AGGREGATIONS] + [("all-mean", 0.5), ("all-max", 0.6)]:
-        scorer = make_scorer(CacheParams(decay=1.5, gain=0.5, max_brightness=200.0,
+        scorer = make_scorer(options.params(decay=1.5, gain=0.5, max_brightness=200.0,
                                          aggregate=how, signal=signal, skip_layers=skip))
         got = scorer.score(view, attention).columns["brightness"]
         first = round(skip * L)
@@ -113,7 +114,7 @@ def test_value_weights_favour_large_values(tiny_model, tiny_policy):
     norms[:, :, 2] *= 5
     attention = torch.full((tiny_model.spec.n_layers, tiny_model.spec.n_heads, view.n), 1 / view.n,
                            device=tiny_model.device)
-    scorer = make_scorer(CacheParams(decay=0.0, gain=1.0))
+    scorer = make_scorer(options.params(decay=0.0, gain=1.0))
     plain = scorer.score(view, attention).columns["brightness"]
     # n x 1/n, the same for every slot: 1/n rounded, L x H of them averaged, times n, plus 0
     L, H = attention.shape[:2]
@@ -130,7 +131,7 @@ def test_value_weights_favour_large_values(tiny_model, tiny_policy):
 def test_new_tokens_are_seeded_by_source(tiny_model, tiny_policy):
     seeds = (200.0, 100.0, 50.0, 25.0)
     segs = tiny_policy.chat([("system", "S"), ("user", "U")])  # ends with the assistant opener
-    scorer = make_scorer(CacheParams(seeds=seeds))
+    scorer = make_scorer(options.params(seeds=seeds))
     state, _ = prime(tiny_model, segs, capacity=64, columns=columns_of(scorer))
     m = state.ledger
     want = torch.tensor(seeds)[m.live("source").long().cpu()]
@@ -168,13 +169,13 @@ def test_baselines(tiny_model, tiny_policy):
     assert list(h2o.columns) == ["attn_sum"]
 
     # a max is one of its terms, whatever the order: the same bits
-    tova = make_scorer(CacheParams(scorer="tova", aggregate="last-max")).score(view, attention)
+    tova = make_scorer(options.params(policy="tova", aggregate="last-max")).score(view, attention)
     assert torch.equal(tova.scores, attention[-1].amax(0)) and tova.columns is None
 
     st = make_scorer(CacheParams(scorer="streaming", sinks=2)).score(view, attention).scores
     assert torch.isinf(st[:2]).all() and torch.equal(st[2:], view.position[2:].float())
 
-    r = make_scorer(CacheParams(scorer="random", random_seed=3))
+    r = make_scorer(options.params(policy="random", random_seed=3))
     a, b = r.score(view, attention).scores, r.score(view, attention).scores
     assert torch.equal(a, b) and not torch.equal(a, r.score(replace(view, step=11), attention).scores)
 

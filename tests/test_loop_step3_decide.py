@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from positronic_brain import options
 from positronic_brain.loop import Session
 from positronic_brain.model import hf_forward
 from positronic_brain.stages.apply import prime
@@ -153,8 +154,8 @@ def test_pairs_are_adjacent_disjoint_and_unprotected():
 def test_reindex_flag(tiny_model, tiny_policy):
     view = replace(_view(tiny_model, tiny_policy), next_position=99)
     scores = _scores(view, torch.zeros(20))
-    assert decide(tiny_model, view, scores, CacheParams(reindex_at=100)).reindex
-    assert not decide(tiny_model, view, scores, CacheParams(reindex_at=101)).reindex
-    assert not decide(tiny_model, view, scores, CacheParams(reindex_at=100, positions="keep")).reindex
+    assert decide(tiny_model, view, scores, options.params(reindex_at=100)).reindex
+    assert not decide(tiny_model, view, scores, options.params(reindex_at=101)).reindex
+    assert not decide(tiny_model, view, scores, options.params(reindex_at=100, positions="keep")).reindex
     at_max = replace(view, next_position=tiny_model.spec.max_positions - 1)
     assert decide(tiny_model, at_max, scores, CacheParams()).reindex

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from positronic_brain import options
 from positronic_brain.stages.apply import cold as stage4_cold, patch as stage4, rows as stage4_rows
 from positronic_brain.forward import apply_rope, rerotation
 from positronic_brain.loop import Session, run
@@ -47,7 +48,7 @@ def test_oracle_after_culls_repairs_and_reindexes(real_model, real_policy, repai
     """After every patch, stage-1 logits equal HF model() on a DynamicCache of the live K/V
     (slot order as it is) with the pending token's position (fp32, to ``ORACLE``); after each
     re-index, layer-0 keys equal a fresh computation at the new positions."""
-    cache = CacheParams(budget=24, sinks=2, recent=4, repair=repair, reindex_at=40)
+    cache = options.params(budget=24, sinks=2, recent=4, repair=repair, reindex_at=40)
     session = Session(real_model, real_policy, GREEDY, cache)
     session.prime(real_policy.raw_prompt(PROMPT))  # longer than the budget
     seen = set()
@@ -113,7 +114,7 @@ def test_big_enough_budget_reproduces_the_no_cull_run(real_model, real_policy):
 
 
 def _at_budget(tiny_model, tiny_policy, **kw):
-    cache = CacheParams(budget=16, sinks=2, recent=3, **kw)
+    cache = options.params(budget=16, sinks=2, recent=3, **kw)
     session = Session(tiny_model, tiny_policy, SamplerParams(temperature=1.0, seed=2), cache)
     session.prime(tiny_policy.raw_prompt("a byte-level prompt longer than the budget"))
     for _ in range(5):
@@ -190,7 +191,7 @@ def test_apply_order_and_patch(tiny_model, tiny_policy):
     view = state.view()
     gen = generate(tiny_model, view, session.sampler, session.generator)
     scores = score(view, gen.attention, session.scorer)
-    actions = decide(tiny_model, view, scores, CacheParams(budget=10, sinks=2, recent=3,
+    actions = decide(tiny_model, view, scores, options.params(budget=10, sinks=2, recent=3,
                                                            repair="merge", reindex_at=100))
     actions = Actions(**{**actions.__dict__, "reindex": True})
     old = {int(u): int(p) for u, p in zip(view.uid, view.position)}

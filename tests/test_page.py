@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from positronic_brain import options
 from positronic_brain import page
 from positronic_brain.capture import CaptureRun, CaptureTape
 from positronic_brain.cli import main
@@ -50,7 +51,7 @@ def edited_run(request, tiny_model, tiny_policy, tmp_path, one_thread):
     tape = LedgerTape(tmp_path / "caps", {"model": tiny_model.name, "dtype": "float32",
                                           "device": str(tiny_model.device),
                                           "fingerprint": tiny_model.fingerprint}, run_id="run")
-    params = CacheParams(budget=16, sinks=2, recent=3, **EDITS[request.param])
+    params = options.params(budget=16, sinks=2, recent=3, **EDITS[request.param])
     session = Session(tiny_model, tiny_policy, SamplerParams(temperature=1.0, seed=4), params,
                       tape=tape)
     session.prime([Segment(tuple(range(5, 25)), "user")])
@@ -113,7 +114,7 @@ def test_inspect_and_compare_write_pages_and_refuse_bad_input(tmp_path, capsys, 
     pair = tmp_path / "pair.html"
     assert main(["compare", caps["brightness"], caps["h2o"], "--html", str(pair)]) == 0
     data = _page_data(pair)
-    assert [r["params"]["scorer"] for r in data["runs"]] == ["brightness", "h2o"]
+    assert [r["params"]["policy"] for r in data["runs"]] == ["brightness", "h2o"]
     h2o = data["runs"][1]["steps"][-1]  # each scorer's own column by name, no brightness
     assert list(h2o["columns"]) == ["attn_sum"] and set(h2o["brightness"]) == {None}
     assert main(["compare", caps["brightness"], caps["h2o"], "--json"]) == 0

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from positronic_brain import options
 from positronic_brain import forward as forward_module
 from positronic_brain.bench import passkey
 from positronic_brain.capture import CaptureTape, sha256
@@ -146,7 +147,7 @@ def test_a_prime_for_a_scorer_that_reads_only_the_window_gathers_no_total(tiny_m
     else:  # chunks before the window attend fused, the others through built scores
         bound = forward_bound(tiny_model, len(ids), float(both.logits.abs().max()), True)
         assert_close(alone.logits, both.logits, bound, "logits")
-    p = CacheParams(budget=24, prefill_scores=True, prefill_window=9)
+    p = options.params(budget=24, prefill_scores=True, prefill_window=9)
     for scorer, total in (("brightness", False), ("h2o", True)):
         s = Session(tiny_model, tiny_policy, cache_params=dataclasses.replace(p, scorer=scorer))
         assert (s.prime(segs).total is not None) is total
@@ -188,10 +189,11 @@ def test_each_scorer_seeds_its_columns_as_its_file_says(tiny_model, tiny_policy)
     window = att.tril(-1)[:, :, T - W:].sum(2) / W  # (L, H, T)
     w = vnorm / vnorm.mean(-1, keepdim=True)  # (L, KVH, T): value norm / the mean live one
     share = T * (window.view(2, 2, 2, T) * w[:, :, None]).view(2, 4, T).mean((0, 1))
-    p = CacheParams(budget=24, prefill_scores=True, prefill_window=W)
+    p = options.params(budget=24, prefill_scores=True, prefill_window=W)
     s = Session(tiny_model, tiny_policy, cache_params=p)
     s.prime(segs)
-    b = (W * (p.gain * share - p.decay)).clamp(0, 255)  # from 0, at most the seed (255)
+    gain, decay = s.scorer.gain, s.scorer.decay
+    b = (W * (gain * share - decay)).clamp(0, 255)  # from 0, at most the seed (255)
     assert float(b.min()) < float(b.max()) < 255  # told apart, none at the clamp
     # the window's weights, each value norm (V through the forward, then head_dim terms)
     # over their mean, the mean over layers and heads; then W (gain x share - decay)
@@ -199,8 +201,8 @@ def test_each_scorer_seeds_its_columns_as_its_file_says(tiny_model, tiny_policy)
     relative = _relative(tiny_model, ids[:T])
     norms = forward_bound(tiny_model, T, float(vnorm.max()), more=1) / float(vnorm.min())
     relative += 2 * norms + sum_bound(torch.float32, heads)
-    top = W * p.gain * float(share.max())
-    bound = relative * top + sum_bound(torch.float32, 2, top + W * p.decay)
+    top = W * gain * float(share.max())
+    bound = relative * top + sum_bound(torch.float32, 2, top + W * decay)
     assert float((s.state.ledger.live("brightness") - b).abs().max()) <= bound
     assert list(s.state.ledger.columns) == ["brightness"]  # its own column only
 
@@ -251,7 +253,7 @@ def test_off_is_the_run_as_before(tiny_model, tiny_policy, one_thread):
     for scorer in ("brightness", "h2o", "tova"):
         params = CacheParams(budget=32, scorer=scorer)
         runs = {on: run(tiny_model, tiny_policy, segs, sampler, 12, True,
-                        cache_params=dataclasses.replace(params, prefill_scores=on))
+                        cache_params=options.cache_params({"prefill_scores": on}, params))
                 for on in (False, True)}
         plain = Session(tiny_model, tiny_policy, sampler, params)
         plain.state, _ = prime(tiny_model, segs, n_prompt,  # stage 0 as before: no statistics
@@ -272,12 +274,12 @@ def test_a_token_the_window_attends_survives_the_first_cull(tiny_model, tiny_pol
     the cull down to the budget; unseeded, it goes."""
     segs = _prompt(tiny_policy)
     greedy = SamplerParams(greedy=True)
-    params = CacheParams(budget=16, sinks=2, recent=4, prefill_scores=False)
+    params = options.params(budget=16, sinks=2, recent=4, prefill_scores=False)
     off = Session(tiny_model, tiny_policy, greedy, params)
     stats = off.prime(segs, stats=True)  # gathered, not seeded: prefill scores are off
     assert bool((off.state.ledger.live("brightness") == 255).all())
     on = Session(tiny_model, tiny_policy, greedy,
-                 dataclasses.replace(params, prefill_scores=True),
+                 options.cache_params({"prefill_scores": True}, params),
                  state=prime(tiny_model, segs, off.state.arena.capacity)[0])
     culled = off.step().culled
     assert len(culled) > 5
@@ -307,7 +309,7 @@ def test_smollm2_keeps_the_pass_key_its_question_attends(real_model, real_policy
 @pytest.mark.parametrize("scorer", ["brightness", "h2o"])
 def test_a_captured_run_with_prefill_scores_replays_bit_for_bit(tiny_model, tiny_policy,
                                                                 tmp_path, scorer, one_thread):
-    params = CacheParams(budget=32, scorer=scorer, prefill_scores=True, prefill_window=6)
+    params = options.params(budget=32, policy=scorer, prefill_scores=True, prefill_window=6)
     tape = CaptureTape(tmp_path, {"model": tiny_model.name, "dtype": "float32",
                                   "device": str(tiny_model.device),
                                   "fingerprint": tiny_model.fingerprint}, run_id="run")
@@ -323,7 +325,7 @@ def test_a_captured_run_with_prefill_scores_replays_bit_for_bit(tiny_model, tiny
     data = torch.load(copy / name, weights_only=True)
     column = "brightness" if scorer == "brightness" else "attn_sum"
     assert data["outputs"]["patch"]["columns"][column] is not None
-    assert data["inputs"]["prefill"]["prefill_window"] == 6
+    assert data["inputs"]["prefill"]["prefill"]["window"] == 6
     data["outputs"]["patch"]["columns"][column][3] += 0.25
     torch.save(data, copy / name)
     manifest = json.loads((copy / "manifest.json").read_text())
@@ -345,7 +347,7 @@ def test_a_copy_seeded_from_the_statistics_equals_its_own_prime(tiny_model, tiny
     assert stats is not None and not ref.state.ledger.columns  # policy none keeps none
     save_session(ref, tmp_path / "p.pbs")
     for scorer in ("brightness", "h2o"):
-        params = CacheParams(budget=32, scorer=scorer, prefill_scores=True)
+        params = options.params(budget=32, policy=scorer, prefill_scores=True)
         own = Session(tiny_model, tiny_policy, cache_params=params)
         own.prime(segs)
         copy = Session(tiny_model, tiny_policy, cache_params=params,
@@ -355,7 +357,7 @@ def test_a_copy_seeded_from_the_statistics_equals_its_own_prime(tiny_model, tiny
         # W (gain x share - decay) clamped, W gain x share at most the largest + W decay
         relative = _relative(tiny_model, [i for s in segs for i in s.ids][:-1]) + sum_bound(
             torch.float32, tiny_model.spec.n_layers * tiny_model.spec.n_heads)
-        decay = params.prefill_window * params.decay
+        decay = params.prefill.window * getattr(own.scorer, "decay", 0.0)
         lit = float(own.state.ledger.live(next(iter(own.state.ledger.columns))).max()) + decay
         assert copy.state.ledger.names == own.state.ledger.names
         for c in own.state.ledger.columns:
@@ -377,7 +379,7 @@ def test_the_scorers_that_take_prefill_scores():
                                              ("tova", False), ("streaming", False)])
 def test_each_scorer_has_its_own_default_and_the_option_overrides_it(scorer, default):
     for given, want in ((None, default), (True, scorer in ("brightness", "h2o")), (False, False)):
-        params = CacheParams(budget=32, scorer=scorer, prefill_scores=given)
+        params = options.params(budget=32, policy=scorer, prefill_scores=given)
         assert takes_prefill_scores(make_scorer(params), params) is want, (scorer, given)
         assert (prefill_scorer(make_scorer(params), params) is not None) is want
 
@@ -385,11 +387,11 @@ def test_each_scorer_has_its_own_default_and_the_option_overrides_it(scorer, def
 @pytest.mark.parametrize("argv, message", [
     (["--prefill-window", "-3"], "prefill window must be >= 1"),
     (["--prefill-window", "0"], "prefill window must be >= 1"),
-    (["--prefill-window", "x"], "invalid int value"),
+    (["--prefill-window", "x"], "'x' is not an integer"),
 ])
 def test_bad_prefill_options_are_one_line_and_exit_2(capsys, argv, message):
     assert cli(["run", "--prompt", "hi", "--model", "tiny-random", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     with pytest.raises(UserError, match="prefill window"):
-        CacheParams(prefill_window=-1)
+        options.params(prefill_window=-1)

@@ -5,6 +5,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from positronic_brain import options
 from positronic_brain.forward import apply_rope, rerotation, rope_cos_sin
 from positronic_brain.loop import Session
 from positronic_brain.stages.apply import apply
@@ -27,13 +28,13 @@ def cache_params(draw):
     sinks = draw(st.integers(0, 4))
     recent = draw(st.integers(0, 6))
     budget = draw(st.integers(sinks + recent + 1, 40))
-    return CacheParams(budget=budget, scorer=draw(st.sampled_from(CULLING)),
-                       repair=draw(st.sampled_from(["none", "merge"])),
-                       max_merges=draw(st.integers(0, 2)), sinks=sinks, recent=recent,
-                       decay=draw(st.floats(0, 20)), gain=draw(st.floats(0, 500)),
-                       aggregate=draw(st.sampled_from(["all-mean", "last-max"])),
-                       reindex_at=draw(st.sampled_from([None, budget + 1, budget + 9])),
-                       random_seed=draw(st.integers(0, 9)))
+    return options.cache_params(dict(  # each field where its scorer or piece takes it
+        budget=budget, policy=draw(st.sampled_from(CULLING)),
+        repair=draw(st.sampled_from(["none", "merge"])), max_merges=draw(st.integers(0, 2)),
+        sinks=sinks, recent=recent, decay=draw(st.floats(0, 20)),
+        gain=draw(st.floats(0, 500)), aggregate=draw(st.sampled_from(["all-mean", "last-max"])),
+        reindex_at=draw(st.sampled_from([None, budget + 1, budget + 9])),
+        random_seed=draw(st.integers(0, 9))), strict=False)
 
 
 @SETTINGS

@@ -25,6 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from positronic_brain import options
 from positronic_brain import forward as forward_module
 from positronic_brain.forward import apply_rope, rerotation
 from positronic_brain.model import load_model
@@ -73,9 +74,9 @@ def cache_params(draw) -> CacheParams:
     budget = None if policy == "none" else draw(
         st.none() | st.integers(sinks + recent + 1, sinks + recent + 12))
     top = draw(st.sampled_from((255.0, 40.0)))
-    repair = draw(st.sampled_from(REPAIRS))
-    return CacheParams(
-        budget=budget, scorer=policy, repair=repair,
+    repair = draw(st.sampled_from(tuple(REPAIRS)))
+    return options.cache_params(dict(  # each field where its scorer or piece takes it
+        budget=budget, policy=policy, repair=repair,
         prune=draw(st.sampled_from(("tokens", "turns"))) if repair == "none" else "tokens",
         positions=draw(st.sampled_from(("keep", "compact"))), sinks=sinks, recent=recent,
         pinned=tuple(sorted(draw(st.sets(st.sampled_from(SOURCES), max_size=2)))),
@@ -85,7 +86,7 @@ def cache_params(draw) -> CacheParams:
         aggregate=draw(st.sampled_from(AGGREGATIONS)), max_merges=draw(st.integers(0, 3)),
         fold_min_cos=draw(st.sampled_from((-1.0, 0.0, 0.5, 1.0))),
         reindex_at=draw(st.none() | st.integers((budget or 1) + 1, (budget or 1) + 30)),
-        random_seed=draw(st.integers(0, 3)))
+        random_seed=draw(st.integers(0, 3))), strict=False)
 
 
 samplers = st.builds(
@@ -255,12 +256,13 @@ def _read_only_call(model, view, state, data, kind: str, seen: Counter):
     else:
         gen = generate(model, view, SamplerParams(greedy=True), make_generator(0))
         cache = data.draw(cache_params())
-        if kind == "decide" and cache.scorer != "none":
+        if kind == "decide" and cache.scorer.name != "none":
             # three removals due, merges on: decide runs its repair forwards when it can
             budget = max(cache.sinks + cache.recent + 1, view.n - 2)
-            cache = CacheParams(budget=budget, scorer=cache.scorer,
-                                repair="merge", sinks=cache.sinks, recent=cache.recent,
-                                max_merges=3, aggregate=cache.aggregate)
+            cache = options.cache_params(dict(
+                budget=budget, policy=cache.scorer.name, repair="merge", sinks=cache.sinks,
+                recent=cache.recent, max_merges=3,
+                aggregate=cache.scorer.get("aggregate", "all-mean")), strict=False)
         scorer = make_scorer(cache)
         # a scorer the state was not made with reads its columns at their birth values
         view = replace(view, columns={**{c: torch.full((view.n,), spec.births[0],

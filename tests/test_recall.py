@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from positronic_brain import options
 from positronic_brain.capture import CaptureTape
 from positronic_brain.forward import rope_cos_sin
 from positronic_brain.loop import Session, run
@@ -14,12 +15,16 @@ from positronic_brain.stages.apply import apply
 from positronic_brain.stages.decide import decide, recalled, swaps
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import recall_query, score
-from positronic_brain.types import CacheParams, SamplerParams, Segment, Totals, UserError
+from positronic_brain.types import CacheParams, Recall, SamplerParams, Segment, Totals, UserError
 from tests.oracle import assert_close, hf_step_logits
 from tests.tolerance import ORACLE, step, sum_bound
 
 GREEDY = SamplerParams(greedy=True)
-RECALL = CacheParams(budget=24, sinks=2, recent=4, recall=True, recall_max=4, recall_layers=2,
+def _spanned(span: int, margin: float = 0.0) -> CacheParams:
+    return CacheParams(budget=24, recall=Recall(span=span, margin=margin))
+
+
+RECALL = options.params(budget=24, sinks=2, recent=4, recall=True, recall_max=4, recall_layers=2,
                      reindex_at=70)
 PROMPT = "bring back what the query attends to, " * 2
 
@@ -108,8 +113,7 @@ def test_recall_never_loses_a_uid_and_logits_match_hf(tiny_model, tiny_policy):
 
 
 def test_the_cold_store_is_bounded_and_drops_the_oldest(tiny_model, tiny_policy):
-    s = _session(tiny_model, tiny_policy, dataclasses.replace(RECALL, cold_capacity=5,
-                                                              reindex_at=None))
+    s = _session(tiny_model, tiny_policy, options.cache_params({"cold_capacity": 5, "reindex_at": None}, RECALL))
     first_cooled = []
     for _ in range(20):
         patch_rec = s.step()
@@ -156,7 +160,7 @@ def test_a_bad_recall_is_refused_before_anything_changes(tiny_model, tiny_policy
     and the arena, the ledger and the cold store are as they were."""
     from positronic_brain.state import FLAG_PROTECTED
     from positronic_brain.types import NO_ACTIONS, Swap
-    s = _session(tiny_model, tiny_policy, dataclasses.replace(RECALL, reindex_at=None))
+    s = _session(tiny_model, tiny_policy, options.cache_params({"reindex_at": None}, RECALL))
     for _ in range(12):
         s.step()
     state = s.state
@@ -183,7 +187,7 @@ def test_a_bad_recall_is_refused_before_anything_changes(tiny_model, tiny_policy
 
 
 def test_recall_every_k_steps_scores_only_then(tiny_model, tiny_policy):
-    params = dataclasses.replace(RECALL, recall_every=3, reindex_at=None)
+    params = options.cache_params({"recall_every": 3, "reindex_at": None}, RECALL)
     s = _session(tiny_model, tiny_policy, params)
     for _ in range(30):
         view = s.state.view()
@@ -199,21 +203,22 @@ def test_recall_every_k_steps_scores_only_then(tiny_model, tiny_policy):
     ({"recall": True}, "needs a budget"),
     ({"recall": True, "budget": 24, "repair": "fold"}, "no fold"),
     ({"recall": True, "budget": 24, "prune": "turns"}, "no prune turns"),
-    ({"cold_capacity": 0}, "cold capacity must be >= 1"),
-    ({"recall_every": 0}, "recall every must be >= 1"),
-    ({"recall_span": 0}, "recall span must be >= 1"),
-    ({"recall_margin": -0.5}, "recall margin must be >= 0"),
+    ({"recall": True, "budget": 24, "cold_capacity": 0}, "cold capacity must be >= 1"),
+    ({"recall": True, "budget": 24, "recall_every": 0}, "recall every must be >= 1"),
+    ({"recall": True, "budget": 24, "recall_span": 0}, "recall span must be >= 1"),
+    ({"recall": True, "budget": 24, "recall_margin": -0.5}, "recall margin must be >= 0"),
+    ({"recall_span": 2}, "--recall-span is for --recall"),
 ])
 def test_bad_recall_parameters_are_one_line_errors(kw, message):
     with pytest.raises(UserError, match=message):
-        CacheParams(**kw)
+        options.params(**kw)
 
 
 def test_a_prompt_far_over_the_budget_fills_a_grown_cold_store(tiny_model, tiny_policy,
                                                                monkeypatch):
     """The first step culls more tokens than the cold store's first allocation holds."""
     monkeypatch.setattr("positronic_brain.stages.apply.cold.COLD_ROWS", 16)
-    s = Session(tiny_model, tiny_policy, GREEDY, dataclasses.replace(RECALL, reindex_at=None))
+    s = Session(tiny_model, tiny_policy, GREEDY, options.cache_params({"reindex_at": None}, RECALL))
     s.prime([Segment(tuple(range(5, 105)), "user")])
     assert s.state.cold.arena.capacity == 16
     for _ in range(3):
@@ -231,7 +236,7 @@ def test_a_recalled_token_brings_the_cold_tokens_that_follow_it():
     cold = type("C", (), {"position": cold_pos, "n": 7})
     view = type("V", (), {"cold": cold, "position": hot_pos, "next_position": 31})
     scores = type("S", (), {"cold_signal": cold_sig, "hot_signal": hot_sig})
-    rows = lambda span, room: recalled(view, scores, CacheParams(recall_span=span), room)
+    rows = lambda span, room: recalled(view, scores, _spanned(span), room)
     assert rows(1, 3) == [(1, 1.0), (0, 0.5), (4, 0.25)]  # span 1: the best cold alone
     # span 3: 3 brings 4 (5 is hot); hot 19 brings 20; 10 brings 11 and 12; then 13 and 12's
     assert rows(3, 8) == [(1, 1.0), (5, 1.0), (4, 0.75), (0, 0.5), (2, 0.5), (3, 0.5),
@@ -251,7 +256,7 @@ def test_a_cold_token_swaps_in_only_past_the_margin():
                             "hot_signal": torch.tensor([0.0, 0.125, 0.75, 0.25])})
     dim = torch.tensor([0, 1])  # the dimmest hot slots, ascending score
     got = lambda m: [(s.slot, s.cold_uid) for s in swaps(  # noqa: E731
-        view, scores, CacheParams(recall_span=1, recall_margin=m), dim)]
+        view, scores, _spanned(1, m), dim)]
     assert got(0.0) == [(0, 7), (1, 8)]
     assert got(1.0) == [(0, 7)]  # 0.375 does not beat 0.125 + 1 / 4
     assert not got(2.0)  # 0.5 does not beat 0.0 + 2 / 4
@@ -292,7 +297,7 @@ def test_recalled_equals_the_loop_by_hand(seed):
     scores = type("S", (), {"cold_signal": torch.tensor(sig[:c]) if scan else None,
                             "hot_signal": torch.tensor(sig[c:])})
     want = _recalled_by_hand(pos[:c].tolist(), cold_sig, pos[c:].tolist(), sig[c:], span, room)
-    assert recalled(view, scores, CacheParams(recall_span=span), room) == want
+    assert recalled(view, scores, _spanned(span), room) == want
 
 
 @pytest.mark.parametrize("seed", range(12))

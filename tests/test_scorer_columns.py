@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from positronic_brain import options
 from positronic_brain import Session
 from positronic_brain.cli import main
 from positronic_brain.scorers import columns_of
@@ -49,7 +50,7 @@ def test_its_column_runs_captures_and_replays(capsys, tmp_path, options):
 
 def _session(tiny_model, tiny_policy, **cache) -> Session:
     s = Session(tiny_model, tiny_policy, SamplerParams(greedy=True),
-                CacheParams(scorer=EMA, **cache))
+                options.params(policy=EMA, **cache))
     s.prime(tiny_policy.raw_prompt(PROMPT))
     return s
 

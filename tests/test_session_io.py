@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from positronic_brain import options
 import positronic_brain.plain as plain
 import positronic_brain.session_io as session_io
 from positronic_brain.capture import NO_TAPE, CaptureTape
@@ -113,7 +114,7 @@ def test_roundtrip_restores_every_column_and_param(tmp_path, tiny_model, tiny_po
     """Into a second, separately loaded instance, after culls, repairs and re-indexes:
     every ledger column (whatever Ledger.COLUMNS lists), the arena's live prefix, the
     repair history and all scalars."""
-    cache = CacheParams(budget=24, sinks=2, recent=4, repair="merge", reindex_at=40)
+    cache = options.params(budget=24, sinks=2, recent=4, repair="merge", reindex_at=40)
     a = Session(tiny_model, tiny_policy, SAMPLED, cache)
     a.prime(tiny_policy.raw_prompt("culled, repaired, re-indexed, then saved"))
     records = [a.step() for _ in range(20)]

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule, run_state_machine_as_test)
 
+from positronic_brain import options
 from positronic_brain.loop import Session
 from positronic_brain.sampler import make_generator
 from positronic_brain.session_io import load_session, save_session
@@ -31,7 +32,8 @@ from positronic_brain.stages.decide import decide, removals_needed, merge_pair
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import recall_query, score
 from positronic_brain.state import FLAG_PROTECTED
-from positronic_brain.types import SOURCES, Actions, SamplerParams, Segment, Swap, UserError
+from positronic_brain.types import (SOURCES, Actions, MergeRepair, SamplerParams, Segment, Swap,
+                                   UserError)
 from tests.oracle import assert_close, hf_step_logits
 from tests.test_properties_readonly import SETTINGS, cache_params, prompts, samplers, token_ids
 from tests.tolerance import ORACLE
@@ -44,13 +46,15 @@ def loop_params(draw):
     """Any CacheParams, or (half the time) a budget within reach of the prompt, merges (or
     whole-turn pruning) and a re-index a few steps later, so that decide does everything."""
     c = draw(cache_params())
-    if c.scorer == "none" or draw(st.booleans()):
+    if c.scorer.name == "none" or draw(st.booleans()):
         return c
     budget = c.sinks + c.recent + draw(st.integers(3, 8))
     prune = draw(st.sampled_from(("tokens", "turns")))
-    return replace(c, budget=budget, prune=prune, repair="merge" if prune == "tokens" else "none",
-                   max_merges=max(1, c.max_merges),
-                   positions="compact", reindex_at=budget + draw(st.integers(1, 12)))
+    merges = max(1, c.repair.max_merges if isinstance(c.repair, MergeRepair) else 1)
+    return options.cache_params({
+        "budget": budget, "prune": prune, "repair": "merge" if prune == "tokens" else "none",
+        "positions": "compact", "reindex_at": budget + draw(st.integers(1, 12)),
+        **({"max_merges": merges} if prune == "tokens" else {})}, c)
 
 
 @st.composite
@@ -59,11 +63,13 @@ def recall_params(draw):
     re-index a few steps later."""
     c = draw(cache_params())
     budget = c.sinks + c.recent + draw(st.integers(3, 8))
-    return replace(c, budget=budget, scorer=draw(st.sampled_from(("brightness", "h2o", "tova"))),
-                   prune="tokens", repair="merge", max_merges=max(1, c.max_merges),
-                   recall=True, cold_capacity=draw(st.integers(1, 12)), recall_layers=1,
-                   recall_max=draw(st.integers(1, 3)), positions="compact",
-                   reindex_at=budget + draw(st.integers(1, 12)))
+    merges = max(1, c.repair.max_merges if isinstance(c.repair, MergeRepair) else 1)
+    return options.cache_params({
+        "budget": budget, "policy": draw(st.sampled_from(("brightness", "h2o", "tova"))),
+        "prune": "tokens", "repair": "merge", "max_merges": merges, "recall": True,
+        "cold_capacity": draw(st.integers(1, 12)), "recall_layers": 1,
+        "recall_max": draw(st.integers(1, 3)), "positions": "compact",
+        "reindex_at": budget + draw(st.integers(1, 12))}, c, strict=False)
 
 
 class LoopMachine(RuleBasedStateMachine):
@@ -101,7 +107,7 @@ class LoopMachine(RuleBasedStateMachine):
         if self.cache.recall:
             by_uid = {x[0]: x for x in live}
             self.cold += [by_uid[u] for u in culled]  # in the order stage 4 takes them
-            self.cold = self.cold[max(0, len(self.cold) - self.cache.cold_capacity):]
+            self.cold = self.cold[max(0, len(self.cold) - self.cache.recall.cold_capacity):]
         self.live = [x for x in live if x[0] not in gone]
         self.removed += len(gone)
         self.pinned -= gone | {r.uids[0] for r in merges}

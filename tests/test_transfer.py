@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from positronic_brain import options
 import positronic_brain.transfer as transfer
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
@@ -29,7 +30,7 @@ from tests.tolerance import ORACLE, forward_bound, rotation_bound, step, sum_bou
 
 SOURCE, TARGET = "tiny-random", "tiny-random-wide"
 QUICK = TrainParams(steps=60, prefix=24, continuation=8, batch=4, eval_windows=8, seed=5)
-RECALL = CacheParams(budget=24, sinks=2, recent=4, recall=True, recall_max=4, recall_layers=2,
+RECALL = options.params(budget=24, sinks=2, recent=4, recall=True, recall_max=4, recall_layers=2,
                      reindex_at=70)
 
 
@@ -102,7 +103,7 @@ def test_the_fit_of_a_model_onto_itself_learns_the_identity_back(models, ids):
     # the fit's quality, as the 0.5 and 0.7 above, not a rounding tolerance
     assert report["kl_fit"] < 0.001 * report["kl_before"], report
     assert torch.equal(projector.k.scale_in, projector.k.scale_out)  # its own sizes both sides
-    session = _session(model, SamplerParams(greedy=True), CacheParams(budget=24, reindex_at=70))
+    session = _session(model, SamplerParams(greedy=True), options.params(budget=24, reindex_at=70))
     view = apply_projector(projector, session, model, "s.pbs").state.view()
     own = session.state.view()
     # the fit's quality again, not rounding: its ridge's bias (0.3% where this was written)
@@ -162,7 +163,7 @@ def test_an_identity_projector_of_a_model_onto_itself_changes_nothing(models, id
     projector.initialise("identity", torch.Generator(), 0.0, (k * 10, v), (k * 10, v))
     assert held_out_kl(projector, model, model, held, QUICK.prefix, 4) <= _kl_rounding(
         model, held)
-    session = _session(model, SamplerParams(greedy=True), CacheParams(budget=24, reindex_at=70))
+    session = _session(model, SamplerParams(greedy=True), options.params(budget=24, reindex_at=70))
     moved = apply_projector(projector, session, model, "s.pbs")
     view, back = session.state.view(), moved.state.view()
     # the identity map: a value over its scale, times scale / scale (2 roundings), times its
@@ -388,7 +389,7 @@ def test_a_projected_session_loads_into_the_target_and_continues(tmp_path, model
 
 def test_a_session_with_folded_slots_is_refused(models, trained):
     folded = _session(models[0], SamplerParams(greedy=True),
-                      CacheParams(budget=20, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0))
+                      options.params(budget=20, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0))
     assert folded.state.arena.folded
     with pytest.raises(UserError, match="folded slots"):
         apply_projector(trained[0], folded, models[1], "folded.pbs")

@@ -8,11 +8,12 @@ import textwrap
 import pytest
 import torch
 
-from positronic_brain import Session
+from positronic_brain import Session, options
 from positronic_brain.bench import quality
+from positronic_brain.capture import manifest_params
 from positronic_brain.cli import main
 from positronic_brain.scorers import make_scorer
-from positronic_brain.types import CacheParams, SamplerParams, UserError
+from positronic_brain.types import CacheParams, SamplerParams, ScorerSpec, UserError
 
 SCORER = textwrap.dedent('''
     """Keep the tokens whose keys are longest, with a bonus for recent ones."""
@@ -58,8 +59,8 @@ def test_a_scorer_from_a_file_runs_captures_and_replays(capsys, scorer_file, tmp
     assert res["totals"]["culled"] > 0 and len(res["ledger"]) == 24
     (run,) = (tmp_path / "cap").iterdir()
     manifest = json.loads((run / "manifest.json").read_text())
-    params = manifest["params"]["cache_params"]
-    assert params["scorer"] == spec and params["scorer_params"] == "recency=0.05"
+    params = manifest_params(manifest)
+    assert params.scorer == ScorerSpec(spec, {"recency": 0.05})
     assert manifest["scorer_sha256"] == hashlib.sha256(scorer_file.read_bytes()).hexdigest()
     assert main(["replay", str(run)]) == 0
     assert "all bit-exact" in capsys.readouterr().err
@@ -130,9 +131,9 @@ def test_a_bad_scorer_is_one_line_and_the_session_is_intact(capsys, tmp_path, ti
     ("{file}:Nope", None, "has no 'Nope'"),
     ("{dir}/missing.py:X", None, "no such file"),
     ("{file}:LongKeys", "bogus=1", "has no field 'bogus'"),
-    ("{file}:LongKeys", "recency=abc", "--param recency=abc: not a float"),
+    ("{file}:LongKeys", "recency=abc", "--param recency: 'abc' is not a finite number"),
     ("{file}:LongKeys", "recency", "--param takes NAME=VALUE"),
-    ("brightness", "recency=1", "--param is for a scorer of your own"),
+    ("brightness", "recency=1", "scorer brightness has no field 'recency' (its fields: decay,"),
     ("json:dumps", None, "not a dataclass with a score"),
 ])
 def test_bad_specs_are_one_line_and_exit_2(capsys, scorer_file, spec, param, message):
@@ -145,5 +146,5 @@ def test_bad_specs_are_one_line_and_exit_2(capsys, scorer_file, spec, param, mes
 def test_a_module_scorer_and_its_cache_fields(scorer_file, monkeypatch):
     """module:ClassName imports it; fields named as cache parameters take their values."""
     monkeypatch.syspath_prepend(str(scorer_file.parent))
-    scorer = make_scorer(CacheParams(budget=24, scorer="mine:LongKeys", skip_layers=0.5))
+    scorer = make_scorer(options.params(budget=24, policy="mine:LongKeys", skip_layers=0.5))
     assert (scorer.inner.recency, scorer.inner.skip_layers) == (0.01, 0.5)

@@ -34,7 +34,9 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from .. import options
 from ..loop import Session, arena_capacity
 from ..model import Model, load_model, resolve_device
 from ..scorers import (CULLING, culling, make_scorer, reads_total, takes_prefill_scores,
@@ -153,8 +155,8 @@ def trials(seed: int, n: int, lengths: tuple[int, ...]) -> list[Trial]:
 
 @dataclass(frozen=True)
 class PasskeyConfig:
-    """What to measure. ``policies`` empty: the full cache only. ``variants``: CacheParams
-    overrides, each one more run of the whole policy x budget grid (``{}``: the plain cache;
+    """What to measure. ``policies`` empty: the full cache only. ``variants``: cache
+    options (``options``, by their flat names) set in turn, each one more run of the whole policy x budget grid (``{}``: the plain cache;
     default: plain, with recall, and with prefill scores flipped from each scorer's default:
     ``{"prefill_scores": FLIPPED}``)."""
 
@@ -172,7 +174,9 @@ class PasskeyConfig:
     framing: str = "raw"  # SmolLM2's full-cache accuracy: raw 50/50, chat 30/50 (METHOD)
     max_new_tokens: int = 8
     seed: int = 0
-    base: CacheParams = CacheParams()  # sinks, recent, scorer parameters of every cell
+    # cache options of every cell (flat name -> value): sinks, recent, scorer fields (each
+    # cell's scorer takes those it has)
+    params: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         require(self.trials >= 1, f"trials must be >= 1, got {self.trials}")
@@ -189,9 +193,10 @@ class PasskeyConfig:
                 f"framing must be one of {', '.join(FRAMINGS)}, got {self.framing!r}")
         require(self.max_new_tokens >= 5, "the answer needs at least 5 new tokens")
         require(len(self.variants) > 0, "variants must hold at least one entry ({} = plain)")
+        options.check_shared(dict(self.params), self.policies or CULLING)
         for v in self.variants:
-            require(isinstance(v, dict) and not {"budget", "scorer"} & set(v),
-                    f"a variant overrides cache parameters other than budget and scorer, got {v!r}")
+            require(isinstance(v, dict) and not {"budget", "policy"} & set(v),
+                    f"a variant sets cache options other than budget and policy, got {v!r}")
             require(not {"pinned", "seeds", "prefill_window"} & set(v),
                     f"variant {v!r}: pinned, seeds and prefill window are fixed by the "
                     "shared prime")
@@ -214,17 +219,18 @@ class PasskeyConfig:
         return dataclasses.replace(self, budgets=budgets, lengths=lengths)
 
     def cache(self, budget: int | None, policy: str, variant: dict | None = None) -> CacheParams:
+        shared = {**dict(self.params), "policy": "none" if budget is None else policy,
+                  "budget": budget}
+        own = options.cache_params(shared, strict=False)
         if budget is None:
-            return dataclasses.replace(self.base, scorer="none")
+            return own
+        variant = dict(variant or {})
+        if variant.get("prefill_scores") == FLIPPED:  # the other way from the scorer's own
+            variant["prefill_scores"] = not takes_prefill_scores(make_scorer(own), own)
         try:
-            own = dataclasses.replace(self.base, budget=budget, scorer=policy)
-            variant = dict(variant or {})
-            if variant.get("prefill_scores") == FLIPPED:  # the other way from the scorer's own
-                variant["prefill_scores"] = not takes_prefill_scores(make_scorer(own), own)
-            return dataclasses.replace(own, **variant)
-        except TypeError:
-            raise UserError(f"variant {variant!r}: not a cache parameter "
-                            f"(CacheParams fields only)") from None
+            return options.cache_params(variant, own, strict=False)
+        except UserError as e:
+            raise UserError(f"variant {variant!r}: {e}") from None
 
 
 def variant_label(v: dict) -> str:
@@ -347,7 +353,8 @@ def run(cfg: PasskeyConfig, command: str, workers: int = 1) -> dict:
     res = {"benchmark": "passkey", "command": command, "model": cfg.model, "dtype": cfg.dtype,
            "quick": cfg.quick, "machine": info, "max_positions": model.spec.max_positions,
            "workers": min(workers, len(todo)),
-           "config": dataclasses.asdict(cfg), "trials": rows}
+           "config": {**dataclasses.asdict(cfg),
+                      "base": options.settings(dict(cfg.params))}, "trials": rows}
     res["reference"] = _cell_row(rows, 0, policy="none", budget=None, variant={})
     ref = res["reference"]["accuracy"]
     res["runs"] = []

@@ -40,13 +40,16 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from .. import options
 from ..loop import Session, arena_capacity
 from ..model import Model, load_model, resolve_device
 from ..special_tokens import TokenPolicy
+from ..stages.score import read_like_scorer
 from ..scorers import BASELINES, CULLING, culling, user
 from ..scorers.oracle import NAME as ORACLE, AttentionRecorder, Oracle
-from ..types import CacheParams, SamplerParams, Segment, Totals, UserError, require
+from ..types import CacheParams, SamplerParams, ScorerSpec, Segment, Totals, UserError, require
 from . import common
 from .common import Table, fmt
 
@@ -95,7 +98,9 @@ class QualityConfig:
     long_repair: str = "none"
     long_recall: bool = True  # the long policy with recall too (positions keep)
     long_window: int = 512
-    base: CacheParams = CacheParams()  # sinks, recent, scorer parameters of every run
+    # cache options of every run (flat name -> value): sinks, recent, scorer fields (each
+    # run's scorer takes those it has), recall's (in the runs with recall)
+    params: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         require(self.slice in SLICES,
@@ -117,8 +122,15 @@ class QualityConfig:
         require(self.tokens >= 2, f"tokens must be >= 2, got {self.tokens}")
         require(self.long >= 0 and self.long_window >= 1,
                 "long must be >= 0 and long_window >= 1")
+        options.check_shared(dict(self.params), self.policies)
         for b in self.budgets:  # fail early: too small for the protections
             self.cache(b, self.policies[0])
+        for p in self.policies[1:]:  # and each scorer built (your own: its file and fields)
+            self.cache(self.budgets[0], p)
+        for r in self.repairs:  # each piece with the options given for it
+            self.cache(self.budgets[-1], self.policies[0], r)
+        if self.recall_rows:
+            self.cache(self.budgets[-1], DEFAULT.scorer.name, DEFAULT.repair_name, recall=True)
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "QualityConfig":
@@ -136,7 +148,7 @@ class QualityConfig:
     @property
     def recall_rows(self) -> bool:
         """Whether the grid has the default policy with recall (it does with that policy)."""
-        return DEFAULT.scorer in self.policies
+        return DEFAULT.scorer.name in self.policies
 
     def fitted(self, max_positions: int) -> "QualityConfig":
         """What the model's positions allow: budgets below half of them, grid windows (and
@@ -153,9 +165,12 @@ class QualityConfig:
               positions: str = "compact", recall: bool = False) -> CacheParams:
         if budget is None:
             return CacheParams(scorer="none")
-        own = self.base.scorer_params if user.is_user(policy) else ""  # --param: yours only
-        return dataclasses.replace(self.base, budget=budget, scorer=policy, repair=repair,
-                                   positions=positions, recall=recall, scorer_params=own)
+        if policy == ORACLE:  # built by the benchmark, not from options
+            return dataclasses.replace(self.cache(budget, DEFAULT.scorer.name, repair,
+                                                  positions, recall), scorer=ScorerSpec(ORACLE))
+        return options.cache_params({**dict(self.params), "budget": budget, "policy": policy,
+                                     "repair": repair, "positions": positions,
+                                     "recall": recall}, strict=False)
 
 
 # --- the text -------------------------------------------------------------------------------
@@ -253,9 +268,9 @@ def streaming_nll(model: Model, policy: TokenPolicy, ids: list[int], cache: Cach
     scorer ``oracle``, from such a run over the same ``ids``."""
     require(len(ids) >= skip + 2, "streaming perplexity needs at least 2 tokens past the warm-up")
     require(not record or cache.budget is None, "only a full-cache run records the oracle")
-    require((oracle is not None) == (cache.scorer == ORACLE),
+    require((oracle is not None) == (cache.scorer.name == ORACLE),
             "an oracle run needs the full-cache run's oracle, and only it takes one")
-    recorder = AttentionRecorder(record, cache.aggregate, ids) if record else None
+    recorder = AttentionRecorder(record, read_like_scorer(cache, "aggregate"), ids) if record else None
     session = Session(model, policy, SamplerParams(greedy=True), cache,
                       scorer=recorder or oracle)
     session.prime([Segment((ids[0],), "user")], arena_capacity(model, cache, 1, len(ids) - 1))
@@ -314,8 +329,9 @@ def plan(cfg: QualityConfig, limit: int, room: range) -> list[Job]:
     jobs += [grid("grid", f"{p} budget {b}, {r} repair", cfg.cache(b, p, r))
              for b in cfg.budgets for p in cfg.policies for r in cfg.repairs]
     if cfg.recall_rows:
-        jobs += [grid("grid", f"{DEFAULT.scorer} with recall budget {b}, {DEFAULT.repair} "
-                      "repair", cfg.cache(b, DEFAULT.scorer, DEFAULT.repair, recall=True))
+        name, repair = DEFAULT.scorer.name, DEFAULT.repair_name
+        jobs += [grid("grid", f"{name} with recall budget {b}, {repair} repair",
+                      cfg.cache(b, name, repair, recall=True))
                  for b in cfg.budgets]
     jobs += [grid("oracle", f"oracle budget {b}", cfg.cache(b, ORACLE)) for b in cfg.budgets]
     return jobs + long_plan(cfg, limit, room)
@@ -424,8 +440,8 @@ def _row(job: Job, runs: list[Streamed]) -> dict:
     (``by_window``: its first streamed and first scored token, its perplexity, what its
     warm-up removed), and the counts over the scored steps."""
     nll, t, c = [x for s in runs for x in s.nll], _totals(s.totals for s in runs), job.cache
-    return {"policy": c.scorer, "repair": c.repair, "budget": c.budget, "recall": c.recall,
-            "positions": c.positions, "ppl": perplexity(nll), "scored": len(nll),
+    return {"policy": c.scorer.name, "repair": c.repair_name, "budget": c.budget,
+            "recall": c.recall is not None, "positions": c.positions.mode, "ppl": perplexity(nll), "scored": len(nll),
             "stop_reason": ", ".join(sorted({s.stop_reason for s in runs})),
             "culled": t.culled, "merged": t.merged, "folded": t.folded,
             "reindexed": t.reindexed, "recalled": t.recalled, "ms_per_token": t.ms_per_token,
@@ -448,7 +464,7 @@ def _control(done: list, limit: int, offset: int) -> dict | None:
         return None
     start = j.starts[0] - offset
     compact = next(runs[0] for k, runs in done
-                   if k.kind == "long" and k.cache.positions == "compact")
+                   if k.kind == "long" and k.cache.positions.mode == "compact")
     # scored token i of a run from ``start`` is the slice's token start + 1 + i
     lo, hi = limit - start, len(s.nll)
     return {**_row(j, [s]), "start": start, "tokens": [limit + 1, start + hi + 1],
@@ -471,14 +487,14 @@ def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
     res = {"benchmark": "quality", "command": command, "model": cfg.model, "dtype": cfg.dtype,
            "quick": cfg.quick, "machine": info, "max_positions": limit, "workers": workers,
            "config": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"},
-                      "warmup": cfg.warmup},
+                      "warmup": cfg.warmup, "base": options.settings(dict(cfg.params))},
            "text": {"source": cfg.text, "about": TEXTS.get(cfg.text, "a file"),
                     "chars": len(text), "tokens": len(all_ids),
                     "sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
                     "slice": cfg.slice, "offset": room.start, "end": room.stop,
                     "windows": list(jobs[0].starts)}}
     # Longest first: they pack best into the workers.
-    cost = [j.steps * len(j.starts) * (2 if j.cache.repair == "merge" else 1) for j in jobs]
+    cost = [j.steps * len(j.starts) * (2 if j.cache.repair_name == "merge" else 1) for j in jobs]
     order = sorted(range(len(jobs)), key=lambda i: -cost[i])
     out = execute(cfg, [jobs[i] for i in order], all_ids, min(workers, len(jobs)))
     done = [(jobs[i], s) for i, s in sorted(zip(order, out), key=lambda x: x[0])]
@@ -913,56 +929,18 @@ def config_from_args(args) -> QualityConfig:
         kw["budgets"] = common.ints(args.budgets, "budgets")
     if args.policies is not None:
         kw["policies"] = tuple(user.absolute(p.strip()) for p in args.policies.split(","))
-    if args.param:
-        kw["base"] = dataclasses.replace(kw.get("base", CacheParams()),
-                                         scorer_params=",".join(args.param))
     if args.repairs is not None:
         kw["repairs"] = tuple(r.strip() for r in args.repairs.split(","))
-    if args.params is not None:
-        kw["base"] = dataclasses.replace(base_params(args.params),
-                                         scorer_params=kw.get("base", CacheParams()).scorer_params)
-    cfg = QualityConfig.preset(args.quick, **kw)
-    # scorers of your own built now, not after minutes of measuring (file, class, --param)
-    mine = [p for p in cfg.policies if user.is_user(p)]
-    require(not cfg.base.scorer_params or mine,
-            "--param is for a scorer of your own (--policies path/to/file.py:ClassName)")
-    for policy in mine:
-        user.build(dataclasses.replace(cfg.base, scorer=policy))
-    return cfg
-
-
-BOOLS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
-
-
-def base_params(text: str) -> CacheParams:
-    """``--params decay=1,gain=200,seeds=128:128:128:128`` -> CacheParams with those fields
-    (tuples take ``:``-separated values); budget, policy, repair, positions and recall are
-    the benchmark's own axes."""
-    fields = {f.name: f for f in dataclasses.fields(CacheParams)}
-    kw = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        name = name.strip().replace("-", "_")
-        require(name in fields and name not in ("budget", "scorer", "repair", "positions",
-                                                     "recall"),
-                f"--params: unknown or fixed field {name!r}")
-        default = getattr(CacheParams(), name)
-        try:
-            if "bool" in str(fields[name].type):  # bool, or bool | None (prefill_scores)
-                if value.lower() not in BOOLS:
-                    raise ValueError(value)
-                kw[name] = BOOLS[value.lower()]
-            elif isinstance(default, tuple):
-                kind = float if name == "seeds" else str
-                kw[name] = tuple(kind(v) for v in value.split(":")) if value else ()
-            elif isinstance(default, str):
-                kw[name] = value
-            else:
-                kw[name] = type(default)(value) if default is not None else int(value)
-        except ValueError:
-            raise UserError(f"--params: bad value for {name}: {value!r}"
-                            + (" (true or false)" if "bool" in str(fields[name].type) else "")) from None
-    return CacheParams(**kw)
+    given = options.typed(options.pairs(args.params or "", "--params"))
+    fixed = sorted({"budget", "policy", "repair", "positions", "recall", "param"} & set(given))
+    require(not fixed, f"--params: {', '.join(fixed)} is the benchmark's own axis"
+            + (" (--param NAME=VALUE)" if "param" in fixed else ""))
+    if args.param:
+        given["param"] = tuple(args.param)
+    if given:
+        kw["params"] = tuple(sorted(given.items()))
+    # each scorer built now (your own: file, class and fields), not after minutes of measuring
+    return QualityConfig.preset(args.quick, **kw)
 
 
 def main(args) -> int:

@@ -43,7 +43,8 @@ from ..stages.decide import decide, fold_targets, merge_pair
 from ..stages.generate import generate
 from ..stages.score import recall_layers, recall_query, score
 from ..state import State, View
-from ..types import Actions, CacheParams, SamplerParams, Segment, require
+from ..types import (Actions, CacheParams, FoldRepair, Prefill, Recall, SamplerParams, Segment,
+                     require)
 from . import common, llamacpp
 from .common import Table, fmt, fmt_bytes
 
@@ -116,7 +117,7 @@ class SpeedConfig:
                 f"{self.contexts}")
         prefill = tuple(c for c in self.prefill if c < max_positions) or (contexts[-1],)
         budget = min(self.budget, max_positions // 2)
-        steps = (self.reps + 2) * CacheParams().recall_every  # the loop's rounds of steps
+        steps = (self.reps + 2) * Recall().every  # the loop's rounds of steps
         cold = min(self.recall_cold, max_positions - budget - steps - 8)
         return dataclasses.replace(self, contexts=contexts, prefill=prefill, budget=budget,
                                    recall_cold=cold)
@@ -221,7 +222,7 @@ def linear_fit(xs, ys) -> tuple[float, float]:
 
 def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[dict], dict]:
     """Stage 0 vs HF prefill at each length: plain, and gathering the prompt's statistics
-    (``window_*``: the window over the default ``prefill_window`` queries, as the default
+    (``window_*``: the window over the default prefill window's queries, as the default
     scorer's prefill scores gather them; ``total_*``: with the total too, as H2O's do);
     returns rows and {longest length: its state}."""
     rows, states = [], {}
@@ -230,7 +231,7 @@ def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[dict
     warm = random_prompt(model, 65, seed=1)
     prime(model, [Segment(tuple(warm), "user")], capacity=65)
     hf_prefill(hf, warm[:64])
-    window = CacheParams().prefill_window
+    window = Prefill().window
     for length in cfg.prefill:
         ids = random_prompt(model, length + 1)  # the last prompt token stays pending
         segs, capacity, kept = [Segment(tuple(ids), "user")], length + headroom(cfg), {}
@@ -333,8 +334,8 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
         session.prime([Segment(tuple(random_prompt(model, cfg.budget + 1 + cold, seed=2)),
                                "user")])
         gen, scorer = make_generator(0, model.device), session.scorer
-        kept, every = {}, params.recall_every if cold else 1
-        each = dataclasses.replace(params, recall_every=1)  # stages 2-3 timed as a recall step
+        kept, every = {}, params.recall.every if cold else 1
+        each = dataclasses.replace(params, recall=params.recall and Recall(every=1))  # stages 2-3 timed as a recall step
 
         def stage1():  # with recall, timed without its query (that counts as recall's cost)
             view = kept["view"] = session.state.view()
@@ -439,7 +440,7 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
             slot = view.n // 2
             common.sync()
             t0 = time.perf_counter()
-            folds = fold_targets(view, (slot,), CacheParams.fold_min_cos)
+            folds = fold_targets(view, (slot,), FoldRepair().min_cos)
             common.sync()
             t1 = time.perf_counter()
             apply(model, primed, gen, Actions(cull_slots=(slot,), folds=folds))
@@ -841,7 +842,7 @@ def missed_notes(res: dict) -> list[str]:
                f"would divide that part by k."
                if r["repair"] == "merge" else
                f" Stage 2 scores the {r['cold']} cold keys of every layer brightness reads"
-               f" (`recall_layers`, `recall_every` trade that away)." if r.get("cold") else "")
+               f" (`--recall-layers`, `--recall-every` trade that away)." if r.get("cold") else "")
         if r.get("scan_bytes"):
             why += _scan_floor(res, r)
         if r.get("cold") and r.get("recall_every", 1) > 1:

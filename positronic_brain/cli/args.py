@@ -8,14 +8,16 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from .. import native, threads
+from .. import native, options, threads
 from ..bench import passkey
 from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
 from ..model import COMPILERS, DTYPES, NATIVE, Model, device_kind, load_model, resolve_device
-from ..scorers import SCORERS, make_scorer, user
+from ..options import add_cache_args
+from ..plain import to_plain
+from ..scorers import user
 from ..transfer import INITS, KINDS, TrainParams
-from ..types import AGGREGATIONS, SIGNALS, CacheParams, SamplerParams, UserError
+from ..types import CacheParams, SamplerParams, UserError
 
 PROG = "positronic-brain"
 BENCH_KINDS = ("speed", "quality", "passkey", "transfer")
@@ -176,7 +178,8 @@ def settled_by_session(args) -> list[str]:
     run = _Parser()
     _add_run_args(run)
     return [a.option_strings[0] for a in run._actions if a.option_strings
-            and a.dest not in WITH_SESSION + ("help",) and getattr(args, a.dest) != a.default]
+            and a.dest not in WITH_SESSION + ("help",)
+            and getattr(args, a.dest, a.default) != a.default]
 
 
 def _add_compose_args(sub) -> None:
@@ -263,7 +266,7 @@ def _add_inspect_args(sub) -> None:
     add_cache_args(fk)
     _add_capture_args(fk)
     keep = {"run_dir", "step", "max_new_tokens", "json", "device", "capture", "capture_level",
-            "help"}
+            "help", *options.NAMES}
     fk.set_defaults(**{a.dest: None for a in fk._actions if a.dest not in keep})
     cp = sub.add_parser("compare", help="where captured runs of one prompt part, and what "
                         "each had forgotten where its loss jumped")
@@ -287,71 +290,9 @@ def _add_inspect_args(sub) -> None:
                     "marked, cache-length and NLL curves, each token's ledger row on hover")
 
 
-def add_cache_args(p: argparse.ArgumentParser) -> None:
-    d = CacheParams()
-    g = p.add_argument_group("cache (see README: budgets, policies, repair, positions)")
-    g.add_argument("--budget", type=int, default=None,
-                   help="live cache slots after each step (default: no culling)")
-    g.add_argument("--policy", dest="scorer", default=d.scorer,
-                   help=f"the stage-2 scorer: {'|'.join(SCORERS)}, or your own: "
-                        "path/to/file.py:ClassName, module:ClassName or an installed entry "
-                        "point (README: bring your own scorer)")
-    _add_param_arg(g)
-    g.add_argument("--repair", default=d.repair,
-                   help="none|merge|fold: merge dim adjacent pairs; fold culled K/V into the "
-                        "most alike survivor")
-    g.add_argument("--fold-min-cos", type=float, default=d.fold_min_cos,
-                   help="fold only where the key cosine reaches this (elsewhere just drop)")
-    g.add_argument("--positions", default=d.positions,
-                   help="compact (re-index before the model's max positions) | keep (stop there)")
-    g.add_argument("--reindex-at", type=int, default=None,
-                   help="compact when the next position reaches this (default: max positions)")
-    g.add_argument("--sinks", type=int, default=d.sinks, help="first tokens never culled")
-    g.add_argument("--recent", type=int, default=d.recent, help="last tokens never culled")
-    g.add_argument("--decay", type=float, default=d.decay, help="brightness lost per step")
-    g.add_argument("--gain", type=float, default=d.gain,
-                   help="brightness per uniform share of attention (n x attention)")
-    g.add_argument("--signal", default=d.signal,
-                   help=f"what brightness gains from: {'|'.join(SIGNALS)} (value: attention x "
-                        "value norm / mean value norm)")
-    g.add_argument("--aggregate", default=d.aggregate,
-                   help=f"attention over layers-heads: {'|'.join(AGGREGATIONS)}")
-    g.add_argument("--skip-layers", type=float, default=d.skip_layers,
-                   help="fraction of the first layers brightness leaves out")
-    g.add_argument("--recall", action="store_true",
-                   help="culled tokens go to a cold store and come back when the query "
-                        "attends to them more than to the dimmest hot ones")
-    g.add_argument("--cold-capacity", type=int, default=d.cold_capacity,
-                   help="recall: the most cold tokens kept (the oldest dropped past it)")
-    g.add_argument("--recall-every", type=int, default=d.recall_every, metavar="K",
-                   help="recall: score the cold store every K steps")
-    g.add_argument("--recall-max", type=int, default=d.recall_max,
-                   help="recall: the most tokens swapped in per step")
-    g.add_argument("--recall-layers", type=int, default=d.recall_layers,
-                   help="recall: how many layers score the cold keys (default: every layer "
-                        "brightness reads)")
-    g.add_argument("--recall-span", type=int, default=d.recall_span,
-                   help="recall: a recalled token comes back with the cold tokens that follow "
-                        "it within this many positions")
-    g.add_argument("--recall-margin", type=float, default=d.recall_margin, metavar="M",
-                   help="recall: a cold token swaps in only if it beats the hot one by more "
-                        "than M uniform shares (1/n of the attention)")
-    g.add_argument("--recall-aggregate", default=d.recall_aggregate,
-                   help=f"recall: attention over layers-heads, hot and cold alike: "
-                        f"{'|'.join(AGGREGATIONS)}")
-    g.add_argument("--prefill-scores", action=argparse.BooleanOptionalAction,
-                   default=d.prefill_scores,
-                   help="seed the scorer's per-token values from the prompt's own attention at "
-                        "the prime (brightness, h2o), so the first cull sees the whole prompt "
-                        "(unset: the scorer's own default, for a prompt longer than the budget)")
-    g.add_argument("--prefill-window", type=int, default=d.prefill_window, metavar="W",
-                   help="prefill scores: the prompt's last W queries are brightness's "
-                        "observation window")
-
-
 def _add_param_arg(g) -> None:
     g.add_argument("--param", action="append", default=None, metavar="NAME=VALUE",
-                   help="a field of your own scorer (repeatable; its default otherwise)")
+                   help=options.CHOOSERS["param"])
 
 
 def _add_quality_args(p: argparse.ArgumentParser) -> None:
@@ -393,14 +334,11 @@ def _add_chat_args(sub) -> None:
                     "and print the replies")
     ch.add_argument("--json", action="store_true", help="with --script: one JSON line per turn")
     ch.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply")
-    ch.add_argument("--prune", default="tokens", choices=("tokens", "turns"),
-                    help="over the budget, cull single tokens by score (tokens) or drop the "
-                    "oldest whole turns (turns)")
     ch.add_argument("--bos", default="auto", choices=("auto", "yes", "no"),
                     help="add the BOS token explicitly (auto: if the model family expects it)")
     _add_model_args(ch)
     _add_sampler_args(ch)
-    add_cache_args(ch)
+    add_cache_args(ch, skip=())
     _add_capture_args(ch)
 
 
@@ -469,21 +407,7 @@ QUALITY_ONLY = ("dtype", "text", "slice", "at", "budgets", "policies", "repairs"
 
 def cache_params(args) -> CacheParams:
     """The cache parameters of ``run``/``chat``, checked (the scorer too) before any model loads."""
-    params = CacheParams(budget=args.budget, scorer=user.absolute(args.scorer),
-                         scorer_params=",".join(args.param or ()), repair=args.repair,
-                         positions=args.positions, reindex_at=args.reindex_at, sinks=args.sinks,
-                         recent=args.recent, decay=args.decay, gain=args.gain,
-                         aggregate=args.aggregate, signal=args.signal,
-                         skip_layers=args.skip_layers, fold_min_cos=args.fold_min_cos,
-                         prune=getattr(args, "prune", CacheParams.prune), recall=args.recall,
-                         cold_capacity=args.cold_capacity, recall_every=args.recall_every,
-                         recall_max=args.recall_max, recall_layers=args.recall_layers,
-                         recall_span=args.recall_span,
-                         recall_aggregate=args.recall_aggregate,
-                         recall_margin=args.recall_margin,
-                         prefill_scores=args.prefill_scores, prefill_window=args.prefill_window)
-    make_scorer(params)
-    return params
+    return options.from_args(args)
 
 
 def sampler_params(args) -> SamplerParams:
@@ -504,6 +428,6 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
         "kernels": native.for_model(model), "fingerprint": model.fingerprint,
         "command": args.command, "seed": sampler.seed,
         "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},
-                   "sampler": asdict(sampler), "cache_params": asdict(params)},
-        "scorer_sha256": user.file_sha256(params.scorer),
+                   "sampler": asdict(sampler), "cache_params": to_plain(params, json=True)},
+        "scorer_sha256": user.file_sha256(params.scorer.name),
         "prompt_ids": prompt_ids}, level=args.capture_level)

@@ -94,7 +94,8 @@ def _chat_context_view(chat):
     rows, culled, merged = chat.context()
     params = chat.session.cache_params
     return Panel(Group(context_text(rows, chat.policy.token_text, culled=culled, merged=merged,
-                                    max_brightness=params.max_brightness), origin_legend(rows)),
+                                    max_brightness=params.scorer.get("max_brightness", 255.0)),
+                       origin_legend(rows)),
                  title=f"context: {len(rows) - len(culled)} live / budget {params.budget}",
                  subtitle=f"bright … dim by brightness, [strike red]culled this turn[/] "
                  f"({len(culled)}), [bold underline cyan]merged[/] ({len(merged)})")

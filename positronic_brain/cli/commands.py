@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .. import compare, compose, fork, inspector, partial, replay, transfer
+from .. import compare, compose, fork, inspector, options, partial, replay, transfer
 from ..bench import passkey, quality, speed
 from ..bench import transfer as transfer_bench
 from ..bench.common import Table, fmt, print_tables
@@ -98,7 +98,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_fork(args) -> int:
-    result = fork.fork(args.run_dir, args.step, fork.cache_overrides(args),
+    result = fork.fork(args.run_dir, args.step, options.given(args),
                        fork.sampler_overrides(args), args.max_new_tokens, args.capture,
                        args.capture_level, args.command, args.device,
                        None if args.json else _echo)

@@ -1,12 +1,14 @@
 """Stage-2 scorers: one small file each, same signature, higher score = keep.
 
-A scorer is a frozen dataclass whose fields are its hyperparameters, named as in
-``CacheParams`` (which holds their one default), with one method
-``score(view, attention) -> ScoreOut``. Per-token state that persists across steps lives in
+A scorer is a frozen dataclass whose fields are its hyperparameters, each with its one
+default and help (``types.option``: the CLI's flags are made from them, ``options``), with
+one method ``score(view, attention) -> ScoreOut``. ``CacheParams.scorer`` (a ``ScorerSpec``)
+names it and gives the fields that differ from their defaults; a field named as one of
+``CacheParams``' own (``sinks``, ...) takes that value instead. Per-token state that persists across steps lives in
 the ledger, in the scorer's own columns: it declares them (``columns``: name -> ``Column`` or
 its value at birth; ``columns_of``), reads them as ``view.columns[name]`` and returns their
 new values in ``ScoreOut.columns``, which stage 4 writes. A scorer that takes stage 0's statistics of the prompt's own attention
-(``CacheParams.prefill_scores``) also has ``prefill(view, stats) -> ScoreOut``: the columns
+(``CacheParams.prefill``) also has ``prefill(view, stats) -> ScoreOut``: the columns
 the prime seeds (its file says how), and says by ``prefill_total`` whether it reads the
 statistics' ``total`` (gathering it costs the prime another product over every prompt
 query and key; without the attribute, it does); the others ignore them. ``SCORERS`` is the one
@@ -17,13 +19,13 @@ the same text, which no parameters give.
 """
 from __future__ import annotations
 
-from dataclasses import fields
+import dataclasses
 from typing import Protocol
 
 import torch
 
 from ..state import Ledger, View
-from ..types import CacheParams, Column, ScoreOut, UserError, require
+from ..types import CacheParams, Column, ScoreOut, ScorerSpec, UserError, require
 from .brightness import Brightness
 from .h2o import H2O
 from .none import NoScore
@@ -41,16 +43,18 @@ class Scorer(Protocol):
 SCORERS: dict[str, type] = {"brightness": Brightness, "streaming": Streaming, "h2o": H2O,
                             "tova": TOVA, "random": RandomScore, "none": NoScore}
 CULLING = tuple(name for name in SCORERS if name != "none")  # the scorers that take a budget
-BASELINES = tuple(name for name in CULLING if name != CacheParams.scorer)
+BASELINES = tuple(name for name in CULLING if name != CacheParams().scorer.name)
+SHARED = tuple(f.name for f in dataclasses.fields(CacheParams)
+               if f.metadata)  # what a scorer's field of that name takes from CacheParams
 
 
 def takes_prefill_scores(scorer: object, params: CacheParams,
                          n_prompt: int | None = None) -> bool:
     """Whether the prime of ``n_prompt`` tokens (None: any longer than the budget) seeds
     ``scorer``'s columns from the prompt's attention: it takes them (a ``prefill`` method)
-    and ``prefill_scores`` is on; or it is None (unset), the scorer's ``prefill_default`` is
+    and ``prefill.scores`` is on; or it is None (unset), the scorer's ``prefill_default`` is
     true and the prompt is longer than the budget, so the first cull compresses it."""
-    on = params.prefill_scores
+    on = params.prefill.scores
     if on is None:
         on = (bool(getattr(scorer, "prefill_default", False)) and params.budget is not None
               and (n_prompt is None or n_prompt > params.budget))
@@ -93,15 +97,45 @@ def culling(name: str) -> bool:
     return name in CULLING or user.is_user(name)
 
 
-def make_scorer(params: CacheParams) -> Scorer:
-    """The scorer ``params.scorer`` with its hyperparameters taken from ``params`` (a user
-    scorer's: ``scorers.user``)."""
-    require(params.scorer != ORACLE, ONLY_BENCH)
-    if user.is_user(params.scorer):
-        return user.build(params)
-    require(params.scorer in SCORERS, f"unknown policy {params.scorer!r}; expected one of "
+def scorer_class(name: str) -> type:
+    """The class of the scorer ``name``: a built-in's, or a user's (loaded: ``scorers.user``)."""
+    require(name != ORACLE, ONLY_BENCH)
+    if user.is_user(name):
+        return user.load(name)
+    require(name in SCORERS, f"unknown policy {name!r}; expected one of "
             f"{', '.join(SCORERS)} or a scorer of your own (path/to/file.py:ClassName)")
-    require(not params.scorer_params, f"--param is for a scorer of your own; {params.scorer}"
-            " takes the cache options")
-    cls = SCORERS[params.scorer]
-    return cls(**{f.name: getattr(params, f.name) for f in fields(cls)})
+    return SCORERS[name]
+
+
+def make_scorer(params: CacheParams) -> Scorer:
+    """The scorer ``params.scorer`` names, its fields from ``params.scorer.params`` (the
+    rest: their defaults, or ``CacheParams``' value of that name), checked: a field it
+    lacks, one it needs and was not given, or a value its own checks refuse is one line
+    naming it. A user's scorer is guarded (``scorers.user.Guarded``)."""
+    name = params.scorer.name
+    cls = scorer_class(name)
+    own = {f.name: f for f in dataclasses.fields(cls)}
+    given = dict(params.scorer.params)
+    unknown = sorted(set(given) - set(own))
+    require(not unknown, f"scorer {name} has no field {', '.join(map(repr, unknown))} "
+            f"(its fields: {', '.join(n for n in own if n not in SHARED) or 'none'})")
+    kw = {n: getattr(params, n) for n in own if n in SHARED and n not in given}
+    missing = [n for n, f in own.items() if n not in given and n not in kw
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for n in missing[:1]:
+        raise UserError(f"scorer {name}: its field {n!r} needs --param {n}=VALUE")
+    try:
+        scorer = cls(**given, **kw)
+    except UserError as e:
+        raise UserError(f"scorer {name}: {e}") from None
+    except Exception as e:  # noqa: BLE001 -- a user's class: any error is one line
+        raise UserError(f"scorer {name}: {type(e).__name__}: {e}") from None
+    return user.Guarded(name, scorer) if user.is_user(name) else scorer
+
+
+def for_policy(params: CacheParams, name: str) -> CacheParams:
+    """``params`` with the scorer ``name``, keeping those of its scorer fields that ``name``
+    has too (a benchmark's shared fields, applied to each of its scorers that takes them)."""
+    own = {f.name for f in dataclasses.fields(scorer_class(name))}
+    return dataclasses.replace(params, scorer=ScorerSpec(
+        name, tuple((k, v) for k, v in params.scorer.params if k in own)))

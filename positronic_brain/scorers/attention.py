@@ -3,6 +3,18 @@ from __future__ import annotations
 
 import torch
 
+from ..types import AGGREGATIONS, option, require
+
+
+def aggregation(default: str = "all-mean"):
+    """A scorer's ``aggregate`` field: how it reduces attention over layers and heads."""
+    return option(default, "attention over layers-heads", choices=AGGREGATIONS)
+
+
+def check_aggregation(how: str) -> None:
+    require(how in AGGREGATIONS, f"unknown aggregation {how!r}; expected one of "
+            f"{', '.join(AGGREGATIONS)}")
+
 
 def aggregate(attention: torch.Tensor, how: str) -> torch.Tensor:
     """Attention (L, H, n) -> (n,): ``{all|last|max}-{mean|max}`` = over all layers (mean),

@@ -17,14 +17,15 @@ a little would stay at the clamp, and the first cull would keep the most recent 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from .attention import aggregate, value_weighted
+from .attention import aggregate, aggregation, check_aggregation, value_weighted
 from ..state import View
-from ..types import Column, PrefillStats, ScoreOut
+from ..types import SIGNALS, SOURCES, Column, PrefillStats, ScoreOut, option, require
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,32 @@ class Brightness:
     # pass-key retrieval).
     prefill_default: ClassVar[bool] = True
     prefill_total: ClassVar[bool] = False  # its prefill reads only the window
-    decay: float
-    gain: float
-    max_brightness: float
-    aggregate: str
-    signal: str
-    skip_layers: float
-    seeds: tuple[float, ...]
+    decay: float = option(0.5, "brightness lost per step")
+    gain: float = option(2.34, "brightness per uniform share of attention (n x attention)")
+    max_brightness: float = option(255.0, "the brightness a token can reach, in (0, 255]")
+    aggregate: str = aggregation()
+    signal: str = option("value", "what brightness gains from (value: attention x value norm "
+                         "/ mean value norm)", choices=SIGNALS)
+    skip_layers: float = option(0.2, "the fraction of the first layers brightness leaves out")
+    seeds: tuple[float, ...] | None = option(
+        None, f"a new token's brightness by its source ({':'.join(SOURCES)}; default: the max)")
+
+    def __post_init__(self) -> None:
+        for name in ("decay", "gain"):
+            v = getattr(self, name)
+            require(math.isfinite(v) and v >= 0, f"{name} must be >= 0, got {v}")
+        require(math.isfinite(self.max_brightness) and 0 < self.max_brightness <= 255,
+                f"max brightness must be in (0, 255], got {self.max_brightness}")
+        require(self.signal in SIGNALS, f"signal must be one of {', '.join(SIGNALS)}, "
+                f"got {self.signal!r}")
+        check_aggregation(self.aggregate)
+        require(0 <= self.skip_layers < 1,
+                f"skip layers must be a fraction in [0, 1), got {self.skip_layers}")
+        if self.seeds is None:
+            object.__setattr__(self, "seeds", (float(self.max_brightness),) * len(SOURCES))
+        require(len(self.seeds) == len(SOURCES)
+                and all(0 <= s <= self.max_brightness for s in self.seeds),
+                f"seeds must be {len(SOURCES)} values in [0, max brightness]")
 
     @property
     def columns(self) -> dict[str, Column]:

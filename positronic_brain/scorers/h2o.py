@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from .attention import aggregate
+from .attention import aggregate, aggregation, check_aggregation
 from ..state import View
 from ..types import Column, PrefillStats, ScoreOut
 
@@ -32,7 +32,10 @@ class H2O:
     prefill_total: ClassVar[bool] = True  # its prefill reads ``total``
     columns: ClassVar[dict[str, Column]] = {
         "attn_sum": Column(birth=0.0, merge="birth", recall="signal", low=0.0)}
-    aggregate: str
+    aggregate: str = aggregation()
+
+    def __post_init__(self) -> None:
+        check_aggregation(self.aggregate)
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         total = view.columns["attn_sum"] + aggregate(attention, self.aggregate)  # (n,)

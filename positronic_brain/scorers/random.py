@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from ..state import View
-from ..types import ScoreOut
+from ..types import ScoreOut, option
 
 
 @dataclass(frozen=True)
 class RandomScore:
-    random_seed: int
+    random_seed: int = option(0, "the random scorer's seed")
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         g = torch.Generator().manual_seed(self.random_seed * 1_000_003 + view.step)

@@ -14,7 +14,7 @@ from ..types import ScoreOut
 
 @dataclass(frozen=True)
 class Streaming:
-    sinks: int
+    sinks: int  # CacheParams.sinks
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         s = view.position.float()  # (n,) later = higher

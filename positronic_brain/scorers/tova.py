@@ -9,14 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import aggregate
+from .attention import aggregate, aggregation, check_aggregation
 from ..state import View
 from ..types import ScoreOut
 
 
 @dataclass(frozen=True)
 class TOVA:
-    aggregate: str
+    aggregate: str = aggregation()
+
+    def __post_init__(self) -> None:
+        check_aggregation(self.aggregate)
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         return ScoreOut(scores=aggregate(attention, self.aggregate))

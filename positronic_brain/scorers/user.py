@@ -8,9 +8,9 @@
 The class is a dataclass with ``score(view, attention) -> ScoreOut`` (and optionally
 ``prefill(view, stats) -> ScoreOut``, taken when ``--prefill-scores`` is on, or unset and
 a class attribute ``prefill_default`` is true), like the built-ins, and may declare ledger
-columns of its own (``columns``: ``scorers.columns_of``). Its fields are its options: one
-named as a ``CacheParams`` field takes that value; any other one takes ``--param NAME=VALUE``
-(``CacheParams.scorer_params``) or its default. ``Guarded`` runs it in stage 2: a scorer that
+columns of its own (``columns``: ``scorers.columns_of``). Its fields are its options, as a
+built-in's are: ``--param NAME=VALUE`` (``ScorerSpec.params``, read by the field's type:
+``options``) or its default; one named as a ``CacheParams`` field takes that value. ``Guarded`` runs it in stage 2: a scorer that
 raises, returns the wrong type or shape, non-finite values, or writes to what it reads is
 one line naming it and the problem, before stage 4 could write anything. It reads copies of
 the view's ledger columns, so a write there loses nothing; a write to the K/V or the
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..state import VIEW_COLUMNS
-from ..types import CacheParams, ScoreOut, UserError, require
+from ..types import ScoreOut, UserError, require
 
 GROUP = "positronic_brain.scorers"
 _CLASSES: dict[tuple[str, str], type] = {}  # (spec, file sha256 or "") -> class
@@ -100,46 +100,6 @@ def load(name: str) -> type:
             f"scorer {name}: not a dataclass with a score(view, attention) method")
     _CLASSES[(name, sha)] = cls
     return cls
-
-
-def _convert(name: str, field: dataclasses.Field, text: str):
-    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
-    if field.default is not dataclasses.MISSING and field.default is not None:
-        kind = type(field.default).__name__
-    try:
-        if kind == "bool":
-            require(text.lower() in ("true", "false", "1", "0"), "")
-            return text.lower() in ("true", "1")
-        if kind in ("int", "float"):
-            value = (int if kind == "int" else float)(text)
-            require(math.isfinite(value), "")
-            return value
-    except (UserError, ValueError):
-        raise UserError(f"scorer {name}: --param {field.name}={text}: not a {kind}") from None
-    return text
-
-
-def build(params: CacheParams) -> Guarded:
-    """The user scorer ``params.scorer``, its fields from ``params`` (guarded)."""
-    name = params.scorer
-    cls = load(name)
-    given = params.param_dict()
-    kw = {}
-    for f in dataclasses.fields(cls):
-        if f.name in given:
-            kw[f.name] = _convert(name, f, given.pop(f.name))
-        elif f.name in CacheParams.__dataclass_fields__:
-            kw[f.name] = getattr(params, f.name)
-        else:
-            require(f.default is not dataclasses.MISSING
-                    or f.default_factory is not dataclasses.MISSING,
-                    f"scorer {name}: its field {f.name!r} needs --param {f.name}=VALUE")
-    require(not given, f"scorer {name} has no field {', '.join(map(repr, given))} "
-            f"(its fields: {', '.join(f.name for f in dataclasses.fields(cls))})")
-    try:
-        return Guarded(name, cls(**kw))
-    except Exception as e:  # noqa: BLE001
-        raise UserError(f"scorer {name}: {type(e).__name__}: {e}") from None
 
 
 def _tensors(*objs) -> list[torch.Tensor]:

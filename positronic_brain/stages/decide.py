@@ -4,7 +4,7 @@ Budget rule: below the budget nothing is culled; at or above it, enough slots ar
 that the live count after the append equals the budget. Removed are the lowest-scored
 unprotected slots (ties: the earlier position first); protected are the first ``sinks``
 live tokens, the last ``recent`` ones, and pinned tokens (FLAG_PROTECTED). With repair
-``merge``, up to ``max_merges`` removals are instead merges of a dim adjacent pair (text
+``merge``, up to its ``max_merges`` removals are instead merges of a dim adjacent pair (text
 order, lowest summed score, pairs never overlap) into the single token the model ranks best
 at the pair's first position given the text to its left: two read-only forwards with the
 right-hand slots masked out, the second of which yields the new token's K/V. With repair
@@ -23,7 +23,8 @@ from .. import native
 from ..forward import forward
 from ..model import Model
 from ..state import FLAG_PROTECTED, View, stored_keys
-from ..types import SOURCES, Actions, CacheParams, Fold, Merge, ScoreOut, Swap, require
+from ..types import (SOURCES, Actions, CacheParams, Fold, FoldRepair, Merge, MergeRepair,
+                     ScoreOut, Swap, require)
 
 
 def protected(view: View, params: CacheParams, order: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,12 +140,12 @@ def recalled(view: View, scores: ScoreOut, params: CacheParams, room: int) -> li
     """Up to ``room`` cold rows to bring back, best first: [(row, signal)]. The anchors are
     the tokens, hot or cold, with the highest signal this step (hot ones only on a step that
     does not scan the cold store: ``cold_signal`` None); each brings back the cold tokens
-    that follow it in the text within ``recall_span`` positions (a cold anchor itself too),
+    that follow it in the text within recall's ``span`` positions (a cold anchor itself too),
     with its signal. What a query attends to in an earlier passage, the next queries tend to
     read on from (a text repeating one, a fact spread over several tokens): a hot anchor
     prefetches what comes after it before the query needs it. A cold row taken by several
     anchors goes with the best; rows come in the anchors' order, then in text order."""
-    cold, span = view.cold, params.recall_span
+    cold, span = view.cold, params.recall.span
     c = cold.n
     if scores.cold_signal is None:  # hot slots only
         signal, position = scores.hot_signal, view.position
@@ -187,8 +188,8 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
           candidates: torch.Tensor) -> tuple[Swap, ...]:
     """Recalls: the i-th cold row to bring back (``recalled``: the best by ``cold_signal``,
     each with its span) takes the slot of the i-th dimmest of ``candidates`` (unprotected hot
-    slots that stay this step, ascending score), for i < ``recall_max``, wherever its signal
-    beats that slot's ``hot_signal`` by more than ``recall_margin`` / n (uniform shares of
+    slots that stay this step, ascending score), for i < recall's ``swaps``, wherever its signal
+    beats that slot's ``hot_signal`` by more than recall's ``margin`` / n (uniform shares of
     the n live slots): a margin keeps a token that is about as useful as the one it would
     replace from trading places with it step after step.
 
@@ -201,13 +202,13 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
     if scores.hot_signal is None or view.cold is None or not view.cold.n:
         return ()
     cold = view.cold
-    victims = candidates[: params.recall_max]
+    victims = candidates[: params.recall.swaps]
     picks = recalled(view, scores, params, victims.numel())
     if not picks:
         return ()
     victims = victims[: len(picks)]
     rows = torch.tensor([r for r, _ in picks], device=victims.device)
-    margin = params.recall_margin / view.n
+    margin = params.recall.margin / view.n
     out = [(slot, uid, row, cold_uid, source, signal * (view.step + 1 - born + 1))
            for slot, uid, hot, (row, signal), cold_uid, source, born in zip(  # read once
                victims.tolist(), view.uid[victims].tolist(), scores.hot_signal[victims].tolist(),
@@ -262,8 +263,8 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     """Scores (n,) -> the actions stage 4 applies (culls, merges, folds, re-index, new columns)."""
     n = view.n
     need = removals_needed(n, params.budget)
-    limit = params.reindex_position(model.spec.max_positions)
-    reindex = params.positions == "compact" and view.next_position + 1 >= limit
+    limit = params.positions.reindex_position(model.spec.max_positions)
+    reindex = params.positions.mode == "compact" and view.next_position + 1 >= limit
     if params.prune == "turns":
         return Actions(columns=scores.columns, cull_slots=oldest_turns(view, need), reindex=reindex)
     order = torch.argsort(view.position)  # slots in text order
@@ -274,11 +275,11 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
                 f"tokens are protected and {need} must go")
 
     pairs = []
-    if params.repair == "merge":
+    if isinstance(params.repair, MergeRepair):
         free = n - int(keep.sum())
         too_small(free)
         pairs = pick_pairs(scores.scores, view.position, keep,
-                           min(params.max_merges, need, free - need))
+                           min(params.repair.max_merges, need, free - need))
     merges = tuple(merge_pair(model, view, *p) for p in pairs)
     taken = keep.clone() if pairs else keep
     for _, first, second in pairs:
@@ -294,8 +295,8 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     if read[-1]:
         too_small(n - int(keep.sum()))
     culls = tuple(sorted(read[:-1]))
-    folds = (fold_targets(view, culls, params.fold_min_cos, model.compiled)
-             if params.repair == "fold" else ())
+    folds = (fold_targets(view, culls, params.repair.min_cos, model.compiled)
+             if isinstance(params.repair, FoldRepair) else ())
     rest = candidates[k:]  # the unprotected slots that stay, with recall (a selection)
     rest = rest[~taken[rest]] if scores.hot_signal is not None else rest
     return Actions(columns=scores.columns, cull_slots=culls,

@@ -4,8 +4,8 @@ The scorer (``positronic_brain.scorers``) maps the view and the attention the pe
 token paid to each live slot to scores, plus the new values of its own per-token ledger
 columns (``ScoreOut.columns``) for stage 4 to write.
 
-With recall, the hot tokens get one signal each from this step's attention over
-``recall_layers`` layers, and on every ``recall_every``-th step the same query also scores
+With recall (``Recall``), the hot tokens get one signal each from this step's attention over
+its ``layers`` layers, and on every ``every``-th step the same query also scores
 the cold store's keys, exactly as the attention they would have received next to the hot
 ones, exp(q.k - lse) with stage 1's log-sum-exp, aggregated alike, for stage 3 to compare.
 """
@@ -18,15 +18,25 @@ import torch
 
 from .. import native
 from ..scorers import Scorer
+from ..scorers.brightness import Brightness
 from ..scorers.attention import aggregate, value_weighted, value_weights
 from ..state import ColdView, View
 from ..types import CacheParams, GenerateOut, RecallQuery, ScoreOut
 
 
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Brightness)}
+
+
+def read_like_scorer(params: CacheParams, name: str):
+    """The scorer's field ``name`` that recall reads as it does (``skip_layers``, ``signal``):
+    its own value, or brightness's default where it has none."""
+    return params.scorer.get(name, DEFAULTS[name])
+
+
 def recall_layers(params: CacheParams, n_layers: int) -> tuple[int, ...]:
-    """``recall_layers`` layers spread evenly over those brightness reads (all but the first
+    """Recall's ``layers`` layers spread evenly over those the scorer reads (all but the first
     ``skip_layers`` fraction), or all of them (None)."""
-    return _spread(params.skip_layers, params.recall_layers, n_layers)
+    return _spread(read_like_scorer(params, "skip_layers"), params.recall.layers, n_layers)
 
 
 @functools.lru_cache(maxsize=64)  # asked on every recall step: computed once per setting
@@ -40,15 +50,16 @@ def _spread(skip_layers: float, wanted: int | None, n_layers: int) -> tuple[int,
 def recall_query(view: View, gen: GenerateOut, params: CacheParams,
                  compiled: str = "") -> RecallQuery | None:
     """Stage 2's recall input for this step, or None (no recall or an empty cold store); it
-    scans the cold keys on every ``recall_every``-th step, with the native kernel where the
+    scans the cold keys on every ``every``-th step, with the native kernel where the
     model's stage 1 is native (its ``Model.compiled``) and the aggregate is max-max."""
-    if not params.recall or view.cold is None or view.cold.n == 0 or gen.query is None:
+    recall = params.recall
+    if not recall or view.cold is None or view.cold.n == 0 or gen.query is None:
         return None
     return RecallQuery(query=gen.query, lse=gen.lse,
                        layers=recall_layers(params, gen.query.shape[0]),
-                       signal=params.signal, aggregate=params.recall_aggregate,
-                       scan=(view.step + 1) % params.recall_every == 0,
-                       native=native.chosen(compiled) and params.recall_aggregate == "max-max")
+                       signal=read_like_scorer(params, "signal"), aggregate=recall.aggregate,
+                       scan=(view.step + 1) % recall.every == 0,
+                       native=native.chosen(compiled) and recall.aggregate == "max-max")
 
 
 def recall_signals(view: View, attention: torch.Tensor,
