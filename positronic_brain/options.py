@@ -178,16 +178,16 @@ def cache_params(given: dict[str, Any], base: CacheParams | None = None,
     if given.get("recall") is not None:
         recall = (base.recall or Recall()) if given["recall"] else None
     given = {k: v for k, v in given.items() if k in FIELDS}
-    pieces = {Positions: base.positions, Prefill: base.prefill, MergeRepair: repair, FoldRepair: repair,
-              Recall: recall}
+    pieces = {Positions: base.positions, Prefill: base.prefill, MergeRepair: repair,
+              FoldRepair: repair, Recall: recall}
     for cls, piece in pieces.items():
-        mine = {FIELDS[k].field: given.pop(k) for k in list(given) if FIELDS[k].owner is cls}
-        if mine and (strict or isinstance(piece, cls)):
-            if not isinstance(piece, cls):
-                raise UserError(f"{FIELDS[_flat(cls, next(iter(mine)))].flag} is for "
-                                f"{_switch(cls)}")
-            pieces[cls] = dataclasses.replace(piece, **mine)
-    top = {FIELDS[k].field: v for k, v in given.items()}
+        names = [k for k in given if FIELDS[k].owner is cls]
+        if not names or not (strict or isinstance(piece, cls)):
+            continue
+        if not isinstance(piece, cls):
+            raise UserError(f"{FIELDS[names[0]].flag} is for {_switch(cls)}")
+        pieces[cls] = dataclasses.replace(piece, **{FIELDS[k].field: given[k] for k in names})
+    top = {FIELDS[k].field: v for k, v in given.items() if FIELDS[k].owner is CacheParams}
     params = dataclasses.replace(
         base, **top, scorer=ScorerSpec(spec.name, fields), positions=pieces[Positions],
         prefill=pieces[Prefill], repair=pieces[MergeRepair] if isinstance(repair, MergeRepair)
@@ -200,10 +200,6 @@ def params(**flat) -> CacheParams:
     """``CacheParams`` from options by their flat names: ``params(budget=64, recall=True,
     recall_every=2, decay=0.3)``."""
     return cache_params(flat)
-
-
-def _flat(cls: type, field: str) -> str:
-    return next(o.name for o in FIELDS.values() if o.owner is cls and o.field == field)
 
 
 def _switch(cls: type) -> str:

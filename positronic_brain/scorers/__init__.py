@@ -100,11 +100,11 @@ def culling(name: str) -> bool:
 def scorer_class(name: str) -> type:
     """The class of the scorer ``name``: a built-in's, or a user's (loaded: ``scorers.user``)."""
     require(name != ORACLE, ONLY_BENCH)
-    if user.is_user(name):
-        return user.load(name)
-    require(name in SCORERS, f"unknown policy {name!r}; expected one of "
+    if name in SCORERS:
+        return SCORERS[name]
+    require(user.is_user(name), f"unknown policy {name!r}; expected one of "
             f"{', '.join(SCORERS)} or a scorer of your own (path/to/file.py:ClassName)")
-    return SCORERS[name]
+    return user.load(name)
 
 
 def make_scorer(params: CacheParams) -> Scorer:
@@ -130,7 +130,7 @@ def make_scorer(params: CacheParams) -> Scorer:
         raise UserError(f"scorer {name}: {e}") from None
     except Exception as e:  # noqa: BLE001 -- a user's class: any error is one line
         raise UserError(f"scorer {name}: {type(e).__name__}: {e}") from None
-    return user.Guarded(name, scorer) if user.is_user(name) else scorer
+    return scorer if name in SCORERS else user.Guarded(name, scorer)
 
 
 def for_policy(params: CacheParams, name: str) -> CacheParams:
