@@ -22,24 +22,12 @@ from dataclasses import dataclass
 from types import UnionType
 from typing import Any
 
-from .scorers import SCORERS, make_scorer, scorer_class
+from .scorers import SCORERS, field_names, make_scorer, scorer_class
 from .scorers import user
 from .types import (REPAIRS, CacheParams, FoldRepair, MergeRepair, Positions, Prefill, Recall, ScorerSpec,
-                    UserError, require)
+                    UserError, repair_class, require)
 
 PIECES = (CacheParams, Positions, Prefill, MergeRepair, FoldRepair, Recall)  # where a cache option lives
-CHOOSERS = {  # the options that choose pieces rather than set a field
-    "policy": ("the stage-2 scorer: " + "|".join(SCORERS) + ", or your own: "
-               "path/to/file.py:ClassName, module:ClassName or an installed entry point "
-               "(README: bring your own scorer)"),
-    "param": "a field of the scorer, NAME=VALUE (repeatable; its default otherwise)",
-    "repair": ("none|merge|fold: merge dim adjacent pairs; fold culled K/V into the most "
-               "alike survivor"),
-    "recall": ("culled tokens go to a cold store and come back when the query attends to "
-               "them more than to the dimmest hot ones"),
-}
-
-
 @dataclass(frozen=True)
 class Option:
     """One cache option: its flat ``name``, the config class and field it sets, its type
@@ -59,12 +47,16 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-def _options_of(cls: type) -> list[Option]:
+def options_of(cls: type, kind: type = Option) -> list:
+    """The fields of ``cls`` that carry a help string, as ``kind`` (an ``Option``, or a
+    subclass whose added fields come from the field's metadata of the same names)."""
     hints = typing.get_type_hints(cls)
     prefix = getattr(cls, "PREFIX", "")
-    return [Option(f.metadata.get("flag") or (f"{prefix}_" if prefix else "") + f.name, cls,
-                   f.name, hints[f.name], f.default, f.metadata["help"],
-                   f.metadata.get("choices"), f.metadata.get("metavar"))
+    extra = [f.name for f in dataclasses.fields(kind)][len(dataclasses.fields(Option)):]
+    return [kind(f.metadata.get("flag") or (f"{prefix}_" if prefix else "") + f.name, cls,
+                 f.name, hints[f.name], f.default, f.metadata["help"],
+                 f.metadata.get("choices"), f.metadata.get("metavar"),
+                 **{k: f.metadata[k] for k in extra if k in f.metadata})
             for f in dataclasses.fields(cls) if "help" in f.metadata]
 
 
@@ -72,17 +64,29 @@ def _scorer_options() -> dict[str, Option]:
     """The built-in scorers' fields, one option a name (``aggregate`` serves three)."""
     out: dict[str, Option] = {}
     for cls in SCORERS.values():
-        for o in _options_of(cls):
+        for o in options_of(cls):
             out.setdefault(o.name, o)
     return {n: dataclasses.replace(o, owner=ScorerSpec, help=f"{o.help} (" + ", ".join(
-        s for s, c in SCORERS.items() if n in {f.name for f in dataclasses.fields(c)}) + ")")
+        s for s, c in SCORERS.items() if n in field_names(c)) + ")")
         for n, o in out.items()}
 
 
-FIELDS = {o.name: o for cls in PIECES for o in _options_of(cls)}
+CHOOSERS = {o.name: o for o in (  # the options that choose pieces rather than set a field
+    Option("policy", ScorerSpec, "name", str, ScorerSpec().name, "the stage-2 scorer: "
+           + "|".join(SCORERS) + ", or your own: path/to/file.py:ClassName, module:ClassName "
+           "or an installed entry point (README: bring your own scorer)"),
+    Option("param", ScorerSpec, "params", tuple[str, ...], (), "a field of the scorer, "
+           "NAME=VALUE (repeatable; its default otherwise)", metavar="NAME=VALUE"),
+    Option("repair", CacheParams, "repair", str, CacheParams().repair_name,
+           "merge dim adjacent pairs, or fold culled K/V into the most alike survivor",
+           choices=tuple(REPAIRS)),
+    Option("recall", CacheParams, "recall", bool, False, "culled tokens go to a cold store "
+           "and come back when the query attends to them more than to the dimmest hot ones"))}
+FIELDS = {o.name: o for cls in PIECES for o in options_of(cls)}
 SCORER_FIELDS = _scorer_options()
 assert not set(FIELDS) & set(SCORER_FIELDS) and not set(FIELDS) & set(CHOOSERS)
-NAMES = (*CHOOSERS, *FIELDS, *SCORER_FIELDS)  # every cache option's flat name
+OPTIONS = {**CHOOSERS, **FIELDS, **SCORER_FIELDS}  # every cache option by its flat name
+NAMES = tuple(OPTIONS)
 
 
 # --- values ---------------------------------------------------------------------------------
@@ -135,12 +139,12 @@ def _scorer_hint(cls: type, name: str):
 def param_pairs(items, policy: str) -> dict[str, Any]:
     """``--param NAME=VALUE`` items as the scorer ``policy``'s field values (by their types)."""
     out = {}
+    cls = scorer_class(policy) if items else None
     for item in items:
         name, eq, text = item.partition("=")
         name = name.strip()
         require(eq and name.isidentifier(), f"--param takes NAME=VALUE, got {item!r}")
-        cls = scorer_class(policy)
-        own = [f.name for f in dataclasses.fields(cls)]
+        own = field_names(cls)
         require(name in own, f"scorer {policy} has no field {name!r} (its fields: "
                 f"{', '.join(own) or 'none'})")
         out[name] = parse(text, _scorer_hint(cls, name), f"--param {name}")
@@ -167,13 +171,13 @@ def cache_params(given: dict[str, Any], base: CacheParams | None = None,
     fields |= {k: given.pop(k) for k in list(given) if k in SCORER_FIELDS}
     items = given.pop("param", None) or ()
     if not strict:
-        own = {f.name for f in dataclasses.fields(scorer_class(spec.name))}
+        own = field_names(scorer_class(spec.name))
         fields = {k: v for k, v in fields.items() if k in own}
         items = [i for i in items if i.partition("=")[0].strip() in own]
     fields |= param_pairs(items, spec.name)
     repair, recall = base.repair, base.recall
     if given.get("repair") is not None:
-        kind = REPAIRS[_choice("repair", given["repair"], REPAIRS)]
+        kind = repair_class(given["repair"])
         repair = kind and (base.repair if isinstance(base.repair, kind) else kind())
     if given.get("recall") is not None:
         recall = (base.recall or Recall()) if given["recall"] else None
@@ -206,11 +210,6 @@ def _switch(cls: type) -> str:
     return {MergeRepair: "--repair merge", FoldRepair: "--repair fold", Recall: "--recall"}[cls]
 
 
-def _choice(name: str, value, choices) -> str:
-    require(value in choices, f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
 def typed(given: dict[str, Any]) -> dict[str, Any]:
     """Options given as text (``pairs``) as values of their fields' types."""
     return {k: _parse_given(k, v) for k, v in given.items()}
@@ -223,19 +222,14 @@ def check_shared(given: dict[str, Any], policies) -> None:
     names = [k for k in given if k in SCORER_FIELDS]
     names += [i.partition("=")[0].strip() for i in given.get("param") or ()]
     for name in names:
-        require(any(name in {f.name for f in dataclasses.fields(c)} for c in classes),
+        require(any(name in field_names(c) for c in classes),
                 f"{name}: a field of none of the policies {', '.join(policies)}")
 
 
 def _parse_given(name: str, value):
-    if not isinstance(value, str) or name in ("policy", "repair"):
+    if not isinstance(value, str):
         return value
-    if name == "param":
-        return [value]
-    if name == "recall":
-        return parse(value, bool, name)
-    o = FIELDS.get(name) or SCORER_FIELDS[name]
-    return parse(value, o.hint, name)
+    return [value] if name == "param" else parse(value, OPTIONS[name].hint, name)
 
 
 def pairs(text: str, what: str) -> dict[str, str]:
@@ -256,24 +250,20 @@ def pairs(text: str, what: str) -> dict[str, str]:
 def add_cache_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("prune",)) -> None:
     """The cache flags, each from its option (``skip``: those this command does not take).
     A flag not given is absent from the parsed args (``given``)."""
-    g = p.add_argument_group("cache (see README: budgets, policies, repair, positions; "
-                             "docs/OPTIONS.md)")
+    g = p.add_argument_group("cache (see docs/CACHE.md: budgets, policies, repair, recall, "
+                             "positions; docs/OPTIONS.md)")
     none = argparse.SUPPRESS
-    g.add_argument("--policy", default=none, help=CHOOSERS["policy"])
-    g.add_argument("--param", action="append", default=none, metavar="NAME=VALUE",
-                   help=CHOOSERS["param"])
-    g.add_argument("--repair", default=none, choices=tuple(REPAIRS), help=CHOOSERS["repair"])
-    g.add_argument("--recall", action=argparse.BooleanOptionalAction, default=none,
-                   help=CHOOSERS["recall"])
-    for o in (*FIELDS.values(), *SCORER_FIELDS.values()):
+    for o in OPTIONS.values():
         if o.name in skip:
             continue
         kw = {"default": none, "help": o.help + _default_text(o), "dest": o.name}
         if o.hint in (bool, bool | None):
             g.add_argument(o.flag, action=argparse.BooleanOptionalAction, **kw)
-            continue
-        g.add_argument(o.flag, type=_reader(o), choices=o.choices,
-                       metavar=o.metavar or (None if o.choices else o.field.upper()), **kw)
+        elif o.name == "param":  # repeatable: each item NAME=VALUE
+            g.add_argument(o.flag, action="append", metavar=o.metavar, **kw)
+        else:
+            g.add_argument(o.flag, type=_reader(o), choices=o.choices,
+                           metavar=o.metavar or (None if o.choices else o.field.upper()), **kw)
 
 
 def _reader(o: Option):
@@ -287,7 +277,7 @@ def _reader(o: Option):
 
 
 def _default_text(o: Option) -> str:
-    if o.default is None or o.default is dataclasses.MISSING:
+    if o.default in (None, ()) or o.default is dataclasses.MISSING:
         return ""
     value = ":".join(map(str, o.default)) if isinstance(o.default, tuple) else o.default
     return f" (default: {value})"
@@ -318,11 +308,8 @@ def reference() -> str:
              "a name for `bench quality --params NAME=VALUE,...` and `bench passkey`'s "
              "variants. A piece's option given while the piece is off, or a scorer field the "
              "chosen scorer lacks, is refused in one line.", ""]
-    d = CacheParams()
-    groups = [("Choosers", [("--policy", "str", d.scorer.name, CHOOSERS["policy"]),
-                            ("--param", "NAME=VALUE", "", CHOOSERS["param"]),
-                            ("--repair", "str", d.repair_name, CHOOSERS["repair"]),
-                            ("--recall / --no-recall", "bool", "off", CHOOSERS["recall"])])]
+    groups = [("Choosers (which scorer, repair and recall)",
+               [_row(o) for o in CHOOSERS.values()])]
     for cls in PIECES:
         groups.append((f"{cls.__name__} (`types.{cls.__name__}`)",
                        [_row(o) for o in FIELDS.values() if o.owner is cls]))

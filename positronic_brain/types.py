@@ -6,6 +6,7 @@ holding tensors and plain Python values.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -249,7 +250,12 @@ class ScorerSpec:
         object.__setattr__(self, "params", tuple(sorted(items)))
 
     def get(self, name: str, default=None):
-        return dict(self.params).get(name, default)
+        """The value given for the field ``name``, else ``default``."""
+        return self._given.get(name, default)
+
+    @functools.cached_property
+    def _given(self) -> dict[str, Any]:  # read on every recall step: made once
+        return dict(self.params)
 
 
 @dataclass(frozen=True)
@@ -311,6 +317,12 @@ class FoldRepair:
 
 
 REPAIRS = {"none": None, "merge": MergeRepair, "fold": FoldRepair}
+
+
+def repair_class(name: str) -> type | None:
+    """The repair piece's class ``name`` picks (None: no repair), or a one-line error."""
+    require(name in REPAIRS, f"repair must be one of {', '.join(REPAIRS)}, got {name!r}")
+    return REPAIRS[name]
 
 
 @dataclass(frozen=True)
@@ -387,9 +399,8 @@ class CacheParams:
         if isinstance(self.scorer, str):
             object.__setattr__(self, "scorer", ScorerSpec(self.scorer))
         if isinstance(self.repair, str):
-            require(self.repair in REPAIRS,
-                    f"repair must be one of {', '.join(REPAIRS)}, got {self.repair!r}")
-            object.__setattr__(self, "repair", REPAIRS[self.repair] and REPAIRS[self.repair]())
+            kind = repair_class(self.repair)
+            object.__setattr__(self, "repair", kind and kind())
         if isinstance(self.recall, bool):
             object.__setattr__(self, "recall", Recall() if self.recall else None)
         if isinstance(self.positions, str):

@@ -117,7 +117,7 @@ def test_the_loop_names_no_scorer_column():
     core = [PACKAGE / name for name in ("state.py", "types.py", "loop.py", "capture.py",
                                         "replay.py", "session_io.py", "compose.py",
                                         "transfer.py", "graph.py", "forward.py")]
-    core += sorted((PACKAGE / "stages").glob("*.py"))
+    core += sorted((PACKAGE / "stages").rglob("*.py"))
     offenders = []
     for path in core:
         tree = ast.parse(path.read_text())
@@ -131,3 +131,29 @@ def test_the_loop_names_no_scorer_column():
             if named in ("attn_sum", "brightness"):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {named}")
     assert not offenders, "scorer columns named outside their scorers:\n" + "\n".join(offenders)
+
+
+def test_every_bench_flag_comes_from_a_field():
+    """``bench KIND``'s flags are the shared ones and one per field of its config (and of
+    ``flags.Workers``) that carries a help string, made by ``bench.flags``: no flag is
+    added by hand, no list allows or refuses another benchmark's (argparse does)."""
+    from positronic_brain.bench import flags, passkey
+    from positronic_brain.cli import args, commands
+    from positronic_brain.cli.args import BENCHES, build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    kinds = next(a for a in sub.choices["bench"]._actions
+                 if isinstance(a, argparse._SubParsersAction))
+    assert set(kinds.choices) == set(BENCHES) == {"speed", "quality", "passkey", "transfer"}
+    for name, module in BENCHES.items():
+        dests = [a.dest for a in kinds.choices[name]._actions if a.option_strings
+                 and a.dest != "help"]
+        assert dests[:len(flags.SHARED)] == list(flags.SHARED), name
+        assert dests[len(flags.SHARED):] == flags.names(module.FLAGS), name
+        assert module.FLAGS[0].__name__.endswith("Config") and set(module.FLAGS[1:]) <= {
+            flags.Workers}, name
+        for f in flags.flags_of(module.FLAGS):
+            assert f.field in {d.name for d in dataclasses.fields(f.owner)}, (name, f.name)
+            assert f.quick in (None, f.default) or "--quick" in f.help + flags._defaults(f)
+    gone = [(args, "QUALITY_ONLY"), (commands, "QUALITY_ONLY"), (passkey, "OWN_OPTIONS"),
+            (passkey, "QUALITY_OPTIONS"), (passkey, "refuse_own"), (passkey, "add_args")]
+    assert not [n for m, n in gone if hasattr(m, n)]

@@ -1,4 +1,5 @@
 """`bench speed --quick` on the tiny model: well-formed JSON, a report and real PNG plots."""
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -280,3 +281,29 @@ def test_the_scan_reads_every_recall_layer_s_cold_keys():
     params = options.params(budget=64, recall=True, recall_layers=3)
     k = torch.zeros(6, 2, 100, 4, dtype=torch.bfloat16)
     assert speed.scan_bytes(params, k, 10) == 3 * 2 * 10 * 4 * 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["quality", "--quick"],
+    ["quality", "--budgets", "64,128", "--policies", "brightness,tova", "--repairs",
+     "none,fold", "--params", "decay=0.5", "--param", "gain=100", "--windows", "1",
+     "--tokens", "16", "--dtype", "bfloat16", "--jobs", "2", "--model", "tiny-random"],
+    ["passkey", "--quick", "--trials", "2", "--lengths", "512,600", "--policies", "none"],
+    ["speed", "--quick", "--out", "x", "--report", "x/r.md"],
+    ["transfer", "--model", "tiny-random", "--device", "cpu"],
+])
+def test_a_report_s_command_line_rebuilds_its_config(argv):
+    """A benchmark's config is made from its flags (``bench.flags``; ``--quick`` values
+    from the fields), and the command its report prints parses back to the same config."""
+    from positronic_brain.bench import flags
+    from positronic_brain.cli.args import BENCHES, build_parser
+
+    module = BENCHES[argv[0]]
+    args = build_parser().parse_args(["bench", *argv])
+    line = module.command_line(args)
+    again = build_parser().parse_args(line.split()[1:])
+    assert module.command_line(again) == line
+    assert flags.config(module.FLAGS[0], again) == flags.config(module.FLAGS[0], args)
+    quick = flags.config(module.FLAGS[0], build_parser().parse_args(["bench", argv[0], "--quick"]))
+    assert quick.quick and all(getattr(quick, f.name) == f.metadata["quick"]
+                               for f in dataclasses.fields(quick) if "quick" in f.metadata)

@@ -279,7 +279,7 @@ def test_bfloat16_fold_targets_read_the_stored_keys_in_place(tiny_model, monkeyp
     assert [f.slot for f in fold_targets(view, culls)] == list(culls)
     assert any(bool((f.into == -1).any()) for f in fold_targets(view, culls, 0.7))
     in_place = bytes_allocated(lambda: fold_targets(view, culls[:1]))
-    monkeypatch.setattr("positronic_brain.stages.decide.stored_keys",
+    monkeypatch.setattr("positronic_brain.stages.decide.fold.stored_keys",
                         lambda k: k.transpose(2, 3).reshape(L * KVH, D, n))  # the strided view
     saved = bytes_allocated(lambda: fold_targets(view, culls[:1])) - in_place
     if packable():  # oneDNN's bfloat16 product (avx512bw/vl/dq or avx_ne_convert) copies a

@@ -23,7 +23,7 @@ from positronic_brain.types import CacheParams, SamplerParams
 
 # per stage (1-4): the reads of a culling step, as reached (stage 1's is the sampler's: the
 # loop boundary's); fold's stage 3 also reads its culls' uids and which of them fold, and its
-# stage 4 selects each fold's pairs (``apply._fold_block`` says why), one read a fold more
+# stage 4 selects each fold's pairs (``stages.apply.fold._fold_block`` says why), one read a fold more
 CULLING = (1, 0, 1, 1)
 FOLDING = (1, 0, 2, 1)
 

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from positronic_brain import options
-from positronic_brain.stages.apply import cold as stage4_cold, patch as stage4, rows as stage4_rows
+from positronic_brain.stages.apply import patch as stage4, recall as stage4_cold, rows as stage4_rows
 from positronic_brain.forward import apply_rope, rerotation
 from positronic_brain.loop import Session, run
 from positronic_brain.model import hf_forward

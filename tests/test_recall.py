@@ -214,10 +214,50 @@ def test_bad_recall_parameters_are_one_line_errors(kw, message):
         options.params(**kw)
 
 
+def _cold_state(cold) -> tuple:
+    """Everything of a cold store that a step may change: its live rows (ledger, K/V,
+    norms, order of entry), bit for bit, and its counts."""
+    n, a = cold.n, cold.arena
+    return (n, a.n, cold.next_entry, cold.ledger.rows(), cold.entered[:n].tolist(),
+            *(getattr(a, x)[:, :, :n].clone() for x in ("k", "v", "knorm", "vnorm")))
+
+
+@pytest.mark.parametrize("fail_in", ["remove", "_append"])  # after the cold writes; all of them
+def test_a_failure_part_way_puts_the_cold_store_back(tiny_model, tiny_policy, monkeypatch,
+                                                      fail_in):
+    """Stage 4 is all or nothing with recall too: a step that fails after its recalls, its
+    culled tokens going cold, the oldest dropped past the capacity (a small one, grown from
+    a smaller first allocation) and a re-index leaves the cold store bit for bit as it was,
+    and the run goes on (the hot arena is rebuilt from the ledger: tests/test_loop_step4_apply)."""
+    from positronic_brain.stages.apply import patch
+    monkeypatch.setattr("positronic_brain.stages.apply.recall.COLD_ROWS", 4)
+    params = options.cache_params({"cold_capacity": 12, "recall_every": 1, "reindex_at": 45,
+                                   "recall_margin": 0.0}, RECALL)
+    tried = _session(tiny_model, tiny_policy, params)
+    seen = Totals()
+    for _ in range(14):
+        before = _cold_state(tried.state.cold)
+        with monkeypatch.context() as m:
+            m.setattr(patch, fail_in, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
+            with pytest.raises(RuntimeError):
+                tried.step()
+        tried.state.check_valid()
+        after = _cold_state(tried.state.cold)
+        assert after[:5] == before[:5]
+        for x, y in zip(after[5:], before[5:]):
+            assert torch.equal(x, y)
+        seen.add(tried.step())
+        tried.state.check_valid()
+    # the failed steps tried every cold-store write: recalls, drops, growth, a re-index
+    # over a full cold store (the first step's is over an empty one: the prompt is longer)
+    assert seen.recalled and seen.reindexed >= 2 and tried.state.ledger.dropped, seen
+    assert tried.state.cold.arena.capacity > 4
+
+
 def test_a_prompt_far_over_the_budget_fills_a_grown_cold_store(tiny_model, tiny_policy,
                                                                monkeypatch):
     """The first step culls more tokens than the cold store's first allocation holds."""
-    monkeypatch.setattr("positronic_brain.stages.apply.cold.COLD_ROWS", 16)
+    monkeypatch.setattr("positronic_brain.stages.apply.recall.COLD_ROWS", 16)
     s = Session(tiny_model, tiny_policy, GREEDY, options.cache_params({"reindex_at": None}, RECALL))
     s.prime([Segment(tuple(range(5, 105)), "user")])
     assert s.state.cold.arena.capacity == 16
@@ -304,7 +344,7 @@ def test_recalled_equals_the_loop_by_hand(seed):
 def test_the_best_anchors_are_a_stable_sort_s_first(seed):
     """``_best`` (a top-k when k is a small part) gives argsort(descending, stable)[:k]: ties
     in index order, -inf last, whichever path it takes."""
-    from positronic_brain.stages.decide import _best
+    from positronic_brain.stages.decide.recall import _best
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 4000, (1,), generator=g))
     x = (torch.randint(0, 40, (n,), generator=g) / 8) if seed % 2 else torch.randn(n, generator=g)
@@ -361,6 +401,6 @@ def test_a_cold_copy_of_the_live_keys_gets_their_signals(tiny_model, tiny_policy
 
 
 def test_the_scan_takes_consecutive_layers_as_runs():
-    from positronic_brain.stages.score import _runs
+    from positronic_brain.stages.score.recall import _runs
     assert _runs((0, 1, 3, 5, 6, 7)) == [(0, 2), (3, 4), (5, 8)]
     assert _runs((4,)) == [(4, 5)]

@@ -38,12 +38,11 @@ from typing import Any
 
 from .. import options
 from ..loop import Session, arena_capacity
-from ..model import Model, load_model, resolve_device
-from ..scorers import (CULLING, culling, make_scorer, reads_total, takes_prefill_scores,
-                       user)
+from ..model import DTYPES, Model, load_model
+from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
 from ..special_tokens import TokenPolicy
-from ..types import CacheParams, SamplerParams, Segment, UserError, require
-from . import common
+from ..types import CacheParams, SamplerParams, Segment, UserError, option, require
+from . import common, flags
 from .common import Table, fmt
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
@@ -60,10 +59,6 @@ DEPTH_BINS = ((0.1, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9))
 FLIPPED = "flipped"  # a variant's prefill_scores: the other way from each scorer's default
 TARGET_BUDGET = 128
 TARGET_RATIO = 0.95  # pass-key accuracy with recall at TARGET_BUDGET / the full cache
-# bench quality's own options, which this benchmark does not take
-QUALITY_OPTIONS = ("text", "slice", "at", "repairs", "params", "param", "windows", "tokens",
-                   "long")
-OWN_OPTIONS = ("trials", "lengths")
 
 
 # --- the prompt ---------------------------------------------------------------------------
@@ -153,6 +148,11 @@ def trials(seed: int, n: int, lengths: tuple[int, ...]) -> list[Trial]:
 
 # --- configuration ------------------------------------------------------------------------
 
+def _policies(text: str) -> tuple[str, ...]:
+    """``--policies``: scorers (``none``: no cell, the full cache only)."""
+    return tuple(p for p in flags.scorers(text) if p != "none")
+
+
 @dataclass(frozen=True)
 class PasskeyConfig:
     """What to measure. ``policies`` empty: the full cache only. ``variants``: cache
@@ -161,13 +161,16 @@ class PasskeyConfig:
     ``{"prefill_scores": FLIPPED}``)."""
 
     model: str = "smollm2"
-    dtype: str = "float32"
+    dtype: str = option("float32", "the model's precision", choices=tuple(DTYPES))
     device: str = "cpu"
     quick: bool = False
-    trials: int = 50
-    lengths: tuple[int, ...] = (1024, 2048, 3072, 4096)
-    budgets: tuple[int, ...] = (128, 256, 512)
-    policies: tuple[str, ...] = CULLING
+    budgets: tuple[int, ...] = option((128, 256, 512), "live cache slots, comma-separated",
+                                      quick=(128,))
+    policies: tuple[str, ...] = option(CULLING, "comma-separated scorers (none: the full "
+                                       "cache only)", read=_policies)
+    trials: int = option(50, "prompts per cell", quick=8)
+    lengths: tuple[int, ...] = option((1024, 2048, 3072, 4096), "comma-separated prompt "
+                                      "lengths in tokens, taken in turn", quick=(1024,))
     # each scorer's defaults (prefill scores or not: its own), with recall, and prefill
     # scores the other way round from its default
     variants: tuple[dict, ...] = ({}, {"recall": True}, {"prefill_scores": FLIPPED})
@@ -205,9 +208,8 @@ class PasskeyConfig:
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "PasskeyConfig":
-        if not quick:
-            return cls(**kw)
-        return cls(quick=True, **{"trials": 8, "budgets": (128,), "lengths": (1024,), **kw})
+        """The config, with each field's ``quick`` value (its metadata) for ``--quick``."""
+        return flags.preset(cls, quick, **kw)
 
     def fitted(self, max_positions: int) -> "PasskeyConfig":
         """Prompts and answers within the model's positions; budgets below them."""
@@ -552,51 +554,16 @@ METHOD = """\
 
 # --- the command line -----------------------------------------------------------------------
 
-def add_args(p) -> None:
-    """This benchmark's own options (it also takes --budgets, --policies and --dtype)."""
-    g = p.add_argument_group("bench passkey (pass-key retrieval; also takes --budgets, "
-                             "--policies (none: the full cache only), --dtype and --jobs)")
-    g.add_argument("--trials", type=int, default=None,
-                   help="prompts per cell (default 50; --quick 8)")
-    g.add_argument("--lengths", default=None,
-                   help="comma-separated prompt lengths in tokens, taken in turn (default "
-                        "1024,2048,3072,4096; --quick 1024)")
-
-
-def refuse_own(args) -> None:
-    given = [f"--{f}" for f in OWN_OPTIONS if getattr(args, f, None) is not None]
-    if given:
-        raise UserError(f"{', '.join(given)}: for bench passkey only")
-
-
-def config_from_args(args) -> PasskeyConfig:
-    given = [f"--{f}" for f in QUALITY_OPTIONS if getattr(args, f, None) is not None]
-    if given:
-        raise UserError(f"{', '.join(given)}: not an option of bench passkey")
-    kw = {"model": args.model, "dtype": args.dtype or "float32",
-          "device": str(resolve_device(args.device))}
-    if args.trials is not None:
-        kw["trials"] = args.trials
-    if args.lengths is not None:
-        kw["lengths"] = common.ints(args.lengths, "lengths")
-    if args.budgets is not None:
-        kw["budgets"] = common.ints(args.budgets, "budgets")
-    if args.policies is not None:
-        names = tuple(p.strip() for p in args.policies.split(","))
-        kw["policies"] = tuple(user.absolute(p) for p in names if p != "none")  # none: full only
-    return PasskeyConfig.preset(args.quick, **kw)
+FLAGS = (PasskeyConfig, flags.Workers)  # the dataclasses whose fields are its flags
 
 
 def command_line(args) -> str:
-    return common.command_line("passkey", args, (
-        ("model", "smollm2"), ("dtype", None), ("device", "cpu"), ("budgets", None),
-        ("policies", None),
-        ("trials", None), ("lengths", None), ("jobs", None), ("out", None), ("report", None)))
+    return flags.command_line("passkey", args, FLAGS)
 
 
 def main(args) -> int:
     """The CLI entry: measure, then print tables (or one JSON object) and write files."""
-    cfg = config_from_args(args)  # validate before the slow part
+    cfg = flags.config(PasskeyConfig, args)  # validate before the slow part
     out = common.out_dir(args)
     res = run(cfg, command_line(args), common.jobs(args))
     common.emit(res, args, out, "passkey", plots, report_md, tables)

@@ -44,13 +44,14 @@ from typing import Any
 
 from .. import options
 from ..loop import Session, arena_capacity
-from ..model import Model, load_model, resolve_device
+from ..model import DTYPES, Model, load_model
 from ..special_tokens import TokenPolicy
 from ..stages.score import read_like_scorer
-from ..scorers import BASELINES, CULLING, culling, user
+from ..scorers import BASELINES, CULLING, culling
 from ..scorers.oracle import NAME as ORACLE, AttentionRecorder, Oracle
-from ..types import CacheParams, SamplerParams, ScorerSpec, Segment, Totals, UserError, require
-from . import common
+from ..types import (CacheParams, SamplerParams, ScorerSpec, Segment, Totals, UserError, option,
+                     require)
+from . import common, flags
 from .common import Table, fmt
 
 SCORERS = CULLING  # the default scorer first, then the baselines
@@ -80,27 +81,35 @@ class QualityConfig:
     ``long_window``: tokens per perplexity window of the long run."""
 
     model: str = "smollm2"
-    dtype: str = "float32"
+    dtype: str = option("float32", "the model's precision", choices=tuple(DTYPES))
     device: str = "cpu"
     quick: bool = False
-    text: str = DEFAULT_TEXT
-    slice: str = "eval"
-    at: float = 0.5  # where the tune slice starts, as a fraction of the text's tokens
-    budgets: tuple[int, ...] = (128, 256, 512)
-    policies: tuple[str, ...] = SCORERS
-    repairs: tuple[str, ...] = REPAIRS
-    windows: int = 4
-    tokens: int = 512
-    long: int = 10240
-    long_budget: int = 512
-    long_policy: str = "brightness"
-    long_baselines: tuple[str, ...] = ("streaming", "h2o")
-    long_repair: str = "none"
-    long_recall: bool = True  # the long policy with recall too (positions keep)
-    long_window: int = 512
+    text: str = option(DEFAULT_TEXT, "topics (Python's help topics), jargon (the Jargon File, "
+                       "Debian package jargon-text) or a UTF-8 file")
+    slice: str = option("eval", "eval: the text's first half; tune: its second",
+                        choices=SLICES)
+    at: float = option(0.5, "the tune slice starts F of the way into the text (0.5 <= F < 1)",
+                       metavar="F")
+    budgets: tuple[int, ...] = option((128, 256, 512), "live cache slots, comma-separated",
+                                      quick=(64,))
+    policies: tuple[str, ...] = option(SCORERS, "comma-separated scorers", read=flags.scorers)
+    repairs: tuple[str, ...] = option(REPAIRS, "comma-separated")
     # cache options of every run (flat name -> value): sinks, recent, scorer fields (each
     # run's scorer takes those it has), recall's (in the runs with recall)
-    params: tuple[tuple[str, Any], ...] = ()
+    params: tuple[tuple[str, Any], ...] = option(
+        (), "cache parameters of every run, e.g. decay=1,gain=200,sinks=4", metavar="K=V,...",
+        read=flags.cache_options, repeat="param")
+    windows: int = option(4, "grid windows spread over the slice", quick=2)
+    tokens: int = option(512, "scored tokens per grid window", quick=64)
+    long: int = option(10240, "scored tokens of the run past the model's positions (0 = none)",
+                       quick=0)
+    long_budget: int = 512
+    long_policy: str = "brightness"
+    long_baselines: tuple[str, ...] = field(default=("streaming", "h2o"),
+                                            metadata={"quick": ("streaming",)})
+    long_repair: str = "none"
+    long_recall: bool = True  # the long policy with recall too (positions keep)
+    long_window: int = field(default=512, metadata={"quick": 128})
 
     def __post_init__(self) -> None:
         require(self.slice in SLICES,
@@ -134,10 +143,8 @@ class QualityConfig:
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "QualityConfig":
-        if not quick:
-            return cls(**kw)
-        return cls(quick=True, **{"budgets": (64,), "windows": 2, "tokens": 64, "long": 0,
-                                  "long_window": 128, "long_baselines": ("streaming",), **kw})
+        """The config, with each field's ``quick`` value (its metadata) for ``--quick``."""
+        return flags.preset(cls, quick, **kw)
 
     @property
     def warmup(self) -> int:
@@ -911,41 +918,16 @@ METHOD = """\
   Scorer defaults are chosen on `tune` only (`--slice tune`), never on `eval`."""
 
 
+FLAGS = (QualityConfig, flags.Workers)  # the dataclasses whose fields are its flags
+
+
 def command_line(args) -> str:
-    return common.command_line("quality", args, (
-        ("model", "smollm2"), ("dtype", None), ("device", "cpu"), ("text", None),
-        ("slice", None), ("at", None), ("budgets", None), ("policies", None),
-        ("repairs", None), ("params", None), ("param", None), ("windows", None),
-        ("tokens", None),
-        ("long", None), ("out", None), ("report", None)))
-
-
-def config_from_args(args) -> QualityConfig:
-    kw = {"model": args.model, "dtype": args.dtype or "float32",
-          "device": str(resolve_device(args.device))}
-    kw |= {k: getattr(args, k) for k in ("text", "slice", "at", "windows", "tokens", "long")
-           if getattr(args, k) is not None}
-    if args.budgets is not None:
-        kw["budgets"] = common.ints(args.budgets, "budgets")
-    if args.policies is not None:
-        kw["policies"] = tuple(user.absolute(p.strip()) for p in args.policies.split(","))
-    if args.repairs is not None:
-        kw["repairs"] = tuple(r.strip() for r in args.repairs.split(","))
-    given = options.typed(options.pairs(args.params or "", "--params"))
-    fixed = sorted({"budget", "policy", "repair", "positions", "recall", "param"} & set(given))
-    require(not fixed, f"--params: {', '.join(fixed)} is the benchmark's own axis"
-            + (" (--param NAME=VALUE)" if "param" in fixed else ""))
-    if args.param:
-        given["param"] = tuple(args.param)
-    if given:
-        kw["params"] = tuple(sorted(given.items()))
-    # each scorer built now (your own: file, class and fields), not after minutes of measuring
-    return QualityConfig.preset(args.quick, **kw)
+    return flags.command_line("quality", args, FLAGS)
 
 
 def main(args) -> int:
     """The CLI entry: measure, then print tables (or one JSON object) and write files."""
-    cfg = config_from_args(args)  # validate before the slow part
+    cfg = flags.config(QualityConfig, args)  # validate before the slow part
     out = common.out_dir(args)
     res = run(cfg, command_line(args), common.jobs(args))
     common.emit(res, args, out, section_name(cfg), plots, report_md, tables)

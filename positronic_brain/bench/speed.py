@@ -35,7 +35,7 @@ import torch
 
 from ..loop import Session
 from ..model import (CPU_ONLY, GRAPH, NATIVE, Int8Weight, Model, PackedWeight, compile_flag, hf_forward,
-                     load_model, resolve_device)
+                     load_model)
 from ..sampler import make_generator
 from ..special_tokens import TokenPolicy
 from ..stages.apply import apply, prime
@@ -45,7 +45,7 @@ from ..stages.score import recall_layers, recall_query, score
 from ..state import State, View
 from ..types import (Actions, CacheParams, FoldRepair, Prefill, Recall, SamplerParams, Segment,
                      require)
-from . import common, llamacpp
+from . import common, flags, llamacpp
 from .common import Table, fmt, fmt_bytes
 
 GREEDY = SamplerParams(greedy=True)
@@ -94,7 +94,7 @@ class SpeedConfig:
         require(self.budget >= 32, f"budget must be >= 32, got {self.budget}")
 
     @classmethod
-    def preset(cls, model: str, quick: bool, device: str = "cpu") -> "SpeedConfig":
+    def preset(cls, quick: bool, model: str = "smollm2", device: str = "cpu") -> "SpeedConfig":
         """The CPU's contexts, or on a GPU 1k-32k (bandwidth over a buffer that dwarfs its
         caches)."""
         gpu = device != "cpu"
@@ -1131,16 +1131,18 @@ METHOD = """\
 """
 
 
+FLAGS = (SpeedConfig,)  # the dataclasses whose fields are its flags (none but the shared)
+
+
 def command_line(args) -> str:
-    return common.command_line("speed", args, (("model", "smollm2"), ("device", "cpu"),
-                                               ("out", None), ("report", None)))
+    return flags.command_line("speed", args, FLAGS)
 
 
 def main(args) -> int:
     """The CLI entry: measure, then print tables (or one JSON object) and write files."""
-    device = str(resolve_device(args.device))  # before the folder is made
+    cfg = flags.config(SpeedConfig, args)  # the device resolved before the folder is made
     out = common.out_dir(args)  # fail before the long run
-    res = run(SpeedConfig.preset(args.model, args.quick, device), command_line(args))
-    gpu = "" if device == "cpu" else "-" + torch.device(device).type
+    res = run(cfg, command_line(args))
+    gpu = "" if cfg.device == "cpu" else "-" + torch.device(cfg.device).type
     common.emit(res, args, out, "speed" + gpu, plots, report_md, tables)
     return 0

@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..blend import SELECT_LAYER, check_percents, measure
@@ -31,10 +31,10 @@ from ..compose import Part, compose
 from ..partial import partial_bench
 from ..transfer import TrainParams, projector_bench
 from ..loop import Session
-from ..model import Model, load_model, resolve_device
+from ..model import Model, load_model
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, Segment, UserError, require
-from . import common
+from . import common, flags
 from .common import Table, fmt
 
 
@@ -48,14 +48,14 @@ class TransferConfig:
     dtype: str = "float32"
     device: str = "cpu"
     quick: bool = False
-    texts: int = 8
+    texts: int = field(default=8, metadata={"quick": 2})
     parts: int = 4
-    part_tokens: int = 256
-    continuation: int = 128
+    part_tokens: int = field(default=256, metadata={"quick": 128})
+    continuation: int = field(default=128, metadata={"quick": 64})
     percents: tuple[float, ...] = (5, 10, 20, 50, 100)
     select_layer: int = SELECT_LAYER
-    projector_steps: int = TrainParams.steps
-    projector_tokens: int = 16384
+    projector_steps: int = field(default=TrainParams.steps, metadata={"quick": 100})
+    projector_tokens: int = field(default=16384, metadata={"quick": 8192})
 
     def __post_init__(self) -> None:
         require(self.texts >= 1 and self.parts >= 1 and self.part_tokens >= 1
@@ -65,10 +65,8 @@ class TransferConfig:
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "TransferConfig":
-        if not quick:
-            return cls(**kw)
-        return cls(quick=True, **{"texts": 2, "part_tokens": 128, "continuation": 64,
-                                  "projector_steps": 100, "projector_tokens": 8192, **kw})
+        """The config, with each field's ``quick`` value (its metadata) for ``--quick``."""
+        return flags.preset(cls, quick, **kw)
 
     def fitted(self, max_positions: int) -> "TransferConfig":
         """Parts short enough that the composed text and the continuation fit the model's
@@ -414,15 +412,16 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
     return "\n".join(lines) + "\n"
 
 
+FLAGS = (TransferConfig,)  # the dataclasses whose fields are its flags (none but the shared)
+
+
 def command_line(args) -> str:
-    return common.command_line("transfer", args, (
-        ("model", "smollm2"), ("device", "cpu"), ("out", None), ("report", None)))
+    return flags.command_line("transfer", args, FLAGS)
 
 
 def main(args) -> int:
     """The CLI entry: measure, then print tables (or one JSON object) and write files."""
-    cfg = TransferConfig.preset(args.quick, model=args.model,
-                                device=str(resolve_device(args.device)))
+    cfg = flags.config(TransferConfig, args)
     out = common.out_dir(args)
     res = run(cfg, command_line(args))
     common.emit(res, args, out, "transfer", plots, report_md, tables)

@@ -9,7 +9,8 @@ import sys
 from dataclasses import asdict
 
 from .. import native, options, threads
-from ..bench import passkey
+from ..bench import flags, passkey, quality, speed
+from ..bench import transfer as transfer_bench
 from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
 from ..model import COMPILERS, DTYPES, NATIVE, Model, device_kind, load_model, resolve_device
@@ -20,7 +21,7 @@ from ..transfer import INITS, KINDS, TrainParams
 from ..types import CacheParams, SamplerParams, UserError
 
 PROG = "positronic-brain"
-BENCH_KINDS = ("speed", "quality", "passkey", "transfer")
+BENCHES = {"speed": speed, "quality": quality, "passkey": passkey, "transfer": transfer_bench}
 
 MODEL_HELP = ("smollm2 (default), a .gguf file (llama, mistral, qwen2), a local HF folder, "
               "or a tiny random model for tests: "
@@ -110,21 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_run_args(sub.add_parser("run", help="generate from a prompt, or go on from a saved "
                                  "session"))
-    bench = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)")
-    bench.add_argument("kind", choices=BENCH_KINDS)
-    bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (make bench)")
-    bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    bench.add_argument("--out", default=None,
-                       help="folder for report.md, results.json and the PNG plots")
-    bench.add_argument("--report", default=None,
-                       help="also write the report into this shared document (e.g. "
-                       "docs/BENCHMARKS.md), as its own section between markers")
-    bench.add_argument("--model", default="smollm2",
-                       help=MODEL_HELP)
-    bench.add_argument("--device", default="cpu",
-                       help="cpu (default: a report names its machine), cuda, cuda:N or auto")
-    _add_quality_args(bench)
-    passkey.add_args(bench)
+    _add_bench_args(sub)
     _add_inspect_args(sub)
     _add_chat_args(sub)
     _add_compose_args(sub)
@@ -191,7 +178,7 @@ def _add_compose_args(sub) -> None:
     cp.add_argument("--out", required=True, metavar="OUT.pbs", help="the composed session file")
     _add_saved_model_args(cp)
     g = cp.add_argument_group("measure (how far the composition is from a joint prefill of "
-                              "its text; see README: compose)")
+                              "its text; see docs/SESSIONS.md: compose)")
     g.add_argument("--measure", default=None, metavar="TEXT",
                    help="the text that follows the composed context: report each layer's K/V "
                    "deviation from a joint prefill and this text's NLL under both caches")
@@ -237,7 +224,7 @@ def _add_export_args(sub) -> None:
 
 
 def _add_capture_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("capture (see README: capture, replay, inspect)")
+    g = p.add_argument_group("capture (see docs/CAPTURE.md: capture, replay, inspect)")
     g.add_argument("--capture", metavar="DIR", default=None,
                    help="save every stage call's inputs and outputs to DIR/<run-id>/")
     g.add_argument("--capture-level", default="light", choices=("light", "full"),
@@ -290,39 +277,15 @@ def _add_inspect_args(sub) -> None:
                     "marked, cache-length and NLL curves, each token's ledger row on hover")
 
 
-def _add_param_arg(g) -> None:
-    g.add_argument("--param", action="append", default=None, metavar="NAME=VALUE",
-                   help=options.CHOOSERS["param"])
-
-
-def _add_quality_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("bench quality (streaming perplexity; see docs/BENCHMARKS.md)")
-    _add_param_arg(g)
-    g.add_argument("--dtype", default=None, choices=tuple(DTYPES),
-                   help="default float32")
-    g.add_argument("--text", default=None,
-                   help="topics (default: Python's help topics), jargon (the Jargon File, "
-                        "Debian package jargon-text) or a UTF-8 file")
-    g.add_argument("--slice", default=None, choices=("eval", "tune"),
-                   help="eval (default): the text's first half; tune: its second")
-    g.add_argument("--at", type=float, default=None, metavar="F",
-                   help="the tune slice starts F of the way into the text (0.5 <= F < 1; "
-                        "default 0.5)")
-    g.add_argument("--budgets", default=None, help="comma-separated, e.g. 128,256,512")
-    g.add_argument("--policies", default=None,
-                   help="comma-separated scorers (default: brightness,streaming,h2o,tova,random)")
-    g.add_argument("--repairs", default=None, help="comma-separated (default: none,merge,fold)")
-    g.add_argument("--params", default=None, metavar="K=V,...",
-                   help="cache parameters of every run, e.g. decay=1,gain=200,sinks=4")
-    g.add_argument("--windows", type=int, default=None,
-                   help="grid windows spread over the slice (default 4; --quick 2)")
-    g.add_argument("--tokens", type=int, default=None,
-                   help="scored tokens per grid window (default 512; --quick 64)")
-    g.add_argument("--long", type=int, default=None,
-                   help="scored tokens of the run past the model's positions (0 = none)")
-    g.add_argument("--jobs", type=int, default=None,
-                   help="runs (bench passkey: trials) in parallel, one single-thread process "
-                     "each (default: CPU cores)")
+def _add_bench_args(sub) -> None:
+    """``bench KIND``: a subcommand per benchmark, with the shared flags and its own, made
+    from its config's fields (``bench.flags``)."""
+    bench = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS-GUIDE.md)")
+    kinds = bench.add_subparsers(dest="kind", required=True, parser_class=_Parser)
+    for name, module in BENCHES.items():
+        p = kinds.add_parser(name, help=module.__doc__.split(":", 1)[1].strip().split("\n")[0])
+        flags.add_shared(p, MODEL_HELP)
+        flags.add_flags(p, module.FLAGS, f"bench {name} (see docs/BENCHMARKS-GUIDE.md)")
 
 
 def _add_chat_args(sub) -> None:
@@ -399,10 +362,6 @@ def train_params(args) -> TrainParams:
                        continuation=args.continuation, holdout=args.holdout,
                        eval_windows=args.eval_windows, kind=args.kind, hidden=args.hidden,
                        init=args.init, noise=args.noise, seed=args.seed)
-
-
-QUALITY_ONLY = ("dtype", "text", "slice", "at", "budgets", "policies", "repairs", "params",
-                "param", "windows", "tokens", "long")
 
 
 def cache_params(args) -> CacheParams:

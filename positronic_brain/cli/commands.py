@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 from .. import compare, compose, fork, inspector, options, partial, replay, transfer
-from ..bench import passkey, quality, speed
-from ..bench import transfer as transfer_bench
+from ..bench import quality
 from ..bench.common import Table, fmt, print_tables
 from ..loop import drive, run
 from ..model import load_model
@@ -16,10 +15,8 @@ from ..plain import output_file
 from ..session_io import load_session, save_session, saved_model, spans
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError, require
-from .args import (BENCH_KINDS, DTYPE, MODEL, QUALITY_ONLY, cache_params, cli_model,
-                   open_tape, percents, sampler_params, settled_by_session, train_params)
-
-BENCHES = dict(zip(BENCH_KINDS, (speed.main, quality.main, passkey.main, transfer_bench.main)))
+from .args import (BENCHES, DTYPE, MODEL, cache_params, cli_model, open_tape, percents,
+                   sampler_params, settled_by_session, train_params)
 
 
 def _echo(delta: str) -> None:
@@ -86,15 +83,7 @@ def _report(args, result: dict) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.kind == "passkey":
-        return passkey.main(args)  # takes --dtype, --budgets, --policies; refuses the rest
-    passkey.refuse_own(args)
-    only = [f"--{f}" for f in QUALITY_ONLY if getattr(args, f) is not None]
-    if args.kind != "quality" and only:
-        raise UserError(f"{', '.join(only)}: for bench quality only")
-    if args.kind in ("speed", "transfer") and args.jobs is not None:
-        raise UserError("--jobs: for bench quality and bench passkey only")
-    return BENCHES[args.kind](args)
+    return BENCHES[args.kind].main(args)  # each benchmark's parser took only its own flags
 
 
 def cmd_fork(args) -> int:

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from ..state import Ledger, View
-from ..types import CacheParams, Column, ScoreOut, ScorerSpec, UserError, require
+from ..types import CacheParams, Column, ScoreOut, UserError, require
 from .brightness import Brightness
 from .h2o import H2O
 from .none import NoScore
@@ -107,6 +107,11 @@ def scorer_class(name: str) -> type:
     return user.load(name)
 
 
+def field_names(cls: type) -> tuple[str, ...]:
+    """The fields of the scorer class ``cls``, in order: what ``--param`` may set."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def make_scorer(params: CacheParams) -> Scorer:
     """The scorer ``params.scorer`` names, its fields from ``params.scorer.params`` (the
     rest: their defaults, or ``CacheParams``' value of that name), checked: a field it
@@ -114,7 +119,7 @@ def make_scorer(params: CacheParams) -> Scorer:
     naming it. A user's scorer is guarded (``scorers.user.Guarded``)."""
     name = params.scorer.name
     cls = scorer_class(name)
-    own = {f.name: f for f in dataclasses.fields(cls)}
+    own = {f.name: f for f in dataclasses.fields(cls)}  # with their defaults
     given = dict(params.scorer.params)
     unknown = sorted(set(given) - set(own))
     require(not unknown, f"scorer {name} has no field {', '.join(map(repr, unknown))} "
@@ -131,11 +136,3 @@ def make_scorer(params: CacheParams) -> Scorer:
     except Exception as e:  # noqa: BLE001 -- a user's class: any error is one line
         raise UserError(f"scorer {name}: {type(e).__name__}: {e}") from None
     return scorer if name in SCORERS else user.Guarded(name, scorer)
-
-
-def for_policy(params: CacheParams, name: str) -> CacheParams:
-    """``params`` with the scorer ``name``, keeping those of its scorer fields that ``name``
-    has too (a benchmark's shared fields, applied to each of its scorers that takes them)."""
-    own = {f.name for f in dataclasses.fields(scorer_class(name))}
-    return dataclasses.replace(params, scorer=ScorerSpec(
-        name, tuple((k, v) for k, v in params.scorer.params if k in own)))

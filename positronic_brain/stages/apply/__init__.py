@@ -19,7 +19,7 @@ one module for each kind of write:
 - ``rows``: the row writers they share (a slot's K/V and norms, a new token's ledger row,
   moving and removing slots) and the checks of a scorer's column values.
 """
-from .cold import COLD_ROWS, add_cold_store, cold_store
+from .recall import COLD_ROWS, add_cold_store, cold_store
 from .patch import apply
 from .prefill import (FUSED_CHUNK, PREFILL_CHUNK, TOTAL_UNREAD, chunks, extend, gpu_chunk_bytes,
                       prime, seed)

@@ -8,11 +8,13 @@ import torch
 
 from ...forward import apply_rope, rerotation
 from ...model import Model
-from ...state import FLAG_PROTECTED, Arena, Ledger, SplitArena, State, key_norms, value_norms
-from ...types import NO_ACTIONS, SOURCES, Actions, Fold, GenerateOut, Merge, Patch, require
-from .cold import cool, drop_oldest, leaving_rows, swap
+from ...state import FLAG_PROTECTED, Arena, Ledger, SplitArena, State
+from ...types import NO_ACTIONS, SOURCES, Actions, GenerateOut, Patch, require
+from .fold import fold
+from .merge import merge
+from .recall import Undo, cool, drop_oldest, leaving_rows, swap
 from .restore import rebuild_from_ledger
-from .rows import birth_values, column_ranges, in_range, per_block, remove, write, write_rows
+from .rows import column_ranges, in_range, remove, write, write_rows
 
 
 def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> list[int]:
@@ -87,56 +89,6 @@ def _check_swaps(state: State, actions: Actions, changed: set[int]) -> None:
         [s.cold_uid for s in actions.swaps], "stale recall (cold uid)"
 
 
-def _merge(state: State, r: Merge, step: int) -> int:
-    """Rewrite slot ``r.slots[0]`` as the merged token (a fresh uid; source kept; each
-    scorer column the pair's max or its birth value, as its ``Column.merge`` says); its
-    partner is removed with the culls. Returns the new uid."""
-    m = state.ledger
-    s, t = r.slots
-    uid = m.next_uid
-    m.next_uid += 1
-    m.merged[uid] = r.uids
-    for name, spec in m.specs.items():
-        col = m.columns[name]
-        col[s] = (torch.maximum(col[s], col[t]) if spec.merge == "max"
-                  else birth_values(spec.births, m.device)[m.source[s].long()])
-    m.uid[s], m.token_id[s], m.position[s] = uid, r.token_id, r.position
-    m.born_step[s] = m.changed_step[s] = step
-    m.flags[s] = 0
-    m.origin[s], m.origin_uid[s] = 0, -1
-    write(state.arena, s, r.k, r.v)
-    return uid
-
-
-def _fold(state: State, f: Fold) -> None:
-    """Fold slot ``f.slot``'s K/V into ``f.into`` (one slot per layer and KV head, -1 =
-    none there): there K and V become the mass-weighted mean of both, and the log-mass
-    their log-sum-exp, so a query that scores both keys alike gives the pair the attention
-    it gave them apart."""
-    for a, (into,) in per_block(state.arena, f.into):
-        _fold_block(a, f.slot, into)
-
-
-def _fold_block(a: Arena, slot: int, into: torch.Tensor) -> None:
-    """``_fold`` in one block of layers: ``into`` (layers, kv_heads). Over the pairs that
-    fold alone, selected by value (a read of the device): on the CPU, sigmoid and logaddexp
-    may round an element otherwise by where it sits in the operand (vector loops, then a
-    scalar tail), so computing them over every pair would change the bits a fold gave."""
-    li, hi = (into >= 0).nonzero(as_tuple=True)  # the (layer, KV head) pairs that fold
-    if len(li) == 0:
-        return
-    into = into[li, hi]
-    lm_i, lm_j = a.log_mass[li, hi, into], a.log_mass[li, hi, slot]  # (p,)
-    w = torch.sigmoid(lm_j - lm_i).unsqueeze(-1)  # m_j / (m_i + m_j), (p, 1)
-    for t, norm, rows in ((a.k, a.knorm, key_norms), (a.v, a.vnorm, value_norms)):
-        x = t[li, hi, into].float()  # (p, D)
-        folded = (x + w * (t[li, hi, slot].float() - x)).to(t.dtype)
-        t[li, hi, into] = folded
-        norm[li, hi, into] = rows(folded)
-    a.log_mass[li, hi, into] = torch.logaddexp(lm_i, lm_j)
-    a.folded = True
-
-
 def _rotate(model: Model, a: Arena | SplitArena, old: torch.Tensor, new: torch.Tensor) -> None:
     """Re-rotate the keys of live slots [0, n) from positions ``old`` (n,) to ``new`` (n,)
     by the exact rotation old -> new; unmoved slots keep their exact bits."""
@@ -163,8 +115,8 @@ def _rotate(model: Model, a: Arena | SplitArena, old: torch.Tensor, new: torch.T
         b.renorm(0, n, values=False)
 
 
-def _reindex(model: Model, state: State,
-             cold_keep: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+def _reindex(model: Model, state: State, cold_keep: int | None,
+             undo: Undo | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                              list[int]]:
     """Positions become 0..n-1 in text order over the hot slots and the cold store's rows
     together (the oldest cold rows to enter past ``cold_keep`` dropped for good first);
@@ -172,7 +124,8 @@ def _reindex(model: Model, state: State,
     the hot slots' (old, new) positions (n,) in slot order, the cold rows' new positions
     and the dropped uids."""
     a, m, cold = state.arena, state.ledger, state.cold
-    dropped = [] if cold is None or cold_keep is None else drop_oldest(state, cold.n - cold_keep)
+    dropped = [] if cold is None or cold_keep is None else drop_oldest(state, cold.n - cold_keep,
+                                                                       undo)
     old = m.live("position").clone()  # (n,)
     old_cold = cold.ledger.live("position").clone() if cold is not None else old[:0]
     both = torch.cat((old, old_cold))
@@ -183,6 +136,7 @@ def _reindex(model: Model, state: State,
     _rotate(model, a, old, new)
     if cold is None:
         return old, new, None, dropped
+    undo.save_positions()
     cold.ledger.position[: cold.n] = new_cold
     _rotate(model, cold.arena, old_cold, new_cold)
     return old, new, new_cold, dropped
@@ -236,33 +190,34 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
     token becomes pending.
 
     Updates ``state`` in place (same arena tensors; O(changed tokens)). Atomic for the arena
-    and the ledger: bad actions raise before anything changes; a failure part-way restores
-    the ledger and rebuilds the arena from it, then re-raises (a cold store is not rolled
-    back: a failure after it changed leaves the state invalid, which ``check_valid`` says).
+    and the ledger, and for the cold store: bad actions raise before anything changes; a
+    failure part-way restores the ledger and rebuilds the arena from it, puts the cold store
+    back as it was (``recall.Undo``), then re-raises.
     """
     culled_uids = _check(model, state, gen, actions)
     m, step = state.ledger, state.step + 1
     n = m.n
-    undo = _undo(m, actions)
+    undo, cold_undo = _undo(m, actions), Undo.of(state.cold)
     culls = list(actions.cull_slots)
     reindex_from = reindex_to = cold_to = None
     cooled, dropped = [], []
     try:
         for name, t in (actions.columns or {}).items():  # 1) the scorer's columns
             m.columns[name][:n] = t
-        new_uids = [_merge(state, r, step) for r in actions.merges]  # 2) merges
+        new_uids = [merge(state, r, step) for r in actions.merges]  # 2) merges
         for f in actions.folds:  # 3) folds
-            _fold(state, f)
+            fold(state, f)
         swapped, culled = leaving_rows(state, actions.swaps, culls)
-        swap(state, actions.swaps, step, swapped)  # 4) recalls
+        swap(state, actions.swaps, step, swapped, cold_undo)  # 4) recalls
         if state.cold is not None:  # 5) culled tokens go cold, or away for good
-            cooled, dropped = cool(model, state, culls, culled)
+            cooled, dropped = cool(model, state, culls, culled, cold_undo)
         else:
             m.dropped += len(culls)
         moves = remove(state.arena, m, culls + [r.slots[1] for r in actions.merges])  # 6)
         position = gen.position
         if actions.reindex:  # 7) positions 0..n-1; the appended token comes next
-            reindex_from, reindex_to, cold_to, gone = _reindex(model, state, actions.cold_keep)
+            reindex_from, reindex_to, cold_to, gone = _reindex(model, state, actions.cold_keep,
+                                                               cold_undo)
             dropped += gone
             position = m.n + (state.cold.n if state.cold is not None else 0)
         slot, uid, k = _append(state, gen, position, model, step)  # 8) append
@@ -275,6 +230,8 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
         for uid in range(next_uid, m.next_uid):
             m.merged.pop(uid, None)
         m.n, m.next_uid = n, next_uid
+        if cold_undo is not None:
+            cold_undo.put_back()
         rebuild_from_ledger(model, state)  # the arena may be half-patched: make it agree
         raise
     state.step = step

@@ -13,7 +13,7 @@ from ...model import Model
 from ...scorers import reads_total
 from ...state import FLAG_PROTECTED, Ledger, State
 from ...types import SOURCES, Column, Patch, PrefillStats, PrimeOut, ScoreOut, Segment, require
-from .cold import cold_store
+from .recall import cold_store
 from .rows import arena, check_columns, slots_of, write, write_rows
 
 

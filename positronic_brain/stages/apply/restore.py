@@ -10,7 +10,7 @@ from ...forward import forward
 from ...model import Model
 from ...state import Cold, Ledger, State, key_norms, value_norms
 from ...types import Column, require
-from .cold import cold_store, grow
+from .recall import cold_store, grow
 from .prefill import chunks
 from .rows import arena, birth_values, per_block, put_kv, write
 

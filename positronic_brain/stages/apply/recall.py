@@ -1,6 +1,9 @@
-"""Stage 4's cold store (recall): allocating and growing it, culled tokens going in,
-recalled ones coming back in place of a hot slot's, the oldest dropped past its capacity."""
+"""Stage 4's part of recall: the cold store, allocating and growing it, culled tokens going
+in, recalled ones coming back in place of a hot slot's, the oldest dropped past its capacity;
+and its undo, so stage 4 stays all or nothing with recall too (``Undo``)."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +25,55 @@ def cold_store(model: Model, capacity: int, rows: int | None = None,
     return Cold(Arena.allocate(model.spec, rows, model.dtype, dev, key_rows=True),
                 Ledger.allocate(rows, columns, device=dev),
                 torch.zeros(rows, dtype=torch.int64, device=dev), capacity)
+
+
+@dataclass
+class Undo:
+    """What one step changes of a cold store, kept as it goes, to put back on a failure
+    part-way (``put_back``): its counts and storage (``grow`` replaces the storage and
+    leaves the old as it was), and a copy of every live row before it is overwritten in
+    place (``save``; a re-index saves the keys and positions it rewrites). Copies only
+    rows the step changes: a recall's, a drop's holes and the rows moved into them."""
+
+    cold: Cold
+    arena: Arena
+    ledger: Ledger
+    entered: torch.Tensor
+    n: int
+    next_entry: int
+    saved: list[tuple] = field(default_factory=list)  # (arena, ledger, entered, rows, copies)
+
+    @classmethod
+    def of(cls, cold: Cold | None) -> "Undo | None":
+        return cold and cls(cold, cold.arena, cold.ledger, cold.entered, cold.n, cold.next_entry)
+
+    def save(self, rows: torch.Tensor) -> None:
+        """Copy the cold rows ``rows`` (k,) of the current storage before they change."""
+        c = self.cold
+        self.saved.append((c.arena, c.ledger, c.entered, rows,
+                           {**take_rows(c.arena, c.ledger, rows), "entered": c.entered[rows]}))
+
+    def save_positions(self) -> None:
+        """Copy every live row's key, key norm and position (a re-index rewrites them)."""
+        c, n = self.cold, self.cold.n
+        self.saved.append((c.arena, c.ledger, None, None, (
+            c.arena.k[:, :, :n].clone(), c.arena.knorm[:, :, :n].clone(),
+            c.ledger.position[:n].clone())))
+
+    def put_back(self) -> None:
+        """The cold store as it was before the step, bit for bit."""
+        for arena, ledger, entered, rows, copies in reversed(self.saved):
+            if rows is None:
+                k, knorm, position = copies
+                n = position.shape[0]
+                arena.k[:, :, :n], arena.knorm[:, :, :n] = k, knorm
+                ledger.position[:n] = position
+                continue
+            put_rows(arena, ledger, rows, copies)
+            entered[rows] = copies["entered"]
+        c = self.cold
+        c.arena, c.ledger, c.entered, c.next_entry = self.arena, self.ledger, self.entered, self.next_entry
+        c.arena.n = c.ledger.n = self.n
 
 
 def add_cold_store(model: Model, state: State, capacity: int) -> None:
@@ -49,12 +101,14 @@ def grow(model: Model, cold: Cold, rows: int) -> None:
     cold.arena, cold.ledger, cold.entered = a, m, new.entered
 
 
-def drop_oldest(state: State, count: int) -> list[int]:
+def drop_oldest(state: State, count: int, undo: Undo) -> list[int]:
     """Drop the ``count`` cold rows that entered first, for good; returns their uids."""
     cold = state.cold
     if count <= 0:
         return []
     rows = torch.argsort(cold.entered[: cold.n])[:count]
+    # the holes the last rows fill, and those last rows, which later writes may reuse
+    undo.save(torch.cat((rows, torch.arange(cold.n - count, cold.n, device=rows.device))))
     uids = cold.ledger.uid[rows].tolist()
     remove(cold.arena, cold.ledger, rows.tolist(), extra=(cold.entered,))
     state.ledger.dropped += len(uids)
@@ -85,7 +139,7 @@ def _some_rows(rows: dict[str, torch.Tensor], part: slice) -> dict[str, torch.Te
     return {name: x[:, :, part] if name in ROWS else x[part] for name, x in rows.items()}
 
 
-def swap(state: State, swaps: tuple[Swap, ...], step: int, leaving: dict) -> None:
+def swap(state: State, swaps: tuple[Swap, ...], step: int, leaving: dict, undo: Undo) -> None:
     """Recalls: each cold row ``cold_slot`` and hot slot ``slot`` trade places (``leaving``:
     those slots' rows); the recalled tokens' scorer columns take the swaps' values (those
     they name); the others enter the cold store now."""
@@ -93,6 +147,7 @@ def swap(state: State, swaps: tuple[Swap, ...], step: int, leaving: dict) -> Non
         return
     cold, dev = state.cold, state.ledger.device
     rows = torch.tensor([s.cold_slot for s in swaps], device=dev)
+    undo.save(rows)
     recalled = take_rows(cold.arena, cold.ledger, rows)  # copies: set before they are put
     names = list(swaps[0].columns)  # every swap names the same columns
     if names:
@@ -106,7 +161,7 @@ def swap(state: State, swaps: tuple[Swap, ...], step: int, leaving: dict) -> Non
 
 
 def cool(model: Model, state: State, slots: list[int],
-          leaving: dict) -> tuple[list[int], list[int]]:
+         leaving: dict, undo: Undo) -> tuple[list[int], list[int]]:
     """Culled hot ``slots`` (``leaving``: their rows) into the cold store, the rows that
     entered first dropped for good past its capacity (and, if more go at once than it holds,
     the first of them). Returns the uids that went cold and those dropped."""
@@ -115,7 +170,7 @@ def cool(model: Model, state: State, slots: list[int],
     slots = slots[len(direct):]
     dropped = state.ledger.uid[direct].tolist() if direct else []
     state.ledger.dropped += len(dropped)
-    dropped += drop_oldest(state, cold.n + len(slots) - cold.capacity)
+    dropped += drop_oldest(state, cold.n + len(slots) - cold.capacity, undo)
     grow(model, cold, cold.n + len(slots))
     n, k = cold.n, len(slots)
     leaving = _some_rows(leaving, slice(len(direct), None))
