@@ -143,7 +143,8 @@ def test_every_bench_flag_comes_from_a_field():
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     kinds = next(a for a in sub.choices["bench"]._actions
                  if isinstance(a, argparse._SubParsersAction))
-    assert set(kinds.choices) == set(BENCHES) == {"speed", "quality", "passkey", "transfer"}
+    assert set(kinds.choices) == set(BENCHES) == {"speed", "quality", "passkey", "ruler",
+                                                  "transfer"}
     for name, module in BENCHES.items():
         dests = [a.dest for a in kinds.choices[name]._actions if a.option_strings
                  and a.dest != "help"]

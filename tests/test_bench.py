@@ -300,9 +300,9 @@ def test_a_report_s_command_line_rebuilds_its_config(argv):
 
     module = BENCHES[argv[0]]
     args = build_parser().parse_args(["bench", *argv])
-    line = module.command_line(args)
+    line = flags.command_line(argv[0], args, module.FLAGS)
     again = build_parser().parse_args(line.split()[1:])
-    assert module.command_line(again) == line
+    assert flags.command_line(argv[0], again, module.FLAGS) == line
     assert flags.config(module.FLAGS[0], again) == flags.config(module.FLAGS[0], args)
     quick = flags.config(module.FLAGS[0], build_parser().parse_args(["bench", argv[0], "--quick"]))
     assert quick.quick and all(getattr(quick, f.name) == f.metadata["quick"]

@@ -285,7 +285,7 @@ def test_named_texts(tmp_path, monkeypatch, capsys):
     assert main(["bench", "quality", "--model", "tiny-random", "--text", "jargon"]) == 2
     err = capsys.readouterr().err
     assert "apt-get install jargon-text" in err and err.count("\n") == 1, err
-    names = {(t, s): quality.section_name(quality.QualityConfig(text=t, slice=s))
+    names = {(t, s): quality.section(quality.QualityConfig(text=t, slice=s))
              for t in ("topics", "jargon", "/x/my text.txt") for s in ("eval", "tune")}
     assert names == {("topics", "eval"): "quality", ("topics", "tune"): "quality-tune",
                      ("jargon", "eval"): "quality-jargon",

@@ -26,6 +26,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..model import load_model
+from ..special_tokens import TokenPolicy
 from ..types import UserError, require
 
 
@@ -246,6 +248,38 @@ class Table:
         lines = [f"| {' | '.join(self.headers)} |", "|" + " --- |" * len(self.headers)]
         lines += [f"| {' | '.join(r)} |" for r in self.rows]
         return "\n".join(lines) + (f"\n\n{self.note}" if self.note else "")
+
+
+WORKER: dict = {}  # a pool worker's model, policy, config and grid (``grid_workers``)
+
+
+def _init_grid_worker(cfg, cells: Callable) -> None:
+    torch.set_num_threads(1)  # one thread per worker: parallel items, not parallel matmuls
+    m = load_model(cfg.model, cfg.dtype, cfg.device)
+    WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), cfg=cfg, grid=cells(cfg))
+
+
+def grid_workers(label: str, todo: list, cells_each: int, here: Callable, there: Callable,
+                 cfg, cells: Callable, workers: int = 1) -> list:
+    """Each of ``todo`` measured in every cell of a grid, with a progress bar of ``label``:
+    ``here(item, tick)`` in this process (``workers`` = 1), or ``there(item)`` in that many
+    single-thread processes, each of which loads ``cfg``'s model once and holds it, with
+    ``cfg`` and ``cells(cfg)``, in ``WORKER``. The results in ``todo``'s order (an item's
+    does not depend on where it ran); ``cells_each`` ticks an item."""
+    with progress() as task:
+        tick = task(label, len(todo) * cells_each)
+        if workers == 1:
+            return [here(item, tick) for item in todo]
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
+        with ProcessPoolExecutor(workers, ctx, _init_grid_worker, (cfg, cells)) as pool:
+            futures = [pool.submit(there, item) for item in todo]
+            for _ in as_completed(futures):
+                for _ in range(cells_each):
+                    tick()
+            return [f.result() for f in futures]
 
 
 def print_tables(tables: Sequence[Table]) -> None:

@@ -186,3 +186,18 @@ def command_line(bench: str, args, classes) -> str:
                 pairs += [(own[fd.name].name, None)] + [(own[fd.name].repeat, None)] * bool(
                     own[fd.name].repeat)
     return common.command_line(bench, args, (*pairs, ("out", None), ("report", None)))
+
+
+def main(args, bench) -> int:
+    """``bench KIND``, any benchmark: its config from the flags given (checked before the
+    slow part), the ``--out`` folder made, the run, then its tables (or one JSON object) and
+    files (``common.emit``). ``bench`` is the benchmark's module: ``FLAGS`` (its config
+    first), ``run(cfg, command[, workers])``, ``tables``, ``plots``, ``report_md`` and, where
+    its report's section is not its name, ``section(cfg)``."""
+    cfg = config(bench.FLAGS[0], args)
+    out = common.out_dir(args)
+    workers = {"workers": common.jobs(args)} if Workers in bench.FLAGS else {}
+    res = bench.run(cfg, command_line(args.kind, args, bench.FLAGS), **workers)
+    section = bench.section(cfg) if hasattr(bench, "section") else args.kind
+    common.emit(res, args, out, section, bench.plots, bench.report_md, bench.tables)
+    return 0

@@ -301,19 +301,8 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
             "prime_s": t1 - t0, "copy_s": copy_s, "answer_s": answer_s}
 
 
-_WORKER: dict = {}  # a pool worker's model, policy, config and grid
-
-
-def _init_worker(cfg: PasskeyConfig) -> None:
-    import torch
-
-    torch.set_num_threads(1)  # one thread per worker: parallel trials, not parallel matmuls
-    m = load_model(cfg.model, cfg.dtype, cfg.device)
-    _WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), cfg=cfg, grid=cells(cfg))
-
-
 def _run_trial(trial: Trial) -> dict:
-    w = _WORKER
+    w = common.WORKER
     return run_trial(w["model"], w["policy"], w["cfg"], trial, w["grid"])
 
 
@@ -323,21 +312,10 @@ def run_trials(cfg: PasskeyConfig, model: Model, policy: TokenPolicy, todo: list
     single-thread processes (each loads the model once); a trial's row does not depend on
     where it ran."""
     grid = cells(cfg)
-    with common.progress() as task:
-        tick = task(f"pass key: {len(todo)} trials x {1 + len(grid)} cells",
-                    len(todo) * (1 + len(grid)))
-        if workers == 1:
-            return [run_trial(model, policy, cfg, t, grid, tick) for t in todo]
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
-        with ProcessPoolExecutor(workers, ctx, _init_worker, (cfg,)) as pool:
-            futures = [pool.submit(_run_trial, t) for t in todo]
-            for _ in as_completed(futures):
-                for _ in range(1 + len(grid)):
-                    tick()
-            return [f.result() for f in futures]
+    return common.grid_workers(
+        f"pass key: {len(todo)} trials x {1 + len(grid)} cells", todo, 1 + len(grid),
+        lambda t, tick: run_trial(model, policy, cfg, t, grid, tick), _run_trial, cfg, cells,
+        workers)
 
 
 def run(cfg: PasskeyConfig, command: str, workers: int = 1) -> dict:
@@ -555,16 +533,3 @@ METHOD = """\
 # --- the command line -----------------------------------------------------------------------
 
 FLAGS = (PasskeyConfig, flags.Workers)  # the dataclasses whose fields are its flags
-
-
-def command_line(args) -> str:
-    return flags.command_line("passkey", args, FLAGS)
-
-
-def main(args) -> int:
-    """The CLI entry: measure, then print tables (or one JSON object) and write files."""
-    cfg = flags.config(PasskeyConfig, args)  # validate before the slow part
-    out = common.out_dir(args)
-    res = run(cfg, command_line(args), common.jobs(args))
-    common.emit(res, args, out, "passkey", plots, report_md, tables)
-    return 0

@@ -211,7 +211,7 @@ def read_text(source: str) -> str:
         raise UserError(f"--text {source!r}: cannot read it as UTF-8 ({e})") from None
 
 
-def section_name(cfg: QualityConfig) -> str:
+def section(cfg: QualityConfig) -> str:
     """The report's section in the shared document: ``quality``, ``quality-tune``,
     ``quality-jargon``, ``quality-jargon-tune``, ...: one text or slice never replaces
     another."""
@@ -919,16 +919,3 @@ METHOD = """\
 
 
 FLAGS = (QualityConfig, flags.Workers)  # the dataclasses whose fields are its flags
-
-
-def command_line(args) -> str:
-    return flags.command_line("quality", args, FLAGS)
-
-
-def main(args) -> int:
-    """The CLI entry: measure, then print tables (or one JSON object) and write files."""
-    cfg = flags.config(QualityConfig, args)  # validate before the slow part
-    out = common.out_dir(args)
-    res = run(cfg, command_line(args), common.jobs(args))
-    common.emit(res, args, out, section_name(cfg), plots, report_md, tables)
-    return 0

@@ -45,7 +45,7 @@ from ..stages.score import recall_layers, recall_query, score
 from ..state import State, View
 from ..types import (Actions, CacheParams, FoldRepair, Prefill, Recall, SamplerParams, Segment,
                      require)
-from . import common, flags, llamacpp
+from . import common, llamacpp
 from .common import Table, fmt, fmt_bytes
 
 GREEDY = SamplerParams(greedy=True)
@@ -1134,15 +1134,6 @@ METHOD = """\
 FLAGS = (SpeedConfig,)  # the dataclasses whose fields are its flags (none but the shared)
 
 
-def command_line(args) -> str:
-    return flags.command_line("speed", args, FLAGS)
-
-
-def main(args) -> int:
-    """The CLI entry: measure, then print tables (or one JSON object) and write files."""
-    cfg = flags.config(SpeedConfig, args)  # the device resolved before the folder is made
-    out = common.out_dir(args)  # fail before the long run
-    res = run(cfg, command_line(args))
-    gpu = "" if cfg.device == "cpu" else "-" + torch.device(cfg.device).type
-    common.emit(res, args, out, "speed" + gpu, plots, report_md, tables)
-    return 0
+def section(cfg: SpeedConfig) -> str:
+    """The report's section: ``speed``, or ``speed-cuda`` for a GPU run."""
+    return "speed" + ("" if cfg.device == "cpu" else "-" + torch.device(cfg.device).type)

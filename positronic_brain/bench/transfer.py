@@ -413,16 +413,3 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
 
 
 FLAGS = (TransferConfig,)  # the dataclasses whose fields are its flags (none but the shared)
-
-
-def command_line(args) -> str:
-    return flags.command_line("transfer", args, FLAGS)
-
-
-def main(args) -> int:
-    """The CLI entry: measure, then print tables (or one JSON object) and write files."""
-    cfg = flags.config(TransferConfig, args)
-    out = common.out_dir(args)
-    res = run(cfg, command_line(args))
-    common.emit(res, args, out, "transfer", plots, report_md, tables)
-    return 0

@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 
 from .. import native, options, threads
-from ..bench import flags, passkey, quality, speed
+from ..bench import flags, passkey, quality, ruler, speed
 from ..bench import transfer as transfer_bench
 from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, CaptureTape, Tape
@@ -21,7 +21,8 @@ from ..transfer import INITS, KINDS, TrainParams
 from ..types import CacheParams, SamplerParams, UserError
 
 PROG = "positronic-brain"
-BENCHES = {"speed": speed, "quality": quality, "passkey": passkey, "transfer": transfer_bench}
+BENCHES = {"speed": speed, "quality": quality, "passkey": passkey, "ruler": ruler,
+           "transfer": transfer_bench}
 
 MODEL_HELP = ("smollm2 (default), a .gguf file (llama, mistral, qwen2), a local HF folder, "
               "or a tiny random model for tests: "

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .. import compare, compose, fork, inspector, options, partial, replay, transfer
-from ..bench import quality
+from ..bench import flags, quality
 from ..bench.common import Table, fmt, print_tables
 from ..loop import drive, run
 from ..model import load_model
@@ -83,7 +83,7 @@ def _report(args, result: dict) -> int:
 
 
 def cmd_bench(args) -> int:
-    return BENCHES[args.kind].main(args)  # each benchmark's parser took only its own flags
+    return flags.main(args, BENCHES[args.kind])  # its parser took only its own flags
 
 
 def cmd_fork(args) -> int:

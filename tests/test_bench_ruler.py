@@ -1,0 +1,107 @@
+"""`bench ruler`: the three protocols compress the context to the cell's budget, the full
+cache answers hand-checked RULER samples on SmolLM2, a miss's capture replays, and the
+CLI's rows, data files and one-line errors."""
+import json
+
+import pytest
+
+from positronic_brain.bench import ruler, ruler_tasks
+from positronic_brain.cli import main
+from positronic_brain.replay import replay
+
+
+def _cfg(**kw) -> ruler.RulerConfig:
+    base = {"tasks": ("niah_single_1",), "lengths": (1024,), "samples": 1, "new_tokens": 12,
+            "policies": ("h2o",), "ratios": (0.125,), "protocols": ruler.PROTOCOLS, "chunk": 32}
+    return ruler.RulerConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def needle(real_policy):
+    return ruler_tasks.generate(real_policy, "niah_single_1", 1024, 1, 0)[0]
+
+
+def test_every_protocol_compresses_the_context_to_the_budget(real_model, real_policy, needle):
+    """compress, online and chunked: at the question the cache holds the budget (7/8 of the
+    context here), whatever the protocol; the question and the answer then go uncompressed."""
+    cfg = _cfg()
+    grid = ruler.cells(cfg)
+    assert [c.protocol for c in grid] == list(ruler.PROTOCOLS)
+    row = ruler.run_sample(real_model, real_policy, cfg, needle, grid)
+    prompt = ruler.Prompt.of(real_policy, needle)
+    assert row["n_context"] == prompt.n_context < needle.n_tokens
+    assert row["budgets"][0] is None and row["kept"][0] is None
+    for b, k in zip(row["budgets"][1:], row["kept"][1:]):
+        assert b == round(prompt.n_context * 0.875) and k == b  # culled to it, the question next
+    assert len(row["outputs"]) == len(row["scores"]) == 1 + len(grid)
+
+
+def test_a_miss_is_captured_and_replays(real_model, real_policy, needle, tmp_path, monkeypatch):
+    """Every cell scored below 1 answers again on a tape (here each, by a scorer of answers
+    that finds none right): the capture replays bit for bit, budget change included."""
+    monkeypatch.setattr(ruler_tasks, "score", lambda task, text, answers: 0.0)
+    cfg = _cfg(protocols=("compress",), recall=True, capture_misses=str(tmp_path))
+    grid = ruler.cells(cfg)
+    assert [c.method for c in grid] == ["h2o", "h2o+recall"]
+    ruler.run_sample(real_model, real_policy, cfg, needle, grid[1:])
+    captured = sorted(tmp_path.iterdir())
+    assert [p.name for p in captured] == ["niah_single_1-1024-0-compress-h2o+recall-0.125"]
+    report = replay(captured[0], model=real_model)
+    assert report.ok, report.mismatches[:3]
+
+
+def test_the_full_cache_answers_hand_checked_samples(real_model, real_policy):
+    """SmolLM2 with the full cache finds the needle of RULER's niah_single_1 at 1k tokens
+    (noise haystack, a word key, a 7-digit number): the ceiling the cells are measured
+    against."""
+    cfg = ruler.RulerConfig(tasks=("niah_single_1",), lengths=(1024,), samples=3, policies=(),
+                            new_tokens=12)
+    for sample in ruler_tasks.generate(real_policy, "niah_single_1", 1024, 3, 0):
+        row = ruler.run_sample(real_model, real_policy, cfg, sample, [])
+        assert row["scores"] == [1.0], (sample.answers, row["outputs"])
+        assert sample.answers[0] in row["outputs"][0]
+
+
+def test_json_rows_have_the_leaderboard_columns(real_model, capsys):
+    code = main(["bench", "ruler", "--tasks", "niah_single_1", "--lengths", "1024",
+                 "--samples", "1", "--policies", "h2o,streaming", "--ratios", "0.5",
+                 "--new-tokens", "8", "--protocols", "compress", "--jobs", "1", "--json"])
+    assert code == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = res["rows"]
+    assert len(rows) == 1 + 2  # the full cache + a cell per policy
+    for r in rows:
+        assert {"dataset", "data_dir", "model", "method", "compression_ratio", "score",
+                "protocol", "budget", "recall", "full_cache_score", "score_vs_full", "seconds",
+                "samples"} <= set(r)
+        assert r["dataset"] == "ruler" and r["data_dir"] == "1024" and 0 <= r["score"] <= 100
+    assert [r["protocol"] for r in rows] == [None, "compress", "compress"]
+    assert rows[0]["method"] == "full cache" and rows[0]["score"] == 100
+    assert "bench ruler" in res["command"] and res["targets"] is not None
+
+
+def test_write_data_writes_the_samples_and_measures_nothing(real_model, capsys, tmp_path):
+    code = main(["bench", "ruler", "--tasks", "niah_single_1,fwe",
+                 "--lengths", "1024", "--samples", "2", "--write-data", str(tmp_path / "data")])
+    assert code == 0
+    files = sorted((tmp_path / "data").iterdir())
+    assert [f.name for f in files] == ["fwe-1024.jsonl", "niah_single_1-1024.jsonl"]
+    lines = [json.loads(x) for x in files[1].read_text().splitlines()]
+    assert len(lines) == 2 and {"context", "question", "answer_prefix", "answers", "task",
+                                "length", "seed"} <= set(lines[0])
+    assert "Samples written" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "niah_single_9"], "--tasks: unknown"),
+    (["--protocols", "sometimes"], "--protocols: unknown"),
+    (["--ratios", "1.5"], "--ratios takes comma-separated fractions"),
+    (["--tasks", "qa_1"], "need --qa-file"),
+    (["--samples", "0"], "samples must be >= 1"),
+    (["--policies", "bogus"], "bogus"),
+    (["--trials", "3"], "unrecognized arguments: --trials"),
+])
+def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
+    assert main(["bench", "ruler", "--model", "tiny-random", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
