@@ -16,6 +16,7 @@ where that stage wrote it. This version reads capture format ``FORMAT`` only.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -30,9 +31,12 @@ from pathlib import Path
 import torch
 import transformers
 
+from . import native, threads
+from .model import Model, device_kind
 from .plain import atomic_write, from_plain, sha256, to_plain
+from .scorers import user
 from .state import VIEW_COLUMNS, gathered, restore_args
-from .types import CacheParams, GenerateOut, UserError, inconsistent, require
+from .types import CacheParams, GenerateOut, SamplerParams, UserError, inconsistent, require
 from .version import __version__
 
 FORMAT = 9
@@ -158,6 +162,22 @@ class Tape:
 
 
 NO_TAPE = Tape()
+
+
+def manifest(model: Model, sampler: SamplerParams, params: CacheParams, prompt_ids: list[int],
+             command: str, args: dict | None = None) -> dict:
+    """A run's manifest: everything replay needs to run it again as it ran (the model, its
+    precision, device, kernels and threads, the sampler, the cache parameters, the scorer
+    file's digest, the prompt), and ``args``, the command's own."""
+    return {
+        "model": model.name, "dtype": model.precision, "compiled": model.compiled,
+        "threads": threads.current()["count"], "device": str(model.device),
+        "device_kind": device_kind(model.device),
+        "kernels": native.for_model(model), "fingerprint": model.fingerprint,
+        "command": command, "seed": sampler.seed,
+        "params": {"args": args or {}, "sampler": dataclasses.asdict(sampler),
+                   "cache_params": to_plain(params, json=True)},
+        "scorer_sha256": user.file_sha256(params.scorer.name), "prompt_ids": prompt_ids}
 
 
 class CaptureTape(Tape):

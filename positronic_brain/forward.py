@@ -11,6 +11,7 @@ scores (``builds_scores``) has torch's fused attention attend instead.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -434,14 +435,16 @@ def decode(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     return ForwardOut(logits=logits, k=k, v=v, attention=attention, query=query, lse=lse)
 
 
+Store = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, its new k, v): stage 0's
+
+
 @torch.no_grad()
 def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
             want_attention: bool = False, all_logits: bool = False,
             past_log_mass: Past | None = None, kv_only: bool = False,
             want_query: bool = False, received_from: int | None = None,
-            window_only: bool = False,
-            into: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardOut:
+            window_only: bool = False, store: Store | None = None) -> ForwardOut:
     """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
     (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
     every live slot, except where ``past_mask`` (T, n) bool is False. ``past_log_mass``
@@ -464,28 +467,26 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     weight on its own token left out (as stage 1's row leaves out the pending token's):
     ``received`` (L, H, n + T) float32 over all of them, ``received_window`` over those from
     row ``received_from`` on (None if there are none); ``window_only``: that one only.
-    ``into`` (stage 0's prefill on one device): K and V views (L, kv_heads, T, head_dim) of
-    the arena's next slots, not live: the new K/V are written there layer by layer and
-    returned as those views (the same bits as a block of the forward's own).
+    ``store`` (stage 0's prefill on one device; ``stages.apply.rows.store_layer``) takes each
+    layer's new K/V, instead of a block of the forward's own; ``k`` and ``v`` are then None.
     """
     require(not (kv_only and (want_attention or want_query or received_from is not None)),
             "kv_only skips the last layer's attention")
     require(received_from is None or (past_mask is None and past_log_mass is None),
             "the prompt's statistics are of an unmasked prefill")
-    if ids.shape[0] == 1 and into is None and received_from is None:
+    require(store is None or not (kv_only or model.moves), "store: one device, not kv_only")
+    if ids.shape[0] == 1 and store is None and received_from is None:
         return decode(model, past_k, past_v, ids, positions, past_mask, want_attention,
                       past_log_mass, kv_only, want_query)
     s, dev, moves, T = model.spec, model.device, model.moves, ids.shape[0]
     L, H = s.n_layers, s.n_heads
     x = F.embedding(ids, model.embed)  # (T, hidden)
     cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, T, D)
-    # the new K/V into the slots ``into`` names (DESIGN.md, stage 0) or one block (a layer's
+    # the new K/V to stage 0's ``store`` (DESIGN.md, stage 0) or into one block (a layer's
     # are views of its q/k/v products, else alive to the end); several devices': stacked after
     new_k, new_v = [], []
-    require(into is None or not moves, "into: the new K/V of layers on one device only")
-    kv = into if into is not None else (
-        torch.empty(2, L, s.n_kv_heads, T, s.head_dim, dtype=model.dtype, device=dev)
-        if T > 1 and not moves else None)
+    kv = (torch.empty(2, L, s.n_kv_heads, T, s.head_dim, dtype=model.dtype, device=dev)
+          if T > 1 and not moves and store is None else None)
     c = _Prefill.plan(model, past_k, past_v, past_mask, past_log_mass, T, want_attention,
                       want_query, received_from, window_only)
     last_only = not (all_logits or kv_only or want_attention or want_query)
@@ -494,7 +495,9 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             x, cos_qk, sin_qk = (t.to(moves[i]) for t in (x, cos_qk, sin_qk))
             c.move(moves[i])
         qk, q, k, v = _qkv(x, w, cos_qk, sin_qk, s)  # (H + KVH | H | KVH | KVH, T, D)
-        if kv is None:
+        if store is not None:
+            store(i, k, v)
+        elif kv is None:
             new_k.append(k)
             new_v.append(v)
         else:
@@ -511,7 +514,8 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                     model.lm_head).float()
     query, lse = (_recall(c.queries, c.last_scores, dev, bool(moves), H) if want_query
                   else (None, None))
-    k, v = kv if kv is not None else _stacked(new_k, new_v, dev, bool(moves))
+    k, v = (None, None) if store is not None else kv if kv is not None else _stacked(
+        new_k, new_v, dev, bool(moves))
     return ForwardOut(logits=logits, k=k, v=v,
                       attention=None if c.attention is None else c.attention[..., :c.n],
                       query=query, lse=lse, received=c.received, received_window=c.window)

@@ -15,8 +15,9 @@ registers ``positronic-brain``. Three ways in::
 
 Model args: ``model`` (a name or path ``load_model`` takes), ``dtype``, ``device``,
 ``max_length`` (the tokens a request may span, as Hugging Face's ``hf`` model's; default
-the model's positions), ``seed`` (sampled generations), ``threads`` (torch's: a count, or
-``auto``: the cores free now, as the command line takes by itself; default: as they are),
+the model's positions), ``seed`` (the n-th sampled generation takes seed + n), ``threads``
+(torch's: a count, or ``auto``: the cores free now, as the command line takes by itself;
+default: as they are),
 and any cache option by its flat name (docs/OPTIONS.md: budget, policy, param, repair,
 recall, sinks, recent, ...).
 
@@ -110,11 +111,15 @@ class PositronicBrainLM(TemplateLM):
         self.seed = _number(seed, int, "seed")
         self.lm = load_model(str(model), str(dtype), None if device is None else str(device))
         tok = self.lm.tokenizer  # attributes read; only the policy calls it
-        self.policy = TokenPolicy(tok, bos="yes" if getattr(tok, "add_bos_token", False) else "no")
+        # a BOS where the tokenizer's own encoding adds one, as lm-eval's hf model gets it
+        self.policy = TokenPolicy(tok, bos="yes" if TokenPolicy(tok).adds_bos_by_default()
+                                  else "no")
         self._eot = tok.eos_token_id
         self._special = frozenset(getattr(tok, "all_special_ids", ()))  # skipped when decoding
         self._max_length = _number(max_length, int, "max_length") or self.lm.spec.max_positions
-        require(self._max_length >= 2, f"{NAME}: max_length must be at least 2")
+        require(2 <= self._max_length <= self.lm.spec.max_positions, f"{NAME}: max_length "
+                f"must be in [2, the model's {self.lm.spec.max_positions} positions]")
+        self._sampled = 0  # generations sampled so far: each its own seed, as one stream
         self._prefix_text = self.policy.decode([self.prefix_token_id])
         self._device = self.lm.device
         self.totals = Totals()  # every step of every request: steps, culls, merges, recalls
@@ -168,8 +173,9 @@ class PositronicBrainLM(TemplateLM):
     def score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """log p(continuation | context) through the loop, and whether every continuation
         token was the argmax. As the hf model, the last ``max_length + 1`` tokens of both."""
-        require(bool(context) and bool(continuation),
-                f"{NAME}: a request needs a context and a continuation")
+        require(bool(context), f"{NAME}: a request needs a context")
+        if not continuation:  # nothing to score (lm-eval's empty-context case): as hf
+            return 0.0, True
         require(len(continuation) <= self.max_length,
                 f"{NAME}: a continuation of {len(continuation)} tokens is longer than "
                 f"max_length {self.max_length}")
@@ -243,8 +249,9 @@ class PositronicBrainLM(TemplateLM):
             require(0 < max_gen < self.max_length, f"{NAME}: max_gen_toks {max_gen} must be "
                     f"in [1, max_length {self.max_length})")
             prompt = self.tok_encode(context, left_truncate_len=self.max_length - max_gen)
-            text = self.generate(prompt or [self.prefix_token_id], until, max_gen,
-                                 sampler_of(kwargs, self.seed))
+            sampler = sampler_of(kwargs, self.seed + self._sampled)
+            self._sampled += not sampler.greedy
+            text = self.generate(prompt or [self.prefix_token_id], until, max_gen, sampler)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)
         return out

@@ -113,7 +113,7 @@ class Session:
         (nothing where ``scorers.takes_prefill_scores`` says no)."""
         require(self.state is not None and self.state.step == 0,
                 "seed a freshly primed session (before any step)")
-        params = self._resolve_prefill(self.state.arena.n)
+        params = self._resolve_prefill(self.state.arena.n + 1)  # the prompt: pending too
         seed(self.state, prefill_scorer(self.scorer, params), stats)
 
     def _resolve_prefill(self, n_prompt: int) -> CacheParams:

@@ -94,6 +94,11 @@ class TokenPolicy:
                                 "assistant"))
         return segs
 
+    def adds_bos_by_default(self) -> bool:
+        """Whether the tokenizer's own encoding (its post-processor, special tokens on)
+        starts with the BOS token: what a caller of ``tokenizer.encode`` gets."""
+        return self.bos_id is not None and self._tok("a").input_ids[:1] == [self.bos_id]
+
     # --- decoding -----------------------------------------------------------------------
 
     def decode(self, ids: list[int]) -> str:

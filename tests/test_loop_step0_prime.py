@@ -345,8 +345,8 @@ def test_reused_score_buffers_give_the_same_bits(monkeypatch, tiny_policy, windo
 def test_a_prefill_writes_its_kv_into_the_arena_with_the_bits_of_a_block(monkeypatch,
                                                                          tiny_policy, dtype,
                                                                          widen):
-    """Stage 0's forward writes each chunk's new K/V into the arena slots they take
-    (``forward``'s ``into``), not into a block of its own that stage 0 then copies: the
+    """Stage 0's forward hands each chunk's new K/V to stage 0's writer of the arena slots
+    they take (``forward``'s ``store``), not to a block of its own that stage 0 then copies: the
     cache and logits have the same bits either way (in bfloat16 with ``WIDEN``, fused
     attention, and without, built scores)."""
     monkeypatch.setattr(forward_module, "WIDEN", widen)
@@ -354,9 +354,9 @@ def test_a_prefill_writes_its_kv_into_the_arena_with_the_bits_of_a_block(monkeyp
     segs = tiny_policy.raw_prompt("each chunk's keys and values go straight to the arena " * 3)
     real, given = forward_module.forward, []
     monkeypatch.setattr(prefill_module, "forward", lambda *a, **kw: (
-        given.append(kw.get("into")) or real(*a, **kw)))
+        given.append(kw.get("store")) or real(*a, **kw)))
     direct, out = prime(model, segs, capacity=200, chunk=16, all_logits=True)
-    assert len(given) > 1 and all(into is not None for into in given)
+    assert len(given) > 1 and all(store is not None for store in given)
     monkeypatch.setattr(prefill_module, "slots_of", lambda *args: None)
     block, plain = prime(model, segs, capacity=200, chunk=16, all_logits=True)
     n = direct.arena.n

@@ -276,9 +276,14 @@ def grid_workers(label: str, todo: list, cells_each: int, here: Callable, there:
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
         with ProcessPoolExecutor(workers, ctx, _init_grid_worker, (cfg, cells)) as pool:
             futures = [pool.submit(there, item) for item in todo]
-            for _ in as_completed(futures):
-                for _ in range(cells_each):
-                    tick()
+            try:
+                for f in as_completed(futures):
+                    f.result()  # a worker's error now, not after every other item
+                    for _ in range(cells_each):
+                        tick()
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
             return [f.result() for f in futures]
 
 

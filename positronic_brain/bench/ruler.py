@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import options
-from ..capture import CaptureTape
+from ..capture import CaptureTape, manifest
 from ..loop import Session
 from ..model import DTYPES, Model, load_model
 from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
@@ -128,10 +128,15 @@ class RulerConfig:
         require(self.qa_file or not {"qa_1", "qa_2"} & set(self.tasks),
                 "qa_1 and qa_2 need --qa-file (SQuAD- or HotpotQA-format JSON)")
         options.check_shared(dict(self.params), self.policies or CULLING)
+        for name in ("tasks", "lengths", "policies", "ratios"):
+            values = getattr(self, name)
+            require(len(set(values)) == len(values), f"--{name} repeats a value: {values}")
         for p in self.policies:  # fail early: unknown fields, options of pieces that are off
-            self.cache(p, 1000, False)
-            if self.recall:
-                self.cache(p, 1000, True)
+            for recall in (False, True)[:1 + self.recall]:
+                c = self.cache(p, 1 << 30, recall)  # any budget: the cells' own come later
+                require(c.prune == "tokens" and "user" not in c.pinned, "--params: a RULER "
+                        "prompt is one user turn: prune turns and pinned user tokens do not "
+                        "apply")
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "RulerConfig":
@@ -197,10 +202,12 @@ def _answer(session: Session, prompt: Prompt) -> list[int]:
     """After the context phase (pending: the question's first token), the rest of the
     question and the answer prefix uncompressed (one stage-0 extend), then up to the task's
     new tokens, greedy, with no cull: from here the budget (if any) holds them all."""
-    if session.cache_params.budget is not None:
-        room = session.state.arena.n + len(prompt.ids) - prompt.n_context + prompt.new_tokens + 1
-        session.cache_params = replace(session.cache_params,
-                                       budget=max(session.cache_params.budget, room))
+    p = session.cache_params
+    if p.budget is not None:  # and recall's swaps spare them: they are the recent tokens
+        rest = len(prompt.ids) - prompt.n_context + prompt.new_tokens + 1
+        recent = max(p.recent, rest)
+        session.cache_params = replace(p, recent=recent, budget=max(
+            p.budget, session.state.arena.n + rest, p.sinks + recent + 1))
     if len(prompt.ids) > prompt.n_context + 1:
         session.extend(prompt.segment(prompt.n_context + 1, len(prompt.ids)))
     ids = [r.token_id for r in session.stream(prompt.new_tokens)]
@@ -227,8 +234,9 @@ def cell_cache(cfg: RulerConfig, cell: Cell, prompt: Prompt) -> CacheParams:
 
 
 def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
-                prompt: Prompt, primed=None, tape=None) -> tuple[list[int], int, int]:
-    """One cell's answer to one sample: (answer ids, budget, tokens kept at the question).
+                prompt: Prompt, primed=None, tape=None) -> tuple[list[int], int, int, str]:
+    """One cell's answer to one sample: (answer ids, budget, tokens kept at the question,
+    why the answer stopped).
     ``primed``: (the state primed with the whole context, its prompt statistics), which a
     ``compress`` cell answers from (a deep copy)."""
     cache = cell_cache(cfg, cell, prompt)
@@ -251,7 +259,7 @@ def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
                       budget + (cfg.chunk if cell.protocol == "chunked" else 1) + room)
         _stream_context(session, prompt, 1 if cell.protocol == "online" else cfg.chunk)
     kept = session.state.arena.n
-    return _answer(session, prompt), budget, kept
+    return _answer(session, prompt), budget, kept, session.stop_reason
 
 
 def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
@@ -274,7 +282,7 @@ def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
         tick()
     for cell in grid:
         t1 = time.perf_counter()
-        ids, b, k = answer_cell(model, policy, cell, cfg, prompt, primed)
+        ids, b, k, _ = answer_cell(model, policy, cell, cfg, prompt, primed)
         answers.append(ids)
         budgets.append(b)
         kept.append(k)
@@ -300,11 +308,16 @@ def _capture_misses(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
             continue
         name = (f"{sample.task}-{sample.length}-{sample.index}-{cell.protocol}-{cell.method}-"
                 f"{cell.ratio}").replace("/", "_").replace(":", "_")
-        tape = CaptureTape(Path(cfg.capture_misses) / name, {
-            "model": model.name, "dtype": model.precision, "fingerprint": model.fingerprint,
-            "command": "bench ruler", "params": {"sample": dataclasses.asdict(sample)}})
-        answer_cell(model, policy, cell, cfg, prompt, tape=tape)
-        tape.close("length")
+        cache = cell_cache(cfg, cell, prompt)
+        tape = CaptureTape(Path(cfg.capture_misses) / name, manifest(
+            model, SamplerParams(greedy=True), cache, prompt.ids, "bench ruler",
+            {"sample": dataclasses.asdict(sample), "cell": dataclasses.asdict(cell)}))
+        try:
+            stop = answer_cell(model, policy, cell, cfg, prompt, tape=tape)[3]
+        except BaseException as e:
+            tape.close(type(e).__name__, complete=False)
+            raise
+        tape.close(stop)
 
 
 # --- the grid -----------------------------------------------------------------------------
@@ -409,7 +422,7 @@ def average(res: dict, protocol: str | None, method: str, ratio) -> float | None
 def targets(res: dict) -> list[dict]:
     """Where the full cache scores >= 50%: the default policy keeps >= 90% of its score at
     ratio 0.75 and >= 75% at 0.875, per protocol; and it is at or above every other
-    method's average at each ratio, per protocol."""
+    built-in's average at each ratio, per protocol (its own recall variant aside)."""
     out, cfg = [], res["config"]
     for protocol in cfg["protocols"]:
         for ratio, want in TARGETS:
@@ -426,7 +439,7 @@ def targets(res: dict) -> list[dict]:
             mine = average(res, protocol, DEFAULT_POLICY, ratio)
             others = {m: average(res, protocol, m, ratio) for m in dict.fromkeys(
                 r["method"] for r in res["rows"] if r["protocol"] == protocol)
-                if m != DEFAULT_POLICY}
+                if m.split("+")[0] != DEFAULT_POLICY}
             if mine is not None and others:
                 best = max(others, key=lambda m: others[m])
                 out.append({"what": f"{protocol}, ratio {ratio}: {DEFAULT_POLICY}'s average "
@@ -508,7 +521,9 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
     lines = [f"{h} RULER benchmark", "", common.regenerate(res, quick_version=False), "",
              f"{common.model_facts(res)}; tasks {', '.join(cfg['tasks'])}; lengths "
              f"{', '.join(map(str, cfg['lengths']))} tokens; {cfg['samples']} samples each "
-             f"(seed {cfg['seed']}); {common.machine_facts(res['machine'])}.", ""]
+             f"(seed {cfg['seed']}); {common.machine_facts(res['machine'], res.get('workers') == 1)}"
+             + (f"; samples in {res['workers']} single-thread processes"
+                if res.get("workers", 1) > 1 else "") + ".", ""]
     for tb in tables(res):
         lines += [f"{h}# {tb.title}", "", tb.markdown(), ""]
     if images:

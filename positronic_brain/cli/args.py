@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
 
 from .. import native, options, threads
 from ..bench import flags, passkey, quality, ruler, speed
 from ..bench import transfer as transfer_bench
 from ..blend import SELECT_LAYER, check_percents
-from ..capture import NO_TAPE, CaptureTape, Tape
-from ..model import COMPILERS, DTYPES, NATIVE, Model, device_kind, load_model, resolve_device
+from ..capture import NO_TAPE, CaptureTape, Tape, manifest
+from ..model import COMPILERS, DTYPES, NATIVE, Model, load_model, resolve_device
 from ..options import add_cache_args
-from ..plain import to_plain
-from ..scorers import user
 from ..transfer import INITS, KINDS, TrainParams
 from ..types import CacheParams, SamplerParams, UserError
 
@@ -381,13 +378,6 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
     """The tape for ``--capture`` (none without it); its manifest holds every parameter."""
     if args.capture is None:
         return NO_TAPE
-    return CaptureTape(args.capture, {
-        "model": model.name, "dtype": model.precision, "compiled": model.compiled,
-        "threads": threads.current()["count"], "device": str(model.device),
-        "device_kind": device_kind(model.device),
-        "kernels": native.for_model(model), "fingerprint": model.fingerprint,
-        "command": args.command, "seed": sampler.seed,
-        "params": {"args": {k: v for k, v in vars(args).items() if k != "command"},
-                   "sampler": asdict(sampler), "cache_params": to_plain(params, json=True)},
-        "scorer_sha256": user.file_sha256(params.scorer.name),
-        "prompt_ids": prompt_ids}, level=args.capture_level)
+    return CaptureTape(args.capture, manifest(
+        model, sampler, params, prompt_ids, args.command,
+        {k: v for k, v in vars(args).items() if k != "command"}), level=args.capture_level)

@@ -17,6 +17,7 @@ def fold(state: State, f: Fold) -> None:
     for a, (into,) in per_block(state.arena, f.into):
         _fold_block(a, f.slot, into)
 
+
 def _fold_block(a: Arena, slot: int, into: torch.Tensor) -> None:
     """``fold`` in one block of layers: ``into`` (layers, kv_heads). Over the pairs that
     fold alone, selected by value (a read of the device): on the CPU, sigmoid and logaddexp

@@ -4,6 +4,7 @@ state by new segments (chat turns, imported sessions)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -14,7 +15,7 @@ from ...scorers import reads_total
 from ...state import FLAG_PROTECTED, Ledger, State
 from ...types import SOURCES, Column, Patch, PrefillStats, PrimeOut, ScoreOut, Segment, require
 from .recall import cold_store
-from .rows import arena, check_columns, slots_of, write, write_rows
+from .rows import arena, check_columns, slots_of, store_layer, write, write_rows
 
 
 PREFILL_CHUNK = 256  # tokens per prefill chunk on the CPU (longer ones measured slower there)
@@ -86,13 +87,14 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
             max(0, received[2] - start))
         out = forward(model, past_k, past_v, ids[sl], positions[sl], all_logits=all_logits,
                       past_log_mass=log_mass, received_from=first, window_only=window_only,
-                      into=into)
-        t = out.k.shape[2]
+                      store=None if into is None else functools.partial(store_layer, into))
+        k, v = into if into is not None else (out.k, out.v)
+        t = k.shape[2]
         if out.received is not None:
             received[0][:, :, :n + t] += out.received
         if out.received_window is not None:
             received[1][:, :, :n + t] += out.received_window
-        write(a, n, out.k, out.v, norms_of_kv=False, copy=into is None)  # (L, KVH, t, D)
+        write(a, n, k, v, norms_of_kv=False, copy=into is None)  # (L, KVH, t, D)
         uids += write_rows(m, slice(n, n + t), ids[sl], positions[sl], sources[sl],
                             state.step, flags[sl])
         slots += range(n, n + t)

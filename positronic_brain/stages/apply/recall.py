@@ -45,7 +45,8 @@ class Undo:
 
     @classmethod
     def of(cls, cold: Cold | None) -> "Undo | None":
-        return cold and cls(cold, cold.arena, cold.ledger, cold.entered, cold.n, cold.next_entry)
+        return None if cold is None else cls(cold, cold.arena, cold.ledger, cold.entered, cold.n,
+                                             cold.next_entry)
 
     def save(self, rows: torch.Tensor) -> None:
         """Copy the cold rows ``rows`` (k,) of the current storage before they change."""

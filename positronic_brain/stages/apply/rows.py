@@ -52,9 +52,16 @@ def write(a: Arena | SplitArena, lo: int, k: torch.Tensor, v: torch.Tensor,
 
 def slots_of(a: Arena | SplitArena, lo: int, t: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """K and V views (L, kv_heads, t, head_dim) of slots [lo, lo + t) of a one-device arena,
-    which a prefill's forward writes its new K/V into (``forward``'s ``into``; why:
+    into which a prefill's forward hands its new K/V layer by layer (``store_layer``; why:
     docs/DESIGN.md, stage 0). None for a split arena, whose layers' K/V cross devices."""
     return None if isinstance(a, SplitArena) else (a.k[:, :, lo:lo + t], a.v[:, :, lo:lo + t])
+
+
+def store_layer(into: tuple[torch.Tensor, torch.Tensor], i: int, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """Layer ``i``'s new K/V (kv_heads, t, head_dim) into the slots ``into`` (``slots_of``):
+    ``forward``'s ``store`` in a prefill, so the write is stage 0's."""
+    into[0][i], into[1][i] = k, v
 
 
 def write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: torch.Tensor,

@@ -38,14 +38,17 @@ def protected(view: View, params: CacheParams, order: torch.Tensor | None = None
     keep.index_fill_(0, order[max(0, view.n - params.recent):], True)
     return keep
 
+
 def removals_needed(n: int, budget: int | None) -> int:
     """How many of ``n`` live slots must go so that ``n + 1`` (after the append) fits."""
     return 0 if budget is None else max(0, n + 1 - budget)
+
 
 def ranked(scores: torch.Tensor, by_pos: torch.Tensor) -> torch.Tensor:
     """Slots by ascending score, ties by ascending position (``by_pos``: the slots in text
     order): (n,) int64."""
     return by_pos[torch.argsort(scores[by_pos], stable=True)]
+
 
 def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> Actions:
     """Scores (n,) -> the actions stage 4 applies (culls, merges, folds, recalls, re-index,

@@ -27,6 +27,7 @@ def fold_targets(view: View, culls: tuple[int, ...], min_cos: float = -1.0,
     return tuple(Fold(slot=s, uid=read[j], into=into[:, :, j])
                  for j, s in enumerate(culls) if read[len(culls) + j])
 
+
 def _fold_search(view: View, c: torch.Tensor, min_cos: float) -> torch.Tensor:
     """``fold_targets``' targets (L, KVH, m) for the culled slots ``c`` (m,), in torch."""
     if isinstance(view.k, torch.Tensor):
@@ -38,6 +39,7 @@ def _fold_search(view: View, c: torch.Tensor, min_cos: float) -> torch.Tensor:
     sim.index_fill_(-1, c, float("-inf"))  # never into a slot that goes too
     best, into = sim.max(-1)  # (L, KVH, c)
     return into.masked_fill_(best / norms[:, :, c] < min_cos, -1)
+
 
 def _dots(k: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """The dot products of the keys of slots ``c`` (m,) with every live key ``k`` (L,

@@ -34,6 +34,7 @@ def pick_pairs(scores: torch.Tensor, position: torch.Tensor, keep: torch.Tensor,
         picked.append((int(order[i]), first, second))
     return picked
 
+
 @torch.no_grad()
 def merge_pair(model: Model, view: View, left: int, first: int, second: int) -> Merge:
     """The model's argmax at ``first``'s position given the text to its left, and its K/V

@@ -17,6 +17,7 @@ def cold_kept(limit: int, params: CacheParams) -> int:
     quarter of them away (each re-rotates every cold key)."""
     return max(0, limit - limit // 4 - params.budget)
 
+
 def recalled(view: View, scores: ScoreOut, params: CacheParams, room: int) -> list[tuple[int, float]]:
     """Up to ``room`` cold rows to bring back, best first: [(row, signal)]. The anchors are
     the tokens, hot or cold, with the highest signal this step (hot ones only on a step that
@@ -52,6 +53,7 @@ def recalled(view: View, scores: ScoreOut, params: CacheParams, room: int) -> li
     rows = at[ok & (best[at.clamp_min(0)] == place)][:room]
     return list(zip(rows.tolist(), signal[anchors[best[rows]]].tolist()))
 
+
 def _best(x: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of the ``k`` largest of ``x`` (1-D, no NaN), largest first, ties in index
     order: ``argsort(x, descending=True, stable=True)[:k]``, without sorting all of ``x``
@@ -62,6 +64,7 @@ def _best(x: torch.Tensor, k: int) -> torch.Tensor:
     above, tied = (x > kth).nonzero()[:, 0], (x == kth).nonzero()[:, 0]
     picked = torch.cat((above, tied[: k - above.numel()])).sort().values  # index order
     return picked[torch.argsort(x[picked], descending=True, stable=True)]
+
 
 def swaps(view: View, scores: ScoreOut, params: CacheParams,
           candidates: torch.Tensor) -> tuple[Swap, ...]:

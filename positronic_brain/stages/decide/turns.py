@@ -25,6 +25,7 @@ def oldest_turns(view: View, need: int) -> tuple[int, ...]:
             f"the older turns hold {len(culls)}")
     return tuple(sorted(culls))
 
+
 def turn_room(view: View | None, params: CacheParams, reply: int) -> tuple[int, int, int]:
     """How many tokens a new chat turn may add to the cache ``view`` (None: nothing cached)
     under ``params.budget`` and how many no cull may remove: the pinned tokens and, when

@@ -19,15 +19,18 @@ from ...types import CacheParams, GenerateOut, RecallQuery
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Brightness)}
 
+
 def read_like_scorer(params: CacheParams, name: str):
     """The scorer's field ``name`` that recall reads as it does (``skip_layers``, ``signal``):
     its own value, or brightness's default where it has none."""
     return params.scorer.get(name, DEFAULTS[name])
 
+
 def recall_layers(params: CacheParams, n_layers: int) -> tuple[int, ...]:
     """Recall's ``layers`` layers spread evenly over those the scorer reads (all but the first
     ``skip_layers`` fraction), or all of them (None)."""
     return _spread(read_like_scorer(params, "skip_layers"), params.recall.layers, n_layers)
+
 
 @functools.lru_cache(maxsize=64)  # asked on every recall step: computed once per setting
 def _spread(skip_layers: float, wanted: int | None, n_layers: int) -> tuple[int, ...]:
@@ -35,6 +38,7 @@ def _spread(skip_layers: float, wanted: int | None, n_layers: int) -> tuple[int,
     count = min(wanted or n_layers, n_layers - first)
     spread = torch.linspace(first, n_layers - 1, count, device="cpu")
     return tuple(sorted({round(x) for x in spread.tolist()}))
+
 
 def recall_query(view: View, gen: GenerateOut, params: CacheParams,
                  compiled: str = "") -> RecallQuery | None:
@@ -49,6 +53,7 @@ def recall_query(view: View, gen: GenerateOut, params: CacheParams,
                        signal=read_like_scorer(params, "signal"), aggregate=recall.aggregate,
                        scan=(view.step + 1) % recall.every == 0,
                        native=native.chosen(compiled) and recall.aggregate == "max-max")
+
 
 def recall_signals(view: View, attention: torch.Tensor,
                    recall: RecallQuery) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -75,6 +80,7 @@ def recall_signals(view: View, attention: torch.Tensor,
     p = logits.exp().flatten(1, 2)  # (l, H, c)
     return aggregate(hot, recall.aggregate), aggregate(p, recall.aggregate)
 
+
 def cold_logits(cold: ColdView, recall: RecallQuery, group_max: bool = False) -> torch.Tensor:
     """q.k - lse (l, kv_heads, group, c) float32 of every cold key for the recall layers'
     query heads, or with ``group_max`` its max over each KV head's group (l, kv_heads, 1,
@@ -98,6 +104,7 @@ def cold_logits(cold: ColdView, recall: RecallQuery, group_max: bool = False) ->
     lse = recall.lse[_index(layers)].view(l, KVH, 1, G)
     return _group_max(s, lse)[:, :, None] if group_max else (s - lse).transpose(2, 3)
 
+
 def _group_max(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """max over the last dimension (a KV head's group, a few wide) of ``s`` - ``lse``: one
     subtraction and maximum per member over whole rows, where a reduction over a dimension
@@ -108,11 +115,13 @@ def _group_max(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         out = torch.maximum(out, s[..., j] - lse[..., j])
     return out
 
+
 def _index(layers: tuple[int, ...]) -> slice | list[int]:
     """What selects increasing ``layers`` along a tensor's first dimension: a slice (a view)
     when they are one run of consecutive layers, else the list."""
     runs = _runs(layers)
     return slice(*runs[0]) if len(runs) == 1 else list(layers)
+
 
 def _runs(layers: tuple[int, ...]) -> list[tuple[int, int]]:
     """Increasing ``layers`` as runs of consecutive ones, [first, last + 1) each."""
