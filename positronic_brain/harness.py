@@ -112,8 +112,8 @@ class PositronicBrainLM(TemplateLM):
         self.lm = load_model(str(model), str(dtype), None if device is None else str(device))
         tok = self.lm.tokenizer  # attributes read; only the policy calls it
         # a BOS where the tokenizer's own encoding adds one, as lm-eval's hf model gets it
-        self.policy = TokenPolicy(tok, bos="yes" if TokenPolicy(tok).adds_bos_by_default()
-                                  else "no")
+        self.policy = TokenPolicy(tok)
+        self.policy.add_bos = self.policy.adds_bos_by_default()
         self._eot = tok.eos_token_id
         self._special = frozenset(getattr(tok, "all_special_ids", ()))  # skipped when decoding
         self._max_length = _number(max_length, int, "max_length") or self.lm.spec.max_positions

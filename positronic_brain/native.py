@@ -16,6 +16,7 @@ Anything else, a prefill, several devices, a GPU or a masked past, runs ``forwar
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -99,11 +100,18 @@ def kernels(scalar: bool = False):
     key = build() + ("_scalar" if scalar else "")
     folder = cache_dir() / f"native-{key}"
     folder.mkdir(parents=True, exist_ok=True)
-    # no floating-point contraction: each product and sum rounds as torch's operators do
-    return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno",
-                              "-fopenmp", *(SCALAR_FLAGS if scalar else [])],
-                extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    with open(folder / "build.flock", "w", encoding="utf-8") as held:
+        # one build at a time, by a lock the system lets go when its process dies: torch's
+        # own lock file, left behind by a build that was killed, would make every later
+        # load wait for ever; while this one is held, that file is such a leftover
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        # no floating-point contraction: each product and sum rounds as torch's operators do
+        return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off",
+                                  "-fno-math-errno", "-fopenmp",
+                                  *(SCALAR_FLAGS if scalar else [])],
+                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
 def applies(model: Model, past_k, ids: torch.Tensor, past_mask, kv_only: bool,

@@ -8,12 +8,20 @@ import torch
 
 from positronic_brain import options
 from positronic_brain.bench import speed
+from positronic_brain.bench.result import Machine, Result
 from positronic_brain.cli import main
 from positronic_brain.model import hf_forward, packable
 from positronic_brain.types import CacheParams
 from tests.tolerance import products
 
 PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _speed(device="cpu", bandwidth_gb_s=1.0, **rows):
+    """A speed result of ``rows`` alone (every other measurement empty)."""
+    return speed.SpeedResult(benchmark="speed", command="", model="tiny-random", quick=True,
+                             machine=Machine.now(), config=speed.SpeedConfig(device=device),
+                             bandwidth_gb_s=bandwidth_gb_s, peak_rss_mb=0.0, **rows)
 
 
 @pytest.fixture
@@ -141,7 +149,9 @@ def test_a_report_naming_the_out_folders_own_is_written_once(tmp_path):
     from positronic_brain.bench.common import emit
 
     args = SimpleNamespace(report=str(tmp_path / "report.md"), json=True)
-    emit({"x": 1}, args, tmp_path, "speed", lambda *_: [],
+    res = Result(benchmark="speed", command="", model="tiny-random", quick=True,
+                 machine=Machine.now())
+    emit(res, args, tmp_path, "speed", lambda *_: [],
          lambda _res, _images, _dir, level: "#" * level + " Speed\n", lambda _: [])
     assert (tmp_path / "report.md").read_text() == "# Speed\n"
 
@@ -189,7 +199,7 @@ def test_a_compile_that_fails_is_reported_not_fatal(monkeypatch, where):
     cfg = speed.SpeedConfig(model="tiny-random", device="cpu", quick=True)
     model, info = speed.compile_model(cfg, "bfloat16", None, [0] * 300, lambda *_: lambda: None)
     assert model is None
-    assert info["dtype"] == "bfloat16" and info["why_not"] == "RuntimeError: no kernel for this"
+    assert info.dtype == "bfloat16" and info.why_not == "RuntimeError: no kernel for this"
 
 
 @pytest.mark.parametrize("error, expected", [
@@ -220,15 +230,13 @@ def test_a_note_with_brackets_prints(capsys):
 def test_missed_decode_targets_are_explained_without_llama_cpp():
     """A CPU run without llama.cpp judges bfloat16 by the HF yardstick; when that and the
     plain decode target are missed, each gets its note (the report once failed there)."""
-    decode = [{"dtype": "bfloat16", "context": n, "ours_ms": 30.0, "hf_ms": 40.0,
-               "ratio": 0.75, "floor_ms": 10.0} for n in (1024, 4096)]
-    res = {"config": {"device": "cpu"}, "decode": decode, "llamacpp": [], "prefill": [],
-           "loop": [], "alloc_fit": [], "edits": [],
-           "decode_fit": [{"dtype": "bfloat16", "who": who, "fixed_ms": 25.0, "ms_per_1k": 1.0}
-                          for who in ("ours", "hf")],
-           "memory": [{"dtype": "bfloat16", "weight_bytes": 2 ** 28, "floor_ms": 10.0}]}
-    res["targets"] = speed.targets(res)
-    missed = [t["what"] for t in res["targets"] if not t["met"]]
+    decode = [speed.DecodeRow(dtype="bfloat16", context=n, ours_ms=30.0, hf_ms=40.0,
+                              ratio=0.75, floor_ms=10.0) for n in (1024, 4096)]
+    res = _speed(decode=decode,
+                 decode_fit=[speed.DecodeFit("bfloat16", who, 25.0, 1.0) for who in ("ours", "hf")],
+                 memory=[speed.MemoryRow("bfloat16", 2 ** 28, 1000, 10.0)])
+    res.targets = speed.targets(res)
+    missed = [t.what for t in res.targets if not t.met]
     assert any("yardstick" in w for w in missed)
     notes = speed.missed_notes(res)
     # 4096 misses its plain target (0.6); both miss the yardstick's (0.25, 0.20)
@@ -239,13 +247,12 @@ def test_missed_decode_targets_are_explained_without_llama_cpp():
 def test_a_missed_recall_step_says_how_far_reading_the_cold_keys_alone_would_take_it():
     """The recall row's note gives the scan's bytes per step at the measured bandwidth and
     the least step they allow on top of the same loop without recall."""
-    loop = [{"dtype": "bfloat16", "stage1": "native", "repair": what, "context": 512,
-             "cold": cold, "recall_every": every, "scan_bytes": scanned, "stage1_ms": 20.0,
-             "score_ms": 1.0, "decide_ms": 0.5, "step_ms": step, "overhead": step / 20.0}
+    loop = [speed.LoopRow(dtype="bfloat16", stage1="native", repair=what, context=512,
+                          cold=cold, recall_every=every, scan_bytes=scanned, stage1_ms=20.0,
+                          score_ms=1.0, decide_ms=0.5, step_ms=step, overhead=step / 20.0)
             for what, cold, every, scanned, step in (("none", 0, 1, None, 21.0),
                                                      ("none + recall", 8000, 4, 80e6, 26.0))]
-    res = {"loop": loop, "bandwidth_gb_s": 20.0, "targets": [], "decode": [],
-           "decode_fit": [], "memory": [], "alloc_fit": []}
+    res = _speed(loop=loop, bandwidth_gb_s=20.0)
     (note,) = speed.missed_notes(res)  # only the recall row misses (1.30x; none: 1.05x)
     assert note.startswith("- **bfloat16, loop step (")
     # 80 MB over 4 steps: 20 MB a step at 20 GB/s is 1.00 ms, 0.05 of stage 1's 20 ms
@@ -258,18 +265,16 @@ def test_a_gpu_run_holds_the_graph_to_the_floor_and_says_why_it_missed():
     explained from the fit over the contexts: a fixed part far over the weights' reads
     (the operators the graph still launches) and an attention that grows faster than the
     K/V it reads."""
-    decode = [{"dtype": "float32", "context": n, "ours_ms": 8.0, "hf_ms": 9.0, "ratio": 0.9,
-               "floor_ms": 1.0 + n / 1e6, "graph_ms": 2.5 + n / 1000} for n in (1000, 4000)]
-    res = {"config": {"device": "cuda:0"}, "decode": decode, "llamacpp": [], "prefill": [],
-           "loop": [], "alloc_fit": [], "edits": [], "bandwidth_gb_s": 1000.0,
-           "ops": [{"dtype": "float32", "ops": 600}],
-           "decode_fit": [{"dtype": "float32", "who": who, "fixed_ms": 8.0, "ms_per_1k": 0.0}
-                          for who in ("ours", "hf")],
-           "memory": [{"dtype": "float32", "floor_ms": 1.0, "kv_bytes_per_token": 1000}]}
-    res["targets"] = speed.targets(res)
-    graph = [t for t in res["targets"] if t["what"].startswith("stage 1 graph")]
+    decode = [speed.DecodeRow(dtype="float32", context=n, ours_ms=8.0, hf_ms=9.0, ratio=0.9,
+                              floor_ms=1.0 + n / 1e6, graph_ms=2.5 + n / 1000)
+              for n in (1000, 4000)]
+    res = _speed("cuda:0", 1000.0, decode=decode, ops=[speed.OpsRow("float32", 1000, 600, [])],
+                 decode_fit=[speed.DecodeFit("float32", who, 8.0, 0.0) for who in ("ours", "hf")],
+                 memory=[speed.MemoryRow("float32", 2 ** 20, 1000, 1.0)])
+    res.targets = speed.targets(res)
+    graph = [t for t in res.targets if t.what.startswith("stage 1 graph")]
     # 3.5 ms over 1.001 ms at 1000, 6.5 over 1.004 at 4000
-    assert [t["met"] for t in graph] == [False, False] and graph[1]["value"] > 6.4
+    assert [t.met for t in graph] == [False, False] and graph[1].value > 6.4
     (note,) = [n for n in speed.missed_notes(res) if "stage 1 graph" in n]
     # the fit is 2.5 ms + 1 ms per 1k tokens; 1000 B a token at 1000 GB/s: 0.001 ms per 1k
     assert "costs 2.50 ms + 1.000 ms per 1k context tokens" in note
@@ -291,6 +296,8 @@ def test_the_scan_reads_every_recall_layer_s_cold_keys():
     ["passkey", "--quick", "--trials", "2", "--lengths", "512,600", "--policies", "none"],
     ["speed", "--quick", "--out", "x", "--report", "x/r.md"],
     ["transfer", "--model", "tiny-random", "--device", "cpu"],
+    ["ruler", "--recall", "--new-tokens", "8", "--tasks", "niah_single_1,vt", "--ratios",
+     "0.5", "--protocols", "compress"],
 ])
 def test_a_report_s_command_line_rebuilds_its_config(argv):
     """A benchmark's config is made from its flags (``bench.flags``; ``--quick`` values

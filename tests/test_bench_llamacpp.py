@@ -1,12 +1,15 @@
 """llama.cpp as bench speed's contender: why it is not measured where it cannot be, the
 targets it brings, and (where llama_cpp and its converter are installed: make
 bench-llamacpp) that it decodes the same model at a fixed context."""
+import dataclasses
 import importlib.util
 
 import pytest
 
 from positronic_brain.bench import llamacpp
-from positronic_brain.bench.speed import targets
+from positronic_brain.bench.result import Machine
+from positronic_brain.bench.speed import (DecodeRow, LlamacppRow, PrefillRow, SpeedConfig,
+                                          SpeedResult, targets)
 from positronic_brain.model import load_model
 
 
@@ -31,24 +34,32 @@ def test_without_the_converter_the_reason_is_given(monkeypatch, tmp_path):
 
 
 def _decode(dtype, n, ours, hf, llama=None):
-    row = {"dtype": dtype, "context": n, "ours_ms": ours, "hf_ms": hf, "ratio": ours / hf,
-           "floor_ms": 0.5 * ours}
-    if llama:
-        row.update(llamacpp_ms=llama, llamacpp_ratio=ours / llama, llamacpp_agrees=True)
-    return row
+    more = dict(llamacpp_ms=llama, llamacpp_ratio=ours / llama, llamacpp_agrees=True) if llama else {}
+    return DecodeRow(dtype=dtype, context=n, ours_ms=ours, hf_ms=hf, ratio=ours / hf,
+                     floor_ms=0.5 * ours, **more)
+
+
+def _prefill(dtype, tokens, ratio, window_ratio=None):
+    """A prefill row with its ratios (its times are not read by the targets)."""
+    return PrefillRow(dtype=dtype, tokens=tokens, hf_ms=1.0, hf_tok_s=1.0, ours_ms=1.0,
+                      ours_tok_s=1.0, ratio=ratio, window_ratio=window_ratio)
+
+
+def _result(prefill, decode):
+    """A CPU run's speed result of these rows; llama.cpp measured in float32 only."""
+    return SpeedResult(benchmark="speed", command="", model="tiny-random", quick=True,
+                       machine=Machine.now(), config=SpeedConfig(device="cpu"),
+                       bandwidth_gb_s=1.0, peak_rss_mb=0.0, prefill=prefill, decode=decode,
+                       llamacpp=[LlamacppRow("float32", True),
+                                 LlamacppRow("bfloat16", False, "not installed")])
 
 
 def test_targets_compare_with_llama_cpp_where_measured_else_with_the_yardstick():
-    res = {"config": {"device": "cpu"}, "loop": [], "alloc_fit": [], "edits": [],
-           "prefill": [{"dtype": d, "tokens": t, "ratio": 0.9 if d == "float32" else 1.1,
-                        "window_ratio": 1.05} for d in ("float32", "bfloat16")
-                       for t in (256, 1024, 4096)],
-           "decode": [_decode("float32", n, 10.0, 20.0, 12.0) for n in (256, 1024)]
-           + [_decode("bfloat16", n, 10.0, 50.0) for n in (256, 1024, 2048, 4096)],
-           "llamacpp": [{"dtype": "float32", "measured": True},
-                        {"dtype": "bfloat16", "measured": False, "why_not": "not installed"}]}
-    got = {(t["dtype"], t["what"]): (round(t["value"], 3), t["target"], t["met"])
-           for t in targets(res)}
+    res = _result([_prefill(d, t, 0.9 if d == "float32" else 1.1, 1.05)
+                   for d in ("float32", "bfloat16") for t in (256, 1024, 4096)],
+                  [_decode("float32", n, 10.0, 20.0, 12.0) for n in (256, 1024)]
+                  + [_decode("bfloat16", n, 10.0, 50.0) for n in (256, 1024, 2048, 4096)])
+    got = {(t.dtype, t.what): (round(t.value, 3), t.target, t.met) for t in targets(res)}
     # float32: every context against llama.cpp F32 (10 / 12 = 0.83 <= 0.9)
     assert got[("float32", "stage 1 / llama.cpp decode at 256 (same precision)")] == (0.833, "<= 0.9", True)
     assert ("float32", "stage 1 / llama.cpp decode at 1024 (same precision)") in got
@@ -64,8 +75,8 @@ def test_targets_compare_with_llama_cpp_where_measured_else_with_the_yardstick()
     assert not any("prefill tokens/s at 256" in what for _, what in got)
     window = ("float32", "stage 0 / HF prefill tokens/s at 1024, with the prompt's window")
     assert got[window] == (1.05, ">= 1.0", True)
-    res["prefill"] = [{"dtype": "float32", "tokens": 1024, "ratio": 1.2}]  # a run from before
-    assert [t["what"] for t in targets(res) if "prefill" in t["what"]] == [
+    res.prefill = [_prefill("float32", 1024, 1.2)]  # a run from before
+    assert [t.what for t in targets(res) if "prefill" in t.what] == [
         "stage 0 / HF prefill tokens/s at 1024"]
     assert not any("native" in what for _, what in got)  # no native stage 1 in this run
 
@@ -74,14 +85,12 @@ def test_a_native_stage1_is_held_to_the_same_targets():
     """Where the run has stage 1 with native kernels, it gets the rows stage 1 gets beyond
     HF's: against llama.cpp where measured, else the yardstick, and the bandwidth share."""
     decode = [_decode("float32", 1024, 10.0, 20.0, 12.0), _decode("bfloat16", 1024, 10.0, 50.0)]
-    for r, ms in zip(decode, (8.0, 5.0)):  # native: 8 / 12 = 0.67 of llama.cpp; 5 / 50 of HF
-        r.update(native_ms=ms, native_hf_ratio=ms / r["hf_ms"],
-                 native_llamacpp_ratio=ms / r["llamacpp_ms"] if "llamacpp_ms" in r else None)
-    res = {"config": {"device": "cpu"}, "loop": [], "alloc_fit": [], "edits": [],
-           "prefill": [], "decode": decode,
-           "llamacpp": [{"dtype": "float32", "measured": True},
-                        {"dtype": "bfloat16", "measured": False, "why_not": "not installed"}]}
-    got = {(t["dtype"], t["what"]): (round(t["value"], 3), t["met"]) for t in targets(res)}
+    # native: 8 / 12 = 0.67 of llama.cpp; 5 / 50 of HF
+    decode = [dataclasses.replace(r, native_ms=ms, native_hf_ratio=ms / r.hf_ms,
+                                  native_llamacpp_ratio=ms / r.llamacpp_ms if r.llamacpp_ms else None)
+              for r, ms in zip(decode, (8.0, 5.0))]
+    res = _result([], decode)
+    got = {(t.dtype, t.what): (round(t.value, 3), t.met) for t in targets(res)}
     yard = "(the yardstick where llama.cpp is not measured)"
     assert got[("float32", "stage 1 native / llama.cpp decode at 1024 (same precision)")] == \
         (0.667, True)

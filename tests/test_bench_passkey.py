@@ -2,10 +2,12 @@
 copied prime, and the CLI's JSON, report and one-line errors."""
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
 from positronic_brain.bench import passkey
+from positronic_brain.bench.grid import Pool
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
 from positronic_brain.scorers import CULLING
@@ -68,19 +70,18 @@ def test_variants_are_one_more_axis():
 
 
 def test_the_target_waits_for_a_recall_variant():
-    ref = {"correct": 40, "trials": 50, "accuracy": 0.8}
-    row = lambda p, variant, correct: {  # noqa: E731
-        "policy": p, "budget": 128, "variant": variant,
-        "variant_label": passkey.variant_label(variant), "correct": correct, "trials": 50,
-        "accuracy": correct / 50, "ratio": correct / 40}
-    res = {"reference": ref, "runs": [row("h2o", {}, 20), row("h2o", {"recall": True}, 39)]}
+    ref = passkey.CellRow("none", None, {}, "plain", 40, 50, 0.8)
+    row = lambda p, variant, correct: passkey.CellRow(  # noqa: E731
+        p, 128, variant, passkey.variant_label(variant), correct, 50, correct / 50, correct / 40)
+    res = SimpleNamespace(reference=ref,
+                          runs=[row("h2o", {}, 20), row("h2o", {"recall": True}, 39)])
     recall, drop = passkey.targets(res)
-    assert "with recall" in recall["what"] and recall["met"] is True
-    assert recall["value"] == pytest.approx(39 / 40)
-    assert "drop only" in drop["what"] and drop["met"] is False
-    res["runs"] = res["runs"][:1]
+    assert "with recall" in recall.what and recall.met is True
+    assert recall.value == pytest.approx(39 / 40)
+    assert "drop only" in drop.what and drop.met is False
+    res.runs = res.runs[:1]
     waiting = passkey.targets(res)[0]
-    assert "not measured" in waiting["what"] and waiting["met"] is None
+    assert "not measured" in waiting.what and waiting.met is None
 
 
 def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, one_thread):
@@ -92,13 +93,13 @@ def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, one_thre
     grid = passkey.cells(cfg)
     row = passkey.run_trial(tiny_model, tiny_policy, cfg, trial, grid)
     _, segs = passkey.fit(tiny_policy, trial.key, trial.depth, trial.length, cfg.framing)
-    for cell, text in zip(grid, row["answers"][1:]):
+    for cell, text in zip(grid, row.answers[1:]):
         fresh = Session(tiny_model, tiny_policy, SamplerParams(greedy=True), cell.cache)
         fresh.prime(segs)
         ids = [r.token_id for r in fresh.stream(cfg.max_new_tokens)]
         assert text == tiny_policy.decode(ids) and fresh.state.arena.n == 64
     # plain, recall, prefill scores flipped
-    assert row["tokens"] <= 400 and len(row["hits"]) == 1 + len(grid) == 7
+    assert row.tokens <= 400 and len(row.hits) == 1 + len(grid) == 7
 
 
 @pytest.mark.parametrize("policies, total", [(("brightness",), False), (("h2o",), True)])
@@ -116,7 +117,7 @@ def test_the_trial_s_prime_gathers_the_total_only_for_a_cell_that_reads_it(
     (stats,) = gathered
     assert stats is not None and (stats.total is not None) == total
     _, segs = passkey.fit(tiny_policy, trial.key, trial.depth, trial.length, cfg.framing)
-    for cell, text in zip(grid, row["answers"][1:]):  # each cell as if primed alone
+    for cell, text in zip(grid, row.answers[1:]):  # each cell as if primed alone
         fresh = Session(tiny_model, tiny_policy, SamplerParams(greedy=True), cell.cache)
         fresh.prime(segs)
         assert text == tiny_policy.decode([r.token_id for r in fresh.stream(cfg.max_new_tokens)])
@@ -131,8 +132,8 @@ def test_smollm2_finds_the_key_in_a_1k_prompt(real_model, real_policy):
     trial = passkey.trials(0, 1, cfg.lengths)[0]
     assert (trial.key, trial.depth) == (46398, 0.493)
     row = passkey.run_trial(real_model, real_policy, cfg, trial, passkey.cells(cfg))
-    assert 1000 < row["tokens"] <= 1024
-    assert row["answers"][0].startswith(" 46398.") and row["hits"] == [True] * 4
+    assert 1000 < row.tokens <= 1024
+    assert row.answers[0].startswith(" 46398.") and row.hits == [True] * 4
 
 
 def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
@@ -211,8 +212,30 @@ def test_trials_in_worker_processes_answer_as_here(one_thread):
     """--jobs 2: the same trials, in order, with the same answers as in one process."""
     cfg = passkey.PasskeyConfig(model="tiny-random", trials=3, lengths=(300, 400),
                                 budgets=(64,), policies=("h2o",), variants=({}, {"recall": True}))
-    here, there = passkey.run(cfg, "here"), passkey.run(cfg, "there", workers=2)
-    assert there["workers"] == 2 and here["workers"] == 1
-    assert [t["answers"] for t in there["trials"]] == [t["answers"] for t in here["trials"]]
-    assert [t["key"] for t in there["trials"]] == [t["key"] for t in here["trials"]]
+    here, there = passkey.run(cfg, "here"), passkey.run(cfg, "there", Pool(jobs=2))
+    assert there.workers == 2 and here.workers == 1
+    assert [t.answers for t in there.trials] == [t.answers for t in here.trials]
+    assert [t.key for t in there.trials] == [t.key for t in here.trials]
     assert "trials in 2 single-thread processes" in passkey.report_md(there, [], ".")
+
+
+def test_a_resumed_run_measures_nothing_again(capsys, tmp_path, monkeypatch, one_thread):
+    """--out then --resume (the same folder and flags): every trial comes from items.jsonl,
+    none is measured again, and the accuracies printed are the same; --resume on a folder
+    another config wrote is refused in one line."""
+    argv = ["bench", "passkey", "--quick", "--model", "tiny-random", "--trials", "2",
+            "--jobs", "1", "--out", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert len((tmp_path / "items.jsonl").read_text().splitlines()) == 1 + 2
+    monkeypatch.setattr(passkey, "run_trial", lambda *a, **kw: pytest.fail("measured again"))
+    code = main([*argv, "--resume"])
+    stdout, err = capsys.readouterr()
+    assert code == 0, err
+    again = json.loads(stdout)
+    for key in ("trials", "reference", "runs", "timing", "targets"):
+        assert again[key] == first[key], key
+    assert len((tmp_path / "items.jsonl").read_text().splitlines()) == 1 + 2
+    assert main([*argv, "--trials", "3", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "is another run's" in err and err.count("\n") == 1, err

@@ -3,12 +3,14 @@ against Hugging Face's own full-context forward; the CLI's JSON, report and plot
 import gzip
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from positronic_brain import options
 from positronic_brain.bench import quality
+from positronic_brain.bench.grid import Pool
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
 from positronic_brain.model import hf_forward
@@ -90,7 +92,14 @@ def test_forced_tokens_become_pending_without_drawing(tiny_model, tiny_policy):
         session.step(force=tiny_model.spec.vocab)
 
 
-def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread):
+def _kept(monkeypatch) -> list:
+    """The typed results ``bench quality`` returns to the CLI, as they come."""
+    kept, real = [], quality.run
+    monkeypatch.setattr(quality, "run", lambda *a, **k: kept.append(real(*a, **k)) or kept[-1])
+    return kept
+
+
+def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread, monkeypatch):
     """The tiny model (512 positions) makes the long run cheap: compact passes the limit,
     keep stops there."""
     out, doc = tmp_path / "q", tmp_path / "BENCH.md"
@@ -98,12 +107,14 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
     args = ["bench", "quality", "--quick", "--model", "tiny-random", "--budgets", "32",
             "--tokens", "64", "--long", "560", "--jobs", "1", "--json", "--out", str(out),
             "--report", str(doc)]
+    kept = _kept(monkeypatch)
     code = main(args)
     stdout, err = capsys.readouterr()
     assert code == 0, err
-    res = json.loads(stdout)  # exactly one JSON object on stdout
-    assert res == json.loads((out / "results.json").read_text())
-    assert res["model"] == "tiny-random" and res["quick"] and res["max_positions"] == 512
+    (res,) = kept
+    # exactly one JSON object on stdout
+    assert json.loads(stdout) == json.loads((out / "results.json").read_text()) == res.to_json()
+    assert res.model == "tiny-random" and res.quick and res.max_positions == 512
     _check_windows(res)
     _check_grid(res)
     _check_long(res)
@@ -124,112 +135,157 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread)
 def _check_windows(res):
     """Two windows (--quick), spread over the eval slice (the text's first half: the tune
     slice never shares a token), each opening with the largest budget + 1 unscored steps."""
-    t, warmup = res["text"], res["config"]["warmup"]
-    assert t["slice"] == "eval" and t["offset"] == 0 and t["end"] == t["tokens"] // 2
-    assert warmup == 33 and res["config"]["tokens"] == 64
-    (a, b), span = t["windows"], warmup + 64 + 1
-    assert a == 0 and b + span == t["end"] and a + span <= b
-    assert b + span <= quality.slice_range(t["tokens"], "tune").start
+    t, warmup = res.text, res.warmup
+    assert t.slice == "eval" and t.offset == 0 and t.end == t.tokens // 2
+    assert warmup == 33 and res.config.tokens == 64
+    (a, b), span = t.windows, warmup + 64 + 1
+    assert a == 0 and b + span == t.end and a + span <= b
+    assert b + span <= quality.slice_range(t.tokens, "tune").start
 
 
 def _check_grid(res):
-    grid = [(r["budget"], r["policy"], r["repair"], r["recall"]) for r in res["runs"]]
+    grid = [(r.budget, r.policy, r.repair, r.recall) for r in res.runs]
     assert grid == [(32, p, r, False) for p in quality.SCORERS for r in quality.REPAIRS] + [
         (32, "brightness", "none", True)]  # the default policy with recall
-    (oracle,) = res["oracle"]  # the hindsight oracle, from the reference's attention
-    assert (oracle["budget"], oracle["policy"], oracle["repair"]) == (32, "oracle", "none")
-    for r in res["runs"] + [oracle]:
-        assert r["scored"] == 2 * 64 and r["ppl"] > 1 and math.isfinite(r["ppl"])
+    (oracle,) = res.oracle  # the hindsight oracle, from the reference's attention
+    assert (oracle.budget, oracle.policy, oracle.repair) == (32, "oracle", "none")
+    for r in res.runs + [oracle]:
+        assert r.scored == 2 * 64 and r.ppl > 1 and math.isfinite(r.ppl)
         # every scored step removes one: a cull or a merge (a fold is a cull too)
-        assert r["culled"] + r["merged"] == 2 * 64
-        assert (r["merged"] + r["folded"] > 0) == (r["repair"] != "none")
-        assert r["repair"] != "fold" or 0 < r["folded"] <= r["culled"]
-        assert (r["recalled"] > 0) == r["recall"]
+        assert r.culled + r.merged == 2 * 64
+        assert (r.merged + r.folded > 0) == (r.repair != "none")
+        assert r.repair != "fold" or 0 < r.folded <= r.culled
+        assert (r.recalled > 0) == r.recall
         # every window's cache was full and culling before its first scored token
-        assert [(w["start"], w["first_scored"], w["scored"], w["warm_removed"])
-                for w in r["by_window"]] == [(a, a + 34, 64, 1) for a in res["text"]["windows"]]
+        assert [(w.start, w.first_scored, w.scored, w.warm_removed)
+                for w in r.by_window] == [(a, a + 34, 64, 1) for a in res.text.windows]
         # the windows' float64 NLL sums against the run's (another grouping), and the
         # exp/log roundings between
-        tol = sum_bound(torch.float64, 2 * 64, math.log(r["ppl"]) + 1)
-        assert r["ppl"] == pytest.approx(math.exp(sum(
-            math.log(w["ppl"]) for w in r["by_window"]) / 2), rel=tol)
-    ref = res["reference"]
-    assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 2 * 64
-    assert [w["warm_removed"] for w in ref["by_window"]] == [0, 0]
+        tol = sum_bound(torch.float64, 2 * 64, math.log(r.ppl) + 1)
+        assert r.ppl == pytest.approx(math.exp(sum(
+            math.log(w.ppl) for w in r.by_window) / 2), rel=tol)
+    ref = res.reference
+    assert ref.budget is None and ref.culled == 0 and ref.scored == 2 * 64
+    assert [w.warm_removed for w in ref.by_window] == [0, 0]
 
 
 def _check_long(res):
-    ref = res["long_reference"]  # the full cache streams the long run up to the positions
-    assert ref["budget"] is None and ref["culled"] == 0 and ref["scored"] == 512
-    assert ref["windows"][-1]["end"] == 512 and ref["ppl"] > 1
-    compact, keep, base, recall = res["long"]
-    assert [(r["policy"], r["positions"], r["recall"]) for r in res["long"]] == [
+    ref = res.long_reference  # the full cache streams the long run up to the positions
+    assert ref.budget is None and ref.culled == 0 and ref.scored == 512
+    assert ref.windows[-1].end == 512 and ref.ppl > 1
+    compact, keep, base, recall = res.long
+    assert [(r.policy, r.positions, r.recall) for r in res.long] == [
         ("brightness", "compact", False), ("brightness", "keep", False),
         ("streaming", "keep", False), ("brightness", "keep", True)]
-    assert compact["scored"] == 560 and compact["reindexed"] >= 1
+    assert compact.scored == 560 and compact.reindexed >= 1
     for r in (keep, base, recall):
-        assert r["scored"] == 512 and r["stop_reason"] == "max_positions"
-        assert r["reindexed"] == 0 and r["budget"] == 32
-    assert recall["recalled"] > 0 and keep["recalled"] == 0
+        assert r.scored == 512 and r.stop_reason == "max_positions"
+        assert r.reindexed == 0 and r.budget == 32
+    assert recall.recalled > 0 and keep.recalled == 0
     # The runs are one until the re-index (in stage 4 of the step at position 511).
-    assert keep["windows"] == compact["windows"][:len(keep["windows"])]
+    assert keep.windows == compact.windows[:len(keep.windows)]
     # The control streams the last 256 tokens from token 304: the 48 past the positions
     # are its scored tokens 208-255, the compact run's 512-559.
-    c = res["control"]
-    assert c["start"] == 304 and c["scored"] == 256 and c["tokens"] == [513, 561]
-    assert c["positions_scored"] == [208, 256] and c["reindexed"] == 0
+    c = res.control
+    assert c.start == 304 and c.scored == 256 and c.tokens == (513, 561)
+    assert c.positions_scored == (208, 256) and c.reindexed == 0
     # the same perplexity of the same NLLs
-    assert c["ppl_compact"] == next(w["ppl"] for w in compact["windows"] if w["start"] == 512)
+    assert c.ppl_compact == next(w.ppl for w in compact.windows if w.start == 512)
 
 
 def _target(res, *words):
-    (t,) = [t for t in res["targets"] if all(w in t["what"] for w in words)]
+    (t,) = [t for t in res.targets if all(w in t.what for w in words)]
     return t
 
 
 def _check_targets(res):
-    whats = [t["what"] for t in res["targets"]]
+    whats = [t.what for t in res.targets]
     assert {w.split(":")[0] for w in whats} >= {"budget 32", "compact positions",
                                                   "budget 32, the first 512 tokens"}
     rec = quality.with_recall(res, 32)
-    base = quality.best(res["runs"], 32, quality.BASELINES)
-    assert rec["recall"] and not base["recall"] and base["policy"] in quality.BASELINES
+    base = quality.best(res.runs, 32, quality.BASELINES)
+    assert rec.recall and not base.recall and base.policy in quality.BASELINES
     vs = _target(res, "budget 32: brightness with recall", "/ the best baseline")
-    assert vs["value"] == rec["ppl"] / base["ppl"]  # the same division (so below too)
-    assert vs["target"] == "–" and vs["met"] is None  # the 0.97 target is at 128 and 256
+    assert vs.value == rec.ppl / base.ppl  # the same division (so below too)
+    assert vs.target == "–" and vs.met is None  # the 0.97 target is at 128 and 256
     gap = _target(res, "budget 32: brightness with recall", "gap between the best baseline")
-    assert gap["value"] == quality.gap_closed(res, rec)
-    assert gap["met"] is None if gap["value"] is None else gap["met"] == (gap["value"] >= 0.5)
+    assert gap.value == quality.gap_closed(res, rec)
+    assert gap.met is None if gap.value is None else gap.met == (gap.value >= 0.5)
     with_recall = _target(res, "the first 512 tokens: brightness with recall")
-    assert with_recall["value"] == res["long"][3]["ppl"] / res["long_reference"]["ppl"]
-    c = res["control"]
-    assert _target(res, "control run")["value"] == c["ppl_compact"] / c["ppl_past"]
+    assert with_recall.value == res.long[3].ppl / res.long_reference.ppl
+    c = res.control
+    assert _target(res, "control run").value == c.ppl_compact / c.ppl_past
+
+
+def test_resume_measures_nothing_again(capsys, tmp_path, one_thread, monkeypatch):
+    """``--resume`` with the same ``--out`` and flags keeps every job its journal holds:
+    nothing is measured again and the runs are the same; a journal without an oracle job
+    measures it again, and the full cache that records its oracle."""
+    out = tmp_path / "q"
+    args = ["bench", "quality", "--quick", "--model", "tiny-random", "--budgets", "24",
+            "--policies", "brightness,h2o", "--repairs", "none", "--windows", "1",
+            "--tokens", "16", "--jobs", "1", "--json", "--out", str(out)]
+    measured, real = [], quality.Job.run
+
+    def spy(job, *a, **k):
+        measured.append(job.kind)
+        return real(job, *a, **k)
+
+    def results() -> dict:
+        assert capsys.readouterr().out  # the --json object
+        res = json.loads((out / "results.json").read_text())
+        return {k: v for k, v in res.items() if k not in ("machine", "elapsed_s")}
+
+    monkeypatch.setattr(quality.Job, "run", spy)
+    assert main(args) == 0
+    first = results()
+    assert measured == ["reference", "grid", "grid", "grid", "oracle"]
+
+    def refuse(job, *a, **k):
+        raise AssertionError(f"{job.label} measured again")
+
+    monkeypatch.setattr(quality.Job, "run", refuse)
+    assert main([*args, "--resume"]) == 0
+    assert results() == first
+
+    lines = (out / "items.jsonl").read_text().splitlines()
+    (out / "items.jsonl").write_text("".join(f"{x}\n" for x in lines[:-1]))  # the oracle's
+    measured.clear()
+    monkeypatch.setattr(quality.Job, "run", spy)
+    assert main([*args, "--resume"]) == 0
+    again = results()
+    assert measured == ["reference", "oracle"]
+    assert again["runs"] == first["runs"]
+    assert [r["ppl"] for r in (again["reference"], *again["oracle"])] == [
+        r["ppl"] for r in (first["reference"], *first["oracle"])]
 
 
 def test_the_recall_targets_read_the_recall_rows():
     """The default policy with recall against the best drop-only baseline (<= 0.97 at
     budgets 128 and 256) and against the oracle (>= half the gap, at every budget)."""
     def run(policy, ppl, budget, recall=False):
-        return {"policy": policy, "repair": "none", "budget": budget, "ppl": ppl,
-                "recall": recall, "scored": 8, "by_window": [{}]}
+        return quality.Run(policy, "none", budget, recall, "compact", ppl, 8, "max_new_tokens",
+                           0, 0, 0, 0, 0, 0.0, (quality.Window(0, 1, 8, ppl, 0),))
 
-    res = {"config": {"budgets": (128, 256, 512), "warmup": 513}, "reference": {"ppl": 9.0},
-           "oracle": [run("oracle", 9.0, 128), run("oracle", 9.9, 256)], "long": [],
-           "runs": [run(p, ppl, b, rec) for b in (128, 256, 512) for p, ppl, rec in (
-               ("h2o", 10.0, False), ("brightness", 10.5, False), ("brightness", 9.6, True))]}
+    res = SimpleNamespace(
+        config=quality.QualityConfig(budgets=(128, 256, 512)), warmup=513,
+        reference=run("none", 9.0, None), long=[], long_reference=None, control=None,
+        oracle=[run("oracle", 9.0, 128), run("oracle", 9.9, 256)],
+        runs=[run(p, ppl, b, rec) for b in (128, 256, 512) for p, ppl, rec in (
+            ("h2o", 10.0, False), ("brightness", 10.5, False), ("brightness", 9.6, True))])
     rows = quality.targets(res)
-    vs = [t for t in rows if "with recall" in t["what"] and "/ the best baseline" in t["what"]]
+    vs = [t for t in rows if "with recall" in t.what and "/ the best baseline" in t.what]
     # the values are the same float divisions as the targets' (so equal bits)
-    assert [(t["value"], t["target"], t["met"]) for t in vs] == [
+    assert [(t.value, t.target, t.met) for t in vs] == [
         (9.6 / 10.0, "<= 0.97", True), (9.6 / 10.0, "<= 0.97", True), (9.6 / 10.0, "–", None)]
-    gaps = [t for t in rows if "with recall" in t["what"] and "gap" in t["what"]]
+    gaps = [t for t in rows if "with recall" in t.what and "gap" in t.what]
     # past the oracle (9.9) at 256; no oracle at 512
-    assert [(t["value"], t["met"]) for t in gaps] == [
+    assert [(t.value, t.met) for t in gaps] == [
         ((10.0 - 9.6) / (10.0 - 9.0), False), ((10.0 - 9.6) / (10.0 - 9.9), True), (None, None)]
-    drop = [t for t in rows if t["what"].startswith("budget 128: brightness (")]
-    assert [t["value"] for t in drop] == [10.5 / 10.0]  # recall is not drop-only
-    bound = [t for t in rows if "the hindsight oracle" in t["what"]]  # no oracle at 512
-    assert [(t["value"], t["target"], t["met"]) for t in bound] == [
+    drop = [t for t in rows if t.what.startswith("budget 128: brightness (")]
+    assert [t.value for t in drop] == [10.5 / 10.0]  # recall is not drop-only
+    bound = [t for t in rows if "the hindsight oracle" in t.what]  # no oracle at 512
+    assert [(t.value, t.target, t.met) for t in bound] == [
         (9.0 / 10.0, "–", None), (9.9 / 10.0, "–", None)]
 
 
@@ -298,8 +354,11 @@ def test_pool_workers_give_the_inline_result(tiny_model, tiny_policy):
     cfg = quality.QualityConfig(model="tiny-random", budgets=(24,), tokens=40)
     ids = tiny_policy.encode(quality.default_text())[:41]
     jobs = [quality.Job("grid", p, cfg.cache(24, p), 40, 40) for p in ("tova", "h2o")]
-    inline = [s for (s,) in quality.execute(cfg, jobs, ids, workers=1)]
-    pooled = [s for (s,) in quality.execute(cfg, jobs, ids, workers=2)]
+    inline = [s for (s,) in quality.execute(cfg, jobs, ids, Pool(jobs=1))]
+    finished = {}  # each job's runs as it finishes (the journal's items)
+    pooled = [s for (s,) in quality.execute(cfg, jobs, ids, Pool(jobs=2),
+                                            finished=lambda i, runs: finished.update({i: runs}))]
+    assert sorted(finished) == [0, 1] and all(finished[i] == [s] for i, s in enumerate(pooled))
     tol = nll_bound(tiny_model, 40)  # the session's threads inline, one in a worker
     for a, b in zip(inline, pooled):
         assert a.totals.culled == b.totals.culled

@@ -29,11 +29,11 @@ def test_every_protocol_compresses_the_context_to_the_budget(real_model, real_po
     assert [c.protocol for c in grid] == list(ruler.PROTOCOLS)
     row = ruler.run_sample(real_model, real_policy, cfg, needle, grid)
     prompt = ruler.Prompt.of(real_policy, needle)
-    assert row["n_context"] == prompt.n_context < needle.n_tokens
-    assert row["budgets"][0] is None and row["kept"][0] is None
-    for b, k in zip(row["budgets"][1:], row["kept"][1:]):
+    assert row.n_context == prompt.n_context < needle.n_tokens
+    assert row.budgets[0] is None and row.kept[0] is None
+    for b, k in zip(row.budgets[1:], row.kept[1:]):
         assert b == round(prompt.n_context * 0.875) and k == b  # culled to it, the question next
-    assert len(row["outputs"]) == len(row["scores"]) == 1 + len(grid)
+    assert len(row.outputs) == len(row.scores) == 1 + len(grid)
 
 
 def test_a_miss_is_captured_and_replays(real_model, real_policy, needle, tmp_path, monkeypatch):
@@ -58,8 +58,8 @@ def test_the_full_cache_answers_hand_checked_samples(real_model, real_policy):
                             new_tokens=12)
     for sample in ruler_tasks.generate(real_policy, "niah_single_1", 1024, 3, 0):
         row = ruler.run_sample(real_model, real_policy, cfg, sample, [])
-        assert row["scores"] == [1.0], (sample.answers, row["outputs"])
-        assert sample.answers[0] in row["outputs"][0]
+        assert row.scores == [1.0], (sample.answers, row.outputs)
+        assert sample.answers[0] in row.outputs[0]
 
 
 def test_json_rows_have_the_leaderboard_columns(real_model, capsys):

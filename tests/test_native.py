@@ -6,6 +6,9 @@ weight matrix. Each runs twice on a CPU with AVX-512F: built for it, and built w
 AVX-512 loops (``native.kernels(scalar=True)``), as a CPU without it runs them. The bounds
 are the error model's (tests/tolerance.py): the kernels and the plain operators may add each
 sum in another order."""
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -349,3 +352,16 @@ def test_run_takes_the_native_kernels_by_default_where_they_pay(capsys):
     assert run("--compile", "none") == ("", "")
     assert run("--dtype", "float16") == ("", "")
     assert "not float16" in native.slower(["cpu"], "float16")
+
+
+def test_a_build_killed_part_way_holds_no_later_load():
+    """torch's lock file in the build folder, left by a build whose process was killed,
+    would make every later load wait for ever; the build's own lock (let go by the system
+    when its holder dies) shows it to be a leftover, and the next load removes it."""
+    folder = native.cache_dir() / f"native-{native.build()}"
+    (folder / "lock").write_text("")
+    code = "from positronic_brain import native; native.kernels()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (folder / "lock").exists()

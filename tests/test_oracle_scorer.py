@@ -1,11 +1,13 @@
 """The hindsight oracle (bench quality only): a full-cache pass records the attention every
 token receives, and the oracle culls the token the rest of the text attends to least."""
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from positronic_brain.bench import quality
+from positronic_brain.bench.grid import Pool
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
 from positronic_brain.scorers import make_scorer
@@ -110,18 +112,19 @@ def test_the_oracle_needs_the_bench_one_line(capsys):
 
 def test_gap_closed():
     def run(policy, repair, ppl, budget=64):
-        return {"policy": policy, "repair": repair, "budget": budget, "ppl": ppl}
+        return quality.Run(policy, repair, budget, False, "compact", ppl, 8, "max_new_tokens",
+                           0, 0, 0, 0, 0, 0.0, ())
 
-    res = {"runs": [run("brightness", "none", 11.0), run("h2o", "none", 12.0),
-                    run("tova", "fold", 13.0), run("random", "none", 20.0),
-                    run("h2o", "none", 9.0, 128)],
-           "oracle": [run("oracle", "none", 10.0), run("oracle", "none", 9.5, 128)]}
+    res = SimpleNamespace(runs=[run("brightness", "none", 11.0), run("h2o", "none", 12.0),
+                                run("tova", "fold", 13.0), run("random", "none", 20.0),
+                                run("h2o", "none", 9.0, 128)],
+                          oracle=[run("oracle", "none", 10.0), run("oracle", "none", 9.5, 128)])
     base, oracle = quality.gap(res, 64)
-    assert (base["policy"], oracle["ppl"]) == ("h2o", 10.0)
-    assert quality.gap_closed(res, res["runs"][0]) == 0.5  # (12 - 11) / (12 - 10): exact
-    assert quality.gap_closed(res, res["runs"][3]) == -4.0
+    assert (base.policy, oracle.ppl) == ("h2o", 10.0)
+    assert quality.gap_closed(res, res.runs[0]) == 0.5  # (12 - 11) / (12 - 10): exact
+    assert quality.gap_closed(res, res.runs[3]) == -4.0
     assert quality.gap(res, 128) is None  # the oracle does not beat the best baseline there
-    assert quality.gap_closed(res, res["runs"][4]) is None
+    assert quality.gap_closed(res, res.runs[4]) is None
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -132,8 +135,8 @@ def test_pool_workers_run_the_oracle_after_the_reference(tiny_model, tiny_policy
             or j.label == "h2o budget 24, none repair"]
     assert [j.kind for j in jobs] == ["reference", "grid", "oracle"] and jobs[0].record
     assert jobs[0].starts == (0, 158) and jobs[0].skip == 25
-    inline = quality.execute(cfg, jobs[::-1], ids, workers=1)  # the oracle listed first
-    pooled = quality.execute(cfg, jobs[::-1], ids, workers=2)
+    inline = quality.execute(cfg, jobs[::-1], ids, Pool(jobs=1))  # the oracle listed first
+    pooled = quality.execute(cfg, jobs[::-1], ids, Pool(jobs=2))
     tol = nll_bound(tiny_model, 200)  # in a worker and inline, one thread each
     for a, b in zip(sum(inline, []), sum(pooled, [])):
         assert a.totals.culled == b.totals.culled

@@ -303,7 +303,7 @@ def test_smollm2_keeps_the_pass_key_its_question_attends(real_model, real_policy
     trial = passkey.trials(0, 2, cfg.lengths)[1]
     assert trial.key == 45208
     row = passkey.run_trial(real_model, real_policy, cfg, trial, passkey.cells(cfg))
-    assert row["hits"] == [True, False, True], row["answers"]
+    assert row.hits == [True, False, True], row.answers
 
 
 @pytest.mark.parametrize("scorer", ["brightness", "h2o"])

@@ -80,10 +80,10 @@ def test_a_scorer_from_a_file_in_bench_quality(scorer_file, one_thread):
     cfg = quality.QualityConfig.preset(True, model="tiny-random", policies=(spec, "h2o"),
                                        repairs=("none",), tokens=24)
     res = quality.run(cfg, "test")
-    mine, h2o = ([r for r in res["runs"] if r["policy"] == p and not r["recall"]]
+    mine, h2o = ([r for r in res.runs if r.policy == p and not r.recall]
                  for p in (spec, "h2o"))
     assert len(mine) == len(h2o) == 1
-    assert torch.isfinite(torch.tensor(mine[0]["ppl"])) and mine[0]["ppl"] != h2o[0]["ppl"]
+    assert torch.isfinite(torch.tensor(mine[0].ppl)) and mine[0].ppl != h2o[0].ppl
 
 
 BAD = {

@@ -26,8 +26,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..model import load_model
-from ..special_tokens import TokenPolicy
 from ..types import UserError, require
 
 
@@ -204,17 +202,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine() -> dict:
-    import transformers
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_initialized() else None
-    return {"cpu": cpu_name(), **({"gpu": gpu} if gpu else {}), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
-
-
 # --- progress and tables ----------------------------------------------------------------------
 
 @contextmanager
@@ -248,43 +235,6 @@ class Table:
         lines = [f"| {' | '.join(self.headers)} |", "|" + " --- |" * len(self.headers)]
         lines += [f"| {' | '.join(r)} |" for r in self.rows]
         return "\n".join(lines) + (f"\n\n{self.note}" if self.note else "")
-
-
-WORKER: dict = {}  # a pool worker's model, policy, config and grid (``grid_workers``)
-
-
-def _init_grid_worker(cfg, cells: Callable) -> None:
-    torch.set_num_threads(1)  # one thread per worker: parallel items, not parallel matmuls
-    m = load_model(cfg.model, cfg.dtype, cfg.device)
-    WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), cfg=cfg, grid=cells(cfg))
-
-
-def grid_workers(label: str, todo: list, cells_each: int, here: Callable, there: Callable,
-                 cfg, cells: Callable, workers: int = 1) -> list:
-    """Each of ``todo`` measured in every cell of a grid, with a progress bar of ``label``:
-    ``here(item, tick)`` in this process (``workers`` = 1), or ``there(item)`` in that many
-    single-thread processes, each of which loads ``cfg``'s model once and holds it, with
-    ``cfg`` and ``cells(cfg)``, in ``WORKER``. The results in ``todo``'s order (an item's
-    does not depend on where it ran); ``cells_each`` ticks an item."""
-    with progress() as task:
-        tick = task(label, len(todo) * cells_each)
-        if workers == 1:
-            return [here(item, tick) for item in todo]
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
-        with ProcessPoolExecutor(workers, ctx, _init_grid_worker, (cfg, cells)) as pool:
-            futures = [pool.submit(there, item) for item in todo]
-            try:
-                for f in as_completed(futures):
-                    f.result()  # a worker's error now, not after every other item
-                    for _ in range(cells_each):
-                        tick()
-            except BaseException:
-                pool.shutdown(cancel_futures=True)
-                raise
-            return [f.result() for f in futures]
 
 
 def print_tables(tables: Sequence[Table]) -> None:
@@ -369,10 +319,9 @@ def out_dir(args) -> Path | None:
     return None if args.out is None else prepare_out_dir(args.out)
 
 
-def emit(res: dict, args, out: Path | None, name: str,
-         plots: Callable[[dict, Path], list[str]], report_md: Callable[..., str],
-         tables: Callable[[dict], list[Table]]) -> None:
-    """A benchmark's outputs: into ``out``, results.json, the PNG ``plots`` and report.md;
+def emit(res, args, out: Path | None, name: str, plots: Callable[..., list[str]],
+         report_md: Callable[..., str], tables: Callable[..., list[Table]]) -> None:
+    """A benchmark's outputs (``res``: its ``result.Result``): into ``out``, results.json, the PNG ``plots`` and report.md;
     with ``--report``, the report also as section ``name`` of that shared document (unless
     it names ``out``'s own report.md, which holds the report already); on
     stdout, one JSON object (``--json``) or the tables.
@@ -380,13 +329,13 @@ def emit(res: dict, args, out: Path | None, name: str,
     ``report_md(res, images, image_dir, level)`` -> markdown whose title has that level."""
     if out is not None:
         images = plots(res, out)
-        write_json(out / "results.json", res)
+        write_json(out / "results.json", res.to_json())
         write_text(out / "report.md", report_md(res, images, ".", 1))
         if args.report and Path(args.report).resolve() != (out / "report.md").resolve():
             doc = Path(args.report)
             write_section(doc, name, report_md(res, images, os.path.relpath(out, doc.parent), 2))
     if args.json:
-        json.dump(res, sys.stdout)
+        json.dump(res.to_json(), sys.stdout)
         sys.stdout.write("\n")
     else:
         print_tables(tables(res))
@@ -428,47 +377,20 @@ def jobs(args) -> int:
     return n
 
 
-def ints(text: str, name: str) -> tuple[int, ...]:
-    """``--name 1,2,3`` -> (1, 2, 3); anything else is a one-line UserError."""
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise UserError(f"--{name} takes comma-separated integers, got {text!r}") from None
-
-
 def duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def command_line(bench: str, args, flags: tuple[tuple[str, object], ...]) -> str:
     """The ``positronic-brain bench`` command that reproduces a run: ``--quick`` and every
-    ``(flag, default)`` given a value other than its default."""
+    ``(name, default)`` (a flag's parsed name) given a value other than its default, a
+    switch given as its flag alone."""
     parts = [f"positronic-brain bench {bench}"] + (["--quick"] if args.quick else [])
-    for flag, default in flags:
-        value = getattr(args, flag, None)
+    for name, default in flags:
+        value, flag = getattr(args, name, None), "--" + name.replace("_", "-")
         for v in value if isinstance(value, list) else [value]:  # a repeatable flag: each
-            if v is not None and v != default:
-                parts += [f"--{flag}", str(v)]
+            if v is True:  # a switch
+                parts.append(flag)
+            elif v is not None and v != default:
+                parts += [flag, str(v)]
     return " ".join(parts)
-
-
-def regenerate(res: dict, quick_version: bool = True) -> str:
-    """A report's first sentence: the command that made it, how long it took, and that every
-    number in it comes from that run."""
-    quick = "; `make bench` runs the quick version" if quick_version else ""
-    return (f"Regenerate with `{res['command']}` (this run took "
-            f"{duration(res['elapsed_s'])}{quick}). Every number below comes from that one run.")
-
-
-def model_facts(res: dict) -> str:
-    """``Model `smollm2` (float32, quick), 8192 positions``: a report's first facts."""
-    return (f"Model `{res['model']}` ({res['dtype']}{', quick' if res['quick'] else ''}), "
-            f"{res['max_positions']} positions")
-
-
-def machine_facts(m: dict, threads: bool = False) -> str:
-    """The machine a report ran on (``machine()`` plus the load averages)."""
-    return ((f"{m['gpu']} (GPU), " if m.get("gpu") else "") + f"{m['cpu']}, {m['cores']} cores, "
-            + (f"{m['torch_threads']} torch thread(s), " if threads else "")
-            + f"load average {m['loadavg_start'][0]} at the start, {m['loadavg_end'][0]} at "
-            "the end")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass
 from types import UnionType
@@ -26,8 +27,10 @@ from typing import Any
 from .. import options
 from ..model import resolve_device
 from ..scorers import user
-from ..types import option, require
+from ..types import UserError, option, require
 from . import common
+from .grid import Pool, check_address
+from .result import Journal
 
 MODEL, DEVICE = "smollm2", "cpu"  # the shared --model and --device unless given
 SHARED = ("quick", "json", "out", "report", "model", "device")  # every benchmark's flags
@@ -38,8 +41,15 @@ class Workers:
     """How many processes measure in parallel (``common.jobs``): a flag of the benchmarks
     whose runs are independent, not part of what they measure."""
 
-    jobs: int | None = option(None, "runs (bench passkey: trials) in parallel, one "
-                              "single-thread process each (default: CPU cores)")
+    jobs: int | None = option(None, "items (bench passkey: trials, bench ruler: samples) "
+                              "in parallel, one single-thread process each (default: CPU "
+                              "cores)")
+    ray: str | None = option(None, "measure on a Ray cluster: auto (the one this machine "
+                             "has joined), local (one started for this run) or HOST:PORT; "
+                             "--jobs: its actors (default: one per CPU of the cluster); "
+                             "needs the ray extra", metavar="ADDRESS")
+    resume: bool = option(False, "keep the items an interrupted run with this --out and "
+                          "the same config finished (its items.jsonl) and measure the rest")
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,11 @@ def scorers(text: str) -> tuple[str, ...]:
     return tuple(user.absolute(p.strip()) for p in text.split(","))
 
 
+def policies(text: str) -> tuple[str, ...]:
+    """``--policies a,b``: ``scorers``, ``none`` (no cell: the full cache only) left out."""
+    return tuple(p for p in scorers(text) if p != "none")
+
+
 def cache_options(text: str | None, items: list[str] | None) -> tuple[tuple[str, Any], ...]:
     """``--params K=V,...`` and ``--param NAME=VALUE`` items: cache options of every run
     (flat name -> value), sorted."""
@@ -97,11 +112,26 @@ def _read(f: Flag, args):
         return f.read(text, getattr(args, f.repeat))
     if f.read:
         return f.read(text)
-    if typing.get_origin(f.hint) is tuple and typing.get_args(f.hint)[0] is int:
-        return common.ints(text, f.name)
+    if f.hint is bool and f.default is False:  # a switch: given or not
+        return text
     if typing.get_origin(f.hint) is tuple:
-        return tuple(t.strip() for t in text.split(","))
+        return _items(text, f)
     return text  # argparse read it (``_kind``)
+
+
+def _items(text: str, f: Flag) -> tuple:
+    """A comma-separated list: of the field's item type (int, float or text), each one of
+    its ``choices`` where it has them; anything else a one-line UserError."""
+    kind = typing.get_args(f.hint)[0]
+    try:
+        items = tuple(kind(t.strip()) for t in text.split(",") if t.strip())
+    except ValueError:
+        what = {int: "integers", float: "numbers"}[kind]
+        raise UserError(f"{f.flag} takes comma-separated {what}, got {text!r}") from None
+    bad = [x for x in items if f.choices and x not in f.choices]
+    require(items and not bad, f"{f.flag}: {'unknown ' + repr(bad[0]) if bad else 'empty list'}"
+            + (f"; expected some of {', '.join(map(str, f.choices))}" if f.choices else ""))
+    return items
 
 
 def given(args, classes) -> dict[str, Any]:
@@ -143,8 +173,13 @@ def add_flags(p: argparse.ArgumentParser, classes, title: str) -> None:
         return
     g = p.add_argument_group(title)
     for f in fs:
-        g.add_argument(f.flag, dest=f.name, default=None, help=f.help + _defaults(f),
-                       choices=f.choices, metavar=f.metavar, **_kind(f))
+        kind, listed = _kind(f), typing.get_origin(f.hint) is tuple  # a list: _items checks
+        g.add_argument(f.flag, dest=f.name, default=None, help=f.help + _defaults(f)
+                       + (f" (of {', '.join(f.choices)})" if listed and f.choices else ""),
+                       **({} if "action" in kind else {
+                           "choices": None if listed else f.choices,
+                           "metavar": f.metavar or ("LIST" if listed and f.choices else None)}),
+                       **kind)
         if f.repeat:
             g.add_argument(f"--{f.repeat}", action="append", default=None,
                            metavar="NAME=VALUE", help=options.CHOOSERS[f.repeat].help)
@@ -153,6 +188,8 @@ def add_flags(p: argparse.ArgumentParser, classes, title: str) -> None:
 def _kind(f: Flag) -> dict:
     """argparse reads a number; the rest is text until ``config`` reads it."""
     hint = f.hint
+    if hint is bool and f.default is False:
+        return {"action": "store_const", "const": True}
     if typing.get_origin(hint) in (typing.Union, UnionType):  # ``int | None``: an int
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     return {"type": hint} if hint in (int, float) and f.read is None else {}
@@ -172,11 +209,11 @@ def _defaults(f: Flag) -> str:
 
 
 def command_line(bench: str, args, classes) -> str:
-    """The ``positronic-brain bench`` command that reproduces a run: ``--quick``, then in
-    the order of the config's fields, each flag given (``--model`` and ``--device`` unless
+    """The ``positronic-brain bench`` command that reproduces a run (``--resume`` left
+    out): ``--quick``, then in the order of the config's fields, each flag given (``--model`` and ``--device`` unless
     at their defaults), then ``--out`` and ``--report``."""
     shared = {"model": MODEL, "device": DEVICE}
-    own = {f.field: f for f in flags_of(classes)}
+    own = {f.field: f for f in flags_of(classes) if f.field != "resume"}  # not what it measures
     pairs: list[tuple[str, Any]] = []
     for cls in classes:
         for fd in dataclasses.fields(cls):
@@ -192,12 +229,27 @@ def main(args, bench) -> int:
     """``bench KIND``, any benchmark: its config from the flags given (checked before the
     slow part), the ``--out`` folder made, the run, then its tables (or one JSON object) and
     files (``common.emit``). ``bench`` is the benchmark's module: ``FLAGS`` (its config
-    first), ``run(cfg, command[, workers])``, ``tables``, ``plots``, ``report_md`` and, where
-    its report's section is not its name, ``section(cfg)``."""
+    first), ``run(cfg, command[, pool])``, ``tables``, ``plots``, ``report_md``
+    and, where its report's section is not its name, ``section(cfg)``. A benchmark whose
+    flags include ``Workers`` measures a grid of items, each a ``ROW``, in a ``grid.Pool``
+    (processes or a Ray cluster), kept in a journal (``result.Journal``) in the ``--out``
+    folder so that ``--resume`` can go on with it."""
     cfg = config(bench.FLAGS[0], args)
+    require(not getattr(args, "resume", None) or args.out is not None,
+            "--resume needs --out (the folder of the run to go on with)")
     out = common.out_dir(args)
-    workers = {"workers": common.jobs(args)} if Workers in bench.FLAGS else {}
-    res = bench.run(cfg, command_line(args.kind, args, bench.FLAGS), **workers)
+    pool = {}
+    if Workers in bench.FLAGS:
+        journal = None
+        if out is not None:
+            head = {"benchmark": args.kind, "config": dataclasses.asdict(cfg)}
+            journal = Journal(out / "items.jsonl", json.loads(json.dumps(head)),
+                              bool(args.resume), bench.ROW)
+        if args.ray is not None:
+            check_address(args.ray)
+        jobs = None if args.ray and args.jobs is None else common.jobs(args)
+        pool["pool"] = Pool(jobs, journal, args.ray)
+    res = bench.run(cfg, command_line(args.kind, args, bench.FLAGS), **pool)
     section = bench.section(cfg) if hasattr(bench, "section") else args.kind
     common.emit(res, args, out, section, bench.plots, bench.report_md, bench.tables)
     return 0

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -42,8 +41,10 @@ from ..model import DTYPES, Model, load_model
 from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, UserError, option, require
-from . import common, flags
+from . import common, flags, grid
 from .common import Table, fmt
+from .grid import Pool
+from .result import Machine, Result, Target, model_facts, target_table
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about the important information there.")
@@ -148,11 +149,6 @@ def trials(seed: int, n: int, lengths: tuple[int, ...]) -> list[Trial]:
 
 # --- configuration ------------------------------------------------------------------------
 
-def _policies(text: str) -> tuple[str, ...]:
-    """``--policies``: scorers (``none``: no cell, the full cache only)."""
-    return tuple(p for p in flags.scorers(text) if p != "none")
-
-
 @dataclass(frozen=True)
 class PasskeyConfig:
     """What to measure. ``policies`` empty: the full cache only. ``variants``: cache
@@ -167,7 +163,7 @@ class PasskeyConfig:
     budgets: tuple[int, ...] = option((128, 256, 512), "live cache slots, comma-separated",
                                       quick=(128,))
     policies: tuple[str, ...] = option(CULLING, "comma-separated scorers (none: the full "
-                                       "cache only)", read=_policies)
+                                       "cache only)", read=flags.policies)
     trials: int = option(50, "prompts per cell", quick=8)
     lengths: tuple[int, ...] = option((1024, 2048, 3072, 4096), "comma-separated prompt "
                                       "lengths in tokens, taken in turn", quick=(1024,))
@@ -263,11 +259,32 @@ def answer(session: Session, n: int) -> list[int]:
     return ids
 
 
+@dataclass(frozen=True)
+class TrialRow:
+    """One trial's row: its prompt (the trial's fields, its tokens and filler sentences),
+    the answers of the full cache then of each cell (``cells``' order), whether each holds
+    the key, and the seconds spent priming, copying and answering."""
+
+    index: int
+    key: int
+    depth: float
+    length: int
+    tokens: int
+    sentences: int
+    answers: list[str]
+    hits: list[bool]
+    prime_s: float
+    copy_s: float
+    answer_s: float
+
+
+ROW = TrialRow  # one item of the grid, as ``--out``'s items.jsonl keeps it
+
+
 def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Trial,
-              grid: list[Cell], tick=None) -> dict:
+              grid: list[Cell], tick=None) -> TrialRow:
     """One prompt, primed once, answered with the full cache and in every cell (each from
-    a copy of the primed session). Returns the trial's row: prompt facts, the answers, the
-    seconds spent priming, copying and answering."""
+    a copy of the primed session)."""
     sentences, segs = fit(policy, trial.key, trial.depth, trial.length, cfg.framing)
     n = n_tokens(segs)
     sampler = SamplerParams(greedy=True)
@@ -296,92 +313,128 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
         if tick:
             tick()
     texts = [policy.decode(a) for a in answers]
-    return {**dataclasses.asdict(trial), "tokens": n, "sentences": sentences,
-            "answers": texts, "hits": [correct(trial.key, t) for t in texts],
-            "prime_s": t1 - t0, "copy_s": copy_s, "answer_s": answer_s}
+    return TrialRow(**dataclasses.asdict(trial), tokens=n, sentences=sentences, answers=texts,
+                    hits=[correct(trial.key, t) for t in texts], prime_s=t1 - t0,
+                    copy_s=copy_s, answer_s=answer_s)
 
 
-def _run_trial(trial: Trial) -> dict:
-    w = common.WORKER
+def _run_trial(trial: Trial) -> TrialRow:
+    w = grid.WORKER
     return run_trial(w["model"], w["policy"], w["cfg"], trial, w["grid"])
 
 
 def run_trials(cfg: PasskeyConfig, model: Model, policy: TokenPolicy, todo: list[Trial],
-               workers: int = 1) -> list[dict]:
-    """Every trial's row, in ``todo``'s order: here (``workers`` = 1) or in that many
-    single-thread processes (each loads the model once); a trial's row does not depend on
-    where it ran."""
-    grid = cells(cfg)
-    return common.grid_workers(
-        f"pass key: {len(todo)} trials x {1 + len(grid)} cells", todo, 1 + len(grid),
-        lambda t, tick: run_trial(model, policy, cfg, t, grid, tick), _run_trial, cfg, cells,
-        workers)
+               pool: Pool = Pool()) -> list[TrialRow]:
+    """Every trial's row, in ``todo``'s order, measured by ``pool`` (here, or in worker
+    processes that each load the model once); a trial's row does not depend on where it
+    ran."""
+    cs = cells(cfg)
+    return pool.rows(f"pass key: {len(todo)} trials x {1 + len(cs)} cells", todo, 1 + len(cs),
+                     lambda t, tick: run_trial(model, policy, cfg, t, cs, tick), _run_trial,
+                     cfg, cells)
 
 
-def run(cfg: PasskeyConfig, command: str, workers: int = 1) -> dict:
-    """Every measurement, as one JSON-ready dict (trials in ``workers`` processes)."""
+@dataclass(frozen=True)
+class CellRow:
+    """A cell's accuracy over the trials (the reference: the full cache, ``budget`` None);
+    ``ratio``: its accuracy / the full cache's (None for the reference itself, or where
+    the full cache found no key)."""
+
+    policy: str
+    budget: int | None
+    variant: dict
+    variant_label: str
+    correct: int
+    trials: int
+    accuracy: float
+    ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds summed over the trials."""
+
+    prime_s: float
+    copy_s: float
+    answer_s: float
+
+
+@dataclass(kw_only=True)
+class PasskeyResult(Result):
+    """A run: its config (fitted to the model's positions), the cache options every cell
+    starts from (``base``), each trial's row, the full cache's accuracy, each cell's, and
+    the time spent."""
+
+    config: PasskeyConfig
+    base: dict
+    dtype: str
+    max_positions: int
+    workers: int
+    ray: str | None = None
+    trials: list[TrialRow]
+    reference: CellRow
+    runs: list[CellRow]
+    timing: Timing
+
+
+def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
+    """Every measurement, the trials measured by ``pool``."""
     t0 = time.perf_counter()
-    info = common.machine()
+    machine = Machine.now()
     model = load_model(cfg.model, cfg.dtype, cfg.device)
     cfg = cfg.fitted(model.spec.max_positions)
     policy = TokenPolicy(model.tokenizer)
     for n in cfg.lengths:  # fail before the progress bar: each length holds the task
         fit(policy, 10000, 0.5, n, cfg.framing)
-    grid = cells(cfg)
     todo = trials(cfg.seed, cfg.trials, cfg.lengths)
-    rows = run_trials(cfg, model, policy, todo, min(workers, len(todo)))
-    res = {"benchmark": "passkey", "command": command, "model": cfg.model, "dtype": cfg.dtype,
-           "quick": cfg.quick, "machine": info, "max_positions": model.spec.max_positions,
-           "workers": min(workers, len(todo)),
-           "config": {**dataclasses.asdict(cfg),
-                      "base": options.settings(dict(cfg.params))}, "trials": rows}
-    res["reference"] = _cell_row(rows, 0, policy="none", budget=None, variant={})
-    ref = res["reference"]["accuracy"]
-    res["runs"] = []
-    for i, c in enumerate(grid, 1):
-        r = _cell_row(rows, i, policy=c.policy, budget=c.budget, variant=c.variant)
-        r["ratio"] = r["accuracy"] / ref if ref else None
-        res["runs"].append(r)
-    res["timing"] = {k: sum(r[k] for r in rows) for k in ("prime_s", "copy_s", "answer_s")}
-    res["targets"] = targets(res)
-    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    res["elapsed_s"] = time.perf_counter() - t0
+    rows = run_trials(cfg, model, policy, todo, pool)
+    ref = _cell_row(rows, 0, "none", None, {})
+    res = PasskeyResult(
+        benchmark="passkey", command=command, model=cfg.model, quick=cfg.quick,
+        machine=machine, config=cfg, base=options.settings(dict(cfg.params)), dtype=cfg.dtype,
+        max_positions=model.spec.max_positions, workers=pool.workers(len(todo)), ray=pool.ray,
+        trials=rows, reference=ref,
+        runs=[_cell_row(rows, i, c.policy, c.budget, c.variant, ref)
+              for i, c in enumerate(cells(cfg), 1)],
+        timing=Timing(*(sum(getattr(r, k) for r in rows)
+                        for k in ("prime_s", "copy_s", "answer_s"))))
+    res.targets = targets(res)
+    res.machine = machine.ended()
+    res.elapsed_s = time.perf_counter() - t0
     return res
 
 
-def _cell_row(rows: list[dict], i: int, **what) -> dict:
-    hits = [r["hits"][i] for r in rows]
-    return {**what, "variant_label": variant_label(what["variant"]), "correct": sum(hits),
-            "trials": len(hits), "accuracy": sum(hits) / len(hits)}
+def _cell_row(rows: list[TrialRow], i: int, policy: str, budget: int | None, variant: dict,
+              ref: CellRow | None = None) -> CellRow:
+    """Cell ``i``'s accuracy (0: the full cache); with ``ref``, its ratio to that."""
+    hits = [r.hits[i] for r in rows]
+    row = CellRow(policy, budget, variant, variant_label(variant), sum(hits), len(hits),
+                  sum(hits) / len(hits))
+    if ref is None:
+        return row
+    return dataclasses.replace(row, ratio=row.accuracy / ref.accuracy if ref.accuracy else None)
 
 
 # --- analysis -----------------------------------------------------------------------------
 
-def targets(res: dict) -> list[dict]:
+def targets(res: PasskeyResult) -> list[Target]:
     """Pass-key accuracy with recall at budget 128 / the full cache >= 0.95, for every cell
     whose variant turns recall on; the drop-only cells are shown beside it."""
-    ref = res["reference"]
-    at = [r for r in res["runs"] if r["budget"] == TARGET_BUDGET]
-    recall = [r for r in at if r["variant"].get("recall")]
-    base = f"the full cache ({ref['correct']}/{ref['trials']})"
-    out = []
-    for r in recall:
-        out.append({"what": f"budget {TARGET_BUDGET} with recall, {r['policy']} "
-                            f"({r['variant_label']}, {r['correct']}/{r['trials']}) / {base}",
-                    "value": r["ratio"], "target": f">= {TARGET_RATIO:.2f}",
-                    "met": None if r["ratio"] is None else r["ratio"] >= TARGET_RATIO})
+    ref, goal = res.reference, f">= {TARGET_RATIO:.2f}"
+    at = [r for r in res.runs if r.budget == TARGET_BUDGET]
+    recall = [r for r in at if r.variant.get("recall")]
+    base = f"the full cache ({ref.correct}/{ref.trials})"
+
+    def target(what: str, r: CellRow) -> Target:
+        return Target(f"{what}{r.policy} ({r.variant_label}, {r.correct}/{r.trials}) / {base}",
+                      r.ratio, goal, None if r.ratio is None else r.ratio >= TARGET_RATIO)
+
+    out = [target(f"budget {TARGET_BUDGET} with recall, ", r) for r in recall]
     if not recall:
-        out.append({"what": f"budget {TARGET_BUDGET} with recall / {base}: not measured "
-                            "(no cell recalls culled tokens)",
-                    "value": None, "target": f">= {TARGET_RATIO:.2f}", "met": None})
-    for r in at:
-        if not r["variant"].get("recall"):
-            out.append({"what": f"budget {TARGET_BUDGET}, drop only (for reference): "
-                                f"{r['policy']} ({r['variant_label']}, "
-                                f"{r['correct']}/{r['trials']}) / {base}",
-                        "value": r["ratio"], "target": f">= {TARGET_RATIO:.2f}",
-                        "met": None if r["ratio"] is None else r["ratio"] >= TARGET_RATIO})
-    return out
+        out.append(Target(f"budget {TARGET_BUDGET} with recall / {base}: not measured "
+                          "(no cell recalls culled tokens)", None, goal, None))
+    return out + [target(f"budget {TARGET_BUDGET}, drop only (for reference): ", r)
+                  for r in at if not r.variant.get("recall")]
 
 
 def _pct(correct: int, n: int) -> str:
@@ -392,105 +445,98 @@ def _ratio(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}x"
 
 
-def _split(res: dict, i: int, key) -> dict:
+def _split(res: PasskeyResult, i: int, key) -> dict:
     """Correct and total trials of cell ``i`` (0: the full cache) per ``key(trial)``."""
     out: dict = {}
-    for t in res["trials"]:
+    for t in res.trials:
         k = key(t)
         c, n = out.get(k, (0, 0))
-        out[k] = (c + t["hits"][i], n + 1)
+        out[k] = (c + t.hits[i], n + 1)
     return out
 
 
-def _depth_bin(t: dict) -> str:
-    lo, hi = next((b for b in DEPTH_BINS if t["depth"] < b[1]), DEPTH_BINS[-1])
+def _depth_bin(t: TrialRow) -> str:
+    lo, hi = next((b for b in DEPTH_BINS if t.depth < b[1]), DEPTH_BINS[-1])
     return f"{lo:.0%}-{hi:.0%}"
 
 
 # --- output -------------------------------------------------------------------------------
 
-def tables(res: dict) -> list[Table]:
-    cfg, ref = res["config"], res["reference"]
-    budgets = cfg["budgets"]
-    target = Table(
-        "Targets (reported, not asserted)", ("what", "value", "target", "met"),
-        tuple((t["what"], fmt(t["value"], 3), t["target"],
-               "–" if t["met"] is None else "yes" if t["met"] else "NO") for t in res["targets"]))
-    cells_by = {(r["policy"], r["variant_label"], r["budget"]): r for r in res["runs"]}
+def tables(res: PasskeyResult) -> list[Table]:
+    cfg, ref = res.config, res.reference
+    budgets = cfg.budgets
+    cells_by = {(r.policy, r.variant_label, r.budget): r for r in res.runs}
     rows = []
-    for v in cfg["variants"]:
-        for p in cfg["policies"]:
+    for v in cfg.variants:
+        for p in cfg.policies:
             rs = [cells_by.get((p, variant_label(v), b)) for b in budgets]
             rows.append((p, variant_label(v), *(
-                f"{_pct(r['correct'], r['trials'])}, {_ratio(r['ratio'])}" if r else "–"
-                for r in rs)))
+                f"{_pct(r.correct, r.trials)}, {_ratio(r.ratio)}" if r else "–" for r in rs)))
     grid = Table(
-        f"Pass-key accuracy by budget ({ref['trials']} trials per cell; x = / the full cache)",
+        f"Pass-key accuracy by budget ({ref.trials} trials per cell; x = / the full cache)",
         ("policy", "variant", *(f"budget {b}" for b in budgets)), tuple(rows),
-        f"Full cache (no budget): {_pct(ref['correct'], ref['trials'])}. Higher is better.")
+        f"Full cache (no budget): {_pct(ref.correct, ref.trials)}. Higher is better.")
     named = [("full cache", "–", 0)] + [
-        (r["policy"], f"{r['variant_label']}, budget {r['budget']}", i)
-        for i, r in enumerate(res["runs"], 1)]
-    lengths = sorted({t["length"] for t in res["trials"]})
+        (r.policy, f"{r.variant_label}, budget {r.budget}", i) for i, r in enumerate(res.runs, 1)]
+    lengths = sorted({t.length for t in res.trials})
     by_length = Table(
         "Accuracy by prompt length (tokens, at most)", ("cell", "setting", *map(str, lengths)),
-        tuple((a, b, *(_pct(*_split(res, i, lambda t: t["length"]).get(n, (0, 0)))
+        tuple((a, b, *(_pct(*_split(res, i, lambda t: t.length).get(n, (0, 0)))
                        for n in lengths)) for a, b, i in named))
     bins = [f"{lo:.0%}-{hi:.0%}" for lo, hi in DEPTH_BINS]
     by_depth = Table(
         "Accuracy by the key's depth in the filler", ("cell", "setting", *bins),
         tuple((a, b, *(_pct(*_split(res, i, _depth_bin).get(d, (0, 0))) for d in bins))
               for a, b, i in named))
-    tm = res["timing"]
-    n = len(res["trials"])
+    tm = res.timing
     cost = Table(
         "Time (seconds, summed over the trials; elapsed: the whole run)", ("prime (once per trial)", "copy (deep copies)",
                                       "answers", "mean prompt tokens", "elapsed"),
-        ((fmt(tm["prime_s"], 1), fmt(tm["copy_s"], 1), fmt(tm["answer_s"], 1),
-          fmt(sum(t["tokens"] for t in res["trials"]) / n, 0), fmt(res["elapsed_s"], 1)),))
-    return [target, *([grid] if res["runs"] else []), by_length, by_depth, cost]
+        ((fmt(tm.prime_s, 1), fmt(tm.copy_s, 1), fmt(tm.answer_s, 1),
+          fmt(sum(t.tokens for t in res.trials) / len(res.trials), 0), fmt(res.elapsed_s, 1)),))
+    return [target_table(res.targets, digits=3), *([grid] if res.runs else []), by_length,
+            by_depth, cost]
 
 
-def plots(res: dict, out: Path) -> list[str]:
+def plots(res: PasskeyResult, out: Path) -> list[str]:
     """Accuracy vs budget, one line per policy (and variant), the full cache dotted."""
-    budgets = res["config"]["budgets"]
-    if not res["runs"]:
+    cfg = res.config
+    if not res.runs:
         return []
     series = {}
-    for i, p in enumerate(res["config"]["policies"]):
-        for j, v in enumerate(res["config"]["variants"]):
+    for i, p in enumerate(cfg.policies):
+        for j, v in enumerate(cfg.variants):
             label = variant_label(v)
-            rs = [r for r in res["runs"] if r["policy"] == p and r["variant_label"] == label]
-            series[p if len(res["config"]["variants"]) == 1 else f"{p}, {label}"] = (
-                [r["budget"] for r in rs], [100 * r["accuracy"] for r in rs],
+            rs = [r for r in res.runs if r.policy == p and r.variant_label == label]
+            series[p if len(cfg.variants) == 1 else f"{p}, {label}"] = (
+                [r.budget for r in rs], [100 * r.accuracy for r in rs],
                 {"color": f"C{i}", "linestyle": ("-", "--", "-.", ":")[j % 4]})
-    series["full cache"] = (budgets, [100 * res["reference"]["accuracy"]] * len(budgets),
+    series["full cache"] = (cfg.budgets, [100 * res.reference.accuracy] * len(cfg.budgets),
                             {"linestyle": ":", "color": "gray"})
     common.line_plot(out / "passkey_vs_budget.png",
-                     f"Pass-key accuracy vs budget, {res['model']} {res['dtype']}",
+                     f"Pass-key accuracy vs budget, {res.model} {res.dtype}",
                      "budget (live cache slots)", "accuracy (%)", series)
     return ["passkey_vs_budget.png"]
 
 
-def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
+def report_md(res: PasskeyResult, images: list[str], image_dir: str, level: int = 1) -> str:
     """The markdown report; ``level`` is the heading level of its title."""
     h = "#" * level
-    m, cfg = res["machine"], res["config"]
-    sp, ref = cfg["base"], res["reference"]
-    only = "" if res["runs"] else " Only the full cache was measured (`--policies none`)."
+    cfg, sp, ref = res.config, res.base, res.reference
+    only = "" if res.runs else " Only the full cache was measured (`--policies none`)."
     lines = [
         f"{h} Pass-key retrieval benchmark",
         "",
-        common.regenerate(res, quick_version=False) + only,
+        res.regenerate(quick_version=False) + only,
         "",
-        f"{common.model_facts(res)}; {len(res['trials'])} trials (seed {cfg['seed']}), "
-        f"prompt lengths {', '.join(map(str, cfg['lengths']))} tokens, `{cfg['framing']}` "
-        f"framing, up to {cfg['max_new_tokens']} greedy new tokens; "
-        f"{common.machine_facts(m, threads=res.get('workers', 1) == 1)}"
-        + (f"; trials in {res['workers']} single-thread processes"
-           if res.get("workers", 1) > 1 else "")
+        f"{model_facts(res.model, res.dtype, res.quick, res.max_positions)}; "
+        f"{len(res.trials)} trials (seed {cfg.seed}), "
+        f"prompt lengths {', '.join(map(str, cfg.lengths))} tokens, `{cfg.framing}` "
+        f"framing, up to {cfg.max_new_tokens} greedy new tokens; "
+        f"{res.machine.facts(threads=res.workers == 1 and res.ray is None)}"
+        + grid.where("trials", res.workers, res.ray)
         + ". Full-cache accuracy: "
-        f"**{_pct(ref['correct'], ref['trials'])}**. Protected from culls: {sp['sinks']} "
+        f"**{_pct(ref.correct, ref.trials)}**. Protected from culls: {sp['sinks']} "
         f"sinks, {sp['recent']} recent tokens.",
         "",
     ]

@@ -35,7 +35,6 @@ import dataclasses
 import gzip
 import hashlib
 import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -51,8 +50,10 @@ from ..scorers import BASELINES, CULLING, culling
 from ..scorers.oracle import NAME as ORACLE, AttentionRecorder, Oracle
 from ..types import (CacheParams, SamplerParams, ScorerSpec, Segment, Totals, UserError, option,
                      require)
-from . import common, flags
+from . import common, flags, grid
 from .common import Table, fmt
+from .grid import Pool
+from .result import Machine, Result, Target, model_facts, target_table
 
 SCORERS = CULLING  # the default scorer first, then the baselines
 REPAIRS = ("none", "merge", "fold")
@@ -253,13 +254,55 @@ class Streamed:
         return perplexity(self.nll)
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One job's measurement (an item of its ``--resume`` journal), one entry per start:
+    the scored tokens' NLLs, why the run stopped, its tallies over the scored steps (the
+    fields of ``Totals``) and what its warm-up removed (culls and merges)."""
+
+    nll: list[list[float]]
+    stop_reason: list[str]
+    steps: list[int]
+    ms: list[float]
+    culled: list[int]
+    merged: list[int]
+    folded: list[int]
+    reindexed: list[int]
+    recalled: list[int]
+    warm_removed: list[int]
+
+    @classmethod
+    def of(cls, runs: list[Streamed]) -> "Measured":
+        return cls([list(s.nll) for s in runs], [s.stop_reason for s in runs],
+                   **{f.name: [getattr(s.totals, f.name) for s in runs]
+                      for f in dataclasses.fields(Totals)},
+                   warm_removed=[s.warm.culled + s.warm.merged for s in runs])
+
+    @property
+    def totals(self) -> Totals:
+        """The tallies over every start's scored steps."""
+        return Totals(**{f.name: sum(getattr(self, f.name)) for f in dataclasses.fields(Totals)})
+
+
+ROW = Measured  # a job's row in the journal
+
+
 def perplexity(nll) -> float:
     return math.exp(sum(nll) / len(nll))
 
 
-def windows(nll, size: int) -> list[dict]:
-    """Perplexity over consecutive windows of ``size`` scored tokens: [{start, end, ppl}]."""
-    return [{"start": i, "end": min(i + size, len(nll)), "ppl": perplexity(nll[i:i + size])}
+@dataclass(frozen=True)
+class Span:
+    """Perplexity over scored tokens ``start`` to ``end`` (exclusive) of a long run."""
+
+    start: int
+    end: int
+    ppl: float
+
+
+def windows(nll, size: int) -> list[Span]:
+    """Perplexity over consecutive windows of ``size`` scored tokens."""
+    return [Span(i, min(i + size, len(nll)), perplexity(nll[i:i + size]))
             for i in range(0, len(nll), size)]
 
 
@@ -395,23 +438,61 @@ def _oracles(runs: list[Streamed]) -> tuple[Oracle, ...]:
     return tuple(s.oracle for s in runs)
 
 
-def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int],
-            workers: int) -> list[list[Streamed]]:
-    """Run ``jobs`` (over the text ``ids``) with a progress bar each: here (``workers`` = 1)
-    or in that many single-thread processes (each loads the model once). Oracle jobs start
-    once the full cache that records their oracles is done."""
+def _worker_ids(cfg: QualityConfig) -> list[int]:
+    """A Ray worker's copy of the text's tokens (``grid.WORKER["grid"]``)."""
+    return grid.WORKER["policy"].encode(read_text(cfg.text))
+
+
+def _ray_job(item: tuple[Job, tuple[Oracle, ...] | None]) -> list[Streamed]:
+    w = grid.WORKER
+    return item[0].run(w["model"], w["policy"], w["grid"], None, item[1])
+
+
+def _on_ray(cfg: QualityConfig, jobs: list[Job], pool: Pool, ticks: list,
+            finished) -> list[list[Streamed]]:
+    """``execute`` on the Ray cluster of ``pool``: the oracle jobs after the rest."""
+    results: list = [None] * len(jobs)
+
+    def done(i: int, runs: list[Streamed]) -> None:
+        results[i] = runs
+        finished(i, runs)
+        for _ in range(jobs[i].steps * len(jobs[i].starts)):
+            ticks[i]()
+
+    first = [i for i, j in enumerate(jobs) if j.kind != "oracle"]
+    grid.on_ray(pool.ray, pool.jobs, [(i, (jobs[i], None)) for i in first], _ray_job, cfg,
+                _worker_ids, done)
+    if len(first) < len(jobs):
+        oracles = _oracles(next(results[i] for i in first if jobs[i].record))
+        grid.on_ray(pool.ray, pool.jobs, [(i, (j, oracles)) for i, j in enumerate(jobs)
+                                          if j.kind == "oracle"], _ray_job, cfg,
+                    _worker_ids, done)
+    return results
+
+
+def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool,
+            finished=None) -> list[list[Streamed]]:
+    """Run ``jobs`` (over the text ``ids``) with a progress bar each: here (``pool.jobs``
+    = 1), in that many single-thread processes (each loads the model once) or on the Ray
+    cluster of ``pool``. Oracle jobs start once the full cache that records their oracles
+    is done. ``finished(i, runs)``: job ``i``'s runs, as it finishes."""
     first = [i for i, j in enumerate(jobs) if j.kind != "oracle"]
     later = [i for i, j in enumerate(jobs) if j.kind == "oracle"]
     (rec,) = [i for i in first if jobs[i].record] if later else [None]
     results: list = [None] * len(jobs)
+    finished = finished or (lambda i, runs: None)
+    workers = pool.workers(len(jobs))
     with common.progress() as task:
         ticks = [task(j.label, j.steps * len(j.starts)) for j in jobs]
+        if pool.ray is not None:
+            return _on_ray(cfg, jobs, pool, ticks, finished)
         if workers == 1:
             model = load_model(cfg.model, cfg.dtype, cfg.device)
             policy = TokenPolicy(model.tokenizer)
             for i in first + later:
                 results[i] = jobs[i].run(model, policy, ids, ticks[i],
                                          _oracles(results[rec]) if i in later else None)
+                finished(i, results[i])
             return results
         import multiprocessing as mp
         import queue as queue_mod
@@ -422,9 +503,13 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int],
         with ProcessPoolExecutor(workers, ctx, _init_worker,
                                  (cfg.model, cfg.dtype, cfg.device, ids, q)) as pool:
             futures = {i: pool.submit(_run_job, i, jobs[i]) for i in first}
-            while len(futures) < len(jobs) or not all(f.done() for f in futures.values()):
-                if len(futures) < len(jobs) and futures[rec].done():
-                    oracles = _oracles(futures[rec].result())
+            while any(r is None for r in results):
+                for i, f in futures.items():
+                    if results[i] is None and f.done():
+                        results[i] = f.result()  # a worker's error now, not at the end
+                        finished(i, results[i])
+                if len(futures) < len(jobs) and results[rec] is not None:
+                    oracles = _oracles(results[rec])
                     futures.update({i: pool.submit(_run_job, i, jobs[i], oracles) for i in later})
                 try:
                     i, n = q.get(timeout=0.2)
@@ -432,58 +517,178 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int],
                     continue
                 for _ in range(n):
                     ticks[i]()
-            return [futures[i].result() for i in range(len(jobs))]
+            return results
 
 
-def _totals(ts) -> Totals:
-    """The sum of several tallies."""
-    ts = list(ts)
-    return Totals(**{f.name: sum(getattr(t, f.name) for t in ts)
-                     for f in dataclasses.fields(Totals)})
+def measure(cfg: QualityConfig, jobs: list[Job], ids: list[int],
+            pool: Pool = Pool()) -> list[Measured]:
+    """Each job's measurement: the ``journal``'s where it holds it, else measured (longest
+    first: they pack best into the workers) and added to it as it finishes. While an
+    oracle job is left, the full cache that records the oracles is measured again (the
+    journal does not keep its recordings)."""
+    journal = pool.journal
+    done = dict(journal.done) if journal is not None else {}
+    if any(j.kind == "oracle" and i not in done for i, j in enumerate(jobs)):
+        done = {i: m for i, m in done.items() if not jobs[i].record}
+    cost = [j.steps * len(j.starts) * (2 if j.cache.repair_name == "merge" else 1) for j in jobs]
+    order = sorted((i for i in range(len(jobs)) if i not in done), key=lambda i: -cost[i])
+
+    def finished(k: int, runs: list[Streamed]) -> None:
+        done[order[k]] = Measured.of(runs)
+        if journal is not None:
+            journal.add(order[k], done[order[k]])
+
+    if order:
+        execute(cfg, [jobs[i] for i in order], ids, pool, finished)
+    return [done[i] for i in range(len(jobs))]
 
 
-def _row(job: Job, runs: list[Streamed]) -> dict:
-    """A cell's results: perplexity over every window's scored tokens, each window's own
-    (``by_window``: its first streamed and first scored token, its perplexity, what its
-    warm-up removed), and the counts over the scored steps."""
-    nll, t, c = [x for s in runs for x in s.nll], _totals(s.totals for s in runs), job.cache
+@dataclass(frozen=True)
+class Tally:
+    """A run's perplexity over its scored tokens and its counts over the scored steps."""
+
+    policy: str
+    repair: str
+    budget: int | None
+    recall: bool
+    positions: str
+    ppl: float
+    scored: int
+    stop_reason: str
+    culled: int
+    merged: int
+    folded: int
+    reindexed: int
+    recalled: int
+    ms_per_token: float
+
+
+@dataclass(frozen=True)
+class Window:
+    """One grid window of a run: its first streamed and first scored token, its perplexity
+    and what its warm-up removed."""
+
+    start: int
+    first_scored: int
+    scored: int
+    ppl: float
+    warm_removed: int
+
+
+@dataclass(frozen=True)
+class Run(Tally):
+    """A grid cell (the full cache, a policy x budget x repair, recall, the oracle): its
+    perplexity over every window's scored tokens, and each window's own."""
+
+    by_window: tuple[Window, ...]
+
+
+@dataclass(frozen=True)
+class LongRun(Tally):
+    """A run of the long part, with its perplexity per ``long_window`` scored tokens."""
+
+    windows: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class Control(Run):
+    """The control run against the compact long run over the same tokens past the
+    positions: it starts at the slice's token ``start``; ``tokens``: the tokens past the
+    positions (from the slice's start, end exclusive), ``positions_scored``: its scored
+    tokens that they are; their perplexity in the control (``ppl_past``) and in the
+    compact long run (``ppl_compact``)."""
+
+    start: int
+    tokens: tuple[int, int]
+    positions_scored: tuple[int, int]
+    ppl_past: float
+    ppl_compact: float
+
+
+@dataclass(frozen=True)
+class Text:
+    """The text measured: its source, size and hash, the slice and the grid windows' starts."""
+
+    source: str
+    about: str
+    chars: int
+    tokens: int
+    sha256: str
+    slice: str
+    offset: int
+    end: int
+    windows: tuple[int, ...]
+
+
+@dataclass(kw_only=True)
+class QualityResult(Result):
+    """A run: its config (fitted to the model's positions), the cache options every run
+    starts from (``base``), the unscored steps that open each grid window (``warmup``),
+    the text, the grid's runs (the full cache, the policies, the oracle) and the long
+    part's (none without ``long``)."""
+
+    config: QualityConfig
+    base: dict
+    warmup: int
+    dtype: str
+    max_positions: int
+    workers: int
+    ray: str | None = None
+    text: Text
+    reference: Run
+    runs: list[Run]
+    oracle: list[Run]
+    long_reference: LongRun | None = None
+    long: list[LongRun] = field(default_factory=list)
+    control: Control | None = None
+
+
+def _tally(job: Job, m: Measured) -> dict:
+    """A job's perplexity over every start's scored tokens, and its counts over the scored
+    steps."""
+    nll, t, c = [x for n in m.nll for x in n], m.totals, job.cache
     return {"policy": c.scorer.name, "repair": c.repair_name, "budget": c.budget,
-            "recall": c.recall is not None, "positions": c.positions.mode, "ppl": perplexity(nll), "scored": len(nll),
-            "stop_reason": ", ".join(sorted({s.stop_reason for s in runs})),
-            "culled": t.culled, "merged": t.merged, "folded": t.folded,
-            "reindexed": t.reindexed, "recalled": t.recalled, "ms_per_token": t.ms_per_token,
-            "by_window": [{"start": a, "first_scored": a + job.skip + 1, "scored": len(s.nll),
-                           "ppl": s.ppl, "warm_removed": s.warm.culled + s.warm.merged}
-                          for a, s in zip(job.starts, runs)]}
+            "recall": c.recall is not None, "positions": c.positions.mode,
+            "ppl": perplexity(nll), "scored": len(nll),
+            "stop_reason": ", ".join(sorted(set(m.stop_reason))), "culled": t.culled,
+            "merged": t.merged, "folded": t.folded, "reindexed": t.reindexed,
+            "recalled": t.recalled, "ms_per_token": t.ms_per_token}
 
 
-def _long_row(cfg: QualityConfig, job: Job, runs: list[Streamed]) -> dict:
-    """A long run's row: ``windows``, perplexity per ``long_window`` scored tokens."""
-    row = {k: v for k, v in _row(job, runs).items() if k != "by_window"}  # one stream
-    return {**row, "windows": windows(runs[0].nll, cfg.long_window)}
+def _run(job: Job, m: Measured, cls=Run, **more) -> Run:
+    """A grid cell's row (``cls``, with ``more`` of its fields)."""
+    return cls(**_tally(job, m), **more, by_window=tuple(
+        Window(a, a + job.skip + 1, len(n), perplexity(n), w)
+        for a, n, w in zip(job.starts, m.nll, m.warm_removed)))
 
 
-def _control(done: list, limit: int, offset: int) -> dict | None:
+def _long_row(cfg: QualityConfig, job: Job, m: Measured) -> LongRun:
+    """A long run's row (one stream)."""
+    return LongRun(**_tally(job, m), windows=tuple(windows(m.nll[0], cfg.long_window)))
+
+
+def _control(done: list[tuple[Job, Measured]], limit: int, offset: int) -> Control | None:
     """The control run against the compact long run over the same tokens past the positions
     (token numbers from the slice's start)."""
-    j, s = next(((j, runs[0]) for j, runs in done if j.kind == "control"), (None, None))
+    j, m = next(((j, m) for j, m in done if j.kind == "control"), (None, None))
     if j is None:
         return None
-    start = j.starts[0] - offset
-    compact = next(runs[0] for k, runs in done
+    start, nll = j.starts[0] - offset, m.nll[0]
+    compact = next(c.nll[0] for k, c in done
                    if k.kind == "long" and k.cache.positions.mode == "compact")
     # scored token i of a run from ``start`` is the slice's token start + 1 + i
-    lo, hi = limit - start, len(s.nll)
-    return {**_row(j, [s]), "start": start, "tokens": [limit + 1, start + hi + 1],
-            "positions_scored": [lo, hi], "ppl_past": perplexity(s.nll[lo:hi]),
-            "ppl_compact": perplexity(compact.nll[limit:start + hi])}
+    lo, hi = limit - start, len(nll)
+    return _run(j, m, Control, start=start, tokens=(limit + 1, start + hi + 1),
+                positions_scored=(lo, hi), ppl_past=perplexity(nll[lo:hi]),
+                ppl_compact=perplexity(compact[limit:start + hi]))
 
 
-def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
-    """Every measurement, as one JSON-ready dict."""
+def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
+    """Every measurement, the runs measured by ``pool`` (the jobs its journal holds kept,
+    not measured again)."""
     t0 = time.perf_counter()
     text = read_text(cfg.text)
-    info = common.machine()
+    machine = Machine.now()
     model = load_model(cfg.model, cfg.dtype, cfg.device)
     limit = model.spec.max_positions
     cfg = cfg.fitted(limit)
@@ -491,235 +696,227 @@ def run(cfg: QualityConfig, command: str, workers: int = 1) -> dict:
     del model
     room = slice_range(len(all_ids), cfg.slice, cfg.at)
     jobs = plan(cfg, limit, room)
-    res = {"benchmark": "quality", "command": command, "model": cfg.model, "dtype": cfg.dtype,
-           "quick": cfg.quick, "machine": info, "max_positions": limit, "workers": workers,
-           "config": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"},
-                      "warmup": cfg.warmup, "base": options.settings(dict(cfg.params))},
-           "text": {"source": cfg.text, "about": TEXTS.get(cfg.text, "a file"),
-                    "chars": len(text), "tokens": len(all_ids),
-                    "sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
-                    "slice": cfg.slice, "offset": room.start, "end": room.stop,
-                    "windows": list(jobs[0].starts)}}
-    # Longest first: they pack best into the workers.
-    cost = [j.steps * len(j.starts) * (2 if j.cache.repair_name == "merge" else 1) for j in jobs]
-    order = sorted(range(len(jobs)), key=lambda i: -cost[i])
-    out = execute(cfg, [jobs[i] for i in order], all_ids, min(workers, len(jobs)))
-    done = [(jobs[i], s) for i, s in sorted(zip(order, out), key=lambda x: x[0])]
-    rows = {kind: [_row(j, s) for j, s in done if j.kind == kind]
+    done = list(zip(jobs, measure(cfg, jobs, all_ids, pool)))
+    rows = {kind: [_run(j, m) for j, m in done if j.kind == kind]
             for kind in ("reference", "grid", "oracle")}
-    res["reference"], res["runs"], res["oracle"] = rows["reference"][0], rows["grid"], rows["oracle"]
-    res["long_reference"] = next((_long_row(cfg, j, s) for j, s in done
-                                  if j.kind == "long-reference"), None)
-    res["long"] = [_long_row(cfg, j, s) for j, s in done if j.kind == "long"]
-    res["control"] = _control(done, limit, room.start)
-    res["targets"] = targets(res)
-    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    res["elapsed_s"] = time.perf_counter() - t0
+    res = QualityResult(
+        benchmark="quality", command=command, model=cfg.model, quick=cfg.quick,
+        machine=machine, config=cfg, base=options.settings(dict(cfg.params)),
+        warmup=cfg.warmup, dtype=cfg.dtype, max_positions=limit,
+        workers=pool.workers(len(jobs)), ray=pool.ray,
+        text=Text(cfg.text, TEXTS.get(cfg.text, "a file"), len(text), len(all_ids),
+                  hashlib.sha256(text.encode()).hexdigest()[:16], cfg.slice, room.start,
+                  room.stop, jobs[0].starts),
+        reference=rows["reference"][0], runs=rows["grid"], oracle=rows["oracle"],
+        long_reference=next((_long_row(cfg, j, m) for j, m in done
+                             if j.kind == "long-reference"), None),
+        long=[_long_row(cfg, j, m) for j, m in done if j.kind == "long"],
+        control=_control(done, limit, room.start))
+    res.targets = targets(res)
+    res.machine = machine.ended()
+    res.elapsed_s = time.perf_counter() - t0
     return res
 
 
 # --- analysis -------------------------------------------------------------------------------
 
-def best(runs: list[dict], budget: int, policies) -> dict | None:
+def best(runs: list[Run], budget: int, policies) -> Run | None:
     """The lowest-perplexity drop-only run (no recall) at ``budget`` among ``policies`` (any
     repair setting)."""
-    rows = [r for r in runs if r["budget"] == budget and r["policy"] in policies
-            and not r.get("recall")]
-    return min(rows, key=lambda r: r["ppl"]) if rows else None
+    rows = [r for r in runs if r.budget == budget and r.policy in policies and not r.recall]
+    return min(rows, key=lambda r: r.ppl) if rows else None
 
 
-def with_recall(res: dict, budget: int) -> dict | None:
+def with_recall(res: QualityResult, budget: int) -> Run | None:
     """The grid's run of the default policy with recall at ``budget``, if any."""
-    return next((r for r in res["runs"] if r.get("recall") and r["budget"] == budget), None)
+    return next((r for r in res.runs if r.recall and r.budget == budget), None)
 
 
-def _label(r: dict) -> str:
-    return f"{r['policy']}{' with recall' if r.get('recall') else ''} ({r['repair']} repair)"
+def _label(r: Tally) -> str:
+    return f"{r.policy}{' with recall' if r.recall else ''} ({r.repair} repair)"
 
 
-def gap(res: dict, budget: int) -> tuple[dict, dict] | None:
+def gap(res: QualityResult, budget: int) -> tuple[Run, Run] | None:
     """(the best baseline run, the oracle run) at ``budget``, if the oracle beats it."""
-    base = best(res["runs"], budget, BASELINES)
-    oracle = next((r for r in res.get("oracle", ()) if r["budget"] == budget), None)
-    return (base, oracle) if base and oracle and oracle["ppl"] < base["ppl"] else None
+    base = best(res.runs, budget, BASELINES)
+    oracle = next((r for r in res.oracle if r.budget == budget), None)
+    return (base, oracle) if base and oracle and oracle.ppl < base.ppl else None
 
 
-def gap_closed(res: dict, run: dict) -> float | None:
+def gap_closed(res: QualityResult, run: Run) -> float | None:
     """The fraction of the gap between the best baseline and the oracle at the run's budget
     that the run closes: (ppl(best baseline) - ppl(run)) / (ppl(best baseline) - ppl(oracle));
     0 = no better than the best baseline, 1 = as good as the oracle. None without a gap."""
-    g = gap(res, run["budget"])
-    return None if g is None else (g[0]["ppl"] - run["ppl"]) / (g[0]["ppl"] - g[1]["ppl"])
+    g = gap(res, run.budget)
+    return None if g is None else (g[0].ppl - run.ppl) / (g[0].ppl - g[1].ppl)
 
 
-def long_flatness(res: dict) -> dict | None:
+def long_flatness(res: QualityResult) -> dict | None:
     """Compact long run: perplexity of the window ending at half the positions vs the worst
     window wholly past the positions (different text: the control run compares the same)."""
-    compact = next((r for r in res["long"] if r["positions"] == "compact"), None)
+    compact = next((r for r in res.long if r.positions == "compact"), None)
     if compact is None:
         return None
-    half, limit = res["max_positions"] // 2, res["max_positions"]
+    half, limit = res.max_positions // 2, res.max_positions
     # Window i scores the tokens at steps start+1..end, which run at positions start..end-1.
-    at_half = next((w for w in compact["windows"] if w["start"] < half <= w["end"]), None)
-    past = [w for w in compact["windows"] if w["start"] >= limit]
+    at_half = next((w for w in compact.windows if w.start < half <= w.end), None)
+    past = [w for w in compact.windows if w.start >= limit]
     if at_half is None or not past:
         return None
-    worst = max(past, key=lambda w: w["ppl"])
-    return {"half": half, "limit": limit, "ppl_half": at_half["ppl"], "window_half": at_half,
-            "ppl_past": worst["ppl"], "window_past": worst,
-            "ratio": worst["ppl"] / at_half["ppl"]}
+    worst = max(past, key=lambda w: w.ppl)
+    return {"half": half, "limit": limit, "ppl_half": at_half.ppl, "window_half": at_half,
+            "ppl_past": worst.ppl, "window_past": worst, "ratio": worst.ppl / at_half.ppl}
 
 
-def _target(what: str, value: float | None, target: float | None, at_most: bool = True) -> dict:
+def _target(what: str, value: float | None, target: float | None,
+            at_most: bool = True) -> Target:
     """A target row; ``met`` is None without a value or a target."""
     met = None if value is None or target is None else (
         value <= target if at_most else value >= target)
-    return {"what": what, "value": value, "met": met,
-            "target": "–" if target is None else f"{'<=' if at_most else '>='} {target:.2f}"}
+    return Target(what, value, "–" if target is None
+                  else f"{'<=' if at_most else '>='} {target:.2f}", met)
 
 
-def _grid_targets(res: dict) -> list[dict]:
+def _grid_targets(res: QualityResult) -> list[Target]:
     """Per budget: brightness (drop-only, its best repair) / the best baseline; the default
     policy with recall / the best baseline; the share of the baseline -> oracle gap the
     default policy with recall closes; the oracle / the best baseline."""
     out = []
-    for b in res["config"]["budgets"]:
-        base, rec = best(res["runs"], b, BASELINES), with_recall(res, b)
-        ours = best(res["runs"], b, ("brightness",))
+    for b in res.config.budgets:
+        base, rec = best(res.runs, b, BASELINES), with_recall(res, b)
+        ours = best(res.runs, b, ("brightness",))
         if not base:
             continue
-        vs = f"the best baseline, {_label(base)[:-1]}, {base['ppl']:.3f})"
+        vs = f"the best baseline, {_label(base)[:-1]}, {base.ppl:.3f})"
         if ours:
-            out.append(_target(f"budget {b}: brightness ({ours['repair']} repair, "
-                               f"{ours['ppl']:.3f}) / {vs}", ours["ppl"] / base["ppl"], 1.0))
+            out.append(_target(f"budget {b}: brightness ({ours.repair} repair, "
+                               f"{ours.ppl:.3f}) / {vs}", ours.ppl / base.ppl, 1.0))
         if rec:
-            out.append(_target(f"budget {b}: {_label(rec)[:-1]}, {rec['ppl']:.3f}) / {vs}",
-                               rec["ppl"] / base["ppl"],
+            out.append(_target(f"budget {b}: {_label(rec)[:-1]}, {rec.ppl:.3f}) / {vs}",
+                               rec.ppl / base.ppl,
                                GRID_RECALL_TARGET if b in GRID_RECALL_BUDGETS else None))
             out.append(_gap_target(res, rec))
-        oracle = next((r for r in res.get("oracle", ()) if r["budget"] == b), None)
+        oracle = next((r for r in res.oracle if r.budget == b), None)
         if oracle:  # the yardstick of the rows above (no strict bound), with no target
-            out.append(_target(f"budget {b}: the hindsight oracle ({oracle['ppl']:.3f}) / {vs}",
-                               oracle["ppl"] / base["ppl"], None))
+            out.append(_target(f"budget {b}: the hindsight oracle ({oracle.ppl:.3f}) / {vs}",
+                               oracle.ppl / base.ppl, None))
     return out
 
 
-def _gap_target(res: dict, run: dict) -> dict:
-    b, g = run["budget"], gap(res, run["budget"])
-    what = f"budget {b}: {_label(run)[:-1]}, {run['ppl']:.3f}) closes this fraction of the gap "
+def _gap_target(res: QualityResult, run: Run) -> Target:
+    b, g = run.budget, gap(res, run.budget)
+    what = f"budget {b}: {_label(run)[:-1]}, {run.ppl:.3f}) closes this fraction of the gap "
     if g is None:
         return _target(what + "between the best baseline and the oracle: the oracle does not "
                        "beat the best baseline, no gap", None, GAP_TARGET, at_most=False)
-    return _target(what + f"between the best baseline, {_label(g[0])[:-1]}, {g[0]['ppl']:.3f}) "
-                   f"and the oracle ({g[1]['ppl']:.3f})", gap_closed(res, run), GAP_TARGET,
+    return _target(what + f"between the best baseline, {_label(g[0])[:-1]}, {g[0].ppl:.3f}) "
+                   f"and the oracle ({g[1].ppl:.3f})", gap_closed(res, run), GAP_TARGET,
                    at_most=False)
 
 
-def _full_target(res: dict) -> list[dict]:
-    ours, ref = best(res["runs"], FULL_TARGET_BUDGET, ("brightness",)), res["reference"]
+def _full_target(res: QualityResult) -> list[Target]:
+    ours, ref = best(res.runs, FULL_TARGET_BUDGET, ("brightness",)), res.reference
     if not ours:
         return []
-    return [_target(f"budget {FULL_TARGET_BUDGET}: brightness ({ours['repair']} repair, "
-                    f"{ours['ppl']:.3f}) / the full cache ({ref['ppl']:.3f}), {ours['scored']} "
-                    f"tokens in {len(ours['by_window'])} window(s), each after "
-                    f"{res['config']['warmup']} unscored", ours["ppl"] / ref["ppl"], FULL_TARGET)]
+    return [_target(f"budget {FULL_TARGET_BUDGET}: brightness ({ours.repair} repair, "
+                    f"{ours.ppl:.3f}) / the full cache ({ref.ppl:.3f}), {ours.scored} "
+                    f"tokens in {len(ours.by_window)} window(s), each after "
+                    f"{res.warmup} unscored", ours.ppl / ref.ppl, FULL_TARGET)]
 
 
-def _long_targets(res: dict) -> list[dict]:
+def _long_targets(res: QualityResult) -> list[Target]:
     """The long run over the positions (``keep``): brightness / the best long baseline and /
     the full cache; with recall / the full cache."""
-    out, ref = [], res.get("long_reference")
+    out, ref = [], res.long_reference
     if not ref:
         return out
-    keep = {r["policy"]: r for r in res["long"]
-            if r["positions"] == "keep" and not r["recall"] and r["scored"] == ref["scored"]}
+    keep = {r.policy: r for r in res.long
+            if r.positions == "keep" and not r.recall and r.scored == ref.scored}
     lead, rest = keep.get("brightness"), [r for p, r in keep.items() if p != "brightness"]
-    first = f"budget {res['config']['long_budget']}, the first {ref['scored']} tokens: "
+    first = f"budget {res.config.long_budget}, the first {ref.scored} tokens: "
     if lead and rest:
-        base = min(rest, key=lambda r: r["ppl"])
-        out.append(_target(first + f"brightness ({lead['ppl']:.3f}) / the best long baseline, "
-                           f"{base['policy']} ({base['ppl']:.3f})", lead["ppl"] / base["ppl"], 1.0))
-    if lead and lead["budget"] == FULL_TARGET_BUDGET:
-        out.append(_target(first + f"brightness ({lead['ppl']:.3f}) / the full cache "
-                           f"({ref['ppl']:.3f})", lead["ppl"] / ref["ppl"], FULL_TARGET))
-    for r in res["long"]:
-        if r["recall"] and r["scored"] == ref["scored"]:
-            out.append(_target(first + f"{r['policy']} with recall ({r['ppl']:.3f}, "
-                               f"{r['recalled']} recalled) / the full cache ({ref['ppl']:.3f})",
-                               r["ppl"] / ref["ppl"], RECALL_TARGET))
+        base = min(rest, key=lambda r: r.ppl)
+        out.append(_target(first + f"brightness ({lead.ppl:.3f}) / the best long baseline, "
+                           f"{base.policy} ({base.ppl:.3f})", lead.ppl / base.ppl, 1.0))
+    if lead and lead.budget == FULL_TARGET_BUDGET:
+        out.append(_target(first + f"brightness ({lead.ppl:.3f}) / the full cache "
+                           f"({ref.ppl:.3f})", lead.ppl / ref.ppl, FULL_TARGET))
+    for r in res.long:
+        if r.recall and r.scored == ref.scored:
+            out.append(_target(first + f"{r.policy} with recall ({r.ppl:.3f}, "
+                               f"{r.recalled} recalled) / the full cache ({ref.ppl:.3f})",
+                               r.ppl / ref.ppl, RECALL_TARGET))
     return out
 
 
-def _position_targets(res: dict) -> list[dict]:
+def _position_targets(res: QualityResult) -> list[Target]:
     """Compact positions: past the limit vs half of it, and vs the control run."""
-    out, flat, c = [], long_flatness(res), res.get("control")
+    out, flat, c = [], long_flatness(res), res.control
     if flat:
         out.append(_target(f"compact positions: the worst window past {flat['limit']} "
                            f"({flat['ppl_past']:.3f}) / the window at {flat['half']} "
                            f"({flat['ppl_half']:.3f}), different text", flat["ratio"],
                            FLAT_TARGET))
     if c:
-        a, z = c["tokens"]
+        a, z = c.tokens
         out.append(_target(f"compact positions: tokens {a}-{z - 1}, past the positions "
-                           f"({c['ppl_compact']:.3f}) / the same tokens at positions "
-                           f"{c['positions_scored'][0]}-{c['positions_scored'][1] - 1} "
-                           f"(control run from token {c['start']}, {c['ppl_past']:.3f})",
-                           c["ppl_compact"] / c["ppl_past"], FLAT_TARGET))
+                           f"({c.ppl_compact:.3f}) / the same tokens at positions "
+                           f"{c.positions_scored[0]}-{c.positions_scored[1] - 1} "
+                           f"(control run from token {c.start}, {c.ppl_past:.3f})",
+                           c.ppl_compact / c.ppl_past, FLAT_TARGET))
     return out
 
 
-def targets(res: dict) -> list[dict]:
-    """Every target row: what, value, target, met (None: no value or no target)."""
+def targets(res: QualityResult) -> list[Target]:
+    """Every target (``met`` None: no value or no target)."""
     return _grid_targets(res) + _full_target(res) + _long_targets(res) + _position_targets(res)
 
 
 # --- output ---------------------------------------------------------------------------------
 
-def _name(r: dict) -> str:
+def _name(r: Tally) -> str:
     """``brightness``, ``brightness with recall``: a run's policy as the tables name it."""
-    return r["policy"] + (" with recall" if r.get("recall") else "")
+    return r.policy + (" with recall" if r.recall else "")
 
 
-def grid_lines(res: dict) -> list[tuple[str, str, list[dict | None]]]:
+def grid_lines(res: QualityResult) -> list[tuple[str, str, list[Run | None]]]:
     """The grid's lines: (policy, repair, its run at each budget or None), every scorer x
     repair, then the default policy with recall."""
-    cells = {(_name(r), r["repair"], r["budget"]): r for r in res["runs"]}
-    keys = [(p, rep) for p in res["config"]["policies"] for rep in res["config"]["repairs"]]
-    keys += sorted({(_name(r), r["repair"]) for r in res["runs"] if r.get("recall")})
-    return [(p, rep, [cells.get((p, rep, b)) for b in res["config"]["budgets"]])
-            for p, rep in keys]
+    cells = {(_name(r), r.repair, r.budget): r for r in res.runs}
+    keys = [(p, rep) for p in res.config.policies for rep in res.config.repairs]
+    keys += sorted({(_name(r), r.repair) for r in res.runs if r.recall})
+    return [(p, rep, [cells.get((p, rep, b)) for b in res.config.budgets]) for p, rep in keys]
 
 
-def _grid_facts(res: dict) -> str:
-    c = res["config"]
-    return (f"{len(res['text']['windows'])} window(s) x {c['tokens']} scored tokens, each "
-            f"after {c['warmup']} unscored")
+def _grid_facts(res: QualityResult) -> str:
+    return (f"{len(res.text.windows)} window(s) x {res.config.tokens} scored tokens, each "
+            f"after {res.warmup} unscored")
 
 
-def _ppl_table(res: dict) -> Table:
-    ref = res["reference"]["ppl"]
-    cell = lambda r: f"{r['ppl']:.3f} ({r['ppl'] / ref:.3f}x)" if r else "–"  # noqa: E731
-    oracle = {r["budget"]: r for r in res["oracle"]}
+def _ppl_table(res: QualityResult) -> Table:
+    ref = res.reference.ppl
+    cell = lambda r: f"{r.ppl:.3f} ({r.ppl / ref:.3f}x)" if r else "–"  # noqa: E731
+    oracle = {r.budget: r for r in res.oracle}
     rows = [(p, rep, *map(cell, rs)) for p, rep, rs in grid_lines(res)]
     rows.append(("oracle (hindsight)", "none", *(cell(oracle.get(b))
-                                                 for b in res["config"]["budgets"])))
+                                                 for b in res.config.budgets)))
     return Table(
         f"Streaming perplexity by budget ({_grid_facts(res)}; x = / full cache)",
-        ("policy", "repair", *(f"budget {b}" for b in res["config"]["budgets"])), tuple(rows),
+        ("policy", "repair", *(f"budget {b}" for b in res.config.budgets)), tuple(rows),
         f"Full cache (no budget): {ref:.3f}. Lower is better. The oracle culls the token the "
         "full-cache run's later queries attend to least (it knows the future: a reference "
         "point, not a policy, and no strict bound: a culled cache is attended differently).")
 
 
-def _gap_table(res: dict) -> Table:
-    budgets = res["config"]["budgets"]
-    bases = [best(res["runs"], b, BASELINES) for b in budgets]
-    oracle = {r["budget"]: r["ppl"] for r in res["oracle"]}
-    ran = ", ".join(p for p in res["config"]["policies"] if p in BASELINES) or "none run"
+def _gap_table(res: QualityResult) -> Table:
+    budgets = res.config.budgets
+    bases = [best(res.runs, b, BASELINES) for b in budgets]
+    oracle = {r.budget: r.ppl for r in res.oracle}
+    ran = ", ".join(p for p in res.config.policies if p in BASELINES) or "none run"
     return Table(
         "Gap closed: (best baseline - policy) / (best baseline - oracle), by budget",
         ("policy", "repair", *(f"budget {b}" for b in budgets)),
-        (("best baseline", "", *(f"{_label(r)} {r['ppl']:.3f}" if r else "–" for r in bases)),
+        (("best baseline", "", *(f"{_label(r)} {r.ppl:.3f}" if r else "–" for r in bases)),
          ("oracle (hindsight)", "none", *(fmt(oracle.get(b), 3) for b in budgets)),
          *((p, rep, *(fmt(None if r is None else gap_closed(res, r), 2) for r in rs))
            for p, rep, rs in grid_lines(res))),
@@ -728,99 +925,91 @@ def _gap_table(res: dict) -> Table:
         "best baseline there.")
 
 
-def _target_table(res: dict) -> Table:
-    return Table(
-        "Targets (reported, not asserted)", ("what", "value", "target", "met"),
-        tuple((t["what"], fmt(t["value"], 4), t["target"],
-               "–" if t["met"] is None else "yes" if t["met"] else "NO")
-              for t in res["targets"]))
-
-
-def _cost_table(res: dict) -> Table:
+def _cost_table(res: QualityResult) -> Table:
     return Table(
         "Per run: ms per token (whole loop step), culls (and how many folded), merges, "
         "recalls, over the scored steps",
         ("policy", "repair", "budget", "ms/token", "culled", "folded", "merged", "recalled",
          "stop"),
-        tuple((_name(r), r["repair"], str(r["budget"]), fmt(r["ms_per_token"], 1),
-               str(r["culled"]), str(r["folded"]), str(r["merged"]), str(r["recalled"]),
-               r["stop_reason"]) for r in [res["reference"], *res["runs"], *res["oracle"]]))
+        tuple((_name(r), r.repair, str(r.budget), fmt(r.ms_per_token, 1), str(r.culled),
+               str(r.folded), str(r.merged), str(r.recalled), r.stop_reason)
+              for r in [res.reference, *res.runs, *res.oracle]))
 
 
-def _long_table(res: dict) -> Table:
-    ref = res["long_reference"]
-    ws = {_long_label(r): {w["end"]: w["ppl"] for w in r["windows"]} for r in res["long"]}
-    ws["full cache"] = {w["end"]: w["ppl"] for w in ref["windows"]}
+def _long_table(res: QualityResult) -> Table:
+    ref = res.long_reference
+    ws = {_long_label(r): {w.end: w.ppl for w in r.windows} for r in res.long}
+    ws["full cache"] = {w.end: w.ppl for w in ref.windows}
     ends = sorted(set().union(*ws.values()))
-    first = res["long"][0]
+    first = res.long[0]
     return Table(
-        f"Long run: perplexity per window of {res['config']['long_window']} tokens "
-        f"(budget {first['budget']}, {first['repair']} repair)",
+        f"Long run: perplexity per window of {res.config.long_window} tokens "
+        f"(budget {first.budget}, {first.repair} repair)",
         ("tokens up to", *ws), tuple((str(e), *(fmt(ws[p].get(e), 3) for p in ws))
                                      for e in ends)
-        + (("all", *(fmt(r["ppl"], 3) for r in [*res["long"], ref])),),
-        " ".join(f"{_long_label(r)}: {r['scored']} tokens scored, stopped by "
-                 f"{r['stop_reason']}, {r['reindexed']} re-index(es)"
-                 + (f", {r['recalled']} recalled" if r["recall"] else "") + "."
-                 for r in res["long"])
-        + f" The model has {res['max_positions']} positions: `keep` and the full cache "
+        + (("all", *(fmt(r.ppl, 3) for r in [*res.long, ref])),),
+        " ".join(f"{_long_label(r)}: {r.scored} tokens scored, stopped by "
+                 f"{r.stop_reason}, {r.reindexed} re-index(es)"
+                 + (f", {r.recalled} recalled" if r.recall else "") + "."
+                 for r in res.long)
+        + f" The model has {res.max_positions} positions: `keep` and the full cache "
           "stop there. No oracle here: it needs a full-cache pass, which cannot go past "
           "the positions.")
 
 
-def tables(res: dict) -> list[Table]:
-    out = [_target_table(res), _ppl_table(res)]
-    out += [_gap_table(res)] if res["oracle"] else []
-    out += [_long_table(res)] if res["long"] else []
+def tables(res: QualityResult) -> list[Table]:
+    out = [target_table(res.targets, 4), _ppl_table(res)]
+    out += [_gap_table(res)] if res.oracle else []
+    out += [_long_table(res)] if res.long else []
     return out + [_cost_table(res)]
 
 
-def plots(res: dict, out: Path) -> list[str]:
+def plots(res: QualityResult, out: Path) -> list[str]:
     """PNG plots into ``out``; returns their file names."""
     series = {}
-    budgets = res["config"]["budgets"]
-    colour = {p: f"C{i}" for i, p in enumerate(res["config"]["policies"])}
+    budgets = res.config.budgets
+    colour = {p: f"C{i}" for i, p in enumerate(res.config.policies)}
     for p, rep, rs in grid_lines(res):  # colour: policy; line: repair (dotted: recall)
         rs = [r for r in rs if r]
         if rs:
             series[f"{p}{'' if rep == 'none' else ' + ' + rep}"] = (
-                [r["budget"] for r in rs], [r["ppl"] for r in rs],
-                {"color": colour[rs[0]["policy"]], "linestyle": (0, (1, 1)) if rs[0]["recall"]
+                [r.budget for r in rs], [r.ppl for r in rs],
+                {"color": colour[rs[0].policy], "linestyle": (0, (1, 1)) if rs[0].recall
                  else {"none": "-", "merge": "--"}.get(rep, "-.")})
-    ref = res["reference"]["ppl"]
-    oracle = res["oracle"]
-    if oracle:
-        series["oracle (hindsight)"] = ([r["budget"] for r in oracle], [r["ppl"] for r in oracle],
+    if res.oracle:
+        series["oracle (hindsight)"] = ([r.budget for r in res.oracle],
+                                        [r.ppl for r in res.oracle],
                                         {"linestyle": "-", "color": "black"})
-    series["full cache"] = (budgets, [ref] * len(budgets), {"linestyle": ":", "color": "gray"})
+    series["full cache"] = (budgets, [res.reference.ppl] * len(budgets),
+                            {"linestyle": ":", "color": "gray"})
     common.line_plot(out / "ppl_vs_budget.png",
-                     f"Streaming perplexity vs budget, {res['model']} {res['dtype']}, "
-                     f"text {res['text']['source']}", "budget (live cache slots)", "perplexity",
+                     f"Streaming perplexity vs budget, {res.model} {res.dtype}, "
+                     f"text {res.text.source}", "budget (live cache slots)", "perplexity",
                      series)
     images = ["ppl_vs_budget.png"]
-    if res["long"]:
+    if res.long:
         _long_plot(res, out / "ppl_long.png")
         images.append("ppl_long.png")
     return images
 
 
-def _long_plot(res: dict, path: Path) -> None:
+def _long_plot(res: QualityResult, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 5.2), dpi=110)
-    for r in res["long"]:
-        ax.step([w["end"] for w in r["windows"]], [w["ppl"] for w in r["windows"]], where="pre",
-                label=f"{r['policy']} budget {r['budget']}, positions {r['positions']}"
-                + (", recall" if r["recall"] else ""),
-                linestyle="-" if r["positions"] == "compact" else "--")
-    ref = res["long_reference"]
-    ax.step([w["end"] for w in ref["windows"]], [w["ppl"] for w in ref["windows"]], where="pre",
+    for r in res.long:
+        ax.step([w.end for w in r.windows], [w.ppl for w in r.windows], where="pre",
+                label=f"{r.policy} budget {r.budget}, positions {r.positions}"
+                + (", recall" if r.recall else ""),
+                linestyle="-" if r.positions == "compact" else "--")
+    ref = res.long_reference
+    ax.step([w.end for w in ref.windows], [w.ppl for w in ref.windows], where="pre",
             label="full cache", linestyle=":", color="gray")
-    ax.axvline(res["max_positions"], color="red", alpha=0.5, label="the model's positions")
-    ax.set_title(f"Perplexity per {res['config']['long_window']}-token window, {res['model']}")
+    ax.axvline(res.max_positions, color="red", alpha=0.5, label="the model's positions")
+    ax.set_title(f"Perplexity per {res.config.long_window}-token window, {res.model}")
     ax.set_xlabel("tokens streamed")
     ax.set_ylabel("perplexity")
     ax.grid(True, alpha=0.3)
@@ -830,33 +1019,32 @@ def _long_plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def missed_notes(res: dict) -> list[str]:
-    return [f"- **Missed: {t['what']}**: {t['value']:.4f}, target {t['target']}."
-            for t in res["targets"] if t["met"] is False]
+def missed_notes(res: QualityResult) -> list[str]:
+    return [f"- **Missed: {t.what}**: {t.value:.4f}, target {t.target}."
+            for t in res.targets if t.met is False]
 
 
-def _long_label(r: dict) -> str:
+def _long_label(r: LongRun) -> str:
     """``brightness keep``, ``brightness keep recall``: a long run's column."""
-    return f"{r['policy']} {r['positions']}" + (" recall" if r["recall"] else "")
+    return f"{r.policy} {r.positions}" + (" recall" if r.recall else "")
 
 
-def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
+def report_md(res: QualityResult, images: list[str], image_dir: str, level: int = 1) -> str:
     """The markdown report; ``level`` is the heading level of its title."""
-    h = "#" * level
-    m, t = res["machine"], res["text"]
-    sp, c = res["config"]["base"], res["config"]
-    what = [f"text `{t['source']}`"] * (t["source"] != DEFAULT_TEXT) + ["tune slice"] * (
-        t["slice"] == "tune")
+    h, t, sp, c = "#" * level, res.text, res.base, res.config
+    what = [f"text `{t.source}`"] * (t.source != DEFAULT_TEXT) + ["tune slice"] * (
+        t.slice == "tune")
     lines = [
         f"{h} Quality benchmark: streaming perplexity" + (f" ({', '.join(what)})" if what else ""),
         "",
-        common.regenerate(res),
+        res.regenerate(),
         "",
-        f"{common.model_facts(res)}; text `{t['source']}`: {t['about']} ({t['tokens']:,} "
-        f"tokens, sha256 {t['sha256']}…), slice `{t['slice']}`: tokens {t['offset']:,}-"
-        f"{t['end'] - 1:,}; grid windows from tokens {', '.join(f'{a:,}' for a in t['windows'])}, "
-        f"each {c['warmup']} unscored tokens then {c['tokens']} scored; "
-        f"{common.machine_facts(m)}. Protected from culls: {sp['sinks']} sinks, "
+        f"{model_facts(res.model, res.dtype, res.quick, res.max_positions)}; text "
+        f"`{t.source}`: {t.about} ({t.tokens:,} tokens, sha256 {t.sha256}…), slice "
+        f"`{t.slice}`: tokens {t.offset:,}-{t.end - 1:,}; grid windows from tokens "
+        f"{', '.join(f'{a:,}' for a in t.windows)}, each {res.warmup} unscored tokens then "
+        f"{c.tokens} scored; {res.machine.facts()}{grid.where('runs', res.workers, res.ray)}. "
+        f"Protected from culls: {sp['sinks']} sinks, "
         f"{sp['recent']} recent tokens. Brightness: decay {sp['decay']}, gain {sp['gain']}, "
         f"signal {sp['signal']}, aggregation {sp['aggregate']}, "
         f"skip layers {sp.get('skip_layers', 0.0)}, max {sp['max_brightness']}. Recall: the "
@@ -871,7 +1059,7 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
             lines += missed_notes(res) + [""] if missed_notes(res) else []
     lines += [f"{h}# Plots", ""]
     lines += [f"![{name}]({image_dir}/{name})" for name in images]
-    lines += ["", f"{h}# Method", "", METHOD + f"  This report is `{t['slice']}`.\n"]
+    lines += ["", f"{h}# Method", "", METHOD + f"  This report is `{t.slice}`.\n"]
     return "\n".join(lines) + "\n"
 
 

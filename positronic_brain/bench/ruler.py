@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,36 +37,15 @@ from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, require
 from ..types import option
-from . import common, flags, ruler_tasks
+from . import common, flags, grid, ruler_tasks
 from .common import Table, fmt
+from .grid import Pool
+from .result import Machine, Result, Target, model_facts, target_table
 
 PROTOCOLS = ("compress", "online", "chunked")
 DEFAULT_POLICY = CacheParams().scorer.name
 TARGETS = ((0.75, 0.90), (0.875, 0.75))  # (compression ratio, score / the full cache's)
 CEILING = 0.5  # the targets hold where the full cache scores at least this
-
-
-def _names(text: str, known, what: str) -> tuple[str, ...]:
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
-    bad = [n for n in names if n not in known]
-    require(names and not bad, f"--{what}: unknown {bad[:1] or 'empty list'}; expected some "
-            f"of {', '.join(known)}")
-    return names
-
-
-def _ratios(text: str) -> tuple[float, ...]:
-    try:
-        out = tuple(float(t) for t in text.split(","))
-    except ValueError:
-        out = ()
-    require(out and all(0 <= r < 1 for r in out),
-            f"--ratios takes comma-separated fractions in [0, 1), got {text!r}")
-    return out
-
-
-def _policies(text: str) -> tuple[str, ...]:
-    """``--policies``: scorers (``none``: the full cache only)."""
-    return tuple(p for p in flags.scorers(text) if p != "none")
 
 
 @dataclass(frozen=True)
@@ -83,25 +61,24 @@ class RulerConfig:
     tasks: tuple[str, ...] = option(
         ruler_tasks.SYNTHETIC, "comma-separated RULER tasks (qa_1 and qa_2 need --qa-file)",
         quick=("niah_single_1", "niah_multikey_1", "vt", "fwe"),
-        read=lambda t: _names(t, ruler_tasks.TASKS, "tasks"))
+        choices=tuple(ruler_tasks.TASKS))
     lengths: tuple[int, ...] = option((1024, 2048, 4096, 8192), "comma-separated input "
                                       "lengths in the model's tokens, answer included",
                                       quick=(1024,))
     samples: int = option(10, "samples per task and length", quick=2)
     policies: tuple[str, ...] = option(("brightness", "h2o", "tova", "streaming"),
                                        "comma-separated scorers (none: the full cache only)",
-                                       read=_policies)
+                                       read=flags.policies)
     ratios: tuple[float, ...] = option((0.5, 0.75, 0.875), "compression ratios: the "
                                        "fraction of the context's tokens removed",
-                                       quick=(0.75,), read=_ratios)
+                                       quick=(0.75,))
     protocols: tuple[str, ...] = option(
         ("compress", "online"), "comma-separated: compress, online, chunked",
-        quick=("compress",), read=lambda t: _names(t, PROTOCOLS, "protocols"))
+        quick=("compress",), choices=PROTOCOLS)
     chunk: int = option(128, "chunked: the context's tokens per extend")
     new_tokens: int | None = option(None, "the most new tokens of an answer (default: the "
                                     "task's own, as RULER's)")
-    recall: bool = option(False, "each cell also with recall (as run --recall): true or false",
-                          read=lambda t: options.parse(t, bool, "--recall"), metavar="BOOL")
+    recall: bool = option(False, "each cell also with recall (as run --recall)")
     params: tuple[tuple[str, Any], ...] = option(
         (), "cache parameters of every cell, e.g. sinks=4,recent=16", metavar="K=V,...",
         read=flags.cache_options, repeat="param")
@@ -122,6 +99,8 @@ class RulerConfig:
         require(self.new_tokens is None or self.new_tokens >= 1,
                 f"new tokens must be >= 1, got {self.new_tokens}")
         require(all(n >= 64 for n in self.lengths), f"lengths must be >= 64, got {self.lengths}")
+        require(all(0 <= r < 1 for r in self.ratios), "--ratios takes comma-separated fractions "
+                f"in [0, 1), got {','.join(map(str, self.ratios))}")
         bad = [p for p in self.policies if not culling(p)]
         require(not bad, f"unknown or non-culling policies {bad}; expected some of "
                 f"{', '.join(CULLING)} (or none: the full cache only)")
@@ -234,19 +213,20 @@ def cell_cache(cfg: RulerConfig, cell: Cell, prompt: Prompt) -> CacheParams:
 
 
 def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
-                prompt: Prompt, primed=None, tape=None) -> tuple[list[int], int, int, str]:
-    """One cell's answer to one sample: (answer ids, budget, tokens kept at the question,
-    why the answer stopped).
+                prompt: Prompt, cache: CacheParams, primed=None, tape=None,
+                scorer=None) -> tuple[list[int], int, int, str]:
+    """One cell's answer to one sample under its ``cache`` (``cell_cache``): (answer ids,
+    budget, tokens kept at the question, why the answer stopped).
     ``primed``: (the state primed with the whole context, its prompt statistics), which a
-    ``compress`` cell answers from (a deep copy)."""
-    cache = cell_cache(cfg, cell, prompt)
+    ``compress`` cell answers from (a deep copy); ``scorer``: ``cache``'s scorer, built
+    already (None: the session builds it)."""
     budget = cache.budget
     sampler = SamplerParams(greedy=True)
     room = len(prompt.ids) - prompt.n_context + prompt.new_tokens + 2
-    kw = {"tape": tape} if tape is not None else {}
+    kw = {"scorer": scorer, **({"tape": tape} if tape is not None else {})}
     if cell.protocol == "compress":
         if primed is not None and tape is None:
-            session = Session(model, policy, sampler, cache, state=copy.deepcopy(primed[0]))
+            session = Session(model, policy, sampler, cache, state=copy.deepcopy(primed[0]), **kw)
             if primed[1] is not None:
                 session.seed(primed[1])  # the cell's scorer columns, as its own prime's
         else:
@@ -262,27 +242,48 @@ def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
     return _answer(session, prompt), budget, kept, session.stop_reason
 
 
+@dataclass(frozen=True)
+class SampleRow:
+    """One sample's row: its facts, then per answer (the full cache's first, then each
+    cell's) the output, its score, the cell's budget and tokens kept at the question (None
+    for the full cache) and its seconds."""
+
+    task: str
+    length: int
+    index: int
+    n_tokens: int
+    n_context: int
+    depth: list[float]
+    answers: list[str]
+    outputs: list[str]
+    scores: list[float]
+    budgets: list[int | None]
+    kept: list[int | None]
+    seconds: list[float]
+
+
 def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
-               grid: list[Cell], tick=None) -> dict:
+               grid: list[Cell], tick=None) -> SampleRow:
     """One sample answered with the full cache and in every cell: its row (the sample's
     facts, each answer, its score, the cell's budget and kept tokens, seconds)."""
     prompt = Prompt.of(policy, sample, cfg.new_tokens)
     t0 = time.perf_counter()
     full = Session(model, policy, SamplerParams(greedy=True), cfg.cache("none", None, False))
-    caches = [cell_cache(cfg, c, prompt) for c in grid if c.protocol == "compress"]
-    seeded = [s for s, c in ((make_scorer(c), c) for c in caches)
-              if takes_prefill_scores(s, c, prompt.n_context)]
+    caches = [cell_cache(cfg, c, prompt) for c in grid]
+    scorers = [make_scorer(k) if c.protocol == "compress" else None for c, k in zip(grid, caches)]
+    seeded = [s for s, k in zip(scorers, caches)
+              if s is not None and takes_prefill_scores(s, k, prompt.n_context)]
     stats = full.prime(prompt.segment(0, prompt.n_context), len(prompt.ids) + prompt.new_tokens + 2,
                        stats=bool(seeded), total=any(reads_total(s) for s in seeded))
-    primed = (copy.deepcopy(full.state), stats) if caches else None
+    primed = (copy.deepcopy(full.state), stats) if any(s is not None for s in scorers) else None
     full.step(force=prompt.ids[prompt.n_context])
     answers, budgets, kept = [_answer(full, prompt)], [None], [None]
     seconds = [time.perf_counter() - t0]
     if tick:
         tick()
-    for cell in grid:
+    for cell, cache, scorer in zip(grid, caches, scorers):
         t1 = time.perf_counter()
-        ids, b, k, _ = answer_cell(model, policy, cell, cfg, prompt, primed)
+        ids, b, k, _ = answer_cell(model, policy, cell, cfg, prompt, cache, primed, scorer=scorer)
         answers.append(ids)
         budgets.append(b)
         kept.append(k)
@@ -292,28 +293,27 @@ def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
     texts = [policy.decode(a) for a in answers]
     scores = [ruler_tasks.score(sample.task, t, sample.answers) for t in texts]
     if cfg.capture_misses:
-        _capture_misses(model, policy, cfg, sample, prompt, grid, scores)
-    return {"task": sample.task, "length": sample.length, "index": sample.index,
-            "n_tokens": sample.n_tokens, "n_context": prompt.n_context,
-            "depth": list(sample.depth), "answers": list(sample.answers), "outputs": texts,
-            "scores": scores, "budgets": budgets, "kept": kept, "seconds": seconds}
+        _capture_misses(model, policy, cfg, sample, prompt, zip(grid, caches, scores[1:]))
+    return SampleRow(sample.task, sample.length, sample.index, sample.n_tokens, prompt.n_context,
+                     list(sample.depth), list(sample.answers), texts, scores, budgets, kept,
+                     seconds)
 
 
 def _capture_misses(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample, prompt: Prompt,
-                    grid: list[Cell], scores: list[float]) -> None:
-    """Each cell that scored below 1 answers again on a tape: a capture that replays, in
+                    cells_scored) -> None:
+    """Each cell (of ``cells_scored``: cell, its cache, its score) that scored below 1
+    answers again on a tape: a capture that replays, in
     ``capture_misses``/TASK-LENGTH-INDEX-PROTOCOL-METHOD-RATIO."""
-    for cell, s in zip(grid, scores[1:]):
+    for cell, cache, s in cells_scored:
         if s >= 1:
             continue
         name = (f"{sample.task}-{sample.length}-{sample.index}-{cell.protocol}-{cell.method}-"
                 f"{cell.ratio}").replace("/", "_").replace(":", "_")
-        cache = cell_cache(cfg, cell, prompt)
         tape = CaptureTape(Path(cfg.capture_misses) / name, manifest(
             model, SamplerParams(greedy=True), cache, prompt.ids, "bench ruler",
             {"sample": dataclasses.asdict(sample), "cell": dataclasses.asdict(cell)}))
         try:
-            stop = answer_cell(model, policy, cell, cfg, prompt, tape=tape)[3]
+            stop = answer_cell(model, policy, cell, cfg, prompt, cache, tape=tape)[3]
         except BaseException as e:
             tape.close(type(e).__name__, complete=False)
             raise
@@ -322,8 +322,8 @@ def _capture_misses(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
 
 # --- the grid -----------------------------------------------------------------------------
 
-def _run_sample(sample) -> dict:
-    w = common.WORKER
+def _run_sample(sample) -> SampleRow:
+    w = grid.WORKER
     return run_sample(w["model"], w["policy"], w["cfg"], sample, w["grid"])
 
 
@@ -334,14 +334,13 @@ def samples(cfg: RulerConfig, policy: TokenPolicy) -> list:
 
 
 def run_samples(cfg: RulerConfig, model: Model, policy: TokenPolicy, todo: list,
-                workers: int = 1) -> list[dict]:
-    """Every sample's row, in ``todo``'s order, here or in ``workers`` single-thread
-    processes (a row does not depend on where it ran)."""
-    grid = cells(cfg)
-    return common.grid_workers(
-        f"ruler: {len(todo)} samples x {1 + len(grid)} cells", todo, 1 + len(grid),
-        lambda s, tick: run_sample(model, policy, cfg, s, grid, tick), _run_sample, cfg, cells,
-        workers)
+                pool: Pool = Pool()) -> list[SampleRow]:
+    """Every sample's row, in ``todo``'s order, measured by ``pool`` (here, or in worker
+    processes that each load the model once); a row does not depend on where it ran."""
+    cs = cells(cfg)
+    return pool.rows(f"ruler: {len(todo)} samples x {1 + len(cs)} cells", todo, 1 + len(cs),
+                     lambda s, tick: run_sample(model, policy, cfg, s, cs, tick), _run_sample,
+                     cfg, cells)
 
 
 def write_data(cfg: RulerConfig, policy: TokenPolicy, todo: list) -> list[str]:
@@ -356,27 +355,67 @@ def write_data(cfg: RulerConfig, policy: TokenPolicy, todo: list) -> list[str]:
     return files
 
 
-def run(cfg: RulerConfig, command: str, workers: int = 1) -> dict:
-    """Every measurement, as one JSON-ready dict."""
+@dataclass(frozen=True)
+class Row:
+    """One (task, length, method, ratio, protocol): kvpress's leaderboard columns (dataset,
+    data_dir, model, method, compression_ratio, score: 0-100) and ours; the full cache's
+    has no protocol."""
+
+    dataset: str
+    data_dir: str  # the length
+    model: str
+    method: str  # the policy (+recall), or "full cache"
+    compression_ratio: float
+    score: float
+    task: str
+    protocol: str | None
+    budget: float | None  # the mean over the samples
+    recall: bool
+    kept_fraction: float | None  # of the context, at the question (mean)
+    full_cache_score: float
+    score_vs_full: float | None
+    seconds: float
+    samples: int
+
+
+@dataclass(kw_only=True)
+class RulerResult(Result):
+    """A run: its config, each sample's row and the leaderboard's rows; with
+    ``write_data``, only the files written."""
+
+    config: RulerConfig
+    dtype: str
+    max_positions: int
+    base: dict[str, Any]  # every cache option's value in the cells (``options.settings``)
+    workers: int | None = None  # None: nothing measured (``write_data``)
+    ray: str | None = None
+    samples: list[SampleRow] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+    data: list[str] | None = None  # write_data's files
+
+
+def run(cfg: RulerConfig, command: str, pool: Pool = Pool()) -> RulerResult:
+    """Every measurement, the samples answered by ``pool``."""
     t0 = time.perf_counter()
-    info = common.machine()
+    machine = Machine.now()
     model = load_model(cfg.model, cfg.dtype, cfg.device)
     require(max(cfg.lengths) <= model.spec.max_positions, f"lengths {cfg.lengths}: the "
             f"model has {model.spec.max_positions} positions")
     policy = TokenPolicy(model.tokenizer)
     todo = samples(cfg, policy)
-    res = {"benchmark": "ruler", "command": command, "model": cfg.model, "dtype": cfg.dtype,
-           "quick": cfg.quick, "machine": info, "max_positions": model.spec.max_positions,
-           "config": {**dataclasses.asdict(cfg), "base": options.settings(dict(cfg.params))}}
+    res = RulerResult(benchmark="ruler", command=command, model=cfg.model, quick=cfg.quick,
+                      machine=machine, config=cfg, dtype=cfg.dtype,
+                      max_positions=model.spec.max_positions,
+                      base=options.settings(dict(cfg.params)))
     if cfg.write_data:
-        res.update(data=write_data(cfg, policy, todo), samples=[], rows=[], targets=[])
+        res.data = write_data(cfg, policy, todo)
     else:
-        res["workers"] = min(workers, len(todo))
-        res["samples"] = run_samples(cfg, model, policy, todo, res["workers"])
-        res["rows"] = rows(res, cells(cfg))
-        res["targets"] = targets(res)
-    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    res["elapsed_s"] = time.perf_counter() - t0
+        res.workers, res.ray = pool.workers(len(todo)), pool.ray
+        res.samples = run_samples(cfg, model, policy, todo, pool)
+        res.rows = rows(res, cells(cfg))
+        res.targets = targets(res)
+    res.machine = machine.ended()
+    res.elapsed_s = time.perf_counter() - t0
     return res
 
 
@@ -387,126 +426,123 @@ def _mean(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def rows(res: dict, grid: list[Cell]) -> list[dict]:
-    """One row per (task, length, method, ratio, protocol), kvpress's leaderboard columns
-    (dataset, data_dir, model, method, compression_ratio, score: 0-100) and ours."""
+def rows(res: RulerResult, grid: list[Cell]) -> list[Row]:
+    """One row per (task, length, method, ratio, protocol): the full cache's, then each
+    cell's."""
     out = []
-    for task in res["config"]["tasks"]:
-        for n in res["config"]["lengths"]:
-            ss = [s for s in res["samples"] if s["task"] == task and s["length"] == n]
-            full = 100 * _mean(s["scores"][0] for s in ss)
+    for task in res.config.tasks:
+        for n in res.config.lengths:
+            ss = [s for s in res.samples if s.task == task and s.length == n]
+            full = 100 * _mean(s.scores[0] for s in ss)
             out.append(_row(res, task, n, "full cache", None, None, ss, 0, full))
             for i, c in enumerate(grid, 1):
                 out.append(_row(res, task, n, c.method, c.ratio, c.protocol, ss, i, full))
     return out
 
 
-def _row(res: dict, task: str, n: int, method: str, ratio, protocol, ss: list[dict], i: int,
-         full: float) -> dict:
-    score = 100 * _mean(s["scores"][i] for s in ss)
-    return {"dataset": "ruler", "data_dir": str(n), "model": res["model"], "method": method,
-            "compression_ratio": ratio or 0.0, "score": score, "task": task,
-            "protocol": protocol, "budget": _mean(s["budgets"][i] for s in ss),
-            "recall": method.endswith("+recall"), "kept_fraction": _mean(
-                s["kept"][i] / s["n_context"] for s in ss if s["kept"][i] is not None),
-            "full_cache_score": full, "score_vs_full": score / full if full else None,
-            "seconds": sum(s["seconds"][i] for s in ss), "samples": len(ss)}
+def _row(res: RulerResult, task: str, n: int, method: str, ratio, protocol,
+         ss: list[SampleRow], i: int, full: float) -> Row:
+    score = 100 * _mean(s.scores[i] for s in ss)
+    return Row("ruler", str(n), res.model, method, ratio or 0.0, score, task, protocol,
+               _mean(s.budgets[i] for s in ss), method.endswith("+recall"),
+               _mean(s.kept[i] / s.n_context for s in ss if s.kept[i] is not None),
+               full, score / full if full else None, sum(s.seconds[i] for s in ss), len(ss))
 
 
-def average(res: dict, protocol: str | None, method: str, ratio) -> float | None:
-    """A method's mean score over the tasks and lengths at ``ratio`` under ``protocol``."""
-    return _mean(r["score"] for r in res["rows"] if r["protocol"] == protocol
-                 and r["method"] == method and r["compression_ratio"] == ratio)
+def mean_scores(rs: list[Row], key) -> dict:
+    """The mean score of each group of ``rs`` with the same ``key(row)``, in one pass."""
+    groups: dict[Any, list[float]] = {}
+    for r in rs:
+        groups.setdefault(key(r), []).append(r.score)
+    return {k: sum(v) / len(v) for k, v in groups.items()}
 
 
-def targets(res: dict) -> list[dict]:
+def averages(res: RulerResult) -> dict[tuple, float]:
+    """Each (protocol, method, ratio)'s mean score over the tasks and lengths."""
+    return mean_scores(res.rows, lambda r: (r.protocol, r.method, r.compression_ratio))
+
+
+def targets(res: RulerResult) -> list[Target]:
     """Where the full cache scores >= 50%: the default policy keeps >= 90% of its score at
     ratio 0.75 and >= 75% at 0.875, per protocol; and it is at or above every other
     built-in's average at each ratio, per protocol (its own recall variant aside)."""
-    out, cfg = [], res["config"]
-    for protocol in cfg["protocols"]:
+    out, cfg, avg = [], res.config, averages(res)
+    for protocol in cfg.protocols:
         for ratio, want in TARGETS:
-            rs = [r for r in res["rows"] if r["protocol"] == protocol and
-                  r["method"] == DEFAULT_POLICY and r["compression_ratio"] == ratio
-                  and r["full_cache_score"] >= 100 * CEILING]
+            rs = [r for r in res.rows if r.protocol == protocol and r.method == DEFAULT_POLICY
+                  and r.compression_ratio == ratio and r.full_cache_score >= 100 * CEILING]
             if rs:
-                worst = min(rs, key=lambda r: r["score_vs_full"])
-                out.append({"what": f"{protocol}, ratio {ratio}: {DEFAULT_POLICY} / the full "
-                            f"cache, the worst of {len(rs)} task-lengths ({worst['task']}, "
-                            f"{worst['data_dir']})", "value": worst["score_vs_full"],
-                            "target": f">= {want:.2f}", "met": worst["score_vs_full"] >= want})
-        for ratio in cfg["ratios"]:
-            mine = average(res, protocol, DEFAULT_POLICY, ratio)
-            others = {m: average(res, protocol, m, ratio) for m in dict.fromkeys(
-                r["method"] for r in res["rows"] if r["protocol"] == protocol)
+                worst = min(rs, key=lambda r: r.score_vs_full)
+                out.append(Target(f"{protocol}, ratio {ratio}: {DEFAULT_POLICY} / the full "
+                                  f"cache, the worst of {len(rs)} task-lengths ({worst.task}, "
+                                  f"{worst.data_dir})", worst.score_vs_full, f">= {want:.2f}",
+                                  worst.score_vs_full >= want))
+        for ratio in cfg.ratios:
+            mine = avg.get((protocol, DEFAULT_POLICY, ratio))
+            others = {m: avg.get((protocol, m, ratio)) for m in dict.fromkeys(
+                r.method for r in res.rows if r.protocol == protocol)
                 if m.split("+")[0] != DEFAULT_POLICY}
             if mine is not None and others:
                 best = max(others, key=lambda m: others[m])
-                out.append({"what": f"{protocol}, ratio {ratio}: {DEFAULT_POLICY}'s average "
-                            f"- the best other's ({best})", "value": mine - others[best],
-                            "target": ">= 0", "met": mine >= others[best]})
+                out.append(Target(f"{protocol}, ratio {ratio}: {DEFAULT_POLICY}'s average - "
+                                  f"the best other's ({best})", mine - others[best], ">= 0",
+                                  mine >= others[best]))
     return out
 
 
 # --- output -------------------------------------------------------------------------------
 
-def tables(res: dict) -> list[Table]:
-    cfg = res["config"]
-    if cfg.get("write_data"):
-        return [Table("Samples written (JSONL)", ("file",), tuple((f,) for f in res["data"]))]
-    target = Table(
-        "Targets (reported, not asserted)", ("what", "value", "target", "met"),
-        tuple((t["what"], fmt(t["value"], 3), t["target"], "yes" if t["met"] else "NO")
-              for t in res["targets"]))
-    full = [r for r in res["rows"] if r["protocol"] is None]
+def tables(res: RulerResult) -> list[Table]:
+    cfg = res.config
+    if cfg.write_data:
+        return [Table("Samples written (JSONL)", ("file",), tuple((f,) for f in res.data))]
+    full = [r for r in res.rows if r.protocol is None]
     ceiling = Table(
         "The full cache's score per task and length (the ceiling)",
-        ("task", *map(str, cfg["lengths"])),
-        tuple((t, *(fmt(next(r["score"] for r in full if r["task"] == t
-                             and r["data_dir"] == str(n)), 0) for n in cfg["lengths"]))
-              for t in cfg["tasks"]))
-    out = [target, ceiling]
-    methods = list(dict.fromkeys(r["method"] for r in res["rows"] if r["protocol"]))
-    for protocol in cfg["protocols"]:
+        ("task", *map(str, cfg.lengths)),
+        tuple((t, *(fmt(next(r.score for r in full if r.task == t and r.data_dir == str(n)), 0)
+                    for n in cfg.lengths)) for t in cfg.tasks))
+    out, avg = [target_table(res.targets, digits=3), ceiling], averages(res)
+    methods = list(dict.fromkeys(r.method for r in res.rows if r.protocol))
+    for protocol in cfg.protocols:
         out.append(Table(
             f"{protocol}: mean score over tasks and lengths by compression ratio "
-            f"(full cache {fmt(_mean(r['score'] for r in full), 1)})",
-            ("method", *(f"ratio {r}" for r in cfg["ratios"])),
-            tuple((m, *(fmt(average(res, protocol, m, r), 1) for r in cfg["ratios"]))
+            f"(full cache {fmt(_mean(r.score for r in full), 1)})",
+            ("method", *(f"ratio {r}" for r in cfg.ratios)),
+            tuple((m, *(fmt(avg.get((protocol, m, r)), 1) for r in cfg.ratios))
                   for m in methods)))
-    kept = [r for r in res["rows"] if r["protocol"]]
+    kept = [r for r in res.rows if r.protocol]
     out.append(Table(
         "Budgets: tokens kept of the context (mean), by ratio",
         ("ratio", "budget (mean)", "fraction kept at the question (mean)"),
-        tuple((str(ratio), fmt(_mean(r["budget"] for r in kept if r["compression_ratio"] == ratio), 0),
-               fmt(_mean(r["kept_fraction"] for r in kept if r["compression_ratio"] == ratio), 3))
-              for ratio in cfg["ratios"])))
+        tuple((str(ratio), fmt(_mean(r.budget for r in kept if r.compression_ratio == ratio), 0),
+               fmt(_mean(r.kept_fraction for r in kept if r.compression_ratio == ratio), 3))
+              for ratio in cfg.ratios)))
     return out
 
 
-def plots(res: dict, out: Path) -> list[str]:
+def plots(res: RulerResult, out: Path) -> list[str]:
     """A heatmap of task x method at each ratio and protocol (matplotlib)."""
-    if not res["rows"] or not [r for r in res["rows"] if r["protocol"]]:
+    if not [r for r in res.rows if r.protocol]:
         return []
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cfg, names = res["config"], []
-    methods = list(dict.fromkeys(r["method"] for r in res["rows"] if r["protocol"]))
-    for protocol in cfg["protocols"]:
-        for ratio in cfg["ratios"]:
-            grid = [[_mean(r["score"] for r in res["rows"] if r["task"] == t and r["method"] == m
-                           and r["protocol"] == protocol and r["compression_ratio"] == ratio)
-                     for m in methods] for t in cfg["tasks"]]
-            fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(methods), 1 + 0.4 * len(cfg["tasks"])))
-            ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto")
+    cfg, names = res.config, []
+    methods = list(dict.fromkeys(r.method for r in res.rows if r.protocol))
+    by = mean_scores(res.rows, lambda r: (r.task, r.method, r.protocol, r.compression_ratio))
+    for protocol in cfg.protocols:
+        for ratio in cfg.ratios:
+            heat = [[by.get((t, m, protocol, ratio)) for m in methods] for t in cfg.tasks]
+            fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(methods), 1 + 0.4 * len(cfg.tasks)))
+            ax.imshow(heat, vmin=0, vmax=100, cmap="viridis", aspect="auto")
             ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
-            ax.set_yticks(range(len(cfg["tasks"])), cfg["tasks"])
-            for i, row in enumerate(grid):
+            ax.set_yticks(range(len(cfg.tasks)), cfg.tasks)
+            for i, row in enumerate(heat):
                 for j, v in enumerate(row):
                     ax.text(j, i, fmt(v, 0), ha="center", va="center", color="white")
-            ax.set_title(f"RULER score, {protocol}, ratio {ratio}, {res['model']}")
+            ax.set_title(f"RULER score, {protocol}, ratio {ratio}, {res.model}")
             fig.tight_layout()
             name = f"ruler_{protocol}_{ratio}.png"
             fig.savefig(out / name, dpi=100)
@@ -515,15 +551,15 @@ def plots(res: dict, out: Path) -> list[str]:
     return names
 
 
-def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
+def report_md(res: RulerResult, images: list[str], image_dir: str, level: int = 1) -> str:
     """The markdown report; ``level`` is the heading level of its title."""
-    h, cfg = "#" * level, res["config"]
-    lines = [f"{h} RULER benchmark", "", common.regenerate(res, quick_version=False), "",
-             f"{common.model_facts(res)}; tasks {', '.join(cfg['tasks'])}; lengths "
-             f"{', '.join(map(str, cfg['lengths']))} tokens; {cfg['samples']} samples each "
-             f"(seed {cfg['seed']}); {common.machine_facts(res['machine'], res.get('workers') == 1)}"
-             + (f"; samples in {res['workers']} single-thread processes"
-                if res.get("workers", 1) > 1 else "") + ".", ""]
+    h, cfg = "#" * level, res.config
+    lines = [f"{h} RULER benchmark", "", res.regenerate(quick_version=False), "",
+             f"{model_facts(res.model, res.dtype, res.quick, res.max_positions)}; tasks "
+             f"{', '.join(cfg.tasks)}; lengths {', '.join(map(str, cfg.lengths))} tokens; "
+             f"{cfg.samples} samples each (seed {cfg.seed}); "
+             f"{res.machine.facts(res.workers == 1 and res.ray is None)}"
+             + grid.where("samples", res.workers or 0, res.ray) + ".", ""]
     for tb in tables(res):
         lines += [f"{h}# {tb.title}", "", tb.markdown(), ""]
     if images:
@@ -535,3 +571,4 @@ def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> s
 # --- the command line -----------------------------------------------------------------------
 
 FLAGS = (RulerConfig, flags.Workers)  # the dataclasses whose fields are its flags
+ROW = SampleRow  # one item's (a sample's) row of the grid

@@ -25,9 +25,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +46,7 @@ from ..types import (Actions, CacheParams, FoldRepair, Prefill, Recall, SamplerP
                      require)
 from . import common, llamacpp
 from .common import Table, fmt, fmt_bytes
+from .result import Machine, Result, Target, target_table
 
 GREEDY = SamplerParams(greedy=True)
 # Targets from the project's issues: reported, never asserted.
@@ -121,6 +121,202 @@ class SpeedConfig:
         cold = min(self.recall_cold, max_positions - budget - steps - 8)
         return dataclasses.replace(self, contexts=contexts, prefill=prefill, budget=budget,
                                    recall_cold=cold)
+
+
+# --- the result ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillRow:
+    """Stage 0 vs HF prefill at one prompt length: ms and tokens/s of each, plain
+    (``ours_*``), gathering the prompt's window (``window_*``) and its total too
+    (``total_*``); the ratios are HF's time / stage 0's (speeds: above 1, stage 0 is faster)."""
+
+    dtype: str
+    tokens: int
+    hf_ms: float
+    hf_tok_s: float
+    ours_ms: float
+    ours_tok_s: float
+    window_ms: float | None = None
+    window_tok_s: float | None = None
+    total_ms: float | None = None
+    total_tok_s: float | None = None
+    ratio: float
+    window_ratio: float | None = None
+    total_ratio: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeRow:
+    """Stage 1 vs HF decode at one context, ms per token (medians) and stage 1 / HF;
+    llama.cpp's (``llamacpp_*``) and each ``COMPILED`` stage 1's (``KEY_*``: ms, / stage 1,
+    / HF, / llama.cpp, and whether its next token is stage 1's) where the run has them; the
+    bandwidth floor (``floor_ms``: weights and live K/V read once)."""
+
+    dtype: str
+    context: int
+    ours_ms: float
+    hf_ms: float
+    ratio: float
+    llamacpp_ms: float | None = None
+    llamacpp_ratio: float | None = None
+    llamacpp_agrees: bool | None = None
+    compiled_ms: float | None = None
+    compiled_ratio: float | None = None
+    compiled_hf_ratio: float | None = None
+    compiled_agrees: bool | None = None
+    compiled_llamacpp_ratio: float | None = None
+    native_ms: float | None = None
+    native_ratio: float | None = None
+    native_hf_ratio: float | None = None
+    native_agrees: bool | None = None
+    native_llamacpp_ratio: float | None = None
+    graph_ms: float | None = None
+    graph_ratio: float | None = None
+    graph_hf_ratio: float | None = None
+    graph_agrees: bool | None = None
+    graph_llamacpp_ratio: float | None = None
+    floor_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class AllocRow:
+    """Bytes allocated by one decode step at one context, stage 1's and HF's."""
+
+    dtype: str
+    context: int
+    ours_bytes: int
+    hf_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopRow:
+    """A full loop step vs stage 1 alone at the budget (``context``), for one repair (with
+    `` + recall``: over ``cold`` cold tokens, scanned every ``recall_every`` steps) and one
+    way of running stage 1 (``stage1``): each stage's median ms, the step's, their median
+    ratio (``overhead``), and the host reads and CUDA syncs a step."""
+
+    dtype: str
+    stage1: str = "plain"
+    repair: str
+    context: int
+    host_reads: float | None = None
+    cuda_syncs: float | None = None
+    cold: int = 0
+    recall_every: int = 1
+    cold_bytes_per_token: int | None = None
+    scan_bytes: int | None = None
+    stage1_ms: float
+    score_ms: float
+    decide_ms: float
+    step_ms: float
+    overhead: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class EditRow:
+    """Stage 4's median ms at one context: the append alone, with a cull, with a cull and a
+    re-index, a merge (its stage-3 forwards and its stage 4) and a fold (its stage-3
+    target search and its stage 4)."""
+
+    dtype: str
+    context: int
+    append_ms: float
+    cull_ms: float
+    reindex_ms: float
+    repair_forward_ms: float
+    repair_apply_ms: float
+    fold_targets_ms: float | None = None
+    fold_apply_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """A dtype's bytes: the weights a decode step reads, the K/V and the cold store per
+    token, and the floor of a step (the weights read once)."""
+
+    dtype: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    floor_ms: float
+    cold_bytes_per_token: int | None = None
+
+
+@dataclass(frozen=True)
+class OpsRow:
+    """The operators one stage-1 call launches at ``context``: how many, and the most
+    frequent names with their counts."""
+
+    dtype: str
+    context: int
+    ops: int
+    top: list[tuple[str, int]]
+
+
+@dataclass(frozen=True)
+class CompileRow:
+    """A copy of the model loaded with ``compile`` ``mode``: seconds its loading and first
+    stage-1 call took, or why it failed."""
+
+    dtype: str
+    mode: str
+    compile_s: float | None
+    why_not: str | None
+
+
+@dataclass(frozen=True)
+class LlamacppRow:
+    """llama.cpp in a dtype: measured (its GGUF's file name), or why not."""
+
+    dtype: str
+    measured: bool
+    why_not: str | None = None
+    gguf: str | None = None
+
+
+@dataclass(frozen=True)
+class DecodeFit:
+    """ms per token = ``fixed_ms`` + ``ms_per_1k`` per 1k context tokens, for ``who``
+    (``ours``: stage 1, or ``hf``) in a dtype."""
+
+    dtype: str
+    who: str
+    fixed_ms: float
+    ms_per_1k: float
+
+
+@dataclass(frozen=True)
+class AllocFit:
+    """Bytes allocated per step = ``fixed_bytes`` + ``bytes_per_token`` per context token,
+    for ``who`` in a dtype, next to one copy of the past (``kv_bytes_per_token``)."""
+
+    dtype: str
+    who: str
+    fixed_bytes: int
+    bytes_per_token: float
+    kv_bytes_per_token: int
+
+
+@dataclass(kw_only=True)
+class SpeedResult(Result):
+    """A run: its config (fitted to the model's positions), the copy bandwidth, each
+    measurement's rows over the dtypes, the decode's and the allocations' fits, and the
+    peak RSS."""
+
+    config: SpeedConfig
+    bandwidth_gb_s: float
+    prefill: list[PrefillRow] = field(default_factory=list)
+    decode: list[DecodeRow] = field(default_factory=list)
+    alloc: list[AllocRow] = field(default_factory=list)
+    loop: list[LoopRow] = field(default_factory=list)
+    edits: list[EditRow] = field(default_factory=list)
+    memory: list[MemoryRow] = field(default_factory=list)
+    ops: list[OpsRow] = field(default_factory=list)
+    llamacpp: list[LlamacppRow] = field(default_factory=list)
+    compile: list[CompileRow] = field(default_factory=list)
+    decode_fit: list[DecodeFit] = field(default_factory=list)
+    alloc_fit: list[AllocFit] = field(default_factory=list)
+    peak_rss_mb: float
 
 
 # --- contenders ---------------------------------------------------------------------------
@@ -220,7 +416,7 @@ def linear_fit(xs, ys) -> tuple[float, float]:
 
 # --- measurements -------------------------------------------------------------------------
 
-def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[dict], dict]:
+def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[PrefillRow], dict]:
     """Stage 0 vs HF prefill at each length: plain, and gathering the prompt's statistics
     (``window_*``: the window over the default prefill window's queries, as the default
     scorer's prefill scores gather them; ``total_*``: with the total too, as H2O's do);
@@ -247,19 +443,19 @@ def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[dict
             cfg.prefill_reps, warmup=0, tick=tick)
         ms = {k: common.median(v) for k, v in t.items()}
         states = {length: kept.pop("state")}  # the longest is kept for decode
-        rows.append({"dtype": dt, "tokens": length, "hf_ms": ms["hf"],
-                     "hf_tok_s": length / ms["hf"] * 1e3}
-                    | {f"{k}_{x}": v for k in ("ours", "window", "total") for x, v in (
-                        ("ms", ms[k]), ("tok_s", length / ms[k] * 1e3))}
-                    | {"ratio": common.median_ratio(t["hf"], t["ours"]),
-                       "window_ratio": common.median_ratio(t["hf"], t["window"]),
-                       "total_ratio": common.median_ratio(t["hf"], t["total"])})
+        rows.append(PrefillRow(
+            dtype=dt, tokens=length, hf_ms=ms["hf"], hf_tok_s=length / ms["hf"] * 1e3,
+            **{f"{k}_{x}": v for k in ("ours", "window", "total") for x, v in (
+                ("ms", ms[k]), ("tok_s", length / ms[k] * 1e3))},
+            ratio=common.median_ratio(t["hf"], t["ours"]),
+            window_ratio=common.median_ratio(t["hf"], t["window"]),
+            total_ratio=common.median_ratio(t["hf"], t["total"])))
     return rows, states
 
 
 def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig,  # pylint: disable=too-many-arguments
                    task, llama: llamacpp.Contender | None = None,
-                   compiled: dict[str, Model] | None = None) -> list[dict]:
+                   compiled: dict[str, Model] | None = None) -> list[DecodeRow]:
     """Stage 1 vs HF decode (and llama.cpp's, if ``llama``; stage 1 of each model in
     ``compiled``, loaded with a ``compile`` mode: ``COMPILED``), ms per token, at each context
     (prefixes of ``full``; llama.cpp's context is evaluated up to each in turn)."""
@@ -294,13 +490,13 @@ def measure_decode(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfi
                         f"{key}_agrees": generate(other, view, GREEDY, gen).token_id == token})
             if llama is not None:
                 row[f"{key}_llamacpp_ratio"] = common.median_ratio(t[key], t["llama.cpp"])
-        rows.append(row)
+        rows.append(DecodeRow(**row))
         del cache
     return rows
 
 
 def measure_alloc(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig,
-                  task) -> list[dict]:
+                  task) -> list[AllocRow]:
     """Bytes of new tensor storage one decode step creates, at each context."""
     dt = model.precision
     tick = task(f"{dt} allocations", len(cfg.contexts))
@@ -311,13 +507,13 @@ def measure_alloc(model: Model, hf, full: View, ids: list[int], cfg: SpeedConfig
         ours = common.bytes_allocated(
             lambda: generate(model, view, GREEDY, make_generator(0, model.device)))
         theirs = common.bytes_allocated(lambda: hf_decode(hf, cache, ids[n], n))
-        rows.append({"dtype": dt, "context": n, "ours_bytes": ours, "hf_bytes": theirs})
+        rows.append(AllocRow(dt, n, ours, theirs))
         del cache
         tick()
     return rows
 
 
-def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
+def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[LoopRow]:
     """A full loop step (stages 1-4, brightness scorer, at the budget: one removal per
     step) vs stage 1 alone on the same view, for each repair (none, merge, fold), and
     without repair with recall over ``recall_cold`` cold tokens (the prompt's first step
@@ -365,14 +561,13 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[dict]:
         reads = sum(common.host_reads(steps).values()) / every
         syncs = common.cuda_syncs(steps) if model.device.type == "cuda" else None
         store = session.state.cold
-        rows.append({"dtype": dt, "stage1": how, "repair": what, "context": cfg.budget,
-                     "host_reads": reads, "cuda_syncs": None if syncs is None else syncs / every,
-                     "cold": store.n if cold else 0, "recall_every": every,
-                     "cold_bytes_per_token": store.bytes_per_token if cold else None,
-                     "scan_bytes": scan_bytes(params, store.arena.k, store.n) if cold else None,
-                     "stage1_ms": ms["stage 1"], "score_ms": ms["stage 2"],
-                     "decide_ms": ms["stage 3"], "step_ms": ms["loop step"],
-                     "overhead": common.median_ratio(t["loop step"], t["stage 1"])})
+        rows.append(LoopRow(
+            dtype=dt, stage1=how, repair=what, context=cfg.budget, host_reads=reads,
+            cuda_syncs=None if syncs is None else syncs / every, cold=store.n if cold else 0,
+            recall_every=every, cold_bytes_per_token=store.bytes_per_token if cold else None,
+            scan_bytes=scan_bytes(params, store.arena.k, store.n) if cold else None,
+            stage1_ms=ms["stage 1"], score_ms=ms["stage 2"], decide_ms=ms["stage 3"],
+            step_ms=ms["loop step"], overhead=common.median_ratio(t["loop step"], t["stage 1"])))
     return rows
 
 
@@ -383,7 +578,7 @@ def _middle_triple(view: View) -> tuple[int, int, int]:
     return int(order[i - 1]), int(order[i]), int(order[i + 1])
 
 
-def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[dict]:
+def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[EditRow]:
     """Stage 4 cost of one cull, one merge repair (plus its stage-3 forwards), one fold
     (plus its stage-3 target search) and a full re-index, at each context from the longest
     down (culls of the tail shrink the arena). Each measured application also appends the
@@ -450,24 +645,22 @@ def measure_edits(model: Model, primed: State, cfg: SpeedConfig, task) -> list[d
             fold_apply.append((t2 - t1) * 1e3)
         assert primed.arena.n == n, "a fold changed the context"
         append = timed_apply(lambda v: Actions())  # last: the context grows by one each time
-        rows.append({"dtype": dt, "context": n, "append_ms": append,
-                     "cull_ms": cull, "reindex_ms": reindex,
-                     "repair_forward_ms": common.median(found),
-                     "repair_apply_ms": common.median(repair_apply),
-                     "fold_targets_ms": common.median(targets),
-                     "fold_apply_ms": common.median(fold_apply)})
+        rows.append(EditRow(dtype=dt, context=n, append_ms=append, cull_ms=cull,
+                            reindex_ms=reindex, repair_forward_ms=common.median(found),
+                            repair_apply_ms=common.median(repair_apply),
+                            fold_targets_ms=common.median(targets),
+                            fold_apply_ms=common.median(fold_apply)))
     return rows[::-1]
 
 
-def measure_ops(model: Model, full: View, ids: list[int], cfg: SpeedConfig) -> dict:
+def measure_ops(model: Model, full: View, ids: list[int], cfg: SpeedConfig) -> OpsRow:
     """The operators one stage-1 call launches, at the context nearest 1024."""
     n = min(cfg.contexts, key=lambda c: abs(c - 1024))
     view = prefix_view(full, n, ids[n])
     gen = make_generator(0, model.device)
     generate(model, view, GREEDY, gen)  # warm: first calls may launch set-up operators
     count, top = common.operators(lambda: generate(model, view, GREEDY, gen))
-    return {"dtype": model.precision, "context": n, "ops": count,
-            "top": top}
+    return OpsRow(model.precision, n, count, top)
 
 
 @dataclass(frozen=True)
@@ -500,7 +693,7 @@ COMPILED = {
 
 
 def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],
-                  task, mode: str = "inductor") -> tuple[Model | None, dict]:
+                  task, mode: str = "inductor") -> tuple[Model | None, CompileRow]:
     """The model loaded again with ``compile`` ``mode``, and what loading it and its first
     stage-1 call took (inductor compiles at that call, a longer context again only past
     4,095 slots; the native kernels are built, or found built, as the model loads); or None
@@ -512,10 +705,9 @@ def compile_model(cfg: SpeedConfig, dtype: str, full: View, ids: list[int],
         n = cfg.contexts[0]
         generate(model, prefix_view(full, n, ids[n]), GREEDY, make_generator(0, model.device))
         common.sync()
-        return model, {"dtype": dtype, "mode": mode, "compile_s": time.perf_counter() - t0,
-                       "why_not": None}
+        return model, CompileRow(dtype, mode, time.perf_counter() - t0, None)
     except Exception as e:  # pylint: disable=broad-exception-caught  # reported, not raised
-        return None, {"dtype": dtype, "mode": mode, "compile_s": None, "why_not": reason(e)}
+        return None, CompileRow(dtype, mode, None, reason(e))
     finally:
         tick()
 
@@ -536,7 +728,10 @@ def scan_bytes(params: CacheParams, k: torch.Tensor, cold: int) -> int:
     return len(recall_layers(params, L)) * kv_heads * cold * head_dim * k.element_size()
 
 
-def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
+def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float,
+                  task) -> tuple[SpeedConfig, dict[str, list]]:
+    """Every measurement in ``dtype``: the config fitted to the model's positions, and the
+    rows by the name of their ``SpeedResult`` field."""
     model = load_model(cfg.model, dtype, cfg.device)
     cfg = cfg.fitted(model.spec.max_positions)
     hf = stock_hf(model)
@@ -574,25 +769,21 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float, task) -> dict:
         loop += measure_loop(other, cfg, task)
     del loops
     wb, kvb = weight_bytes(model), kv_bytes_per_token(model)
-    for r in decode:  # the physical floor: weights + live K/V read once per token
-        r["floor_ms"] = (wb + r["context"] * kvb) / (bandwidth * 1e9) * 1e3
-    memory = {"dtype": dtype, "weight_bytes": wb, "kv_bytes_per_token": kvb,
-              "floor_ms": wb / (bandwidth * 1e9) * 1e3,
-              "cold_bytes_per_token": next((r["cold_bytes_per_token"] for r in loop
-                                            if r["cold"]), None)}
-    return {"cfg": cfg, "prefill": prefill, "decode": decode, "alloc": alloc, "memory": memory,
-            "loop": loop, "edits": edits, "ops": ops,
-            "compile": compile_info,
-            "llamacpp": {"dtype": dtype, "measured": llama is not None, "why_not": why_not,
-                         "gguf": llama and llama.path.name}}
+    # the physical floor: weights + live K/V read once per token
+    decode = [dataclasses.replace(r, floor_ms=(wb + r.context * kvb) / (bandwidth * 1e9) * 1e3)
+              for r in decode]
+    memory = MemoryRow(dtype, wb, kvb, wb / (bandwidth * 1e9) * 1e3,
+                       next((r.cold_bytes_per_token for r in loop if r.cold), None))
+    return cfg, {"prefill": prefill, "decode": decode, "alloc": alloc, "memory": [memory],
+                 "loop": loop, "edits": edits, "ops": [ops], "compile": compile_info,
+                 "llamacpp": [LlamacppRow(dtype, llama is not None, why_not,
+                                          llama and llama.path.name)]}
 
 
-def run(cfg: SpeedConfig, command: str) -> dict:
-    """Every measurement, as one JSON-ready dict."""
+def run(cfg: SpeedConfig, command: str) -> SpeedResult:
+    """Every measurement, in one result."""
     t0 = time.perf_counter()
-    info = common.machine()
-    res = {"benchmark": "speed", "command": command, "model": cfg.model, "quick": cfg.quick,
-           "machine": info}
+    machine = Machine.now()
     parts = []
     with common.progress() as task:
         tick = task("copy bandwidth", 1)
@@ -600,280 +791,265 @@ def run(cfg: SpeedConfig, command: str) -> dict:
         tick()
         for dtype in cfg.dtypes:
             parts.append(measure_dtype(cfg, dtype, bandwidth, task))
-    fitted = parts[0]["cfg"]
-    res["config"] = {k: v for k, v in dataclasses.asdict(fitted).items() if k != "model"}
-    res["bandwidth_gb_s"] = bandwidth
-    for key in ("prefill", "decode", "alloc", "loop", "edits"):
-        res[key] = [r for p in parts for r in p[key]]
-    res["memory"] = [p["memory"] for p in parts]
-    res["ops"] = [p["ops"] for p in parts]
-    res["llamacpp"] = [p["llamacpp"] for p in parts]
-    res["compile"] = [c for p in parts for c in p["compile"]]
-    res["decode_fit"] = decode_fit(res)
-    res["alloc_fit"] = alloc_fit(res)
-    res["targets"] = targets(res)
-    res["peak_rss_mb"] = common.peak_rss_mb()
-    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    res["elapsed_s"] = time.perf_counter() - t0
+    rows = {key: [r for _, p in parts for r in p[key]] for key in parts[0][1]}
+    res = SpeedResult(benchmark="speed", command=command, model=cfg.model, quick=cfg.quick,
+                      machine=machine.ended(), config=parts[0][0], bandwidth_gb_s=bandwidth,
+                      **rows, decode_fit=decode_fit(rows["decode"]),
+                      alloc_fit=alloc_fit(rows["alloc"], rows["memory"]),
+                      peak_rss_mb=common.peak_rss_mb(), elapsed_s=time.perf_counter() - t0)
+    res.targets = targets(res)
     return res
 
 
 # --- analysis -----------------------------------------------------------------------------
 
-def _by_dtype(rows: list[dict]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
+def _by_dtype(rows: list) -> dict[str, list]:
+    out: dict[str, list] = {}
     for r in rows:
-        out.setdefault(r["dtype"], []).append(r)
+        out.setdefault(r.dtype, []).append(r)
     return out
 
 
-def decode_fit(res: dict) -> list[dict]:
+def decode_fit(decode: list[DecodeRow]) -> list[DecodeFit]:
     """ms/token = fixed + per_1k * context/1000, for stage 1 and HF, per dtype."""
     fits = []
-    for dt, rows in _by_dtype(res["decode"]).items():
-        xs = [r["context"] / 1000 for r in rows]
+    for dt, rows in _by_dtype(decode).items():
+        xs = [r.context / 1000 for r in rows]
         for who in ("ours", "hf"):
-            a, b = linear_fit(xs, [r[f"{who}_ms"] for r in rows])
-            fits.append({"dtype": dt, "who": who, "fixed_ms": a, "ms_per_1k": b})
+            a, b = linear_fit(xs, [getattr(r, f"{who}_ms") for r in rows])
+            fits.append(DecodeFit(dt, who, a, b))
     return fits
 
 
-def alloc_fit(res: dict) -> list[dict]:
+def alloc_fit(alloc: list[AllocRow], memory: list[MemoryRow]) -> list[AllocFit]:
     """Bytes allocated per step = fixed + per_token * context, per dtype."""
-    kv = {m["dtype"]: m["kv_bytes_per_token"] for m in res["memory"]}
+    kv = {m.dtype: m.kv_bytes_per_token for m in memory}
     fits = []
-    for dt, rows in _by_dtype(res["alloc"]).items():
-        xs = [r["context"] for r in rows]
+    for dt, rows in _by_dtype(alloc).items():
+        xs = [r.context for r in rows]
         for who in ("ours", "hf"):
-            a, b = linear_fit(xs, [r[f"{who}_bytes"] for r in rows])
-            fits.append({"dtype": dt, "who": who, "fixed_bytes": round(a),
-                         "bytes_per_token": round(b, 1),
-                         "kv_bytes_per_token": kv[dt]})
+            a, b = linear_fit(xs, [getattr(r, f"{who}_bytes") for r in rows])
+            fits.append(AllocFit(dt, who, round(a), round(b, 1), kv[dt]))
     return fits
 
 
-def _loop_what(row: dict) -> str:
+def _loop_what(row: LoopRow) -> str:
     """A loop row's setting in words: its repair, with recall the cold store it scans, and
     a stage 1 other than the plain one."""
-    repair = row["repair"].removesuffix(" + recall")
-    how = "" if row.get("stage1", "plain") == "plain" else f", stage 1 {row['stage1']}"
-    if not row.get("cold"):
+    repair = row.repair.removesuffix(" + recall")
+    how = "" if row.stage1 == "plain" else f", stage 1 {row.stage1}"
+    if not row.cold:
         return f"{repair} repair{how}"
-    return (f"{repair} repair, recall over {row['cold']} cold tokens, scanned every "
-            f"{row.get('recall_every', 1)} steps{how}")
+    return (f"{repair} repair, recall over {row.cold} cold tokens, scanned every "
+            f"{row.recall_every} steps{how}")
 
 
-def loop_target(row: dict) -> float:
-    return RECALL_LOOP_TARGET if row.get("cold") else LOOP_TARGET
+def loop_target(row: LoopRow) -> float:
+    return RECALL_LOOP_TARGET if row.cold else LOOP_TARGET
 
 
-def _cpu_decode_targets(res: dict, who: str, ms: str, hf: str, llama_ratio: str) -> list[dict]:
+def _cpu_decode_targets(res: SpeedResult, who: str, ms: str, hf: str,
+                        llama_ratio: str) -> list[Target]:
     """The CPU's decode targets beyond HF's for ``who``, from a decode row's fields ``ms``
     (its ms per token), ``hf`` and ``llama_ratio`` (its ratios to HF and llama.cpp): against
     llama.cpp at the same precision where it was measured, else bfloat16's yardstick against
     HF; and bfloat16's share of the bandwidth limit at 1024."""
-    out = []
-    llama = {x["dtype"] for x in res.get("llamacpp", ()) if x["measured"]}
-    for r in res["decode"]:
-        if ms not in r:
+    out: list[Target] = []
+    llama = {x.dtype for x in res.llamacpp if x.measured}
+    for r in res.decode:
+        if getattr(r, ms) is None:
             continue
-        limit, contexts = LLAMACPP_TARGETS.get(r["dtype"], (None, ()))
-        if r["dtype"] in llama and (contexts is None or r["context"] in contexts):
-            out.append({"what": f"{who} / llama.cpp decode at {r['context']} (same precision)",
-                        "dtype": r["dtype"], "value": r[llama_ratio],
-                        "target": f"<= {limit}", "met": r[llama_ratio] <= limit})
-        elif r["dtype"] == "bfloat16" and r["dtype"] not in llama and r["context"] in YARDSTICK_TARGETS:
-            t = YARDSTICK_TARGETS[r["context"]]
-            out.append({"what": f"{who} / HF decode at {r['context']} (the yardstick where "
-                                "llama.cpp is not measured)", "dtype": r["dtype"],
-                        "context": r["context"], "value": r[hf], "target": f"<= {t}",
-                        "met": r[hf] <= t})
-    for r in res["decode"]:
-        if ms in r and r["dtype"] == "bfloat16" and r["context"] == 1024:
-            share = r["floor_ms"] / r[ms]
-            out.append({"what": f"share of the bandwidth limit at 1024 (floor / {who})",
-                        "dtype": r["dtype"], "value": share, "target": f">= {BANDWIDTH_TARGET}",
-                        "met": share >= BANDWIDTH_TARGET})
+        limit, contexts = LLAMACPP_TARGETS.get(r.dtype, (None, ()))
+        if r.dtype in llama and (contexts is None or r.context in contexts):
+            ratio = getattr(r, llama_ratio)
+            out.append(Target(f"{who} / llama.cpp decode at {r.context} (same precision)",
+                              ratio, f"<= {limit}", ratio <= limit, r.dtype))
+        elif r.dtype == "bfloat16" and r.dtype not in llama and r.context in YARDSTICK_TARGETS:
+            t, ratio = YARDSTICK_TARGETS[r.context], getattr(r, hf)
+            out.append(Target(f"{who} / HF decode at {r.context} (the yardstick where "
+                                    "llama.cpp is not measured)", ratio, f"<= {t}",
+                                    ratio <= t, r.dtype, context=r.context))
+    for r in res.decode:
+        if getattr(r, ms) is not None and r.dtype == "bfloat16" and r.context == 1024:
+            share = r.floor_ms / getattr(r, ms)
+            out.append(Target(f"share of the bandwidth limit at 1024 (floor / {who})", share,
+                              f">= {BANDWIDTH_TARGET}", share >= BANDWIDTH_TARGET, r.dtype))
     return out
 
 
-def targets(res: dict) -> list[dict]:
-    out = []
-    gpu = res["config"].get("device", "cpu") != "cpu"
-    for r in res["decode"]:
-        if gpu or r["context"] in DECODE_TARGETS:
-            t = GPU_DECODE_TARGET if gpu else DECODE_TARGETS[r["context"]]
-            out.append({"what": f"stage 1 / HF decode at {r['context']}", "dtype": r["dtype"],
-                        "context": r["context"], "value": r["ratio"], "target": f"<= {t}",
-                        "met": r["ratio"] <= t})
+def targets(res: SpeedResult) -> list[Target]:
+    out: list[Target] = []
+    gpu = res.config.device != "cpu"
+    for r in res.decode:
+        if gpu or r.context in DECODE_TARGETS:
+            t = GPU_DECODE_TARGET if gpu else DECODE_TARGETS[r.context]
+            out.append(Target(f"stage 1 / HF decode at {r.context}", r.ratio, f"<= {t}",
+                                    r.ratio <= t, r.dtype, context=r.context))
     if not gpu:  # stage 1, then stage 1 with native kernels where the run has it
         out += _cpu_decode_targets(res, "stage 1", "ours_ms", "ratio", "llamacpp_ratio")
         out += _cpu_decode_targets(res, "stage 1 native", "native_ms", "native_hf_ratio",
                                    "native_llamacpp_ratio")
-    for r in res["decode"]:
-        if gpu and "graph_ms" in r:
-            out.append({"what": f"stage 1 graph / the bandwidth floor at {r['context']}",
-                        "dtype": r["dtype"], "context": r["context"],
-                        "value": r["graph_ms"] / r["floor_ms"], "target": f"<= {GRAPH_FLOOR_TARGET}",
-                        "met": r["graph_ms"] / r["floor_ms"] <= GRAPH_FLOOR_TARGET})
-    for r in res["prefill"]:
-        if r["tokens"] in PREFILL_TARGET_TOKENS and r["dtype"] in PREFILL_TARGET_DTYPES:
+    for r in res.decode:
+        if gpu and r.graph_ms is not None:
+            ratio = r.graph_ms / r.floor_ms
+            out.append(Target(f"stage 1 graph / the bandwidth floor at {r.context}", ratio,
+                                    f"<= {GRAPH_FLOOR_TARGET}", ratio <= GRAPH_FLOOR_TARGET,
+                                    r.dtype, context=r.context))
+    for r in res.prefill:
+        if r.tokens in PREFILL_TARGET_TOKENS and r.dtype in PREFILL_TARGET_DTYPES:
             for key, what in (("ratio", ""), ("window_ratio", ", with the prompt's window")):
-                if key not in r:  # a run from before the statistics were timed
+                value = getattr(r, key)
+                if value is None:  # a run from before the statistics were timed
                     continue
-                out.append({"what": f"stage 0 / HF prefill tokens/s at {r['tokens']}{what}",
-                            "dtype": r["dtype"], "value": r[key],
-                            "target": f">= {PREFILL_TARGET}", "met": r[key] >= PREFILL_TARGET})
-    for r in res["loop"]:
+                out.append(Target(f"stage 0 / HF prefill tokens/s at {r.tokens}{what}", value,
+                                  f">= {PREFILL_TARGET}", value >= PREFILL_TARGET, r.dtype))
+    for r in res.loop:
         t = loop_target(r)
-        out.append({"what": f"loop step / stage 1 at budget {r['context']} ({_loop_what(r)})",
-                    "dtype": r["dtype"], "value": r["overhead"], "target": f"<= {t}",
-                    "met": r["overhead"] <= t})
-    for f in res["alloc_fit"]:
-        if f["who"] == "ours":  # one copy of the past would cost >= kv_bytes_per_token
-            out.append({"what": "stage 1 bytes allocated per context token per step: less "
-                                "than one copy of the past",
-                        "dtype": f["dtype"], "value": f["bytes_per_token"],
-                        "target": f"< {f['kv_bytes_per_token']:,} B (K/V per token)",
-                        "unit": "B", "met": f["bytes_per_token"] < f["kv_bytes_per_token"]})
-            out.append({"what": "stage 1 bytes allocated per context token per step: flat",
-                        "dtype": f["dtype"], "value": f["bytes_per_token"],
-                        "target": "0 B", "unit": "B", "met": f["bytes_per_token"] <= 0})
-    for dt, rows in _by_dtype(res["edits"]).items():
+        out.append(Target(f"loop step / stage 1 at budget {r.context} ({_loop_what(r)})",
+                          r.overhead, f"<= {t}", r.overhead <= t, r.dtype))
+    for f in res.alloc_fit:
+        if f.who == "ours":  # one copy of the past would cost >= kv_bytes_per_token
+            out.append(Target("stage 1 bytes allocated per context token per step: less "
+                              "than one copy of the past", f.bytes_per_token,
+                              f"< {f.kv_bytes_per_token:,} B (K/V per token)",
+                              f.bytes_per_token < f.kv_bytes_per_token, f.dtype, "B"))
+            out.append(Target("stage 1 bytes allocated per context token per step: flat",
+                              f.bytes_per_token, "0 B", f.bytes_per_token <= 0, f.dtype, "B"))
+    for dt, rows in _by_dtype(res.edits).items():
         lo, hi = rows[0], rows[-1]
         for key, what in (("cull_ms", "one cull"), ("repair_apply_ms", "one merge repair"),
                           ("fold_apply_ms", "one fold")):
-            if key not in lo:
+            if getattr(lo, key) is None:
                 continue  # a run from before folds were timed
-            out.append({"what": f"{what}, stage 4: ms at context {hi['context']} / at "
-                                f"{lo['context']} (O(1))", "dtype": dt,
-                        "value": hi[key] / lo[key], "target": f"<= {EDIT_TARGET}",
-                        "met": hi[key] / lo[key] <= EDIT_TARGET})
+            ratio = getattr(hi, key) / getattr(lo, key)
+            out.append(Target(f"{what}, stage 4: ms at context {hi.context} / at "
+                              f"{lo.context} (O(1))", ratio, f"<= {EDIT_TARGET}",
+                              ratio <= EDIT_TARGET, dt))
     return out
 
 
-def _compiled_table(res: dict, key: str, measured: bool):
+def _compiled_table(res: SpeedResult, key: str, measured: bool):
     """The decode table's ``key`` contender (a ``COMPILED`` key) against stage 1, or None if
     the run has none."""
     how = COMPILED[key]
-    rows = [r for r in res["decode"] if f"{key}_ms" in r]
-    tried = [c for c in res.get("compile", ()) if c.get("mode", "inductor") == how.mode]
+    rows = [r for r in res.decode if getattr(r, f"{key}_ms") is not None]
+    tried = [c for c in res.compile if c.mode == how.mode]
     if not rows and not tried:
         return None
     return Table(
         how.title, ("dtype", "context", "stage 1 ms", f"{key} ms", f"{key} / stage 1", f"{key} / HF")
         + ((f"{key} / llama.cpp",) if measured else ()) + ("same next token",),
-        tuple((r["dtype"], str(r["context"]), fmt(r["ours_ms"], 2), fmt(r[f"{key}_ms"], 2),
-               fmt(r[f"{key}_ratio"], 2), fmt(r.get(f"{key}_hf_ratio"), 2))
-              + ((fmt(r.get(f"{key}_llamacpp_ratio"), 2),) if measured else ())
-              + ("yes" if r[f"{key}_agrees"] else "no",) for r in rows),
+        tuple((r.dtype, str(r.context), fmt(r.ours_ms, 2), fmt(getattr(r, f"{key}_ms"), 2),
+               fmt(getattr(r, f"{key}_ratio"), 2), fmt(getattr(r, f"{key}_hf_ratio"), 2))
+              + ((fmt(getattr(r, f"{key}_llamacpp_ratio"), 2),) if measured else ())
+              + ("yes" if getattr(r, f"{key}_agrees") else "no",) for r in rows),
         f"Timed in the same rounds as the decode table above, on a second copy of the model "
         f"loaded with `{compile_flag(how.mode)}` (docs/DESIGN.md, stage 1). {how.took} " + "; ".join(
-            f"{c['dtype']} {c['compile_s']:.0f} s" if c.get("why_not") is None
-            else f"{c['dtype']} failed, not measured ({c['why_not']})" for c in tried)
+            f"{c.dtype} {c.compile_s:.0f} s" if c.why_not is None
+            else f"{c.dtype} failed, not measured ({c.why_not})" for c in tried)
         + how.after + ".")
 
 
-def _graph_floor_notes(res: dict) -> list[str]:
+def _graph_floor_notes(res: SpeedResult) -> list[str]:
     """Why stage 1 as a graph stayed above ``GRAPH_FLOOR_TARGET`` times the floor, per dtype:
     its cost fitted over the contexts (fixed + per 1k tokens) against the floor's (the
     weights, and the K/V per 1k tokens), and the operators its graph replays as kernels."""
     notes = []
-    for dt, rows in _by_dtype([r for r in res["decode"] if "graph_ms" in r]).items():
-        missed = [r for r in rows if r["graph_ms"] / r["floor_ms"] > GRAPH_FLOOR_TARGET]
+    for dt, rows in _by_dtype([r for r in res.decode if r.graph_ms is not None]).items():
+        missed = [r for r in rows if r.graph_ms / r.floor_ms > GRAPH_FLOOR_TARGET]
         if not missed:
             continue
-        memory = {m["dtype"]: m for m in res["memory"]}
-        ops = {o["dtype"]: o for o in res["ops"]}
-        bandwidth = res["bandwidth_gb_s"] * 1e9
-        fixed, per_1k = linear_fit([r["context"] / 1000 for r in rows], [r["graph_ms"] for r in rows])
-        kv_1k = memory[dt]["kv_bytes_per_token"] * 1000 / bandwidth * 1e3
+        memory = {m.dtype: m for m in res.memory}
+        ops = {o.dtype: o for o in res.ops}
+        bandwidth = res.bandwidth_gb_s * 1e9
+        fixed, per_1k = linear_fit([r.context / 1000 for r in rows], [r.graph_ms for r in rows])
+        kv_1k = memory[dt].kv_bytes_per_token * 1000 / bandwidth * 1e3
         notes.append(
-            f"- **{dt}, stage 1 graph over the floor at {', '.join(str(r['context']) for r in missed)}: "
-            f"{min(r['graph_ms'] / r['floor_ms'] for r in missed):.2f}-"
-            f"{max(r['graph_ms'] / r['floor_ms'] for r in missed):.2f}x, target <= "
+            f"- **{dt}, stage 1 graph over the floor at {', '.join(str(r.context) for r in missed)}: "
+            f"{min(r.graph_ms / r.floor_ms for r in missed):.2f}-"
+            f"{max(r.graph_ms / r.floor_ms for r in missed):.2f}x, target <= "
             f"{GRAPH_FLOOR_TARGET}.** Fitted over the contexts the graph costs {fixed:.2f} ms + "
-            f"{per_1k:.3f} ms per 1k context tokens; the floor {memory[dt]['floor_ms']:.2f} ms of "
+            f"{per_1k:.3f} ms per 1k context tokens; the floor {memory[dt].floor_ms:.2f} ms of "
             f"weights + {kv_1k:.3f} ms of K/V per 1k tokens. " + (
-                f"Its fixed part is {fixed / memory[dt]['floor_ms']:.1f}x the weights' reads: the "
-                f"graph replays each of the step's {ops[dt]['ops']:,} operators as a kernel of "
+                f"Its fixed part is {fixed / memory[dt].floor_ms:.1f}x the weights' reads: the "
+                f"graph replays each of the step's {ops[dt].ops:,} operators as a kernel of "
                 f"its own, most of them a few microseconds of elementwise work; fusing them is "
-                f"what is left. " if fixed > GRAPH_FLOOR_TARGET * memory[dt]["floor_ms"] / 2 else "")
+                f"what is left. " if fixed > GRAPH_FLOOR_TARGET * memory[dt].floor_ms / 2 else "")
             + (f"Its attention grows {per_1k / kv_1k:.0f}x faster than the K/V it reads."
                if per_1k > 2 * kv_1k else ""))
     return notes
 
 
-def missed_notes(res: dict) -> list[str]:
+def missed_notes(res: SpeedResult) -> list[str]:
     """Why a target was missed, from the run's own numbers."""
-    fits = {(f["dtype"], f["who"]): f for f in res["decode_fit"]}
-    floor = {m["dtype"]: m for m in res["memory"]}
+    fits = {(f.dtype, f.who): f for f in res.decode_fit}
+    floor = {m.dtype: m for m in res.memory}
     notes = []
-    for t in res["targets"]:
-        if t["met"] or not t["what"].startswith("stage 1 / HF decode"):
+    for t in res.targets:
+        if t.met or not (t.context is not None and t.what.startswith("stage 1 / HF decode")):
             continue
-        n, dt = t["context"], t["dtype"]
-        r = next(r for r in res["decode"] if r["dtype"] == dt and r["context"] == n)
+        n, dt = t.context, t.dtype
+        r = next(r for r in res.decode if r.dtype == dt and r.context == n)
         ours, hf = fits[(dt, "ours")], fits[(dt, "hf")]
         notes.append(
-            f"- **{dt}, context {n}: {r['ratio']:.2f}x, target {t['target']}.** Stage 1 takes "
-            f"{r['ours_ms']:.1f} ms, HF {r['hf_ms']:.1f} ms. Fitted over the contexts, stage 1 "
-            f"costs {ours['fixed_ms']:.1f} ms + {ours['ms_per_1k']:.2f} ms per 1k context tokens, "
-            f"HF {hf['fixed_ms']:.1f} ms + {hf['ms_per_1k']:.2f} ms. The fixed part is the same "
-            f"weight reads for both ({fmt_bytes(floor[dt]['weight_bytes'])} per token; "
-            f"{floor[dt]['floor_ms']:.1f} ms at the measured copy bandwidth): even with free "
-            f"attention stage 1 could not go below {ours['fixed_ms'] / r['hf_ms']:.2f}x of HF "
+            f"- **{dt}, context {n}: {r.ratio:.2f}x, target {t.target}.** Stage 1 takes "
+            f"{r.ours_ms:.1f} ms, HF {r.hf_ms:.1f} ms. Fitted over the contexts, stage 1 "
+            f"costs {ours.fixed_ms:.1f} ms + {ours.ms_per_1k:.2f} ms per 1k context tokens, "
+            f"HF {hf.fixed_ms:.1f} ms + {hf.ms_per_1k:.2f} ms. The fixed part is the same "
+            f"weight reads for both ({fmt_bytes(floor[dt].weight_bytes)} per token; "
+            f"{floor[dt].floor_ms:.1f} ms at the measured copy bandwidth): even with free "
+            f"attention stage 1 could not go below {ours.fixed_ms / r.hf_ms:.2f}x of HF "
             f"here. " + (
                 "Stage 1's attention over the live K/V grows faster with the context than "
                 "HF's whole context-dependent part in this run, so our attention is what "
-                "misses." if ours["ms_per_1k"] > hf["ms_per_1k"] else
+                "misses." if ours.ms_per_1k > hf.ms_per_1k else
                 "Stage 1's context-dependent part grows no faster than HF's, so the ratio is "
                 "bounded by how slow HF's context-dependent part is, not by our attention."))
     notes += _graph_floor_notes(res)
-    for r in res["loop"]:
-        if r["overhead"] <= loop_target(r):
+    for r in res.loop:
+        if r.overhead <= loop_target(r):
             continue
-        rest = r["step_ms"] - r["stage1_ms"] - r["score_ms"] - r["decide_ms"]
+        rest = r.step_ms - r.stage1_ms - r.score_ms - r.decide_ms
         why = (f" Stage 3 decides each merge repair with two read-only one-token forwards (the "
                f"model's argmax at the pair's place, then the merged token's K/V, which stops "
                f"at the last layer's K/V and skips the lm_head): "
-               f"{r['decide_ms'] / r['stage1_ms']:.2f} stage-1 costs here, so a step that "
+               f"{r.decide_ms / r.stage1_ms:.2f} stage-1 costs here, so a step that "
                f"repairs cannot stay within {LOOP_TARGET}x; repairing on every k-th step only "
                f"would divide that part by k."
-               if r["repair"] == "merge" else
-               f" Stage 2 scores the {r['cold']} cold keys of every layer brightness reads"
-               f" (`--recall-layers`, `--recall-every` trade that away)." if r.get("cold") else "")
-        if r.get("scan_bytes"):
+               if r.repair == "merge" else
+               f" Stage 2 scores the {r.cold} cold keys of every layer brightness reads"
+               f" (`--recall-layers`, `--recall-every` trade that away)." if r.cold else "")
+        if r.scan_bytes:
             why += _scan_floor(res, r)
-        if r.get("cold") and r.get("recall_every", 1) > 1:
+        if r.cold and r.recall_every > 1:
             notes.append(
-                f"- **{r['dtype']}, loop step ({_loop_what(r)}): {r['overhead']:.2f}x "
-                f"stage 1 (the mean of {r['recall_every']} steps, one of which scans the cold "
-                f"store), target <= {loop_target(r)}.** Stage 1 {r['stage1_ms']:.1f} ms; on the recall step "
-                f"stage 2 {r['score_ms']:.2f} ms and stage 3 {r['decide_ms']:.1f} ms." + why)
+                f"- **{r.dtype}, loop step ({_loop_what(r)}): {r.overhead:.2f}x "
+                f"stage 1 (the mean of {r.recall_every} steps, one of which scans the cold "
+                f"store), target <= {loop_target(r)}.** Stage 1 {r.stage1_ms:.1f} ms; on the recall step "
+                f"stage 2 {r.score_ms:.2f} ms and stage 3 {r.decide_ms:.1f} ms." + why)
             continue
         notes.append(
-            f"- **{r['dtype']}, loop step ({_loop_what(r)}): {r['overhead']:.2f}x "
-            f"stage 1, target <= {loop_target(r)}.** Stage 1 {r['stage1_ms']:.1f} ms, stage 2 "
-            f"{r['score_ms']:.2f} ms, stage 3 {r['decide_ms']:.1f} ms, " + (
+            f"- **{r.dtype}, loop step ({_loop_what(r)}): {r.overhead:.2f}x "
+            f"stage 1, target <= {loop_target(r)}.** Stage 1 {r.stage1_ms:.1f} ms, stage 2 "
+            f"{r.score_ms:.2f} ms, stage 3 {r.decide_ms:.1f} ms, " + (
                 f"the rest of the step (stage 4, bookkeeping) {rest:.1f} ms." if rest >= 0 else
                 "the rest of the step (stage 4, bookkeeping) lost in the noise (the step's "
                 "median is below the sum of the stages' medians).") + why)
-    for f in res["alloc_fit"]:
-        if f["who"] == "ours" and f["bytes_per_token"] > 0:
+    for f in res.alloc_fit:
+        if f.who == "ours" and f.bytes_per_token > 0:
             notes.append(
-                f"- **{f['dtype']}, stage 1's allocation grows by {f['bytes_per_token']:,.0f} B "
+                f"- **{f.dtype}, stage 1's allocation grows by {f.bytes_per_token:,.0f} B "
                 f"per context token, target flat.** "
-                + ("All" if f["bytes_per_token"] < f["kv_bytes_per_token"] else "Part")
+                + ("All" if f.bytes_per_token < f.kv_bytes_per_token else "Part")
                 + " of it is the attention weights: in each layer the scores over the live "
                   "slots, the scores joined with the new token's and their softmax, plus the "
                   "float32 attention row stage 1 returns for stage 2. The scorers need that "
                   "row; a fused kernel that never builds the scores "
                   "(`scaled_dot_product_attention`) would not give it.")
-        if f["who"] == "ours" and f["bytes_per_token"] >= f["kv_bytes_per_token"]:
+        if f.who == "ours" and f.bytes_per_token >= f.kv_bytes_per_token:
             notes.append(
-                f"- **{f['dtype']}, stage 1 allocates {f['bytes_per_token']:,.0f} B per context "
-                f"token per step, target < {f['kv_bytes_per_token']} B.** Our code reads the "
+                f"- **{f.dtype}, stage 1 allocates {f.bytes_per_token:,.0f} B per context "
+                f"token per step, target < {f.kv_bytes_per_token} B.** Our code reads the "
                 f"arena's live K/V in place, but they are views into the longer arena, and "
                 f"oneDNN's batched bfloat16 product copies a strided operand before it "
                 f"multiplies, in every layer. The count comes from the allocator's own events, "
@@ -881,21 +1057,21 @@ def missed_notes(res: dict) -> list[str]:
     return notes
 
 
-def _scan_floor(res: dict, r: dict) -> str:
+def _scan_floor(res: SpeedResult, r: LoopRow) -> str:
     """How close a recall row could come to its target if reading the cold keys were the
     only cost: the scan's bytes per step at the measured copy bandwidth, on top of the same
     loop without recall."""
-    per_step = r["scan_bytes"] / r["recall_every"]
-    floor = per_step / (res["bandwidth_gb_s"] * 1e9) * 1e3
-    plain = next((x for x in res["loop"] if x["dtype"] == r["dtype"]
-                  and x["stage1"] == r["stage1"] and x["repair"] == "none"), None)
+    per_step = r.scan_bytes / r.recall_every
+    floor = per_step / (res.bandwidth_gb_s * 1e9) * 1e3
+    plain = next((x for x in res.loop if x.dtype == r.dtype
+                  and x.stage1 == r.stage1 and x.repair == "none"), None)
     least = "" if plain is None else (
-        f" The same loop without recall costs {plain['overhead']:.2f}x, so with every other "
+        f" The same loop without recall costs {plain.overhead:.2f}x, so with every other "
         f"part of recall free the step could not go below "
-        f"{plain['overhead'] + floor / r['stage1_ms']:.2f}x here.")
-    return (f" The scan reads {fmt_bytes(r['scan_bytes'])} of cold keys, "
-            f"{fmt_bytes(per_step)} a step over {r['recall_every']} steps: {floor:.2f} ms a step "
-            f"at the measured copy bandwidth ({res['bandwidth_gb_s']:.1f} GB/s)." + least)
+        f"{plain.overhead + floor / r.stage1_ms:.2f}x here.")
+    return (f" The scan reads {fmt_bytes(r.scan_bytes)} of cold keys, "
+            f"{fmt_bytes(per_step)} a step over {r.recall_every} steps: {floor:.2f} ms a step "
+            f"at the measured copy bandwidth ({res.bandwidth_gb_s:.1f} GB/s)." + least)
 
 
 # --- output -------------------------------------------------------------------------------
@@ -904,54 +1080,54 @@ def llamacpp_note(llama) -> str:
     """What the run says about llama.cpp: measured (which GGUF, which K/V), or why not."""
     notes = []
     for x in llama:
-        if x["measured"]:
-            weights, kv = llamacpp.PRECISIONS[x["dtype"]]
-            notes.append(f"llama.cpp in {x['dtype']}: `{x['gguf']}` ({weights.upper()} weights "
+        if x.measured:
+            weights, kv = llamacpp.PRECISIONS[x.dtype]
+            notes.append(f"llama.cpp in {x.dtype}: `{x.gguf}` ({weights.upper()} weights "
                          f"written by llama.cpp's converter from the same folder, {kv} K/V "
                          "cache), same threads, alternating with the others.")
         else:
-            notes.append(f"llama.cpp in {x['dtype']} was not measured: {x['why_not']}.")
+            notes.append(f"llama.cpp in {x.dtype} was not measured: {x.why_not}.")
     return " ".join(notes) + (" " if notes else "")
 
 
 
-def tables(res: dict) -> list[Table]:
-    llama = res.get("llamacpp", ())
-    measured = any(x["measured"] for x in llama)
+def tables(res: SpeedResult) -> list[Table]:
+    llama = res.llamacpp
+    measured = any(x.measured for x in llama)
     decode = Table(
         "Decode: ms per token (median), stage 1 vs HF model() + DynamicCache"
         + (" and llama.cpp" if measured else ""),
         ("dtype", "context", "stage 1 ms", "HF ms", "stage 1 / HF")
         + (("llama.cpp ms", "stage 1 / llama.cpp", "same next token") if measured else ())
         + ("floor ms", "floor / stage 1"),
-        tuple((r["dtype"], str(r["context"]), fmt(r["ours_ms"], 2), fmt(r["hf_ms"], 2),
-               fmt(r["ratio"], 2))
-              + ((fmt(r.get("llamacpp_ms"), 2), fmt(r.get("llamacpp_ratio"), 2),
-                  {True: "yes", False: "no", None: "–"}[r.get("llamacpp_agrees")])
+        tuple((r.dtype, str(r.context), fmt(r.ours_ms, 2), fmt(r.hf_ms, 2),
+               fmt(r.ratio, 2))
+              + ((fmt(r.llamacpp_ms, 2), fmt(r.llamacpp_ratio, 2),
+                  {True: "yes", False: "no", None: "–"}[r.llamacpp_agrees])
                  if measured else ())
-              + (fmt(r["floor_ms"], 2), f"{r['floor_ms'] / r['ours_ms']:.0%}")
-              for r in res["decode"]),
+              + (fmt(r.floor_ms, 2), f"{r.floor_ms / r.ours_ms:.0%}")
+              for r in res.decode),
         llamacpp_note(llama) + "stage 1 / HF below 1: stage 1 is faster. "
         "floor: weights + live K/V read once per token at the measured copy bandwidth "
-        f"({res['bandwidth_gb_s']:.1f} GB/s). HF runs a copy of the model with its weights "
+        f"({res.bandwidth_gb_s:.1f} GB/s). HF runs a copy of the model with its weights "
         "row-major, as its own loader leaves them (for int8, the dequantized bfloat16 "
         "weights); stage 1 reads float32 weights stored input-major, bfloat16 weights packed "
         "by oneDNN and int8 weights through torch's weight-only int8 product.")
     fit = Table(
         "Decode cost model: ms/token = fixed + per 1k context tokens (least squares)",
         ("dtype", "who", "fixed ms", "ms per 1k tokens"),
-        tuple((f["dtype"], "stage 1" if f["who"] == "ours" else "HF", fmt(f["fixed_ms"], 2),
-               fmt(f["ms_per_1k"], 2)) for f in res["decode_fit"]))
+        tuple((f.dtype, "stage 1" if f.who == "ours" else "HF", fmt(f.fixed_ms, 2),
+               fmt(f.ms_per_1k, 2)) for f in res.decode_fit))
     alloc = Table(
         "Bytes allocated per decode step",
         ("dtype", "context", "stage 1", "HF", "HF / stage 1 (above 1: stage 1 allocates less)"),
-        tuple((r["dtype"], str(r["context"]), fmt_bytes(r["ours_bytes"]), fmt_bytes(r["hf_bytes"]),
-               fmt(r["hf_bytes"] / r["ours_bytes"], 1)) for r in res["alloc"]),
+        tuple((r.dtype, str(r.context), fmt_bytes(r.ours_bytes), fmt_bytes(r.hf_bytes),
+               fmt(r.hf_bytes / r.ours_bytes, 1)) for r in res.alloc),
         "Growth per context token: " + "; ".join(
-            f"{f['dtype']} {'stage 1' if f['who'] == 'ours' else 'HF'} "
-            f"{f['bytes_per_token']:,.0f} B" for f in res["alloc_fit"])
+            f"{f.dtype} {'stage 1' if f.who == 'ours' else 'HF'} "
+            f"{f.bytes_per_token:,.0f} B" for f in res.alloc_fit)
         + " (one copy of the past K/V would be " + ", ".join(
-            f"{m['kv_bytes_per_token']:,} B in {m['dtype']}" for m in res["memory"]) + ").")
+            f"{m.kv_bytes_per_token:,} B in {m.dtype}" for m in res.memory) + ").")
     prefill = Table(
         "Prefill (stage 0 prime vs one HF forward building a DynamicCache; stage 0 also "
         "gathering the prompt's statistics: their window, as the default scorer's prefill "
@@ -959,20 +1135,20 @@ def tables(res: dict) -> list[Table]:
         ("dtype", "tokens", "stage 0 ms", "HF ms", "stage 0 tok/s", "HF tok/s",
          "stage 0 / HF speed (below 1: stage 0 is slower)", "with window ms",
          "with window / HF speed", "with total ms", "with total / HF speed"),
-        tuple((r["dtype"], str(r["tokens"]), fmt(r["ours_ms"], 1), fmt(r["hf_ms"], 1),
-               fmt(r["ours_tok_s"], 0), fmt(r["hf_tok_s"], 0), fmt(r["ratio"], 2),
-               *(fmt(r[k], d) if k in r else "-" for k, d in (
+        tuple((r.dtype, str(r.tokens), fmt(r.ours_ms, 1), fmt(r.hf_ms, 1),
+               fmt(r.ours_tok_s, 0), fmt(r.hf_tok_s, 0), fmt(r.ratio, 2),
+               *(fmt(getattr(r, k), d) if getattr(r, k) is not None else "-" for k, d in (
                    ("window_ms", 1), ("window_ratio", 2), ("total_ms", 1), ("total_ratio", 2))))
-              for r in res["prefill"]))
+              for r in res.prefill))
     loop = Table(
         "Loop step (stages 1-4, brightness scorer, one removal per step at the budget)",
         ("dtype", "stage 1", "repair", "live slots", "stage 1 ms", "stage 2 ms", "stage 3 ms",
          "step ms", "step / stage 1", "host reads a step", "CUDA syncs a step"),
-        tuple((r["dtype"], r.get("stage1", "plain"), r["repair"], str(r["context"]),
-               fmt(r["stage1_ms"], 2),
-               fmt(r["score_ms"], 2), fmt(r["decide_ms"], 2), fmt(r["step_ms"], 2),
-               fmt(r["overhead"], 2), fmt(r.get("host_reads"), 1), fmt(r.get("cuda_syncs"), 1))
-              for r in res["loop"]),
+        tuple((r.dtype, r.stage1, r.repair, str(r.context),
+               fmt(r.stage1_ms, 2),
+               fmt(r.score_ms, 2), fmt(r.decide_ms, 2), fmt(r.step_ms, 2),
+               fmt(r.overhead, 2), fmt(r.host_reads, 1), fmt(r.cuda_syncs, 1))
+              for r in res.loop),
         "Medians per stage, timed on the same view within each repetition; the step is "
         "`Session.step` (all four stages). With recall, stage 1 is timed as without it: the "
         "query and log-sum-exp it also hands stage 2 count as recall's cost, in the step. "
@@ -987,10 +1163,10 @@ def tables(res: dict) -> list[Table]:
         ("dtype", "context", "append only ms", "+ 1 cull ms", "+ cull + full re-index ms",
          "merge: stage 3 forwards ms", "merge: stage 4 ms", "fold: stage 3 targets ms",
          "fold: stage 4 ms"),
-        tuple((r["dtype"], str(r["context"]), fmt(r["append_ms"], 3), fmt(r["cull_ms"], 3),
-               fmt(r["reindex_ms"], 3), fmt(r["repair_forward_ms"], 2),
-               fmt(r["repair_apply_ms"], 3), fmt(r.get("fold_targets_ms"), 3),
-               fmt(r.get("fold_apply_ms"), 3)) for r in res["edits"]),
+        tuple((r.dtype, str(r.context), fmt(r.append_ms, 3), fmt(r.cull_ms, 3),
+               fmt(r.reindex_ms, 3), fmt(r.repair_forward_ms, 2),
+               fmt(r.repair_apply_ms, 3), fmt(r.fold_targets_ms, 3),
+               fmt(r.fold_apply_ms, 3)) for r in res.edits),
         "Re-index culls the first token, so every other key is re-rotated to a new position. "
         "Stage 4 of an edit is O(1) in the context; the decisions in stage 3 are not: a merge "
         "runs two one-token forwards over the context, and a fold's target search reads "
@@ -999,27 +1175,23 @@ def tables(res: dict) -> list[Table]:
     ops = Table(
         "Operators launched per token (stage 1)",
         ("dtype", "context", "operators", "most frequent"),
-        tuple((r["dtype"], str(r["context"]), f"{r['ops']:,}",
-               ", ".join(f"{name} {k}" for name, k in r["top"]))
-              for r in res.get("ops", ())),
+        tuple((r.dtype, str(r.context), f"{r.ops:,}",
+               ", ".join(f"{name} {k}" for name, k in r.top))
+              for r in res.ops),
         "Top-level operators of one stage-1 call (the profiler's CPU events with no parent): "
         "each passes through torch's dispatcher, a fixed cost however little it computes.")
     memory = Table(
         "Memory",
         ("dtype", "weights read per token", "K/V per token", "cold store per token (recall)",
          "floor ms/token (weights only)"),
-        tuple((m["dtype"], fmt_bytes(m["weight_bytes"]), fmt_bytes(m["kv_bytes_per_token"]),
-               fmt_bytes(m.get("cold_bytes_per_token")), fmt(m["floor_ms"], 2))
-              for m in res["memory"]),
-        f"Copy bandwidth {res['bandwidth_gb_s']:.1f} GB/s; peak RSS of the whole run "
-        f"{res['peak_rss_mb']:,.0f} MiB (the process: every dtype's models and arenas and "
+        tuple((m.dtype, fmt_bytes(m.weight_bytes), fmt_bytes(m.kv_bytes_per_token),
+               fmt_bytes(m.cold_bytes_per_token), fmt(m.floor_ms, 2))
+              for m in res.memory),
+        f"Copy bandwidth {res.bandwidth_gb_s:.1f} GB/s; peak RSS of the whole run "
+        f"{res.peak_rss_mb:,.0f} MiB (the process: every dtype's models and arenas and "
         "HF's copies and caches, not the loop alone).")
-    target = Table(
-        "Targets (reported, not asserted)",
-        ("what", "dtype", "value", "target", "met"),
-        tuple((t["what"], t["dtype"],
-               f"{t['value']:,.0f} B" if t.get("unit") == "B" else fmt(t["value"], 2),
-               t["target"], "yes" if t["met"] else "NO") for t in res["targets"]),
+    target = target_table(
+        res.targets, 2,
         "Ratios: stage 1 / HF, stage 1 / llama.cpp and loop step / stage 1 are times (below "
         "1 = faster than the other; 1.10 = 10% over stage 1); stage 0 / HF prefill is a "
         "speed (above 1 = faster than HF); the edit rows divide the cost at the longest "
@@ -1029,56 +1201,56 @@ def tables(res: dict) -> list[Table]:
             if t is not None and t.rows]
 
 
-def plots(res: dict, out: Path) -> list[str]:
+def plots(res: SpeedResult, out: Path) -> list[str]:
     """PNG plots into ``out``; returns their file names."""
     decode, alloc = {}, {}
-    for dt, rows in _by_dtype(res["decode"]).items():
-        xs = [r["context"] for r in rows]
-        decode[f"stage 1 {dt}"] = (xs, [r["ours_ms"] for r in rows], "-")
-        decode[f"HF {dt}"] = (xs, [r["hf_ms"] for r in rows], "--")
-        decode[f"floor {dt}"] = (xs, [r["floor_ms"] for r in rows], ":")
-        if "llamacpp_ms" in rows[0]:
-            decode[f"llama.cpp {dt}"] = (xs, [r["llamacpp_ms"] for r in rows], "-.")
-    for dt, rows in _by_dtype(res["alloc"]).items():
-        xs = [r["context"] for r in rows]
-        alloc[f"stage 1 {dt}"] = (xs, [r["ours_bytes"] / 2 ** 20 for r in rows], "-")
-        alloc[f"HF {dt}"] = (xs, [r["hf_bytes"] / 2 ** 20 for r in rows], "--")
-    common.line_plot(out / "decode_ms.png", f"Decode ms/token, {res['model']}", "context (tokens)",
+    for dt, rows in _by_dtype(res.decode).items():
+        xs = [r.context for r in rows]
+        decode[f"stage 1 {dt}"] = (xs, [r.ours_ms for r in rows], "-")
+        decode[f"HF {dt}"] = (xs, [r.hf_ms for r in rows], "--")
+        decode[f"floor {dt}"] = (xs, [r.floor_ms for r in rows], ":")
+        if rows[0].llamacpp_ms is not None:
+            decode[f"llama.cpp {dt}"] = (xs, [r.llamacpp_ms for r in rows], "-.")
+    for dt, rows in _by_dtype(res.alloc).items():
+        xs = [r.context for r in rows]
+        alloc[f"stage 1 {dt}"] = (xs, [r.ours_bytes / 2 ** 20 for r in rows], "-")
+        alloc[f"HF {dt}"] = (xs, [r.hf_bytes / 2 ** 20 for r in rows], "--")
+    common.line_plot(out / "decode_ms.png", f"Decode ms/token, {res.model}", "context (tokens)",
                      "ms per token (median)", decode)
     if alloc:
         common.line_plot(out / "alloc_bytes.png", "Bytes allocated per decode step",
                          "context (tokens)", "MiB allocated per step", alloc, logy=True)
     edits = {}
-    for dt, rows in _by_dtype(res["edits"]).items():
-        xs = [r["context"] for r in rows]
-        edits[f"cull {dt}"] = (xs, [r["cull_ms"] for r in rows], "-")
-        edits[f"cull + re-index {dt}"] = (xs, [r["reindex_ms"] for r in rows], "-")
+    for dt, rows in _by_dtype(res.edits).items():
+        xs = [r.context for r in rows]
+        edits[f"cull {dt}"] = (xs, [r.cull_ms for r in rows], "-")
+        edits[f"cull + re-index {dt}"] = (xs, [r.reindex_ms for r in rows], "-")
         edits[f"merge (stages 3+4) {dt}"] = (
-            xs, [r["repair_forward_ms"] + r["repair_apply_ms"] for r in rows], "--")
-        if "fold_apply_ms" in rows[0]:
+            xs, [r.repair_forward_ms + r.repair_apply_ms for r in rows], "--")
+        if rows[0].fold_apply_ms is not None:
             edits[f"fold (stages 3+4) {dt}"] = (
-                xs, [r["fold_targets_ms"] + r["fold_apply_ms"] for r in rows], "-.")
+                xs, [r.fold_targets_ms + r.fold_apply_ms for r in rows], "-.")
     common.line_plot(out / "edits_ms.png", "One edit (incl. the append)",
                      "context (tokens)", "ms (median)", edits, logy=True)
     return ["decode_ms.png"] + (["alloc_bytes.png"] if alloc else []) + ["edits_ms.png"]
 
 
-def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
+def report_md(res: SpeedResult, images: list[str], image_dir: str, level: int = 1) -> str:
     """The markdown report; ``level`` is the heading level of its title."""
     h = "#" * level
-    m = res["machine"]
+    m = res.machine
     lines = [
-        f"{h} Speed benchmark" + ("" if res["config"].get("device", "cpu") == "cpu"
-                                    else f" on a GPU ({res['config']['device']})"),
+        f"{h} Speed benchmark" + ("" if res.config.device == "cpu"
+                                    else f" on a GPU ({res.config.device})"),
         "",
-        common.regenerate(res),
+        res.regenerate(),
         "",
-        f"Model `{res['model']}`{' (quick)' if res['quick'] else ''}; "
-        + (f"{m['gpu']}; " if m.get("gpu") else "") + f"{m['cpu']}, {m['cores']} cores, "
-        f"{m['torch_threads']} torch threads; torch {m['torch']}, transformers "
-        f"{m['transformers']}; load average {m['loadavg_start'][0]} at the start, "
-        f"{m['loadavg_end'][0]} at the end (other processes share the cores; medians of "
-        f"{res['config']['reps']} decode / {res['config']['prefill_reps']} prefill repetitions, "
+        f"Model `{res.model}`{' (quick)' if res.quick else ''}; "
+        + (f"{m.gpu}; " if m.gpu else "") + f"{m.cpu}, {m.cores} cores, "
+        f"{m.torch_threads} torch threads; torch {m.torch}, transformers "
+        f"{m.transformers}; load average {m.loadavg_start[0]} at the start, "
+        f"{m.loadavg_end[0]} at the end (other processes share the cores; medians of "
+        f"{res.config.reps} decode / {res.config.prefill_reps} prefill repetitions, "
         "contenders alternating within each repetition).",
         "",
     ]

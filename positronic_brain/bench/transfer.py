@@ -19,12 +19,12 @@ and reported under its own heading, with its own tables and method:
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..blend import SELECT_LAYER, check_percents, measure
 from ..compose import Part, compose
@@ -36,6 +36,7 @@ from ..special_tokens import TokenPolicy
 from ..types import CacheParams, Segment, UserError, require
 from . import common, flags
 from .common import Table, fmt
+from .result import Machine, Result, model_facts
 
 
 @dataclass(frozen=True)
@@ -85,22 +86,113 @@ class TransferConfig:
 @dataclass(frozen=True)
 class Section:
     """One part of the benchmark, under its own heading: ``measure(model, policy, cfg,
-    tick)`` -> its results (JSON-ready; ``tick`` advances the progress bar, ``steps(cfg)``
-    times in all); ``facts(config)``, what it measured (a sentence from ``res["config"]``);
-    ``tables`` and ``plots(results, out, model)`` (PNG file names written into ``out``) of
-    its results; ``method``, how it measures (markdown)."""
+    tick)`` -> its result (the field of ``Sections`` named ``name``; ``tick`` advances the
+    progress bar, ``steps(cfg)`` times in all); ``facts(cfg)``, what it measured (a
+    sentence); ``tables`` and ``plots(result, out, model)`` (PNG file names written into
+    ``out``) of its result; ``method``, how it measures (markdown)."""
 
     name: str
     title: str
-    measure: Callable[[Model, TokenPolicy, TransferConfig, Callable[[], None]], dict]
+    measure: Callable[[Model, TokenPolicy, TransferConfig, Callable[[], None]], Any]
     steps: Callable[[TransferConfig], int]
-    facts: Callable[[dict], str]
-    tables: Callable[[dict], list[Table]]
-    plots: Callable[[dict, Path, str], list[str]]
+    facts: Callable[[TransferConfig], str]
+    tables: Callable[[Any], list[Table]]
+    plots: Callable[[Any, Path, str], list[str]]
     method: str
 
 
 # --- compose ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KV:
+    """A cache's deviation from the joint prefill's: ||K - K joint|| / ||K joint|| over
+    every layer, row, head and dimension (V alike)."""
+
+    k: float
+    v: float
+
+
+@dataclass(frozen=True)
+class Deviation(KV):
+    """A composed cache's deviation from the joint prefill: in all, per layer and per part
+    (the mean of its tokens')."""
+
+    layer_k: list[float]
+    layer_v: list[float]
+    part_k: list[float]
+    part_v: list[float]
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """A text's composed cache with R% of its rows recomputed (``blend.measure``'s): the
+    rows, the continuation's NLL, the gap closed (None where composed equals joint) and the
+    deviation left."""
+
+    percent: float
+    rows: int
+    nll: float
+    gap_closed: float | None
+    deviation: KV
+
+
+@dataclass(frozen=True)
+class NLL:
+    """The continuation's NLL under the composed cache and under the joint prefill."""
+
+    composed: float
+    joint: float
+
+
+@dataclass(frozen=True)
+class ComposeRun:
+    """One text composed from its parts and measured against its joint prefill."""
+
+    text: str
+    tokens: int
+    nll: NLL
+    recompute: list[Recompute]
+    deviation: Deviation
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """One R over the texts: the means, and the range of the gap closed."""
+
+    percent: float
+    rows: float | None
+    nll: float | None
+    gap_closed: float | None
+    gap_min: float | None
+    gap_max: float | None
+    k: float | None
+    v: float | None
+
+
+@dataclass(frozen=True)
+class ComposeSummary:
+    """Means over the texts: the NLLs, the deviation in all, per layer and per part, and
+    each R's point of the curve."""
+
+    nll_composed: float | None
+    nll_joint: float | None
+    k: float | None
+    v: float | None
+    layer_k: list[float | None]
+    layer_v: list[float | None]
+    part_k: list[float | None]
+    part_v: list[float | None]
+    curve: list[CurvePoint]
+
+
+@dataclass(frozen=True)
+class Compose:
+    """The compose section: each text's run and their means."""
+
+    runs: list[ComposeRun]
+    summary: ComposeSummary
+
 
 def topic_texts(policy: TokenPolicy, count: int, tokens: int) -> list[tuple[str, list[int]]]:
     """The first ``count`` of Python's help topics (sorted-key order) with at least
@@ -131,7 +223,7 @@ def composed(model: Model, policy: TokenPolicy, ids: list[int], parts: int, size
 
 
 def compose_section(model: Model, policy: TokenPolicy, cfg: TransferConfig,
-                    tick: Callable[[], None]) -> dict:
+                    tick: Callable[[], None]) -> Compose:
     """Each text composed from its parts and measured against its joint prefill."""
     runs = []
     n = cfg.parts * cfg.part_tokens
@@ -142,14 +234,16 @@ def compose_section(model: Model, policy: TokenPolicy, cfg: TransferConfig,
                             cfg.percents, cfg.select_layer)
         d = report["deviation"]
         by_part = [slice(i * cfg.part_tokens, (i + 1) * cfg.part_tokens) for i in range(cfg.parts)]
-        runs.append({"text": key, "tokens": len(ids), "nll": report["nll"], "recompute": report["recompute"],
-                     "deviation": {"k": d["k"], "v": d["v"], "layer_k": d["layer_k"],
-                                   "layer_v": d["layer_v"],
-                                   "part_k": [statistics.fmean(d["token_k"][p]) for p in by_part],
-                                   "part_v": [statistics.fmean(d["token_v"][p]) for p in by_part]},
-                     "seconds": time.perf_counter() - t0})
+        runs.append(ComposeRun(
+            text=key, tokens=len(ids), nll=NLL(**report["nll"]),
+            recompute=[Recompute(**{**x, "deviation": KV(**x["deviation"])})
+                       for x in report["recompute"]],
+            deviation=Deviation(d["k"], d["v"], d["layer_k"], d["layer_v"],
+                                [statistics.fmean(d["token_k"][p]) for p in by_part],
+                                [statistics.fmean(d["token_v"][p]) for p in by_part]),
+            seconds=time.perf_counter() - t0))
         tick()
-    return {"runs": runs, "summary": _summary(runs)}
+    return Compose(runs, _summary(runs))
 
 
 def _mean(xs) -> float | None:
@@ -157,36 +251,35 @@ def _mean(xs) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def _summary(runs: list[dict]) -> dict:
+def _summary(runs: list[ComposeRun]) -> ComposeSummary:
     """Means over the texts: NLLs, each R's gap closed (and its range), each layer's and
     part's deviation."""
-    dev = [r["deviation"] for r in runs]
+    dev = [r.deviation for r in runs]
     curve = []
-    for i, first in enumerate(runs[0]["recompute"]):
-        at = [r["recompute"][i] for r in runs]
-        gaps = [x["gap_closed"] for x in at if x["gap_closed"] is not None]
-        curve.append({"percent": first["percent"], "rows": _mean(x["rows"] for x in at),
-                      "nll": _mean(x["nll"] for x in at), "gap_closed": _mean(gaps),
-                      "gap_min": min(gaps, default=None), "gap_max": max(gaps, default=None),
-                      "k": _mean(x["deviation"]["k"] for x in at),
-                      "v": _mean(x["deviation"]["v"] for x in at)})
-    return {"nll_composed": _mean(r["nll"]["composed"] for r in runs),
-            "nll_joint": _mean(r["nll"]["joint"] for r in runs),
-            "k": _mean(d["k"] for d in dev), "v": _mean(d["v"] for d in dev),
-            **{name: [_mean(col) for col in zip(*(d[name] for d in dev))]
-               for name in ("layer_k", "layer_v", "part_k", "part_v")},
-            "curve": curve}
+    for i, first in enumerate(runs[0].recompute):
+        at = [r.recompute[i] for r in runs]
+        gaps = [x.gap_closed for x in at if x.gap_closed is not None]
+        curve.append(CurvePoint(first.percent, _mean(x.rows for x in at),
+                                _mean(x.nll for x in at), _mean(gaps), min(gaps, default=None),
+                                max(gaps, default=None), _mean(x.deviation.k for x in at),
+                                _mean(x.deviation.v for x in at)))
+    return ComposeSummary(
+        _mean(r.nll.composed for r in runs), _mean(r.nll.joint for r in runs),
+        _mean(d.k for d in dev), _mean(d.v for d in dev),
+        *([_mean(col) for col in zip(*(getattr(d, name) for d in dev))]
+          for name in ("layer_k", "layer_v", "part_k", "part_v")),
+        curve=curve)
 
 
-def compose_tables(c: dict) -> list[Table]:
-    s, runs = c["summary"], c["runs"]
-    rows = [("composed", "0", fmt(s["nll_composed"], 4), "0", "", fmt(s["k"], 4), fmt(s["v"], 4)),
-            ("joint prefill", "all", fmt(s["nll_joint"], 4), "1", "", "0", "0")]
-    rows += [(f"recompute {x['percent']:g}%", fmt(x["rows"], 0), fmt(x["nll"], 4),
-              fmt(x["gap_closed"], 3), f"{fmt(x['gap_min'], 3)} to {fmt(x['gap_max'], 3)}",
-              fmt(x["k"], 4), fmt(x["v"], 4)) for x in s["curve"]]
-    per_text = tuple((r["text"], fmt(r["nll"]["composed"], 4), fmt(r["nll"]["joint"], 4),
-                      *(fmt(x["gap_closed"], 3) for x in r["recompute"])) for r in runs)
+def compose_tables(c: Compose) -> list[Table]:
+    s, runs = c.summary, c.runs
+    rows = [("composed", "0", fmt(s.nll_composed, 4), "0", "", fmt(s.k, 4), fmt(s.v, 4)),
+            ("joint prefill", "all", fmt(s.nll_joint, 4), "1", "", "0", "0")]
+    rows += [(f"recompute {x.percent:g}%", fmt(x.rows, 0), fmt(x.nll, 4),
+              fmt(x.gap_closed, 3), f"{fmt(x.gap_min, 3)} to {fmt(x.gap_max, 3)}",
+              fmt(x.k, 4), fmt(x.v, 4)) for x in s.curve]
+    per_text = tuple((r.text, fmt(r.nll.composed, 4), fmt(r.nll.joint, 4),
+                      *(fmt(x.gap_closed, 3) for x in r.recompute)) for r in runs)
     return [
         Table(f"Compose: the continuation's NLL under each cache (mean over {len(runs)} texts)",
               ("cache", "rows recomputed", "NLL", "gap closed", "gap closed, range",
@@ -195,15 +288,15 @@ def compose_tables(c: dict) -> list[Table]:
               "the mean. Deviation = ||K - K joint|| / ||K joint|| over every layer, row, head "
               "and dimension (V alike)."),
         Table("Compose: gap closed per text", ("text", "NLL composed", "NLL joint",
-                                              *(f"{x['percent']:g}%" for x in s["curve"])),
+                                              *(f"{x.percent:g}%" for x in s.curve)),
               per_text),
         Table("Compose: deviation from the joint prefill by part (mean per-token relative "
               "deviation)", ("part", "K", "V"),
               tuple((str(i + 1), fmt(k, 4), fmt(v, 4))
-                    for i, (k, v) in enumerate(zip(s["part_k"], s["part_v"])))),
+                    for i, (k, v) in enumerate(zip(s.part_k, s.part_v)))),
         Table("Compose: deviation from the joint prefill by layer", ("layer", "K", "V"),
               tuple((str(i), fmt(k, 4), fmt(v, 4))
-                    for i, (k, v) in enumerate(zip(s["layer_k"], s["layer_v"])))),
+                    for i, (k, v) in enumerate(zip(s.layer_k, s.layer_v)))),
     ]
 
 
@@ -232,20 +325,19 @@ COMPOSE_METHOD = """\
   the joint prefill. Gap closed = (NLL composed - NLL at R) / (NLL composed - NLL joint)."""
 
 
-def compose_facts(c: dict) -> str:
-    return (f"{c['texts']} texts, each {c['parts']} parts of {c['part_tokens']} tokens and "
-            f"{c['continuation']} continuation tokens; recompute at "
-            f"{', '.join(f'{p:g}' for p in c['percents'])}% of the rows, selected by their "
-            f"value deviation at layer {c['select_layer']}.")
+def compose_facts(c: TransferConfig) -> str:
+    return (f"{c.texts} texts, each {c.parts} parts of {c.part_tokens} tokens and "
+            f"{c.continuation} continuation tokens; recompute at "
+            f"{', '.join(f'{p:g}' for p in c.percents)}% of the rows, selected by their "
+            f"value deviation at layer {c.select_layer}.")
 
 
-def compose_plots(c: dict, out: Path, model: str) -> list[str]:
+def compose_plots(c: Compose, out: Path, model: str) -> list[str]:
     """Gap closed against R, per text and their mean."""
-    series = {r["text"]: ([x["percent"] for x in r["recompute"]],
-                          [x["gap_closed"] for x in r["recompute"]], ":")
-              for r in c["runs"] if all(x["gap_closed"] is not None for x in r["recompute"])}
-    curve = c["summary"]["curve"]
-    series["mean"] = ([x["percent"] for x in curve], [x["gap_closed"] for x in curve],
+    series = {r.text: ([x.percent for x in r.recompute], [x.gap_closed for x in r.recompute], ":")
+              for r in c.runs if all(x.gap_closed is not None for x in r.recompute)}
+    curve = c.summary.curve
+    series["mean"] = ([x.percent for x in curve], [x.gap_closed for x in curve],
                       {"linestyle": "-", "color": "black"})
     common.line_plot(out / "compose_gap_closed.png",
                      f"Compose: gap closed by recomputing R% of the rows, {model}",
@@ -255,27 +347,76 @@ def compose_plots(c: dict, out: Path, model: str) -> list[str]:
 
 # --- partial transfer ------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Subset:
+    """The document imported with a subset of its layers, the others rebuilt in the
+    target's context: the continuation's NLL, its difference from the full transfer's and
+    the seconds compose took (in ``Partial.subsets``, the means over the texts)."""
+
+    subset: str
+    layers: str
+    transferred: int
+    rebuilt: int
+    nll: float
+    vs_full: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class FullTransfer:
+    """The whole document session composed after the target, no layer rebuilt."""
+
+    nll: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PartialRun:
+    """One text's transfers (``partial.partial_bench``'s report): the tokens the target,
+    the document and the continuation hold, the full transfer and each subset."""
+
+    text: str
+    model: str
+    dtype: str
+    n_layers: int
+    target_cached: int
+    doc_cached: int
+    continuation_tokens: int
+    full: FullTransfer
+    subsets: list[Subset]
+
+
+@dataclass(frozen=True)
+class Partial:
+    """The partial section: each text's run, the full transfer's mean NLL and each
+    subset's means."""
+
+    runs: list[PartialRun]
+    full: float | None
+    subsets: list[Subset]
+
+
 def partial_section(model: Model, policy: TokenPolicy, cfg: TransferConfig,
-                    tick: Callable[[], None]) -> dict:
+                    tick: Callable[[], None]) -> Partial:
     """Per text: part 1 the target, parts 2-3 the document, the continuation after them."""
     runs, size = [], cfg.part_tokens
     for key, ids in topic_texts(policy, cfg.texts, 3 * size + cfg.continuation):
         target, doc = policy.decode(ids[:size]), policy.decode(ids[size:3 * size])
         cont = policy.decode(ids[3 * size:3 * size + cfg.continuation])
-        runs.append({"text": key, **partial_bench(model, policy, target, doc, cont)})
+        report = partial_bench(model, policy, target, doc, cont)
+        runs.append(PartialRun(text=key, **{**report, "full": FullTransfer(**report["full"]),
+                                            "subsets": [Subset(**x) for x in report["subsets"]]}))
         tick()
-    subsets = [{"subset": r["subset"], "layers": r["layers"], "transferred": r["transferred"],
-                "nll": _mean(run["subsets"][i]["nll"] for run in runs),
-                "vs_full": _mean(run["subsets"][i]["vs_full"] for run in runs),
-                "seconds": _mean(run["subsets"][i]["seconds"] for run in runs)}
-               for i, r in enumerate(runs[0]["subsets"])]
-    return {"runs": runs, "full": _mean(r["full"]["nll"] for r in runs), "subsets": subsets}
+    subsets = [dataclasses.replace(r, **{name: _mean(getattr(run.subsets[i], name) for run in runs)
+                                         for name in ("nll", "vs_full", "seconds")})
+               for i, r in enumerate(runs[0].subsets)]
+    return Partial(runs, _mean(r.full.nll for r in runs), subsets)
 
 
-def partial_tables(c: dict) -> list[Table]:
-    rows = [("full transfer", "all", "0", f"{c['full']:.4f}", "0", "")]
-    rows += [(r["subset"], r["layers"], str(r["transferred"]), f"{r['nll']:.4f}",
-              f"{r['vs_full']:+.4f}", f"{r['seconds']:.2f}") for r in c["subsets"]]
+def partial_tables(c: Partial) -> list[Table]:
+    rows = [("full transfer", "all", "0", f"{c.full:.4f}", "0", "")]
+    rows += [(r.subset, r.layers, str(r.transferred), f"{r.nll:.4f}",
+              f"{r.vs_full:+.4f}", f"{r.seconds:.2f}") for r in c.subsets]
     return [Table("Partial transfer: the continuation's NLL by layers transferred (mean over "
                   "texts)", ("subset", "layers transferred", "count", "NLL", "vs full",
                              "compose s (rebuild)"), tuple(rows),
@@ -283,9 +424,9 @@ def partial_tables(c: dict) -> list[Table]:
                   "target's context; subset none rebuilds them all (the joint prefill).")]
 
 
-def partial_facts(c: dict) -> str:
-    return (f"{c['texts']} texts: part 1 ({c['part_tokens']} tokens) the target, parts 2-3 "
-            f"the document, then {c['continuation']} continuation tokens.")
+def partial_facts(c: TransferConfig) -> str:
+    return (f"{c.texts} texts: part 1 ({c.part_tokens} tokens) the target, parts 2-3 "
+            f"the document, then {c.continuation} continuation tokens.")
 
 
 PARTIAL_METHOD = """- **Sessions**: the target (the text's first part) and the document (its next two parts)
@@ -300,8 +441,25 @@ PARTIAL_METHOD = """- **Sessions**: the target (the text's first part) and the d
 
 # --- projector --------------------------------------------------------------------------------
 
+@dataclass(frozen=True, kw_only=True)
+class ProjectorRun(TrainParams):
+    """The projector's training: its ``TrainParams`` and ``transfer.train_projector``'s
+    report (the held-out KL before, after the fit and after the Adam steps)."""
+
+    source: str
+    target: str
+    layer_map: list[int]
+    train_windows: int
+    held_out_windows: int
+    tokens: int
+    kl_before: float
+    kl_fit: float | None
+    kl_after: float
+    seconds: float
+
+
 def projector_section(model: Model, policy: TokenPolicy, cfg: TransferConfig,
-                      tick: Callable[[], None]) -> dict:
+                      tick: Callable[[], None]) -> ProjectorRun:
     """The model's projector onto itself from the perturbed identity, on help-topic text."""
     from pydoc_data.topics import topics
 
@@ -312,26 +470,26 @@ def projector_section(model: Model, policy: TokenPolicy, cfg: TransferConfig,
             break
     report = projector_bench(model, ids[:cfg.projector_tokens], cfg.projector_steps)
     tick()
-    return report
+    return ProjectorRun(**report)
 
 
-def projector_tables(c: dict) -> list[Table]:
+def projector_tables(c: ProjectorRun) -> list[Table]:
     return [Table("Projector onto the same model from the perturbed identity: held-out KL",
                   ("projector", "held-out KL (nats/token)", "train windows",
                    "held-out windows", "steps", "seconds"),
-                  (("before training", f"{c['kl_before']:.4f}", "", "", "", ""),
-                   ("after the least-squares fit", f"{c['kl_fit']:.4f}", str(c["train_windows"]),
-                    str(c["held_out_windows"]), "0", ""),
-                   ("after the fit and the Adam steps", f"{c['kl_after']:.4f}",
-                    str(c["train_windows"]), str(c["held_out_windows"]), str(c["steps"]),
-                    f"{c['seconds']:.0f}")),
-                  f"Windows of {c['prefix']} prefix + {c['continuation']} continuation tokens; "
+                  (("before training", f"{c.kl_before:.4f}", "", "", "", ""),
+                   ("after the least-squares fit", f"{c.kl_fit:.4f}", str(c.train_windows),
+                    str(c.held_out_windows), "0", ""),
+                   ("after the fit and the Adam steps", f"{c.kl_after:.4f}",
+                    str(c.train_windows), str(c.held_out_windows), str(c.steps),
+                    f"{c.seconds:.0f}")),
+                  f"Windows of {c.prefix} prefix + {c.continuation} continuation tokens; "
                   f"KL(B with its own prefix cache || B with the projected one).")]
 
 
-def projector_facts(c: dict) -> str:
-    return (f"{c['projector_tokens']} tokens of help-topic text (the first 80% trains), "
-            f"{c['projector_steps']} steps.")
+def projector_facts(c: TransferConfig) -> str:
+    return (f"{c.projector_tokens} tokens of help-topic text (the first 80% trains), "
+            f"{c.projector_steps} steps.")
 
 
 PROJECTOR_METHOD = """- **Projector**: per layer a linear map of the un-rotated keys and of the values
@@ -363,47 +521,65 @@ SECTIONS = (Section("compose", "Compose: a text from parts primed apart", compos
 
 # --- the benchmark ---------------------------------------------------------------------------
 
-def run(cfg: TransferConfig, command: str) -> dict:
-    """Every section, as one JSON-ready dict."""
+@dataclass(frozen=True)
+class Sections:
+    """Each section's result, under its ``Section``'s name."""
+
+    compose: Compose
+    partial: Partial
+    projector: ProjectorRun
+
+
+@dataclass(kw_only=True)
+class TransferResult(Result):
+    """A run: its config (the parts fitted to the model's positions), the model's dtype and
+    positions, and each section's result."""
+
+    config: TransferConfig
+    dtype: str
+    max_positions: int
+    sections: Sections
+
+
+def run(cfg: TransferConfig, command: str) -> TransferResult:
+    """Every section, in one result."""
     t0 = time.perf_counter()
-    info = common.machine()
+    machine = Machine.now()
     model = load_model(cfg.model, cfg.dtype, cfg.device)
     cfg = cfg.fitted(model.spec.max_positions)
     policy = TokenPolicy(model.tokenizer)
-    res = {"benchmark": "transfer", "command": command, "model": cfg.model, "dtype": cfg.dtype,
-           "quick": cfg.quick, "machine": info, "max_positions": model.spec.max_positions,
-           "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"},
-           "sections": {}}
     with common.progress() as task:
-        for s in SECTIONS:
-            res["sections"][s.name] = s.measure(model, policy, cfg, task(s.name, s.steps(cfg)))
-    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    res["elapsed_s"] = time.perf_counter() - t0
-    return res
+        sections = {s.name: s.measure(model, policy, cfg, task(s.name, s.steps(cfg)))
+                    for s in SECTIONS}
+    return TransferResult(benchmark="transfer", command=command, model=cfg.model,
+                          quick=cfg.quick, machine=machine.ended(), config=cfg, dtype=cfg.dtype,
+                          max_positions=model.spec.max_positions, sections=Sections(**sections),
+                          elapsed_s=time.perf_counter() - t0)
 
 
-def tables(res: dict) -> list[Table]:
+def tables(res: TransferResult) -> list[Table]:
     return [t for s, r in _measured(res) for t in s.tables(r)]
 
 
-def _measured(res: dict) -> list[tuple[Section, dict]]:
-    return [(s, res["sections"][s.name]) for s in SECTIONS if s.name in res["sections"]]
+def _measured(res: TransferResult) -> list[tuple[Section, Any]]:
+    return [(s, getattr(res.sections, s.name)) for s in SECTIONS]
 
 
-def plots(res: dict, out: Path) -> list[str]:
+def plots(res: TransferResult, out: Path) -> list[str]:
     """Every section's PNG plots into ``out``; returns their file names."""
-    return [name for s, r in _measured(res) for name in s.plots(r, out, res["model"])]
+    return [name for s, r in _measured(res) for name in s.plots(r, out, res.model)]
 
 
-def report_md(res: dict, images: list[str], image_dir: str, level: int = 1) -> str:
+def report_md(res: TransferResult, images: list[str], image_dir: str, level: int = 1) -> str:
     """The markdown report, a heading per section; ``level`` is its title's. ``images``:
     the plots' file names, each under the section whose name it starts with."""
     h = "#" * level
     lines = [f"{h} Transfer benchmark: caches carried into another context", "",
-             common.regenerate(res), "",
-             f"{common.model_facts(res)}; {common.machine_facts(res['machine'])}.", ""]
+             res.regenerate(), "",
+             f"{model_facts(res.model, res.dtype, res.quick, res.max_positions)}; "
+             f"{res.machine.facts()}.", ""]
     for s, r in _measured(res):
-        lines += [f"{h}# {s.title}", "", s.facts(res["config"]), ""]
+        lines += [f"{h}# {s.title}", "", s.facts(res.config), ""]
         for tb in s.tables(r):
             lines += [f"{h}## {tb.title}", "", tb.markdown(), ""]
         lines += [f"![{name}]({image_dir}/{name})" for name in images

@@ -1,0 +1,158 @@
+"""What every benchmark's result holds and how it is shown: ``Result`` (the run's command,
+model, machine, targets and time; each benchmark's result is a dataclass that adds its
+config and its rows), ``Target`` and its table, ``Machine``, and ``Journal``, the file
+that lets an interrupted grid resume where it stopped.
+
+A result becomes JSON in one way (``Result.to_json``: its fields, nested dataclasses
+included), written as results.json and printed by ``--json``; tables, plots and the
+report read its attributes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..types import UserError
+from .common import Table, cpu_name, duration, fmt
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The machine a run measured on, and its load at the start and at the end."""
+
+    cpu: str
+    cores: int | None
+    torch_threads: int
+    torch: str
+    transformers: str
+    python: str
+    loadavg_start: tuple[float, ...]
+    loadavg_end: tuple[float, ...] = ()
+    gpu: str | None = None
+
+    @classmethod
+    def now(cls) -> "Machine":
+        import transformers
+
+        return cls(cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
+                   transformers.__version__, platform.python_version(), _load(),
+                   gpu=torch.cuda.get_device_name() if torch.cuda.is_initialized() else None)
+
+    def ended(self) -> "Machine":
+        """The same machine with its load average now, at the end of the run."""
+        return dataclasses.replace(self, loadavg_end=_load())
+
+    def facts(self, threads: bool = False) -> str:
+        """The machine as a report names it: GPU, CPU, cores, (torch threads,) load."""
+        end = self.loadavg_end[0] if self.loadavg_end else "–"
+        return ((f"{self.gpu} (GPU), " if self.gpu else "") + f"{self.cpu}, {self.cores} cores, "
+                + (f"{self.torch_threads} torch thread(s), " if threads else "")
+                + f"load average {self.loadavg_start[0]} at the start, {end} at the end")
+
+
+def _load() -> tuple[float, ...]:
+    return tuple(round(x, 2) for x in os.getloadavg())
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal from the project's issues, reported and never asserted: ``met`` is None
+    where nothing was measured to hold against it."""
+
+    what: str
+    value: float | None
+    target: str  # e.g. ">= 0.95"
+    met: bool | None
+    dtype: str | None = None  # the precision it was measured in, where a run has several
+    unit: str | None = None  # "B": ``value`` is a count of bytes
+    context: int | None = None  # the context (tokens) it was measured at, where one
+
+
+def target_table(targets: list[Target], digits: int = 3, note: str = "") -> Table:
+    """The targets as a table (a dtype column where any target names one)."""
+    dtypes = any(t.dtype for t in targets)
+
+    def value(t: Target) -> str:
+        return f"{t.value:,.0f} B" if t.unit == "B" and t.value is not None else fmt(t.value, digits)
+
+    return Table(
+        "Targets (reported, not asserted)",
+        ("what", *(("dtype",) if dtypes else ()), "value", "target", "met"),
+        tuple((t.what, *((t.dtype or "–",) if dtypes else ()), value(t), t.target,
+               "–" if t.met is None else "yes" if t.met else "NO") for t in targets),
+        note)
+
+
+@dataclass(kw_only=True)
+class Result:
+    """What every benchmark's result holds; each benchmark's result adds its ``config``
+    and its rows."""
+
+    benchmark: str
+    command: str  # the command that reproduces the run
+    model: str
+    quick: bool
+    machine: Machine
+    targets: list[Target] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def to_json(self) -> dict:
+        """The result as JSON: every field, nested dataclasses as objects."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def regenerate(self, quick_version: bool = True) -> str:
+        """A report's first sentence: the command that made it, how long it took, and that
+        every number in it comes from that run."""
+        quick = "; `make bench` runs the quick version" if quick_version else ""
+        return (f"Regenerate with `{self.command}` (this run took "
+                f"{duration(self.elapsed_s)}{quick}). Every number below comes from that one run.")
+
+
+def model_facts(model: str, dtype: str, quick: bool, max_positions: int) -> str:
+    """``Model `smollm2` (float32, quick), 8192 positions``: a report's first facts."""
+    return f"Model `{model}` ({dtype}{', quick' if quick else ''}), {max_positions} positions"
+
+
+# --- resuming ---------------------------------------------------------------------------------
+
+class Journal:
+    """``items.jsonl`` in a run's ``--out`` folder: a first line naming the benchmark and
+    its config, then one line per finished item of its grid (the item's index in the
+    grid's list and its row), written as each finishes. A run with ``--resume`` keeps the
+    rows of a journal whose first line is its own and measures only the rest; any other
+    journal there is refused (without ``--resume`` a run starts a new one)."""
+
+    def __init__(self, path: Path, head: dict, resume: bool, row: type) -> None:
+        self.path, self.row, self.done = path, row, {}
+        first = json.dumps(head, sort_keys=True)
+        if resume and path.exists():
+            lines = path.read_text().splitlines()
+            if lines and lines[0] != first:
+                raise UserError(f"--resume: {path} is another run's (its benchmark or config "
+                                "differs); give another --out or leave out --resume")
+            for line in lines[1:]:
+                try:
+                    item = json.loads(line)
+                    self.done[item["index"]] = row(**item["row"])
+                except (ValueError, KeyError, TypeError):
+                    break  # a line cut short when the run stopped: measured again
+            self._write(first, [json.dumps({"index": i, "row": dataclasses.asdict(r)})
+                                for i, r in self.done.items()])
+        else:
+            self._write(first, [])
+
+    def _write(self, first: str, lines: list[str]) -> None:
+        self.path.write_text("".join(f"{x}\n" for x in (first, *lines)))
+
+    def add(self, index: int, row: Any) -> None:
+        """Item ``index`` is finished: its row goes on the file at once."""
+        with self.path.open("a") as f:
+            f.write(json.dumps({"index": index, "row": dataclasses.asdict(row)}) + "\n")
+        self.done[index] = row

@@ -1,0 +1,66 @@
+"""A grid benchmark's journal (``bench.result.Journal``): what ``--resume`` keeps of an
+interrupted run, and what it refuses."""
+from dataclasses import dataclass
+
+import pytest
+
+from positronic_brain.bench.grid import Pool
+from positronic_brain.bench.result import Journal
+from positronic_brain.cli import main
+from positronic_brain.types import UserError
+
+HEAD = {"benchmark": "demo", "config": {"seed": 0, "lengths": [1024, 2048]}}
+
+
+@dataclass(frozen=True)
+class Row:
+    index: int
+    hits: list
+
+
+def measure(journal, todo, seen):
+    """``todo``'s rows through the grid's pool here, noting each item measured."""
+    def here(item, tick):
+        seen.append(item)
+        tick()
+        return Row(item, [item % 2 == 0])
+    return Pool(1, journal).rows("demo", todo, 1, here, None, None, None)
+
+
+def test_a_resumed_run_measures_only_what_the_journal_lacks(tmp_path):
+    path, seen = tmp_path / "items.jsonl", []
+    first = measure(Journal(path, HEAD, False, Row), [0, 1, 2], seen)
+    assert seen == [0, 1, 2] and [r.index for r in first] == [0, 1, 2]
+    # the run stopped while writing item 2: its line is cut short
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1] + [lines[-1][:10]]) + "\n")
+    seen.clear()
+    again = measure(Journal(path, HEAD, True, Row), [0, 1, 2], seen)
+    assert seen == [2] and again == first
+    seen.clear()
+    assert measure(Journal(path, HEAD, True, Row), [0, 1, 2], seen) == first and seen == []
+
+
+def test_without_resume_a_run_starts_a_new_journal(tmp_path):
+    path, seen = tmp_path / "items.jsonl", []
+    measure(Journal(path, HEAD, False, Row), [0, 1], seen)
+    measure(Journal(path, HEAD, False, Row), [0, 1], seen)
+    assert seen == [0, 1, 0, 1] and len(path.read_text().splitlines()) == 3
+
+
+def test_another_run_s_journal_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "items.jsonl"
+    measure(Journal(path, HEAD, False, Row), [0], [])
+    other = {**HEAD, "config": {**HEAD["config"], "seed": 1}}
+    with pytest.raises(UserError, match="another run's") as e:
+        Journal(path, other, True, Row)
+    assert "\n" not in str(e.value)
+    assert len(path.read_text().splitlines()) == 2  # nothing lost
+
+
+@pytest.mark.parametrize("kind", ["passkey", "ruler", "quality"])
+def test_resume_without_out_is_one_line_and_exit_2(kind, capsys):
+    assert main(["bench", kind, "--quick", "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--resume needs --out (the folder of the run to go on with)")
+    assert "\n" not in err
