@@ -1,8 +1,12 @@
 """The oracle: Hugging Face's own forward (code nobody here wrote) on the same cache."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from positronic_brain.forward import forward
 from positronic_brain.model import Model, hf_forward
@@ -43,3 +47,55 @@ def plain_step(model: Model, view: View, **kwargs) -> ForwardOut:
     a plain stage 1 runs), with its attention row and ``kwargs`` (``forward``'s)."""
     return forward(model, view.k, view.v, view.token_id.new_tensor([view.pending_token]),
                    view.token_id.new_tensor([view.next_position]), want_attention=True, **kwargs)
+
+
+# --- per-head caches ----------------------------------------------------------------------------
+
+PER_HEAD = "positronic_per_head"  # HF's eager attention, each KV head over its own tokens
+
+
+def _per_head_attention(module, query, key, value, attention_mask, scaling, dropout=0.0,
+                        held=None, **kwargs):
+    """Hugging Face's eager attention (``eager_attention_forward``, its weights and
+    softmax) where each query head sees only the cached tokens its KV head holds:
+    ``held[layer]`` (KVH, n) is False where that head does not hold the cached token
+    (the tokens past the cache, this forward's own, every head holds)."""
+    keep = held[module.layer_idx].to(query.device)
+    new = key.shape[2] - keep.shape[1]
+    keep = torch.cat((keep, keep.new_ones(keep.shape[0], new)), 1)
+    keep = keep.repeat_interleave(module.num_key_value_groups, 0)  # (H, T): query heads
+    cut = torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~keep, torch.finfo(query.dtype).min)[None, :, None, :]
+    mask = cut if attention_mask is None else attention_mask + cut
+    return eager_attention_forward(module, query, key, value, mask, scaling, dropout, **kwargs)
+
+
+AttentionInterface.register(PER_HEAD, _per_head_attention)
+AttentionMaskInterface.register(PER_HEAD, eager_mask)
+
+
+@contextmanager
+def per_head(model: Model):
+    """The model's Hugging Face forward with ``_per_head_attention`` (a ``held`` keyword
+    then says what each head holds), its own attention back afterwards."""
+    config = model.hf.config
+    before = config._attn_implementation
+    config._attn_implementation = PER_HEAD
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+@torch.no_grad()
+def hf_step_logits_per_head(model: Model, view: View, held: torch.Tensor) -> torch.Tensor:
+    """HF logits (V,) for the pending token at its position over the union of live tokens
+    (the view's), each (layer, KV head) attending only to those ``held`` (L, KVH, n) says
+    it holds: the oracle for caches whose heads keep different tokens."""
+    require_shape = (view.k.shape[0], view.k.shape[1], view.k.shape[2])
+    assert tuple(held.shape) == require_shape, f"held {tuple(held.shape)} != {require_shape}"
+    with per_head(model):
+        out = hf_forward(model.hf, torch.tensor([[view.pending_token]], device=model.device),
+                         dynamic_cache(view), use_cache=True, held=held,
+                         position_ids=torch.tensor([[view.next_position]], device=model.device))
+    return out.logits[0, -1].float()

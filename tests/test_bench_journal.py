@@ -64,3 +64,20 @@ def test_resume_without_out_is_one_line_and_exit_2(kind, capsys):
     err = capsys.readouterr().err.strip()
     assert err.endswith("--resume needs --out (the folder of the run to go on with)")
     assert "\n" not in err
+
+
+def test_a_run_that_measures_nothing_leaves_the_journal_it_found(tmp_path):
+    """A journal is written anew from the first item a run finishes: a run that stops
+    before (a bad option, an error in its first item) loses nothing."""
+    path = tmp_path / "items.jsonl"
+    measure(Journal(path, HEAD, False, Row), [0, 1], [])
+    before = path.read_text()
+
+    def fail(item, tick):
+        raise RuntimeError("stopped")
+
+    for resume in (False, True):  # resumed, items 0 and 1 are kept and item 2 fails
+        with pytest.raises(RuntimeError):
+            Pool(1, Journal(path, HEAD, resume, Row)).rows("demo", [0, 1, 2], 1, fail, None,
+                                                            None, None)
+        assert path.read_text() == before

@@ -240,14 +240,14 @@ def main(args, bench) -> int:
     out = common.out_dir(args)
     pool = {}
     if Workers in bench.FLAGS:
+        if args.ray is not None:
+            check_address(args.ray)
+        jobs = None if args.ray and args.jobs is None else common.jobs(args)
         journal = None
         if out is not None:
             head = {"benchmark": args.kind, "config": dataclasses.asdict(cfg)}
             journal = Journal(out / "items.jsonl", json.loads(json.dumps(head)),
                               bool(args.resume), bench.ROW)
-        if args.ray is not None:
-            check_address(args.ray)
-        jobs = None if args.ray and args.jobs is None else common.jobs(args)
         pool["pool"] = Pool(jobs, journal, args.ray)
     res = bench.run(cfg, command_line(args.kind, args, bench.FLAGS), **pool)
     section = bench.section(cfg) if hasattr(bench, "section") else args.kind

@@ -48,9 +48,13 @@ class Pool:
     ray: str | None = None
 
     def workers(self, items: int) -> int:
-        """The processes (Ray: actors) that measure ``items`` items; 0: one per CPU of the
-        Ray cluster."""
-        return min(self.jobs or 0, items)
+        """The processes (Ray: actors) that measure a grid of ``items`` items, those the
+        journal holds aside (1: here; 0: one per CPU of the Ray cluster). Ask before the
+        run: the journal then holds what the run measures too."""
+        left = items - (len(self.journal.done) if self.journal is not None else 0)
+        if self.ray is None and (self.jobs == 1 or left <= 1):
+            return 1
+        return min(self.jobs or 0, left)
 
     def rows(self, label: str, todo: list, cells_each: int, here: Callable,
              there: Callable, cfg, cells: Callable) -> list:
@@ -122,7 +126,8 @@ class _Actor:
 def on_ray(address: str, jobs: int | None, items: list[tuple[int, Any]], there: Callable,
             cfg, cells: Callable, finished: Callable) -> None:
     """``there(item)`` for each (index, item) in single-CPU actors on the Ray cluster at
-    ``address`` (``jobs`` of them; None: one per CPU of the cluster)."""
+    ``address``: ``jobs`` of them (None: one per CPU of the cluster), at most as many as
+    it has CPUs free (an actor waiting for one would hold its items for ever)."""
     try:
         import ray  # pylint: disable=import-outside-toplevel  # an optional extra
         from ray.util import ActorPool  # pylint: disable=import-outside-toplevel
@@ -136,11 +141,14 @@ def on_ray(address: str, jobs: int | None, items: list[tuple[int, Any]], there: 
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"--ray {address}: {why}") from None
     try:
-        n = jobs or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        free = max(1, int(ray.available_resources().get("CPU", 1)))  # an actor a CPU
         actor = ray.remote(num_cpus=1)(_Actor)
-        pool = ActorPool([actor.remote(cfg, cells) for _ in range(min(n, len(items)))])
+        pool = ActorPool([actor.remote(cfg, cells) for _ in range(min(jobs or free, free,
+                                                                      len(items)))])
         for i, row in pool.map_unordered(lambda a, x: a.measure.remote(there, *x), items):
             finished(i, row)
+    except ray.exceptions.RayTaskError as e:  # a user's error, as it would be here
+        raise (e.cause if isinstance(e.cause, UserError) else e) from None
     finally:
         if started:
             ray.shutdown()

@@ -387,12 +387,13 @@ def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
     for n in cfg.lengths:  # fail before the progress bar: each length holds the task
         fit(policy, 10000, 0.5, n, cfg.framing)
     todo = trials(cfg.seed, cfg.trials, cfg.lengths)
+    workers = pool.workers(len(todo))
     rows = run_trials(cfg, model, policy, todo, pool)
     ref = _cell_row(rows, 0, "none", None, {})
     res = PasskeyResult(
         benchmark="passkey", command=command, model=cfg.model, quick=cfg.quick,
         machine=machine, config=cfg, base=options.settings(dict(cfg.params)), dtype=cfg.dtype,
-        max_positions=model.spec.max_positions, workers=pool.workers(len(todo)), ray=pool.ray,
+        max_positions=model.spec.max_positions, workers=workers, ray=pool.ray,
         trials=rows, reference=ref,
         runs=[_cell_row(rows, i, c.policy, c.budget, c.variant, ref)
               for i, c in enumerate(cells(cfg), 1)],

@@ -32,6 +32,7 @@ its second half (from ``--at``), a disjoint part on which scorer parameters are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import hashlib
 import math
@@ -438,9 +439,10 @@ def _oracles(runs: list[Streamed]) -> tuple[Oracle, ...]:
     return tuple(s.oracle for s in runs)
 
 
-def _worker_ids(cfg: QualityConfig) -> list[int]:
-    """A Ray worker's copy of the text's tokens (``grid.WORKER["grid"]``)."""
-    return grid.WORKER["policy"].encode(read_text(cfg.text))
+def _given_ids(ids: list[int], _cfg: QualityConfig) -> list[int]:
+    """A Ray worker's copy of the text's tokens (``grid.WORKER["grid"]``): the driver's,
+    whatever folder and files the worker's node has."""
+    return ids
 
 
 def _ray_job(item: tuple[Job, tuple[Oracle, ...] | None]) -> list[Streamed]:
@@ -448,7 +450,7 @@ def _ray_job(item: tuple[Job, tuple[Oracle, ...] | None]) -> list[Streamed]:
     return item[0].run(w["model"], w["policy"], w["grid"], None, item[1])
 
 
-def _on_ray(cfg: QualityConfig, jobs: list[Job], pool: Pool, ticks: list,
+def _on_ray(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool, ticks: list,
             finished) -> list[list[Streamed]]:
     """``execute`` on the Ray cluster of ``pool``: the oracle jobs after the rest."""
     results: list = [None] * len(jobs)
@@ -460,13 +462,13 @@ def _on_ray(cfg: QualityConfig, jobs: list[Job], pool: Pool, ticks: list,
             ticks[i]()
 
     first = [i for i, j in enumerate(jobs) if j.kind != "oracle"]
+    given = functools.partial(_given_ids, ids)
     grid.on_ray(pool.ray, pool.jobs, [(i, (jobs[i], None)) for i in first], _ray_job, cfg,
-                _worker_ids, done)
+                given, done)
     if len(first) < len(jobs):
         oracles = _oracles(next(results[i] for i in first if jobs[i].record))
         grid.on_ray(pool.ray, pool.jobs, [(i, (j, oracles)) for i, j in enumerate(jobs)
-                                          if j.kind == "oracle"], _ray_job, cfg,
-                    _worker_ids, done)
+                                          if j.kind == "oracle"], _ray_job, cfg, given, done)
     return results
 
 
@@ -481,11 +483,11 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool,
     (rec,) = [i for i in first if jobs[i].record] if later else [None]
     results: list = [None] * len(jobs)
     finished = finished or (lambda i, runs: None)
-    workers = pool.workers(len(jobs))
+    workers = dataclasses.replace(pool, journal=None).workers(len(jobs))  # these jobs
     with common.progress() as task:
         ticks = [task(j.label, j.steps * len(j.starts)) for j in jobs]
         if pool.ray is not None:
-            return _on_ray(cfg, jobs, pool, ticks, finished)
+            return _on_ray(cfg, jobs, ids, pool, ticks, finished)
         if workers == 1:
             model = load_model(cfg.model, cfg.dtype, cfg.device)
             policy = TokenPolicy(model.tokenizer)
@@ -696,6 +698,7 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
     del model
     room = slice_range(len(all_ids), cfg.slice, cfg.at)
     jobs = plan(cfg, limit, room)
+    workers = pool.workers(len(jobs))
     done = list(zip(jobs, measure(cfg, jobs, all_ids, pool)))
     rows = {kind: [_run(j, m) for j, m in done if j.kind == kind]
             for kind in ("reference", "grid", "oracle")}
@@ -703,7 +706,7 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
         benchmark="quality", command=command, model=cfg.model, quick=cfg.quick,
         machine=machine, config=cfg, base=options.settings(dict(cfg.params)),
         warmup=cfg.warmup, dtype=cfg.dtype, max_positions=limit,
-        workers=pool.workers(len(jobs)), ray=pool.ray,
+        workers=workers, ray=pool.ray,
         text=Text(cfg.text, TEXTS.get(cfg.text, "a file"), len(text), len(all_ids),
                   hashlib.sha256(text.encode()).hexdigest()[:16], cfg.slice, room.start,
                   room.stop, jobs[0].starts),

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..types import UserError
-from .common import Table, cpu_name, duration, fmt
+from .common import Table, cpu_name, duration, fmt, write_text
 
 
 @dataclass(frozen=True)
@@ -127,14 +127,15 @@ class Journal:
     its config, then one line per finished item of its grid (the item's index in the
     grid's list and its row), written as each finishes. A run with ``--resume`` keeps the
     rows of a journal whose first line is its own and measures only the rest; any other
-    journal there is refused (without ``--resume`` a run starts a new one)."""
+    journal there is refused (without ``--resume`` a run starts a new one, from the first
+    item it finishes)."""
 
     def __init__(self, path: Path, head: dict, resume: bool, row: type) -> None:
         self.path, self.row, self.done = path, row, {}
-        first = json.dumps(head, sort_keys=True)
+        self.first, self.started = json.dumps(head, sort_keys=True), False
         if resume and path.exists():
             lines = path.read_text().splitlines()
-            if lines and lines[0] != first:
+            if lines and lines[0] != self.first:
                 raise UserError(f"--resume: {path} is another run's (its benchmark or config "
                                 "differs); give another --out or leave out --resume")
             for line in lines[1:]:
@@ -143,16 +144,20 @@ class Journal:
                     self.done[item["index"]] = row(**item["row"])
                 except (ValueError, KeyError, TypeError):
                     break  # a line cut short when the run stopped: measured again
-            self._write(first, [json.dumps({"index": i, "row": dataclasses.asdict(r)})
-                                for i, r in self.done.items()])
-        else:
-            self._write(first, [])
 
-    def _write(self, first: str, lines: list[str]) -> None:
-        self.path.write_text("".join(f"{x}\n" for x in (first, *lines)))
+    @staticmethod
+    def _line(index: int, row: Any) -> str:
+        return json.dumps({"index": index, "row": dataclasses.asdict(row)}) + "\n"
 
     def add(self, index: int, row: Any) -> None:
-        """Item ``index`` is finished: its row goes on the file at once."""
-        with self.path.open("a") as f:
-            f.write(json.dumps({"index": index, "row": dataclasses.asdict(row)}) + "\n")
+        """Item ``index`` is finished: its row goes on the file at once. The first one
+        writes the file anew (atomically: its first line and the rows kept), so a run that
+        stops before measuring anything leaves the journal it found as it was."""
         self.done[index] = row
+        if not self.started:
+            write_text(self.path, self.first + "\n" + "".join(
+                self._line(i, r) for i, r in self.done.items()))
+            self.started = True
+            return
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(self._line(index, row))
