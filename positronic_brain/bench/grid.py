@@ -89,12 +89,13 @@ class Pool:
         return [rows[i] for i in range(len(todo))]
 
 
-def where(what: str, workers: int, ray: str | None) -> str:
-    """Where a run's items were measured, as its report says it (``what``: the items, e.g.
-    ``trials``): `` on the Ray cluster at ...``, `` in 2 single-thread processes``, or
-    nothing (here)."""
-    if ray is not None:
-        return f"; {what} on the Ray cluster at {ray}" + (
+def where(what: str, res) -> str:
+    """Where a result's items were measured, as its report says it (``what``: the items,
+    e.g. ``trials``; ``res``: a result with ``workers`` and ``ray``): `` on the Ray cluster
+    at ...``, `` in 2 single-thread processes``, or nothing (here)."""
+    workers = res.workers or 0
+    if res.ray is not None:
+        return f"; {what} on the Ray cluster at {res.ray}" + (
             f" ({workers} single-CPU actors)" if workers else "")
     return f"; {what} in {workers} single-thread processes" if workers > 1 else ""
 

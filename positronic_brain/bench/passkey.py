@@ -530,12 +530,12 @@ def report_md(res: PasskeyResult, images: list[str], image_dir: str, level: int 
         "",
         res.regenerate(quick_version=False) + only,
         "",
-        f"{model_facts(res.model, res.dtype, res.quick, res.max_positions)}; "
+        f"{model_facts(res)}; "
         f"{len(res.trials)} trials (seed {cfg.seed}), "
         f"prompt lengths {', '.join(map(str, cfg.lengths))} tokens, `{cfg.framing}` "
         f"framing, up to {cfg.max_new_tokens} greedy new tokens; "
         f"{res.machine.facts(threads=res.workers == 1 and res.ray is None)}"
-        + grid.where("trials", res.workers, res.ray)
+        + grid.where("trials", res)
         + ". Full-cache accuracy: "
         f"**{_pct(ref.correct, ref.trials)}**. Protected from culls: {sp['sinks']} "
         f"sinks, {sp['recent']} recent tokens.",

@@ -1042,11 +1042,11 @@ def report_md(res: QualityResult, images: list[str], image_dir: str, level: int 
         "",
         res.regenerate(),
         "",
-        f"{model_facts(res.model, res.dtype, res.quick, res.max_positions)}; text "
+        f"{model_facts(res)}; text "
         f"`{t.source}`: {t.about} ({t.tokens:,} tokens, sha256 {t.sha256}…), slice "
         f"`{t.slice}`: tokens {t.offset:,}-{t.end - 1:,}; grid windows from tokens "
         f"{', '.join(f'{a:,}' for a in t.windows)}, each {res.warmup} unscored tokens then "
-        f"{c.tokens} scored; {res.machine.facts()}{grid.where('runs', res.workers, res.ray)}. "
+        f"{c.tokens} scored; {res.machine.facts()}{grid.where('runs', res)}. "
         f"Protected from culls: {sp['sinks']} sinks, "
         f"{sp['recent']} recent tokens. Brightness: decay {sp['decay']}, gain {sp['gain']}, "
         f"signal {sp['signal']}, aggregation {sp['aggregate']}, "

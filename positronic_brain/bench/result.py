@@ -115,9 +115,11 @@ class Result:
                 f"{duration(self.elapsed_s)}{quick}). Every number below comes from that one run.")
 
 
-def model_facts(model: str, dtype: str, quick: bool, max_positions: int) -> str:
-    """``Model `smollm2` (float32, quick), 8192 positions``: a report's first facts."""
-    return f"Model `{model}` ({dtype}{', quick' if quick else ''}), {max_positions} positions"
+def model_facts(res) -> str:
+    """``Model `smollm2` (float32, quick), 8192 positions``: a report's first facts, from a
+    result with a ``dtype`` and ``max_positions`` beside ``Result``'s fields."""
+    return (f"Model `{res.model}` ({res.dtype}{', quick' if res.quick else ''}), "
+            f"{res.max_positions} positions")
 
 
 # --- resuming ---------------------------------------------------------------------------------
@@ -131,7 +133,7 @@ class Journal:
     item it finishes)."""
 
     def __init__(self, path: Path, head: dict, resume: bool, row: type) -> None:
-        self.path, self.row, self.done = path, row, {}
+        self.path, self.done = path, {}
         self.first, self.started = json.dumps(head, sort_keys=True), False
         if resume and path.exists():
             lines = path.read_text().splitlines()

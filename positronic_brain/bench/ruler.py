@@ -555,11 +555,11 @@ def report_md(res: RulerResult, images: list[str], image_dir: str, level: int = 
     """The markdown report; ``level`` is the heading level of its title."""
     h, cfg = "#" * level, res.config
     lines = [f"{h} RULER benchmark", "", res.regenerate(quick_version=False), "",
-             f"{model_facts(res.model, res.dtype, res.quick, res.max_positions)}; tasks "
+             f"{model_facts(res)}; tasks "
              f"{', '.join(cfg.tasks)}; lengths {', '.join(map(str, cfg.lengths))} tokens; "
              f"{cfg.samples} samples each (seed {cfg.seed}); "
              f"{res.machine.facts(res.workers == 1 and res.ray is None)}"
-             + grid.where("samples", res.workers or 0, res.ray) + ".", ""]
+             + grid.where("samples", res) + ".", ""]
     for tb in tables(res):
         lines += [f"{h}# {tb.title}", "", tb.markdown(), ""]
     if images:

@@ -576,7 +576,7 @@ def report_md(res: TransferResult, images: list[str], image_dir: str, level: int
     h = "#" * level
     lines = [f"{h} Transfer benchmark: caches carried into another context", "",
              res.regenerate(), "",
-             f"{model_facts(res.model, res.dtype, res.quick, res.max_positions)}; "
+             f"{model_facts(res)}; "
              f"{res.machine.facts()}.", ""]
     for s, r in _measured(res):
         lines += [f"{h}# {s.title}", "", s.facts(res.config), ""]
