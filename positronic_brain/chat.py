@@ -10,7 +10,7 @@ is stage 0 on the live state (``Session.extend``): it closes the previous reply,
 user turn and opens the assistant turn, so the cache holds exactly the ids that priming the
 whole conversation would (the model's own end-of-turn token, sampled and still pending, is
 cached as it is; a reply cut short gets the marker added). Culls, repairs and re-indexes
-happen in the steps (stages 2-4) as in any run; with ``CacheParams(prune="turns")`` the
+happen in the steps (stages 2-4) as in any run; with ``CacheParams(allocation="turns")`` the
 oldest whole turns go instead. A turn that cannot fit is refused before anything changes.
 """
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Chat:
     def _prime_system(self, system: str) -> None:
         segments = self.policy.chat([("system", system)], add_generation_prompt=False)
         n, params = sum(len(s.ids) for s in segments), self.session.cache_params
-        need = max(n, params.sinks) + (params.recent if params.prune == "tokens" else 0) + 1
+        need = max(n, params.sinks) + (params.recent if params.allocation.kind != "turns" else 0) + 1
         require(need < params.budget, f"the system prompt has {n} tokens: it leaves no room "
                 f"for a turn in the budget of {params.budget}")
         self.session.prime(segments, self.capacity)
@@ -198,7 +198,7 @@ class Chat:
         s, t, state = self.session, self.totals, self.session.state
         return {"turns": self.turns, "cache_len": state.arena.n if state else 0,
                 "budget": s.cache_params.budget, "capacity": self.capacity,
-                "prune": s.cache_params.prune, "policy": s.cache_params.scorer.name,
+                "allocation": s.cache_params.allocation.kind, "policy": s.cache_params.scorer.name,
                 "next_position": state.next_position if state else 0,
                 "max_position": self.max_position, "steps": t.steps,
                 "ms_per_token": t.ms_per_token,

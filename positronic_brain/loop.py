@@ -22,8 +22,9 @@ from .model import Model
 from .sampler import make_generator
 from .scorers import columns_of, make_scorer, prefill_scorer, reads_total, takes_prefill_scores
 from .special_tokens import TextStream, TokenPolicy
-from .stages.apply import add_cold_store, add_columns, apply, extend, prime, seed
+from .stages.apply import add_cold_store, add_columns, add_heads, apply, extend, prime, seed
 from .stages.decide import decide
+from .stages.decide.allocation import budgets
 from .stages.generate import generate
 from .stages.score import recall_query, score
 from .state import State
@@ -34,12 +35,26 @@ from .types import (CacheParams, Patch, PrefillStats, SamplerParams, Segment, St
 def arena_capacity(model: Model, cache_params: CacheParams, n_prompt: int,
                    new_tokens: int | None = None, room: int = 0) -> int:
     """The arena's slots. With a budget: the budget plus ``room`` (a chat turn's), or the
-    prompt if longer (the first step then culls down to the budget). Without: the prompt
-    plus ``new_tokens``, or the model's positions when that is unknown; never more."""
+    prompt if longer (the first step then culls down to the budget); with a per-head
+    allocation, the most one head may hold (``head_capacity``). Without: the prompt plus
+    ``new_tokens``, or the model's positions when that is unknown; never more."""
     limit = model.spec.max_positions
     if cache_params.budget is not None:
-        return max(cache_params.budget + room, n_prompt)
+        return max(head_capacity(model, cache_params) + room, n_prompt)
     return max(1, min(n_prompt + new_tokens, limit)) if new_tokens is not None else limit
+
+
+def head_capacity(model: Model, params: CacheParams) -> int:
+    """The most slots one (layer, KV head) may hold under ``params``' budget: the budget, or
+    under a per-head allocation its largest head's (``adaptive``: a layer's whole share,
+    ``budget x KV heads``, less what the other heads keep protected)."""
+    spec = model.spec
+    if not params.allocation.per_head:
+        return params.budget
+    per = budgets(params, spec.n_layers, spec.n_kv_heads)
+    if per is not None:
+        return int(per.max())
+    return params.budget * spec.n_kv_heads - (spec.n_kv_heads - 1) * (params.sinks + params.recent)
 
 
 def cold_capacity(cache_params: CacheParams) -> int | None:
@@ -66,10 +81,18 @@ class Session:
         self.generator = make_generator(self.sampler.seed, self.model.device)
         self.scorer = make_scorer(self.cache_params) if scorer is None else scorer
         self.cache_params.check_positions(self.model.spec.max_positions)
+        per_head = self.cache_params.allocation.per_head
+        require(not per_head or hasattr(self.scorer, "score_heads"), f"policy "
+                f"{self.cache_params.scorer.name} scores whole tokens; --allocation "
+                f"{self.cache_params.allocation.kind} takes a per-head one (tova, streaming, "
+                "random, or a scorer with score_heads)")
+        require(not per_head or self.tape.dir is None, "a per-head cache cannot be captured yet")
         if self.state is not None:  # stage 0: what this scorer and recall need of a state
             add_columns(self.state, columns_of(self.scorer))  # made without them
             if self.state.cold is None and self.cache_params.recall:
                 add_cold_store(self.model, self.state, self.cache_params.recall.cold_capacity)
+            if per_head:
+                add_heads(self.state)
 
     def prime(self, segments: list[Segment], capacity: int | None = None,
               stats: bool = False, total: bool = True) -> PrefillStats | None:
@@ -94,6 +117,8 @@ class Session:
                                 cold_capacity=cold_capacity(params),
                                 prefill_window=params.prefill.window if gather else None,
                                 scorer=scorer, prefill_total=(stats and total) or reads_total(scorer))
+        if params.allocation.per_head:
+            add_heads(self.state)
         self.tape.primed(self.state, segments, capacity, out, params if gather else None)
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []

@@ -1,7 +1,7 @@
 """Options made from the config dataclasses: every cache option is stated once, as a field.
 
-``CacheParams``' own fields, its pieces' (``Positions``, ``Prefill``, ``MergeRepair``, ``FoldRepair``,
-``Recall``) and the built-in scorers' are options where they carry a help string
+``CacheParams``' own fields, its pieces' (``Positions``, ``Prefill``, ``Allocation``,
+``MergeRepair``, ``FoldRepair``, ``Recall``) and the built-in scorers' are options where they carry a help string
 (``types.option``). Each has one flat name: its ``flag``, or the field's name after its
 class's ``PREFIX`` (``Recall.every`` is ``recall_every``, ``--recall-every`` on the
 command line). Four more choose the pieces: ``policy`` (the scorer's name), ``param``
@@ -24,10 +24,12 @@ from typing import Any
 
 from .scorers import SCORERS, field_names, make_scorer, scorer_class
 from .scorers import user
-from .types import (REPAIRS, CacheParams, FoldRepair, MergeRepair, Positions, Prefill, Recall, ScorerSpec,
-                    UserError, repair_class, require)
+from .types import (REPAIRS, Allocation, CacheParams, FoldRepair, MergeRepair, Positions, Prefill,
+                    Recall, ScorerSpec, UserError, repair_class, require)
 
-PIECES = (CacheParams, Positions, Prefill, MergeRepair, FoldRepair, Recall)  # where a cache option lives
+# where a cache option lives
+PIECES = (CacheParams, Positions, Prefill, Allocation, MergeRepair, FoldRepair, Recall)
+
 @dataclass(frozen=True)
 class Option:
     """One cache option: its flat ``name``, the config class and field it sets, its type
@@ -182,8 +184,8 @@ def cache_params(given: dict[str, Any], base: CacheParams | None = None,
     if given.get("recall") is not None:
         recall = (base.recall or Recall()) if given["recall"] else None
     given = {k: v for k, v in given.items() if k in FIELDS}
-    pieces = {Positions: base.positions, Prefill: base.prefill, MergeRepair: repair,
-              FoldRepair: repair, Recall: recall}
+    pieces = {Positions: base.positions, Prefill: base.prefill, Allocation: base.allocation,
+              MergeRepair: repair, FoldRepair: repair, Recall: recall}
     for cls, piece in pieces.items():
         names = [k for k in given if FIELDS[k].owner is cls]
         if not names or not (strict or isinstance(piece, cls)):
@@ -194,7 +196,7 @@ def cache_params(given: dict[str, Any], base: CacheParams | None = None,
     top = {FIELDS[k].field: v for k, v in given.items() if FIELDS[k].owner is CacheParams}
     params = dataclasses.replace(
         base, **top, scorer=ScorerSpec(spec.name, fields), positions=pieces[Positions],
-        prefill=pieces[Prefill], repair=pieces[MergeRepair] if isinstance(repair, MergeRepair)
+        prefill=pieces[Prefill], allocation=pieces[Allocation], repair=pieces[MergeRepair] if isinstance(repair, MergeRepair)
         else pieces[FoldRepair] if isinstance(repair, FoldRepair) else None, recall=pieces[Recall])
     make_scorer(params)
     return params
@@ -247,15 +249,13 @@ def pairs(text: str, what: str) -> dict[str, str]:
 
 # --- the CLI --------------------------------------------------------------------------------
 
-def add_cache_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("prune",)) -> None:
-    """The cache flags, each from its option (``skip``: those this command does not take).
-    A flag not given is absent from the parsed args (``given``)."""
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """The cache flags, each from its option. A flag not given is absent from the parsed
+    args (``given``)."""
     g = p.add_argument_group("cache (see docs/CACHE.md: budgets, policies, repair, recall, "
                              "positions; docs/OPTIONS.md)")
     none = argparse.SUPPRESS
     for o in OPTIONS.values():
-        if o.name in skip:
-            continue
         kw = {"default": none, "help": o.help + _default_text(o), "dest": o.name}
         if o.hint in (bool, bool | None):
             g.add_argument(o.flag, action=argparse.BooleanOptionalAction, **kw)
@@ -304,7 +304,7 @@ def reference() -> str:
     lines = ["# Cache options", "",
              "Every cache option, made from the config dataclasses' fields by "
              "`python -m positronic_brain.options > docs/OPTIONS.md` (a test holds this page "
-             "to it). Each is a flag of `run`, `chat` (`--prune` there only) and `fork`, and "
+             "to it). Each is a flag of `run`, `chat` and `fork`, and "
              "a name for `bench quality --params NAME=VALUE,...` and `bench passkey`'s "
              "variants. A piece's option given while the piece is off, or a scorer field the "
              "chosen scorer lacks, is refused in one line.", ""]
@@ -342,7 +342,7 @@ def flat(params: CacheParams) -> dict[str, Any]:
     out = {"policy": params.scorer.name, "repair": params.repair_name,
            "recall": params.recall is not None}
     pieces = {CacheParams: params, Positions: params.positions, Prefill: params.prefill,
-              MergeRepair: params.repair, FoldRepair: params.repair, Recall: params.recall}
+              Allocation: params.allocation, MergeRepair: params.repair, FoldRepair: params.repair, Recall: params.recall}
     out |= {o.name: getattr(pieces[o.owner], o.field) for o in FIELDS.values()
             if isinstance(pieces[o.owner], o.owner)}
     return out | dict(params.scorer.params)

@@ -74,6 +74,9 @@ def from_plain(x):
         cls = TYPES.get(x["__type__"])
         require(cls is not None, f"unknown saved type {x['__type__']!r}")
         values = {k: from_plain(v) for k, v in x.items() if k != "__type__"}
+        if x["__type__"] == "CacheParams" and "prune" in values:  # saved before Allocation
+            values["allocation"] = _types.Allocation(
+                "turns" if values.pop("prune") == "turns" else "token")
         check_types(cls, values, f"a saved {x['__type__']}")
         return cls(**values)
     return {k: from_plain(v) for k, v in x.items()}

@@ -45,7 +45,7 @@ from .special_tokens import TokenPolicy
 from .stages.apply import restore
 from .scorers.brightness import Brightness
 from .scorers.h2o import H2O
-from .state import LEDGER_TENSORS, Ledger, State, key_norms, restore_args
+from .state import LEDGER_TENSORS, STATE_PARTS, Ledger, State, key_norms, restore_args
 from .types import SOURCES, UserError, inconsistent, require
 
 FORMAT = "positronic-brain-session/7"
@@ -60,8 +60,7 @@ FORMAT_4 = "positronic-brain-session/4"
 RUNTIME = ("model", "policy", "state", "tape")
 PARTIAL = "partial"  # the header entry of a partial session file: {"layers": [...]}
 # the state's and the ledger's fields a file holds as JSON (not their tensors)
-STATE_FIELDS = tuple(f.name for f in dataclasses.fields(State)
-                     if f.name not in ("arena", "ledger", "cold"))
+STATE_FIELDS = tuple(f.name for f in dataclasses.fields(State) if f.name not in STATE_PARTS)
 LEDGER_FIELDS = tuple(f.name for f in dataclasses.fields(Ledger) if f.name not in LEDGER_TENSORS)
 
 
@@ -259,6 +258,7 @@ def _flat_params(session: dict) -> dict:
     flat = {k: from_plain(v) for k, v in session["cache_params"].items() if k != "__type__"}
     flat["policy"] = flat.pop("scorer")
     flat["param"] = [i for i in flat.pop("scorer_params", "").split(",") if i.strip()]
+    flat["allocation"] = "turns" if flat.pop("prune", "tokens") == "turns" else "token"
     params = options.cache_params(flat, strict=False)
     return {**session, "cache_params": to_plain(params, json=True)}
 

@@ -5,12 +5,13 @@ or a ledger lives in ``positronic_brain.stages.apply`` (stage 0/4).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from .model import ModelSpec
-from .types import SOURCES, Column
+from .types import SOURCES, Column, require
 
 FLAG_PROTECTED = 1  # never culled (e.g. a pinned system prompt)
 
@@ -407,6 +408,50 @@ class ColdView:
         return self.k.shape[2]
 
 
+@dataclass(eq=False)
+class Heads:
+    """A per-head cache's map (``Allocation.per_head``; ``stages.apply.heads``): which
+    ledger row each (layer, KV head, slot) of the arena holds (-1: none), and each head's
+    live count; a head's live slots are its dense prefix ``[0, n)``. A view's is of the
+    slots stage 1 reads (the largest head's count)."""
+
+    row: torch.Tensor  # (L, kv_heads, capacity) int64 ledger rows, -1 where free
+    n: torch.Tensor  # (L, kv_heads) int64
+
+    def live(self, width: int) -> torch.Tensor:
+        """(L, kv_heads, width) bool: the slots each head holds among the first ``width``."""
+        return torch.arange(width, device=self.n.device) < self.n.unsqueeze(-1)
+
+    def mask(self, width: int, log_mass: torch.Tensor | None) -> torch.Tensor | None:
+        """What stage 1 adds to the scores of the first ``width`` slots: -inf where a head
+        holds no token (its count below ``width``), else the slot's ``log_mass`` (None:
+        every head holds them all, nothing folded)."""
+        if int(self.n.min()) >= width:
+            return log_mass
+        base = log_mass if log_mass is not None else torch.zeros(
+            self.row.shape[:2] + (width,), device=self.n.device)
+        return base.masked_fill(~self.live(width), -math.inf)
+
+    def check_valid(self, ledger: "Ledger", width: int, capacity: int) -> None:
+        """Every (layer, KV head, slot) accounted for: a head's live slots hold distinct live
+        ledger rows and its free ones none; every ledger row is held by some head; the
+        arena's live width is the largest head's count."""
+        L, KVH, cap = self.row.shape
+        assert cap == capacity and self.n.shape == (L, KVH), "head map shapes"
+        assert int(self.n.min()) >= 0 and int(self.n.max()) == width, \
+            f"the arena's {width} live slots are not the largest head's count"
+        live = self.live(cap)
+        rows = self.row
+        assert bool((rows[~live] == -1).all()), "a free slot of a head holds a row"
+        assert bool(((rows[live] >= 0) & (rows[live] < ledger.n)).all()), \
+            "a head's slot holds no live ledger row"
+        key = (torch.arange(L * KVH, device=rows.device).view(L, KVH, 1) * (ledger.n + 1)
+               + rows)[live]
+        assert torch.unique(key).numel() == key.numel(), "a head holds a token twice"
+        held = torch.bincount(rows[live], minlength=ledger.n)
+        assert ledger.n == 0 or int(held.min()) > 0, "a ledger row no head holds"
+
+
 @dataclass(frozen=True)
 class View:
     """What stages 1-3 see: views of the live prefix, never copies, never to be written.
@@ -434,6 +479,9 @@ class View:
     cold: ColdView | None = None  # the cold store's rows (recall); None without recall
     origins: tuple[str, ...] = ()  # the ledger's origins table
     specs: dict[str, Column] = field(default_factory=dict)  # the columns' declarations
+    # a per-head cache's map over the k/v slots (row: (L, kv_heads, width)); None: whole tokens,
+    # slot i holding ledger row i
+    heads: Heads | None = None
 
     @property
     def n(self) -> int:
@@ -452,12 +500,16 @@ class State:
     step: int = 0  # number of stage-4 applications so far
     pinned: tuple[str, ...] = ()  # prime's protected sources (stage 4 flags the pending token)
     cold: Cold | None = None  # the recall tier (CacheParams.recall); None without it
+    heads: Heads | None = None  # a per-head cache's map (Allocation.per_head); None: whole tokens
 
     def view(self) -> View:
-        n, m = self.arena.n, self.ledger
+        n, m, h = self.arena.n, self.ledger, self.heads
         k, v, log_mass = self.arena.past(n)
         knorm, vnorm = self.arena.norms(n)
-        return View(k=k, v=v, log_mass=log_mass, knorm=knorm, vnorm=vnorm,
+        if h is not None:
+            log_mass = h.mask(n, log_mass)
+            h = Heads(row=h.row[:, :, :n], n=h.n)
+        return View(k=k, v=v, log_mass=log_mass, knorm=knorm, vnorm=vnorm, heads=h,
                     **{c: m.live(c) for c in VIEW_COLUMNS},
                     columns={c: m.live(c) for c in m.columns}, origins=m.origins, specs=m.specs,
                     pending_token=self.pending_token,
@@ -466,8 +518,11 @@ class State:
                     cold=None if self.cold is None else self.cold.view())
 
     def check_valid(self) -> None:
-        assert self.arena.n == self.ledger.n, \
-            f"arena holds {self.arena.n} live slots, ledger {self.ledger.n}"
+        if self.heads is None:
+            assert self.arena.n == self.ledger.n, \
+                f"arena holds {self.arena.n} live slots, ledger {self.ledger.n}"
+        else:
+            self.heads.check_valid(self.ledger, self.arena.n, self.arena.capacity)
         assert self.pending_source in SOURCES, f"unknown pending source {self.pending_source!r}"
         for a in self.arena.blocks:
             norms = a.k[:, :, :a.n].float().norm(dim=-1)
@@ -496,6 +551,7 @@ class State:
 
 
 LEDGER_TENSORS = Ledger.COLUMNS + ("columns", "n")  # what a ledger holds besides its fields
+STATE_PARTS = ("arena", "ledger", "cold", "heads")  # what a state holds besides its fields
 
 
 def restore_args(state: State) -> dict:
@@ -506,6 +562,7 @@ def restore_args(state: State) -> dict:
     (``state_fields``: pending token, its source and position, step, pinned) and the cold
     store's live rows (``cold``: k, v, columns, entered, capacity, next entry; None without
     one). The scorer's columns are among ``columns``, declared in the ledger fields' ``specs``. Views, not copies (of a split arena, K/V and log-mass gathered onto its main device)."""
+    require(state.heads is None, "a per-head cache cannot be saved, forked or composed yet")
     a, m, cold = state.arena, state.ledger, state.cold
     return {
         "k": gathered(a, "k", a.n), "v": gathered(a, "v", a.n),
@@ -513,7 +570,7 @@ def restore_args(state: State) -> dict:
         "ledger_fields": {f.name: getattr(m, f.name) for f in fields(Ledger)
                           if f.name not in LEDGER_TENSORS},
         "state_fields": {f.name: getattr(state, f.name) for f in fields(State)
-                         if f.name not in ("arena", "ledger", "cold")},
+                         if f.name not in STATE_PARTS},
         "log_mass": gathered(a, "log_mass", a.n),
         "cold": None if cold is None else {
             "k": cold.arena.k[:, :, :cold.n], "v": cold.arena.v[:, :, :cold.n],

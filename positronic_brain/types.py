@@ -184,7 +184,9 @@ class Column:
 
 AGGREGATIONS = ("all-mean", "all-max", "last-mean", "last-max", "max-max")  # layers-heads over attention
 SIGNALS = ("value", "attention")  # what brightness gains from: value-weighted attention or plain
-PRUNES = ("tokens", "turns")
+# what a cull removes: whole tokens, whole chat turns, or each (layer, KV head)'s own tokens
+ALLOCATIONS = ("token", "turns", "head", "pyramid", "adaptive", "duo")
+PER_HEAD = ALLOCATIONS[2:]
 POSITIONS = ("compact", "keep")
 
 
@@ -293,8 +295,8 @@ class MergeRepair:
         require(self.max_merges >= 0, f"max merges must be >= 0, got {self.max_merges}")
 
     def check(self, params: "CacheParams") -> None:
-        require(params.prune == "tokens", "prune turns drops whole turns; it takes no token "
-                "repairs")
+        require(params.allocation.kind == "token", f"--allocation {params.allocation.kind} "
+                "takes no repair (merge and fold are whole-token)")
 
 
 @dataclass(frozen=True)
@@ -361,7 +363,58 @@ class Recall:
         require(params.budget is not None, "recall brings back culled tokens; it needs a budget")
         require(not isinstance(params.repair, FoldRepair), "recall keeps culled tokens whole; it "
                 "takes no fold repair")
-        require(params.prune == "tokens", "recall swaps single tokens; it takes no prune turns")
+        require(params.allocation.kind == "token", "recall swaps single tokens; it takes no "
+                f"--allocation {params.allocation.kind}")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What a cull removes and how the budget is shared. ``token``: whole tokens, every
+    layer and KV head keeping the same ``budget`` of them; ``turns``: the oldest whole chat
+    turns instead of single tokens (a chat's; sinks, recent and repairs do not apply). The
+    rest are per-head caches (``stages.apply.heads``), in which each (layer, KV head) keeps
+    tokens of its own, by its own scores (a scorer's ``score_heads``): ``head``, each
+    keeps ``budget``; ``pyramid`` (PyramidKV), lower layers keep more, the scored part
+    falling linearly by ``beta`` or shared by the ``layers`` weights given; ``adaptive``
+    (AdaKV), a layer's ``budget x KV heads`` shared among its heads by score, each first
+    keeping its best ``floor`` share of the budget; ``duo`` (DuoAttention), the streaming
+    heads keep the sinks and the recent window alone and the retrieval heads (the file
+    ``heads``) share the rest. Every allocation keeps at most ``budget x layers x KV
+    heads`` K/V pairs: they compare at equal memory."""
+
+    PREFIX: ClassVar[str] = "allocation"
+    kind: str = option("token", "what a cull removes: token (whole tokens), turns (the oldest "
+                       "whole chat turns), or per (layer, KV head): head, pyramid, adaptive, "
+                       "duo", flag="allocation", choices=ALLOCATIONS)
+    beta: float = option(20.0, "pyramid: the first layer's scored share is 2 x beta - 1 times "
+                         "the last one's")
+    layers: tuple[float, ...] = option((), "pyramid: each layer's weight in the share of the "
+                                       "scored budget (one a layer; default: the beta schedule)",
+                                       metavar="W,W,...")
+    floor: float = option(0.2, "adaptive: the share of the budget each head keeps by its own "
+                          "scores before the layer's shares")
+    heads: str | None = option(None, "duo: a JSON file naming the retrieval heads ([[layer, "
+                               "kv_head], ...] or a layers x KV heads grid of 0/1)",
+                               metavar="FILE")
+
+    def __post_init__(self) -> None:
+        require(self.kind in ALLOCATIONS,
+                f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.kind!r}")
+        require(math.isfinite(self.beta) and self.beta >= 1,
+                f"allocation beta must be >= 1, got {self.beta}")
+        require(0 <= self.floor <= 1, f"allocation floor must be in [0, 1], got {self.floor}")
+        require(all(math.isfinite(w) and w >= 0 for w in self.layers)
+                and (not self.layers or sum(self.layers) > 0),
+                "allocation layers are weights >= 0, not all 0")
+
+    @property
+    def per_head(self) -> bool:
+        """Whether each (layer, KV head) keeps tokens of its own."""
+        return self.kind in PER_HEAD
+
+    def check(self, params: "CacheParams") -> None:
+        require(not self.per_head or params.budget is not None,
+                f"--allocation {self.kind} shares a budget: give --budget")
 
 
 @dataclass(frozen=True)
@@ -372,17 +425,18 @@ class CacheParams:
     repairs: the first ``sinks`` live tokens, the last ``recent`` ones, and tokens whose
     source is ``pinned``. ``positions``: ``Positions``. ``scorer``: the stage-2 scorer and
     its fields (``ScorerSpec``; the CLI calls it the policy); ``prefill``: whether and how
-    the prime seeds its columns (``Prefill``). ``prune``: ``tokens`` culls single tokens by
-    score; ``turns`` drops whole oldest chat turns instead (a user turn with everything up
-    to the next one; never the last, never pinned tokens; sinks, recent and repairs do not
-    apply). ``repair``: None, ``MergeRepair`` or ``FoldRepair``; ``recall``: None or ``Recall``. Each
+    the prime seeds its columns (``Prefill``). ``allocation``: what a cull removes, whole
+    tokens, whole oldest chat turns (a user turn with everything up to the next one; never
+    the last, never pinned tokens) or each (layer, KV head)'s own tokens, and how the budget
+    is shared among them (``Allocation``). ``repair``: None, ``MergeRepair`` or ``FoldRepair``; ``recall``: None or ``Recall``. Each
     piece checks its own fields and its rules with the rest (its ``check``).
 
     Shorthands: ``scorer`` takes a name, ``repair`` a name in ``REPAIRS``, ``recall`` a
-    bool and ``positions`` a mode, for the piece with its defaults.
+    bool, ``positions`` a mode and ``allocation`` a kind, for the piece with its defaults.
     """
 
-    budget: int | None = option(None, "live cache slots after each step (default: no culling)")
+    budget: int | None = option(None, "live cache slots after each step, a (layer, KV head)'s "
+                                "on average with a per-head allocation (default: no culling)")
     sinks: int = option(4, "first tokens never culled")
     recent: int = option(16, "last tokens never culled")
     pinned: tuple[str, ...] = option(("system",), "sources never culled (of "
@@ -390,8 +444,7 @@ class CacheParams:
     positions: Positions = Positions()
     scorer: ScorerSpec = ScorerSpec()
     prefill: Prefill = Prefill()
-    prune: str = option("tokens", "tokens: cull single tokens by score; turns: drop the oldest "
-                        "whole chat turns (chat)", choices=PRUNES)
+    allocation: Allocation = Allocation()
     repair: MergeRepair | FoldRepair | None = None
     recall: Recall | None = None
 
@@ -405,17 +458,17 @@ class CacheParams:
             object.__setattr__(self, "recall", Recall() if self.recall else None)
         if isinstance(self.positions, str):
             object.__setattr__(self, "positions", Positions(self.positions))
+        if isinstance(self.allocation, str):
+            object.__setattr__(self, "allocation", Allocation(self.allocation))
         require(self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}")
         require(self.recent >= 0, f"recent must be >= 0, got {self.recent}")
         require(all(s in SOURCES for s in self.pinned), f"pinned sources must be among {SOURCES}")
-        require(self.prune in PRUNES,
-                f"prune must be {' or '.join(PRUNES)}, got {self.prune!r}")
         if self.budget is not None:
             require(self.scorer.name != "none", "policy none never culls; it takes no budget")
             need = self.sinks + self.recent + 1
             require(self.budget >= need, f"budget {self.budget} is smaller than sinks + recent "
                     f"+ 1 = {need}")
-        for piece in (self.positions, self.repair, self.recall):
+        for piece in (self.positions, self.allocation, self.repair, self.recall):
             if piece is not None:
                 piece.check(self)
 
@@ -437,7 +490,7 @@ class ScoreOut:
     scorer's own per-token columns for stage 4 to write (name -> (n,) float32; a column
     left out is unchanged)."""
 
-    scores: torch.Tensor  # (n,) float32
+    scores: torch.Tensor  # (n,) float32; a per-head cache's (L, kv_heads, n), over each head's slots
     columns: dict[str, torch.Tensor] | None = None
     # with recall: the attention signal each hot slot got (n,) and, on a step that scans the
     # cold store, each cold row would have got (c,), aggregated alike over the recall layers
@@ -511,6 +564,7 @@ class Actions:
     reindex: bool = False  # positions become 0..n-1 in text order (keys re-rotated)
     swaps: tuple[Swap, ...] = ()  # recalls: cold tokens that take dim hot slots
     cold_keep: int | None = None  # with recall, the cold rows a re-index keeps (newest first)
+    head_culls: torch.Tensor | None = None  # per-head caches: (L, kv_heads, n) slots culled
 
 
 NO_ACTIONS = Actions()
@@ -545,6 +599,7 @@ class Patch:
     appended_k: torch.Tensor | None = None  # (L, kv_heads, 1, head_dim) as written (stage 4)
     appended_v: torch.Tensor | None = None
     rebuilt: bool = False  # a failure part-way rebuilt the arena from the ledger
+    head_culls: torch.Tensor | None = None  # per-head caches: (L, kv_heads, n) slots culled
 
 
 @dataclass(frozen=True)

@@ -83,11 +83,11 @@ def test_no_function_outside_the_benchmarks_is_longer_than_a_screen():
 
 
 def test_cache_params_holds_what_every_run_shares_and_a_field_per_piece():
-    """At most 10 fields: budget, sinks, recent, pinned, prune, and one per piece
-    (positions, scorer, prefill, repair, recall); each piece's own options live in it."""
+    """At most 10 fields: budget, sinks, recent, pinned, and one per piece
+    (positions, scorer, prefill, allocation, repair, recall); each piece's own options live in it."""
     fields = [f.name for f in dataclasses.fields(CacheParams)]
     assert len(fields) <= 10, fields
-    assert set(fields) == {"budget", "sinks", "recent", "pinned", "prune", "positions", "scorer",
+    assert set(fields) == {"budget", "sinks", "recent", "pinned", "allocation", "positions", "scorer",
                            "prefill", "repair", "recall"}
 
 
@@ -107,7 +107,7 @@ def test_every_cache_flag_comes_from_a_field():
         group = next(g for g in sub.choices[command]._action_groups
                      if g.title.startswith("cache"))
         dests = {a.dest for a in group._group_actions}
-        assert dests == set(options.NAMES) - ({"prune"} if command != "chat" else set()), command
+        assert dests == set(options.NAMES), command
 
 
 def test_the_loop_names_no_scorer_column():

@@ -85,13 +85,13 @@ def _turn_starts(policy, turns) -> list[int]:
     return starts
 
 
-@pytest.mark.parametrize("prune", ["tokens", "turns"])
+@pytest.mark.parametrize("prune", ["token", "turns"])
 def test_a_scripted_chat_holds_the_budget(tiny_model, tiny_policy, one_thread, prune):
     """30 turns at budget 64 on a model with 512 positions: every step the state is valid,
     the cache within the budget, positions in range (re-indexed), the system prompt whole;
     pruning turns, the text after it is always whole turns, the newest ones."""
     budget = 64
-    cache = CacheParams(budget=budget, sinks=2, recent=4, prune=prune)
+    cache = CacheParams(budget=budget, sinks=2, recent=4, allocation=prune)
     chat = Chat(tiny_model, tiny_policy, system=SYSTEM, sampler=SAMPLED, cache_params=cache,
                 max_new_tokens=12)
     system = _ids(tiny_policy, [("system", SYSTEM)])
@@ -122,7 +122,7 @@ def test_a_scripted_chat_holds_the_budget(tiny_model, tiny_policy, one_thread, p
 def test_turn_pruning_gives_hf_logits_on_the_pruned_cache(real_model, real_policy):
     """The first step that drops whole turns: stage 1 over the pruned cache equals HF's forward
     over the same live K/V (fp32), and what was dropped is the oldest whole turn."""
-    cache = CacheParams(budget=60, prune="turns")
+    cache = CacheParams(budget=60, allocation="turns")
     chat = Chat(real_model, real_policy, system=SYSTEM, sampler=GREEDY, cache_params=cache,
                 max_new_tokens=16)
     questions = ["Name a colour.", "Name a fruit.", "Name an animal.", "Name a city.",
@@ -291,8 +291,8 @@ def test_ctrl_c_stops_the_reply_not_the_program(capsys, tmp_path, monkeypatch, o
      "line 3: /save needs a PATH"),
     (["--json"], "--json needs --script"),
     (["--script", "/no/such/file"], "cannot read the script /no/such/file"),
-    (["--prune", "pairs"], "--prune"),
-    (["--prune", "turns", "--repair", "merge", "--script", "SCRIPT"], "takes no token repairs"),
+    (["--allocation", "pairs"], "--allocation"),
+    (["--allocation", "turns", "--repair", "merge", "--script", "SCRIPT"], "takes no repair"),
     (["--budget", "300", "--script", "SCRIPT"], "below half the model's 512 positions"),
 ])
 def test_cli_bad_input_is_one_line(capsys, tmp_path, argv, message):

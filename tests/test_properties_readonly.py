@@ -77,7 +77,7 @@ def cache_params(draw) -> CacheParams:
     repair = draw(st.sampled_from(tuple(REPAIRS)))
     return options.cache_params(dict(  # each field where its scorer or piece takes it
         budget=budget, policy=policy, repair=repair,
-        prune=draw(st.sampled_from(("tokens", "turns"))) if repair == "none" else "tokens",
+        allocation=draw(st.sampled_from(("token", "turns"))) if repair == "none" else "token",
         positions=draw(st.sampled_from(("keep", "compact"))), sinks=sinks, recent=recent,
         pinned=tuple(sorted(draw(st.sets(st.sampled_from(SOURCES), max_size=2)))),
         decay=draw(st.floats(0, 20)), gain=draw(st.floats(0, 60)), max_brightness=top,

@@ -202,7 +202,7 @@ def test_recall_every_k_steps_scores_only_then(tiny_model, tiny_policy):
 @pytest.mark.parametrize("kw, message", [
     ({"recall": True}, "needs a budget"),
     ({"recall": True, "budget": 24, "repair": "fold"}, "no fold"),
-    ({"recall": True, "budget": 24, "prune": "turns"}, "no prune turns"),
+    ({"recall": True, "budget": 24, "allocation": "turns"}, "no --allocation turns"),
     ({"recall": True, "budget": 24, "cold_capacity": 0}, "cold capacity must be >= 1"),
     ({"recall": True, "budget": 24, "recall_every": 0}, "recall every must be >= 1"),
     ({"recall": True, "budget": 24, "recall_span": 0}, "recall span must be >= 1"),

@@ -49,12 +49,12 @@ def loop_params(draw):
     if c.scorer.name == "none" or draw(st.booleans()):
         return c
     budget = c.sinks + c.recent + draw(st.integers(3, 8))
-    prune = draw(st.sampled_from(("tokens", "turns")))
+    prune = draw(st.sampled_from(("token", "turns")))
     merges = max(1, c.repair.max_merges if isinstance(c.repair, MergeRepair) else 1)
     return options.cache_params({
-        "budget": budget, "prune": prune, "repair": "merge" if prune == "tokens" else "none",
+        "budget": budget, "allocation": prune, "repair": "merge" if prune == "token" else "none",
         "positions": "compact", "reindex_at": budget + draw(st.integers(1, 12)),
-        **({"max_merges": merges} if prune == "tokens" else {})}, c)
+        **({"max_merges": merges} if prune == "token" else {})}, c)
 
 
 @st.composite
@@ -66,7 +66,7 @@ def recall_params(draw):
     merges = max(1, c.repair.max_merges if isinstance(c.repair, MergeRepair) else 1)
     return options.cache_params({
         "budget": budget, "policy": draw(st.sampled_from(("brightness", "h2o", "tova"))),
-        "prune": "tokens", "repair": "merge", "max_merges": merges, "recall": True,
+        "allocation": "token", "repair": "merge", "max_merges": merges, "recall": True,
         "cold_capacity": draw(st.integers(1, 12)), "recall_layers": 1,
         "recall_max": draw(st.integers(1, 3)), "positions": "compact",
         "reindex_at": budget + draw(st.integers(1, 12))}, c, strict=False)
@@ -129,7 +129,7 @@ class LoopMachine(RuleBasedStateMachine):
         ones when it prunes whole turns)."""
         uids = [u for u, _, _ in self.live]
         c = self.cache
-        if c.prune == "turns":
+        if c.allocation.kind == "turns":
             return set(self.pinned)
         return set(uids[:c.sinks]) | set(uids[max(0, len(uids) - c.recent):]) | self.pinned
 
@@ -206,7 +206,7 @@ class LoopMachine(RuleBasedStateMachine):
         try:
             actions = decide(self.model, view, scores, self.cache)
         except UserError:  # the older turns hold too few slots: refused, nothing changed
-            assert self.cache.prune == "turns"
+            assert self.cache.allocation.kind == "turns"
             self.seen["decide refused"] += 1
             return False
         culled = [int(view.uid[s]) for s in actions.cull_slots]
@@ -214,7 +214,7 @@ class LoopMachine(RuleBasedStateMachine):
         assert not touched & self._protected(), "decide touched a protected token"
         removed = len(touched) - len(actions.merges)
         # whole turns may free more than the budget needs
-        assert removed == need or (self.cache.prune == "turns" and removed > need), \
+        assert removed == need or (self.cache.allocation.kind == "turns" and removed > need), \
             f"decide removed {removed}, the budget needs {need}"
         apply(self.model, state, gen, actions)
         self._apply(gen, culled, actions.merges, actions.reindex, actions.swaps,
@@ -222,7 +222,7 @@ class LoopMachine(RuleBasedStateMachine):
         self.seen.update(step=1, decide_need=need, decide_cull=len(culled),
                          decide_repair=len(actions.merges),
                          decide_reindex=actions.reindex, decide_recall=len(actions.swaps),
-                         decide_turns=len(culled) * (self.cache.prune == "turns"))
+                         decide_turns=len(culled) * (self.cache.allocation.kind == "turns"))
         return True
 
     @precondition(lambda self: self._room() and self._unpinned())

@@ -113,8 +113,8 @@ class RulerConfig:
         for p in self.policies:  # fail early: unknown fields, options of pieces that are off
             for recall in (False, True)[:1 + self.recall]:
                 c = self.cache(p, 1 << 30, recall)  # any budget: the cells' own come later
-                require(c.prune == "tokens" and "user" not in c.pinned, "--params: a RULER "
-                        "prompt is one user turn: prune turns and pinned user tokens do not "
+                require(c.allocation.kind == "token" and "user" not in c.pinned, "--params: a RULER "
+                        "prompt is one user turn: --allocation turns and pinned user tokens do not "
                         "apply")
 
     @classmethod

@@ -299,7 +299,7 @@ def _add_chat_args(sub) -> None:
                     help="add the BOS token explicitly (auto: if the model family expects it)")
     _add_model_args(ch)
     _add_sampler_args(ch)
-    add_cache_args(ch, skip=())
+    add_cache_args(ch)
     _add_capture_args(ch)
 
 

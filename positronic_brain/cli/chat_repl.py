@@ -180,7 +180,7 @@ def cmd_chat(args) -> int:
     errors, t0, rss0 = 0, time.perf_counter(), _rss_mb()
     if lines is None:
         console.print(f"[dim]{model.name} {args.dtype}, budget {chat.session.cache_params.budget}, "
-                      f"prune {params.prune}. {CHAT_HELP}[/]")
+                      f"allocation {params.allocation.kind}. {CHAT_HELP}[/]")
     try:
         for i, line in enumerate(_typed_lines(console) if lines is None else lines, 1):
             if lines is not None and not line.strip():

@@ -20,3 +20,9 @@ class RandomScore:
         g = torch.Generator().manual_seed(self.random_seed * 1_000_003 + view.step)
         # drawn on the CPU: the same scores on every device
         return ScoreOut(scores=torch.rand(view.n, generator=g, device="cpu").to(view.uid.device))
+
+    def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
+        """Per head: each (layer, KV head, slot) its own draw, (L, KVH, n)."""
+        g = torch.Generator().manual_seed(self.random_seed * 1_000_003 + view.step)
+        shape = tuple(view.heads.row.shape)
+        return ScoreOut(scores=torch.rand(shape, generator=g, device="cpu").to(view.uid.device))

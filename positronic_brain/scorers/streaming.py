@@ -20,3 +20,8 @@ class Streaming:
         s = view.position.float()  # (n,) later = higher
         first = torch.argsort(view.position)[: self.sinks]
         return ScoreOut(scores=s.index_fill(0, first, float("inf")))
+
+    def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
+        """Per head: each slot scored as its token, (L, KVH, n) (every head keeps the same
+        sinks and recent tokens)."""
+        return ScoreOut(scores=self.score(view, attention).scores[view.heads.row.clamp(min=0)])

@@ -23,3 +23,12 @@ class TOVA:
 
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         return ScoreOut(scores=aggregate(attention, self.aggregate))
+
+    def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
+        """Per head (a per-head allocation): each (layer, KV head) scores its own slots by
+        what its query heads paid them this step, their mean or (``aggregate`` ending in
+        ``-max``) their max; (L, H, n) -> (L, KVH, n)."""
+        grouped = attention.view(attention.shape[0], view.heads.n.shape[1], -1,
+                                 attention.shape[-1])
+        return ScoreOut(scores=grouped.amax(2) if self.aggregate.endswith("-max")
+                        else grouped.mean(2))

@@ -11,6 +11,7 @@ from ...model import Model
 from ...state import FLAG_PROTECTED, Arena, Ledger, SplitArena, State
 from ...types import NO_ACTIONS, SOURCES, Actions, GenerateOut, Patch, require
 from .fold import fold
+from .heads import apply_heads
 from .merge import merge
 from .recall import Undo, cool, drop_oldest, leaving_rows, swap
 from .restore import rebuild_from_ledger
@@ -194,6 +195,8 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
     failure part-way restores the ledger and rebuilds the arena from it, puts the cold store
     back as it was (``recall.Undo``), then re-raises.
     """
+    if state.heads is not None:
+        return apply_heads(model, state, gen, actions, actions.reindex)
     culled_uids = _check(model, state, gen, actions)
     m, step = state.ledger, state.step + 1
     n = m.n

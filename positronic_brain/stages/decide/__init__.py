@@ -9,7 +9,8 @@ its part of this stage in a module of its own, called from ``decide`` where it p
 - ``merge`` (``MergeRepair``): before the culls, some removals become merges of a dim pair;
 - ``fold`` (``FoldRepair``): after them, each culled token's K/V fold into its survivors;
 - ``recall`` (``Recall``): after them, cold tokens swap in for the dimmest hot ones left;
-- ``turns`` (prune ``turns``): the oldest whole chat turns go instead of single tokens.
+- ``turns`` (``--allocation turns``): the oldest whole chat turns go instead of single tokens;
+- ``allocation`` (a per-head ``Allocation``): each (layer, KV head) culls its own slots.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from ...model import Model
 from ...state import FLAG_PROTECTED, View
 from ...types import Actions, CacheParams, FoldRepair, MergeRepair, ScoreOut, require
-from . import fold, merge, recall, turns
+from . import allocation, fold, merge, recall, turns
 from .fold import fold_targets
 from .merge import merge_pair, pick_pairs
 from .recall import cold_kept, recalled, swaps
@@ -57,9 +58,14 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     need = removals_needed(n, params.budget)
     limit = params.positions.reindex_position(model.spec.max_positions)
     reindex = params.positions.mode == "compact" and view.next_position + 1 >= limit
-    if params.prune == "turns":
+    if params.allocation.kind == "turns":
         return Actions(columns=scores.columns, cull_slots=turns.oldest_turns(view, need),
                        reindex=reindex)
+    if view.heads is not None:
+        L, KVH = view.heads.n.shape
+        culls = allocation.head_culls(view, scores.scores, params,
+                                      allocation.budgets(params, L, KVH), protected(view, params))
+        return Actions(columns=scores.columns, head_culls=culls, reindex=reindex)
     order = torch.argsort(view.position)  # slots in text order
     keep = protected(view, params, order)
 

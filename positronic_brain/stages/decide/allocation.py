@@ -11,11 +11,15 @@ alone, over plain numbers and score tensors; the stage that culls per head appli
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
+import pathlib
 
 import torch
 
-from ...types import require
+from ...state import View
+from ...types import Allocation, CacheParams, UserError, require
 
 
 def shares(total: int, weights: list[float]) -> list[int]:
@@ -82,3 +86,94 @@ def adaptive(scores: torch.Tensor, budget: int, floor: float = 0.2) -> torch.Ten
     kept = torch.zeros(heads * n, dtype=torch.bool)
     kept[order] = True
     return kept.view(heads, n)
+
+
+# --- stage 3 of a per-head cache: each head's culls -------------------------------------------
+
+def budgets(params: CacheParams, layers: int, kv_heads: int) -> torch.Tensor | None:
+    """Each (layer, KV head)'s budget (L, KVH) under ``params.allocation`` (``head``,
+    ``pyramid``, ``duo``): at most this many live slots after a step's append. None for
+    ``adaptive``, which shares a layer's budget by this step's scores (``head_culls``).
+    Protected (what a head keeps whatever the scores): the sinks, the recent window and
+    the token appended."""
+    return _budgets(params.allocation, params.budget, params.sinks + params.recent + 1,
+                    layers, kv_heads)
+
+
+@functools.lru_cache(maxsize=16)
+def _budgets(alloc: Allocation, budget: int, protected: int, layers: int,
+             kv_heads: int) -> torch.Tensor | None:
+    if alloc.kind == "head":
+        return torch.full((layers, kv_heads), budget, dtype=torch.long)
+    if alloc.kind == "pyramid":
+        if alloc.layers:
+            require(len(alloc.layers) == layers, f"--allocation-layers gives {len(alloc.layers)} "
+                    f"layers' weights; the model has {layers} layers")
+            per = [protected + s for s in shares((budget - protected) * layers, list(alloc.layers))]
+        else:
+            per = pyramid(budget, layers, protected, alloc.beta)
+        return torch.tensor(per, dtype=torch.long).view(layers, 1).expand(layers, kv_heads)
+    if alloc.kind == "duo":
+        return duo(retrieval_heads(alloc.heads, layers, kv_heads), budget, protected)
+    return None
+
+
+def retrieval_heads(path: str | None, layers: int, kv_heads: int) -> torch.Tensor:
+    """DuoAttention's retrieval heads from a JSON file: a list of [layer, KV head] pairs,
+    or a (layers x KV heads) grid of 0/1 (its ``full_attention_heads``' form); a one-line
+    error for anything else."""
+    require(path is not None, "--allocation duo needs --allocation-heads FILE (the retrieval "
+            "heads: [[layer, kv_head], ...] or a layers x KV heads grid of 0/1)")
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--allocation-heads {path}: {e}") from None
+    out = torch.zeros(layers, kv_heads, dtype=torch.bool)
+    grid = (isinstance(data, list) and len(data) == layers
+            and all(isinstance(r, list) and len(r) == kv_heads and all(x in (0, 1) for x in r)
+                    for r in data))
+    if grid:
+        return torch.tensor(data, dtype=torch.bool)
+    ok = isinstance(data, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p)
+        and 0 <= p[0] < layers and 0 <= p[1] < kv_heads for p in data)
+    require(ok and data, f"--allocation-heads {path}: expected [[layer, kv_head], ...] within "
+            f"{layers} layers and {kv_heads} KV heads, or a {layers} x {kv_heads} grid of 0/1")
+    for layer, head in data:
+        out[layer, head] = True
+    return out
+
+
+def head_culls(view: View, scores: torch.Tensor, params: CacheParams,
+               budget: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor:
+    """(L, KVH, n) bool: the slots each head culls this step, from ``scores`` (L, KVH, n)
+    over each head's slots (higher kept; ties: the earlier position culled first). With
+    ``budget`` (L, KVH), each head culls its lowest unprotected slots until, after the
+    append, it holds its budget; without (``adaptive``), each layer keeps ``budget - 1``
+    slots a head on average, shared by ``adaptive`` with its floor. Protected tokens
+    (``keep`` (n,) over the ledger's rows: ``decide.protected``'s sinks, recent and pinned)
+    are held by every head, never culled."""
+    rows, held = view.heads.row, view.heads.n  # (L, KVH, n), (L, KVH)
+    live = torch.arange(view.k.shape[2], device=rows.device) < held.unsqueeze(-1)
+    at = rows.clamp(min=0)
+    guard = keep[at] & live
+    free = live & ~guard
+    if budget is None:
+        ranked = torch.where(guard, math.inf, torch.where(live, scores.float(), -math.inf))
+        kept = torch.stack([adaptive(r, params.budget - 1, params.allocation.floor)
+                            for r in ranked.cpu()]).to(rows.device)
+        return free & ~kept
+    need = (held + 1 - budget.to(held.device)).clamp(min=0)
+    short = need > free.sum(-1)
+    if bool(short.any()):
+        layer, head = short.nonzero()[0].tolist()
+        raise UserError(f"budget {int(budget[layer, head])} of layer {layer}, KV head {head} "
+                        f"is too small: it holds {int(held[layer, head])} tokens, "
+                        f"{int(guard[layer, head].sum())} of them protected")
+    key = torch.where(free, scores.float(), math.inf)
+    by_pos = torch.argsort(torch.where(live, view.position[at], view.next_position), dim=-1,
+                           stable=True)
+    order = by_pos.gather(-1, torch.argsort(key.gather(-1, by_pos), dim=-1, stable=True))
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return free & (rank < need.unsqueeze(-1))

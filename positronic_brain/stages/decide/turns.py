@@ -1,4 +1,4 @@
-"""Stage 3 with prune ``turns`` (a chat's): the removals are the oldest whole chat turns
+"""Stage 3 with ``--allocation turns`` (a chat's): the removals are the oldest whole chat turns
 instead of single tokens (``oldest_turns``), and how much room a new turn has (``turn_room``)."""
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def turn_room(view: View | None, params: CacheParams, reply: int) -> tuple[int, 
     if view is not None:
         pinned = (view.flags & FLAG_PROTECTED) != 0  # (n,)
         kept = int(pinned.sum())
-        if params.prune == "turns":
+        if params.allocation.kind == "turns":
             users = view.position[view.source == SOURCES.index("user")]
             first = int(users.min()) if users.numel() else view.next_position + 1
             kept += int((~pinned & (view.position < first)).sum())
-    reply = reply if params.prune == "turns" else 0
+    reply = reply if params.allocation.kind == "turns" else 0
     return params.budget - kept - reply - 1, kept, reply

@@ -23,7 +23,16 @@ __all__ = ["cold_logits", "read_like_scorer", "recall_layers", "recall_query", "
 def score(view: View, attention: torch.Tensor, scorer: Scorer,
           recall: RecallQuery | None = None) -> ScoreOut:
     """``attention`` (L, H, n) float32 from stage 1 -> ScoreOut with (n,) float32 tensors;
-    with ``recall`` (``recall_query``) also the hot and cold signals."""
+    with ``recall`` (``recall_query``) also the hot and cold signals. A per-head cache's
+    (``view.heads``) attention is over each head's slots, and its scorer's ``score_heads``
+    scores them (L, kv_heads, n); its columns stay one value a token."""
+    if view.heads is not None:
+        out = scorer.score_heads(view, attention)
+        assert out.scores.shape == view.heads.row.shape, \
+            f"per-head scores have shape {tuple(out.scores.shape)}"
+        for name, t in (out.columns or {}).items():
+            assert name in view.columns and t.shape == (view.n,), f"{name} is not a column"
+        return out
     assert attention.shape[-1] == view.n, f"attention over {attention.shape[-1]} slots, not {view.n}"
     out = scorer.score(view, attention)
     for name, t in {"scores": out.scores, **(out.columns or {})}.items():

@@ -1,0 +1,261 @@
+"""Stage 0/4 for per-head caches (an ``Allocation`` whose heads keep tokens of their own):
+each (layer, KV head) holds its own tokens in its own slots of the arena.
+
+``state.heads`` (``state.Heads``) says which ledger row each (layer, KV head, slot) holds;
+a head's live slots are its dense prefix ``[0, n)``, as the whole arena's are with
+whole-token eviction. The ledger holds every token that some head still holds (its rows
+in no particular slot), and the arena's ``n`` is the largest head's count, the slots
+stage 1 reads (a head with fewer masks the rest). A step culls per head (the hole filled
+by the head's last slot, O(1) a token), drops the ledger rows no head holds any more,
+re-indexes per slot, and appends the pending token to every head.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...forward import apply_rope, rerotation
+from ...model import Model
+from ...state import FLAG_PROTECTED, Arena, Heads, Ledger, State, key_norms, value_norms
+from ...types import SOURCES, Actions, GenerateOut, Patch, require
+from .restore import rebuild_from_ledger
+from .rows import arena, column_ranges, in_range, write_rows
+
+
+@torch.no_grad()
+def add_heads(state: State) -> None:
+    """Stage 0: make ``state`` a per-head cache in which every head holds every live token
+    (slot i of each head holds ledger row i, as the arena did)."""
+    a, m = state.arena, state.ledger
+    require(isinstance(a, Arena), "per-head allocations run on one device (no device map)")
+    require(state.cold is None, "per-head allocations take no recall yet")
+    if state.heads is not None:
+        return
+    L, KVH, cap = a.log_mass.shape
+    row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
+    row[:, :, :a.n] = torch.arange(a.n, device=m.device)
+    state.heads = Heads(row=row, n=torch.full((L, KVH), a.n, dtype=torch.long, device=m.device))
+
+
+def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> torch.Tensor:
+    """Refuse bad per-head actions before anything changes: the culls are a (L, KVH, n)
+    mask over live slots, none of a protected token, and the append fits every head."""
+    a, m, h, spec = state.arena, state.ledger, state.heads, model.spec
+    assert gen.position == state.next_position and gen.input_token == state.pending_token, \
+        "the generate output is not for this state's pending token"
+    assert gen.k.shape == (spec.n_layers, spec.n_kv_heads, 1, spec.head_dim), \
+        f"new K has shape {tuple(gen.k.shape)}"
+    assert not (actions.cull_slots or actions.merges or actions.folds or actions.swaps), \
+        "a per-head cache takes per-head culls only"
+    culls = actions.head_culls
+    if culls is None:
+        culls = torch.zeros(h.row.shape[:2] + (a.n,), dtype=torch.bool, device=m.device)
+    assert culls.shape == h.row.shape[:2] + (a.n,) and culls.dtype == torch.bool, \
+        f"per-head culls have shape {tuple(culls.shape)}"
+    rows = h.row[:, :, :a.n]
+    ranges = column_ranges(m, actions.columns, m.n)
+    read = torch.cat([r for _, _, r in ranges] + [
+        (culls & (rows < 0)).any().view(1).double(),
+        (culls & (m.flags[rows.clamp(min=0)] & FLAG_PROTECTED != 0)).any().view(1).double(),
+        (h.n - culls.sum(-1)).max().view(1).double()]).tolist()
+    in_range(ranges, read[:-3])
+    assert not read[-3], "a per-head cull of a slot its head does not hold"
+    require(not read[-2], "a per-head cull of a protected token")
+    require(read[-1] < a.capacity, f"the arena is full ({a.capacity} slots); set a budget to cull")
+    return culls
+
+
+def _saved(state: State) -> tuple:
+    """What a per-head step changes of the ledger and the head map, copied (the arena is
+    rebuilt from them on a failure)."""
+    m, h = state.ledger, state.heads
+    return ({c: m.live(c).clone() for c in m.names}, m.n, m.next_uid, m.dropped,
+            h.row.clone(), h.n.clone())
+
+
+def _put_back(model: Model, state: State, saved: tuple) -> None:
+    """Undo a per-head step that failed part-way: the ledger and head map as saved, each
+    head's slots re-prefilled from the ledger (folds and the decode's own K/V are lost,
+    as ``rebuild_from_ledger`` loses them)."""
+    m, h = state.ledger, state.heads
+    cols, m.n, m.next_uid, m.dropped, row, n = saved
+    for c, x in cols.items():
+        m.col(c)[:m.n] = x
+    h.row.copy_(row)
+    h.n.copy_(n)
+    _rebuild(model, state)
+
+
+def _rebuild(model: Model, state: State) -> None:
+    """Each head's slots from a fresh prefill of every ledger row (in a scratch arena)."""
+    m, a, h = state.ledger, state.arena, state.heads
+    scratch = State(arena(model, max(1, m.n)), Ledger.allocate(max(1, m.n), m.specs, m.device))
+    for c in m.names:
+        scratch.ledger.col(c)[:m.n] = m.live(c)
+    scratch.ledger.n = scratch.arena.n = m.n
+    rebuild_from_ledger(model, scratch)  # its slot j: the j-th row in text order
+    at = torch.empty(m.n, dtype=torch.long, device=m.device)
+    at[torch.argsort(m.live("position"))] = torch.arange(m.n, device=m.device)
+    live = _live(h, a.n)
+    lh, hh, s = live.nonzero().unbind(1)
+    src = at[h.row[lh, hh, s]]
+    b = scratch.arena
+    a.kt[lh, hh, :, s] = b.kt[lh, hh, :, src]
+    for name in ("v", "knorm", "vnorm"):
+        getattr(a, name)[lh, hh, s] = getattr(b, name)[lh, hh, src]
+    a.log_mass.zero_()
+
+
+def _live(h: Heads, width: int) -> torch.Tensor:
+    """(L, KVH, width) bool: the slots each head holds."""
+    return torch.arange(width, device=h.n.device) < h.n.unsqueeze(-1)
+
+
+def _remove(state: State, culls: torch.Tensor) -> int:
+    """Each head's culled slots go; its last survivors fill the holes below its new count
+    (per head as ``rows.remove`` does for the whole arena). Returns the slots moved."""
+    a, h = state.arena, state.heads
+    width = culls.shape[2]
+    left = h.n - culls.sum(-1)  # (L, KVH)
+    at = torch.arange(width, device=culls.device)
+    below = at < left.unsqueeze(-1)
+    holes = (culls & below).nonzero()  # (t, 3), in (layer, head, slot) order
+    movers = (_live(h, width) & ~culls & ~below).nonzero()  # as many per head as holes
+    if movers.numel():
+        lh, hh, src = movers.unbind(1)
+        dst = holes[:, 2]
+        a.kt[lh, hh, :, dst] = a.kt[lh, hh, :, src]
+        for x in (a.v, a.knorm, a.vnorm, a.log_mass, h.row):
+            x[lh, hh, dst] = x[lh, hh, src]
+    h.row[:, :, :width].masked_fill_(~below, -1)
+    h.n.copy_(left)
+    return movers.shape[0]
+
+
+def _drop_rows(state: State) -> list[int]:
+    """Ledger rows that no head holds any more leave it (the last rows fill the holes, and
+    the head map follows them). Returns their uids."""
+    m, h = state.ledger, state.heads
+    live = _live(h, state.arena.n)
+    held = torch.zeros(m.n + 1, dtype=torch.long, device=m.device)
+    held.index_add_(0, h.row[:, :, :state.arena.n][live], torch.ones_like(h.row[:, :, :1])
+                    .expand(h.row.shape[:2] + (state.arena.n,))[live])
+    gone = (held[:m.n] == 0).nonzero()[:, 0]
+    if not gone.numel():
+        return []
+    uids = m.uid[gone].tolist()
+    n = m.n - gone.numel()
+    keep = torch.ones(m.n, dtype=torch.bool, device=m.device)
+    keep[gone] = False
+    src = (keep & (torch.arange(m.n, device=m.device) >= n)).nonzero()[:, 0]
+    dst = gone[gone < n]
+    for c in m.names:
+        col = m.col(c)
+        col.index_copy_(0, dst, col.index_select(0, src))
+    remap = torch.arange(m.n, device=m.device)
+    remap[src] = dst
+    rows = h.row[:, :, :state.arena.n]
+    rows[live] = remap[rows[live]]
+    m.n = n
+    m.dropped += len(uids)
+    return uids
+
+
+def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions become 0..n-1 in text order; each head's slots re-rotate their keys by
+    their token's move, as the whole-token re-index does (``patch._rotate``)."""
+    a, m, h = state.arena, state.ledger, state.heads
+    old = m.live("position").clone()
+    new = torch.empty_like(old)
+    new[torch.argsort(old)] = torch.arange(m.n, device=m.device)
+    m.position[:m.n] = new
+    live = _live(h, a.n)
+    lh, hh, s = live.nonzero().unbind(1)
+    r = h.row[lh, hh, s]
+    moved = old[r] != new[r]
+    lh, hh, s, r = lh[moved], hh[moved], s[moved], r[moved]
+    if r.numel():
+        cos, sin = rerotation(model, old[r], new[r])  # (t, D)
+        x = a.kt[lh, hh, :, s].float()
+        a.kt[lh, hh, :, s] = apply_rope(x, cos, sin).to(a.kt.dtype)
+        a.knorm[lh, hh, s] = key_norms(a.kt[lh, hh, :, s])
+    return old, new
+
+
+def _append(state: State, gen: GenerateOut, position: int, model: Model, step: int) -> int:
+    """The pending token becomes a ledger row and every head's next slot."""
+    a, m, h = state.arena, state.ledger, state.heads
+    if m.n == m.uid.shape[0]:
+        _grow(m)
+    k = gen.k
+    if position != gen.position:
+        cos, sin = rerotation(model, m.uid.new_tensor([gen.position]), m.uid.new_tensor([position]))
+        k = apply_rope(gen.k.float(), cos, sin).to(gen.k.dtype)
+
+    def one(x: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.full((1,), x, dtype=dtype, device=m.device)
+
+    flag = FLAG_PROTECTED if state.pending_source in state.pinned else 0
+    (uid,) = write_rows(m, slice(m.n, m.n + 1), one(gen.input_token), one(position),
+                        one(SOURCES.index(state.pending_source), torch.int8), step,
+                        one(flag, torch.int8))
+    L, KVH = h.n.shape
+    lh = torch.arange(L, device=m.device).view(L, 1).expand(L, KVH)
+    hh = torch.arange(KVH, device=m.device).view(1, KVH).expand(L, KVH)
+    s = h.n
+    a.kt[lh, hh, :, s] = k[:, :, 0]
+    a.v[lh, hh, s] = gen.v[:, :, 0]
+    a.knorm[lh, hh, s] = key_norms(k[:, :, 0])
+    a.vnorm[lh, hh, s] = value_norms(gen.v[:, :, 0])
+    a.log_mass[lh, hh, s] = 0.0
+    h.row[lh, hh, s] = m.n
+    m.n += 1
+    h.n += 1
+    a.n = int(h.n.max())
+    return uid
+
+
+def _grow(m: Ledger) -> None:
+    """Double the ledger's rows (a per-head cache's union of tokens can pass the arena's
+    slots a head)."""
+    rows = 2 * m.uid.shape[0]
+    for c in m.COLUMNS:
+        old = getattr(m, c)
+        new = old.new_full((rows,), -1 if c == "origin_uid" else 0)
+        new[:old.shape[0]] = old
+        setattr(m, c, new)
+    for c, old in m.columns.items():
+        new = old.new_zeros(rows)
+        new[:old.shape[0]] = old
+        m.columns[c] = new
+
+
+@torch.no_grad()
+def apply_heads(model: Model, state: State, gen: GenerateOut, actions: Actions,
+                reindex: bool) -> Patch:
+    """Stage 4 of a per-head cache, all or nothing: the scorer's columns, each head's
+    culls, the ledger rows no head holds dropped, the re-index, the append."""
+    culls = _check(model, state, gen, actions)
+    m, step = state.ledger, state.step + 1
+    saved = _saved(state)
+    reindex_from = reindex_to = None
+    try:
+        for name, t in (actions.columns or {}).items():
+            m.columns[name][:m.n] = t
+        _remove(state, culls)
+        dropped = _drop_rows(state)
+        position = gen.position
+        if reindex:
+            reindex_from, reindex_to = _reindex(model, state)
+            position = m.n
+        uid = _append(state, gen, position, model, step)
+    except BaseException:
+        _put_back(model, state, saved)
+        raise
+    state.step = step
+    state.pending_token = gen.token_id
+    state.pending_source = "assistant"
+    state.next_position = position + 1
+    return Patch(step=step, columns=actions.columns, culled_uids=tuple(dropped),
+                 dropped_uids=tuple(dropped), head_culls=culls, reindex_from=reindex_from,
+                 reindex_to=reindex_to, appended_uids=(uid,), appended_positions=(position,),
+                 appended_k=gen.k, appended_v=gen.v)

@@ -1,0 +1,232 @@
+"""Per-head caches (``Allocation.per_head``; ``stages.apply.heads``): each (layer, KV head)
+keeps tokens of its own. Stage 1 equals Hugging Face's forward with each head masked to the
+tokens it holds (``oracle.hf_step_logits_per_head``) after per-head culls and re-indexes;
+every head holds its budget at every step; every (layer, head, slot) is accounted for; the
+rules pick the slots worked out by hand; a failure part-way changes nothing; bad input is
+one line and exit 2."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from positronic_brain.cli import main
+from positronic_brain.loop import Session, head_capacity
+from positronic_brain.options import params
+from positronic_brain.sampler import make_generator
+from positronic_brain.stages.apply import heads as apply_heads
+from positronic_brain.stages.decide.allocation import budgets, head_culls, retrieval_heads
+from positronic_brain.stages.generate import generate
+from positronic_brain.state import Heads
+from positronic_brain.types import (Allocation, CacheParams, Positions, SamplerParams, Segment,
+                                    UserError)
+from tests.oracle import assert_close, hf_step_logits_per_head
+from tests.tolerance import ORACLE
+
+TEXT = "the quick brown fox jumps over the lazy dog and runs far away " * 4
+
+
+def _session(model, policy, n_prompt=40, **cache) -> Session:
+    cache = {"budget": 24, "sinks": 2, "recent": 4, "scorer": "tova"} | cache
+    s = Session(model, policy, SamplerParams(greedy=True), CacheParams(**cache))
+    s.prime([Segment(tuple(policy.encode(TEXT))[:n_prompt], "user")])
+    return s
+
+
+def _oracle(model, state) -> torch.Tensor:
+    """HF's logits over the union of the tokens the heads hold, each head masked to its own,
+    its K/V for them taken from the slots it holds them in."""
+    view, h, m = state.view(), state.heads, state.ledger
+    L, KVH = h.n.shape
+    k = torch.zeros(L, KVH, m.n, view.k.shape[-1])
+    v = torch.zeros_like(k)
+    held = torch.zeros(L, KVH, m.n, dtype=torch.bool)
+    layer, head, slot = h.live(state.arena.n).nonzero().unbind(1)
+    row = h.row[layer, head, slot]
+    k[layer, head, row] = view.k[layer, head, slot]
+    v[layer, head, row] = view.v[layer, head, slot]
+    held[layer, head, row] = True
+    return hf_step_logits_per_head(model, SimpleNamespace(
+        k=k, v=v, pending_token=view.pending_token, next_position=view.next_position), held)
+
+
+def _duo_file(tmp_path, model) -> str:
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps([[0, 1], [model.spec.n_layers - 1, 0]]))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["head", "pyramid", "adaptive", "duo"])
+def test_stage1_equals_the_per_head_oracle_after_culls_and_reindexes(tiny_model, tiny_policy,
+                                                                    one_thread, tmp_path, kind):
+    extra = {"allocation_heads": _duo_file(tmp_path, tiny_model)} if kind == "duo" else {}
+    cache = params(budget=24, sinks=2, recent=4, policy="tova", allocation=kind,
+                   reindex_at=60, **extra)
+    s = Session(tiny_model, tiny_policy, SamplerParams(greedy=True), cache)
+    s.prime([Segment(tuple(tiny_policy.encode(TEXT))[:40], "user")])
+    reindexed = differ = 0
+    for _ in range(36):
+        gen = generate(tiny_model, s.state.view(), s.sampler, make_generator(0, "cpu"))
+        assert_close(gen.logits, _oracle(tiny_model, s.state), ORACLE, f"{kind} step {s.state.step}")
+        rec = s.step()
+        s.state.check_valid()
+        reindexed += rec.reindexed
+        h = s.state.heads
+        rows = [set(h.row[0, i, :int(h.n[0, i])].tolist()) for i in range(h.n.shape[1])]
+        differ += rows[0] != rows[1]
+    assert reindexed >= 1, "no re-index happened"
+    assert differ, "the heads never kept different tokens"
+
+
+def test_every_head_holds_its_budget_at_every_step(tiny_model, tiny_policy, one_thread, tmp_path):
+    for kind in ("head", "pyramid", "duo"):
+        cache = CacheParams(budget=24, sinks=2, recent=4, scorer="random", allocation=kind)
+        if kind == "duo":
+            cache = params(budget=24, sinks=2, recent=4, policy="random", allocation="duo",
+                           allocation_heads=_duo_file(tmp_path, tiny_model))
+        s = Session(tiny_model, tiny_policy, SamplerParams(greedy=True), cache)
+        s.prime([Segment(tuple(tiny_policy.encode(TEXT))[:40], "user")])
+        want = budgets(cache, tiny_model.spec.n_layers, tiny_model.spec.n_kv_heads)
+        assert int(want.sum()) == 24 * want.numel(), "not the memory of a budget of 24"
+        for step in range(1, 13):  # the prompt's 39 cached tokens, then one more a step
+            s.step()
+            assert torch.equal(s.state.heads.n, want.clamp(max=39 + step)), (kind, step)
+    s = _session(tiny_model, tiny_policy, scorer="random", allocation="adaptive")
+    for _ in range(12):
+        s.step()
+        n = s.state.heads.n
+        assert (n.sum(1) == 24 * n.shape[1]).all() and int(n.min()) >= 1 + int(23 * 0.2)
+        assert int(n.max()) <= head_capacity(tiny_model, s.cache_params)
+
+
+def test_whole_tokens_stay_todays_loop(tiny_model, tiny_policy, one_thread):
+    s = _session(tiny_model, tiny_policy)
+    assert s.cache_params.allocation.kind == "token" and s.state.heads is None
+    s.step()
+    assert s.state.arena.n == s.state.ledger.n == 24
+
+
+def _hand_view(n_heads=2):
+    """A view of 2 layers x ``n_heads`` KV heads over 6 ledger rows at positions 0..5, every
+    head holding rows 0..5 in slots 0..5, protecting nothing."""
+    L, n = 2, 6
+    row = torch.arange(n).expand(L, n_heads, n).clone()
+    return SimpleNamespace(heads=Heads(row=row, n=torch.full((L, n_heads), n)),
+                           k=torch.zeros(L, n_heads, n, 1), position=torch.arange(n),
+                           next_position=n)
+
+
+def test_the_rules_drop_the_slots_worked_out_by_hand():
+    view = _hand_view()
+    keep = torch.zeros(6, dtype=torch.bool)
+    scores = torch.tensor([[[5., 1, 4, 3, 2, 6], [1, 2, 3, 4, 5, 6]],
+                           [[6., 5, 4, 3, 2, 1], [2, 2, 9, 9, 9, 9]]])
+    # head: every head keeps 5 after the append, so each drops its lowest slot (ties: earlier)
+    p = CacheParams(budget=6, sinks=0, recent=0, scorer="tova", allocation="head")
+    got = head_culls(view, scores, p, torch.full((2, 2), 6), keep)
+    assert [r.nonzero()[:, 0].tolist() for r in got.flatten(0, 1)] == [[1], [0], [5], [0]]
+    # pyramid over 2 layers, budget 6, 1 protected (the append), beta 2: the 5 scored a
+    # layer fall from 7.5 to 2.5, [8, 2] by largest remainder, +1 each: [9, 3]; layer 0's
+    # heads keep the 6 they hold, layer 1's keep 2 + the append: their 4 lowest go
+    p = CacheParams(budget=6, sinks=0, recent=0, scorer="tova",
+                    allocation=Allocation("pyramid", beta=2))
+    assert budgets(p, 2, 2).tolist() == [[9, 9], [3, 3]]
+    got = head_culls(view, scores, p, budgets(p, 2, 2), keep)
+    assert [r.nonzero()[:, 0].tolist() for r in got.flatten(0, 1)] == [
+        [], [], [2, 3, 4, 5], [0, 1, 2, 3]]
+    # adaptive, budget 4, floor 0.5: a layer keeps 3 x 2 = 6 slots before the append; each
+    # head first its best int(3 x 0.5) = 1 (layer 1, head 1: the first of its 9s), then the
+    # layer's best, equal scores the lower head's first: layer 0 keeps h0's 6, h1's 6, then
+    # h0's 5 and h1's 5, h0's 4 and h1's 4; layer 1 h0's 6, h1's four 9s, h0's 5
+    p = CacheParams(budget=4, sinks=0, recent=0, scorer="tova",
+                    allocation=Allocation("adaptive", floor=0.5))
+    got = head_culls(view, scores, p, None, keep)
+    kept = [(~r).nonzero()[:, 0].tolist() for r in got.flatten(0, 1)]
+    assert kept == [[0, 2, 5], [3, 4, 5], [0, 1], [2, 3, 4, 5]]
+    # a protected row is never culled, in any head
+    keep[1] = True
+    p = CacheParams(budget=6, sinks=0, recent=0, scorer="tova", allocation="head")
+    got = head_culls(view, scores, p, torch.full((2, 2), 6), keep)
+    assert not got[:, :, 1].any() and got.sum() == 4
+
+
+def test_duo_reads_its_heads_file(tmp_path):
+    grid = tmp_path / "grid.json"
+    grid.write_text("[[0, 1], [1, 0], [0, 0]]")
+    assert retrieval_heads(str(grid), 3, 2).tolist() == [[False, True], [True, False],
+                                                          [False, False]]
+    pairs = tmp_path / "pairs.json"
+    pairs.write_text("[[2, 1]]")
+    assert retrieval_heads(str(pairs), 3, 2).nonzero().tolist() == [[2, 1]]
+    for text in ("[[3, 0]]", "{}", "[]", "not json"):
+        pairs.write_text(text)
+        with pytest.raises(UserError, match="allocation-heads"):
+            retrieval_heads(str(pairs), 3, 2)
+
+
+def test_a_failure_part_way_changes_nothing(tiny_model, tiny_policy, one_thread, monkeypatch):
+    s = _session(tiny_model, tiny_policy, allocation="head")
+    for _ in range(3):
+        s.step()
+    state = s.state
+    before = ({c: state.ledger.live(c).clone() for c in state.ledger.names},
+              state.heads.row.clone(), state.heads.n.clone(), state.step)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(apply_heads, "_append", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        s.step()
+    monkeypatch.undo()
+    cols, row, n, step = before
+    assert all(torch.equal(state.ledger.live(c), x) for c, x in cols.items())
+    assert torch.equal(state.heads.row, row) and torch.equal(state.heads.n, n)
+    assert state.step == step
+    state.check_valid()
+    s.step()  # and it goes on
+    state.check_valid()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(["head", "pyramid", "adaptive"]), budget=st.integers(8, 20),
+       prompt=st.integers(4, 30), steps=st.integers(1, 25), reindex=st.booleans())
+def test_per_head_culls_never_lose_a_token_a_head_holds(tiny_model, tiny_policy, kind, budget,
+                                                       prompt, steps, reindex):
+    """``check_valid`` after every step: every (layer, head, slot) holds a live ledger row
+    or none, each ledger row is held by some head, and every uid issued is held or dropped
+    exactly once; the uids a head held and did not cull are still in the ledger."""
+    torch.set_num_threads(1)
+    s = _session(tiny_model, tiny_policy, n_prompt=prompt, budget=budget, sinks=1, recent=2,
+                 scorer="random", allocation=kind,
+                 positions=Positions(reindex_at=prompt + 10) if reindex else Positions())
+    for _ in range(steps):
+        m, h = s.state.ledger, s.state.heads
+        width = s.state.arena.n
+        held = {(i, j, int(m.uid[r])) for i, j, slot in h.live(width).nonzero().tolist()
+                for r in [int(h.row[i, j, slot])]}
+        gen_step = s.step()
+        s.state.check_valid()
+        culled = set(gen_step.culled)
+        uids = set(s.state.ledger.live("uid").tolist())
+        assert {u for _, _, u in held} - culled <= uids
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--allocation", "head"], "scores whole tokens"),
+    (["--allocation", "duo", "--policy", "tova"], "allocation-heads"),
+    (["--allocation", "head", "--policy", "tova", "--repair", "fold"], "takes no repair"),
+    (["--allocation", "head", "--policy", "tova", "--recall"], "no --allocation head"),
+    (["--allocation", "sideways"], "--allocation"),
+    (["--allocation", "pyramid", "--allocation-beta", "0.5", "--policy", "tova"], "beta"),
+])
+def test_bad_allocations_are_one_line_and_exit_2(capsys, argv, message):
+    try:
+        code = main(["run", "--model", "tiny-random", "--prompt", "hi", "--budget", "24", *argv])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
