@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(BIN)/positronic-brain run --prompt "$(PROMPT)" --max-new-tokens 48 --greedy $(ARGS)
 
-test: install lint browser
+test: install browser
 	$(BIN)/python -m pytest -q -ra $(ARGS)
 
 # A real browser for the HTML page's test (Debian's chromium), where it is missing and the
@@ -41,9 +41,10 @@ browser:
 	    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) \
 	    || echo "no chromium could be installed: the HTML page's browser test skips"
 
-# No block of six or more lines repeated inside the package (pylint's duplicate-code alone).
+# No block of six or more code lines repeated in two modules of the package (also part of
+# the suite: tests/test_duplicates.py).
 lint: install
-	$(BIN)/pylint positronic_brain
+	$(BIN)/python -m pytest -q tests/test_duplicates.py
 
 bench: install
 	$(BIN)/positronic-brain bench speed --quick $(ARGS)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import InitVar, asdict, dataclass, field, replace
 
-from . import threads
+from . import graph, threads
 from .capture import NO_TAPE, Tape
 from .model import Model
 from .sampler import make_generator
@@ -87,6 +87,8 @@ class Session:
                 f"{self.cache_params.allocation.kind} takes a per-head one (tova, streaming, "
                 "random, or a scorer with score_heads)")
         require(not per_head or self.tape.dir is None, "a per-head cache cannot be captured yet")
+        require(not per_head or not graph.chosen(self.model.compiled), "a per-head cache "
+                "takes no --compile graph yet (its fixed bucket reads every head's slots)")
         if self.state is not None:  # stage 0: what this scorer and recall need of a state
             add_columns(self.state, columns_of(self.scorer))  # made without them
             if self.state.cold is None and self.cache_params.recall:
@@ -112,13 +114,17 @@ class Session:
                 f"capacity {capacity} is smaller than the budget {budget}")
         scorer = prefill_scorer(self.scorer, params)
         gather = stats or scorer is not None
+        per_head = params.allocation.per_head  # seeded per head, once the heads are there
         self.state, out = prime(self.model, segments, capacity, pinned=frozenset(params.pinned),
                                 columns=columns_of(self.scorer),
                                 cold_capacity=cold_capacity(params),
                                 prefill_window=params.prefill.window if gather else None,
-                                scorer=scorer, prefill_total=(stats and total) or reads_total(scorer))
-        if params.allocation.per_head:
+                                scorer=None if per_head else scorer,
+                                prefill_total=(stats and total) or reads_total(scorer))
+        if per_head:
             add_heads(self.state)
+            if scorer is not None:
+                seed(self.state, scorer, out.stats)
         self.tape.primed(self.state, segments, capacity, out, params if gather else None)
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []
@@ -156,6 +162,7 @@ class Session:
         segments but their last id, which becomes pending (``pending`` replaces the old
         pending token first). Recorded at the current step; replay re-runs it there."""
         require(self.state is not None, "prime the session before extending it")
+        require(self.state.heads is None, "a per-head cache takes no chat turns yet")
         n = self.state.arena.n
         patch = extend(self.model, self.state, segments, pending=pending)
         self.tape.extended(self.state, segments, pending, n, patch)

@@ -284,7 +284,7 @@ class Ledger:
                                                   "origin", "origin_uid", *self.columns)}
         return [{"uid": cols["uid"][i], "token_id": cols["token_id"][i],
                  "position": cols["position"][i], "source": SOURCES[cols["source"][i]],
-                 **{c: float(cols[c][i]) for c in self.columns},
+                 **{c: cols[c][i] for c in self.columns},
                  "origin": self.origin_label(cols["origin"][i]),
                  "origin_uid": cols["origin_uid"][i]} for i in order]
 
@@ -297,8 +297,10 @@ class Ledger:
         n, cap = self.n, self.uid.shape[0]
         assert 0 <= n <= cap, f"live count {n} outside [0, {cap}]"
         assert sorted(self.columns) == sorted(self.specs), "scorer columns without their specs"
-        for c in self.names:
-            assert self.col(c).shape == (cap,), f"column {c} has shape {tuple(self.col(c).shape)}"
+        for c in self.names:  # a per-head cache's scorer columns: a value a (layer, KV head)
+            shape = self.col(c).shape
+            assert shape[:1] == (cap,) and (c in self.columns or len(shape) == 1), \
+                f"column {c} has shape {tuple(shape)}"
         uid, pos = self.live("uid"), self.live("position")
         assert torch.unique(uid).numel() == n, "uids are not unique"
         assert n == 0 or int(uid.max()) < self.next_uid, "a uid is >= next_uid"
@@ -450,6 +452,8 @@ class Heads:
         assert torch.unique(key).numel() == key.numel(), "a head holds a token twice"
         held = torch.bincount(rows[live], minlength=ledger.n)
         assert ledger.n == 0 or int(held.min()) > 0, "a ledger row no head holds"
+        pinned = (ledger.live("flags") & FLAG_PROTECTED) != 0
+        assert bool((held[pinned] == L * KVH).all()), "a pinned token some head let go"
 
 
 @dataclass(frozen=True)
@@ -469,7 +473,8 @@ class View:
     source: torch.Tensor  # (n,)
     flags: torch.Tensor  # (n,)
     born_step: torch.Tensor  # (n,)
-    columns: dict[str, torch.Tensor]  # the scorer's own columns, name -> (n,) float32
+    columns: dict[str, torch.Tensor]  # the scorer's own columns, name -> (n,) float32 (a per-head
+    # cache's: (n, L, kv_heads))
     origin: torch.Tensor  # (n,) 0 = made here, k = origins[k - 1]
     origin_uid: torch.Tensor  # (n,) the row's uid in that file (-1: made here)
     pending_token: int

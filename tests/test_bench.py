@@ -82,17 +82,22 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
 
     # the loop runs at its budget (half the tiny model's positions); edits at every context
     # ... with the plain stage 1, then with the native copy's
-    assert [(r["dtype"], r["stage1"], r["repair"], r["context"]) for r in res["loop"]] == \
-        [(d, s, m, 256) for d in dtypes for s in ("plain", "native")
-         for m in ("none", "merge", "fold", "none + recall")]
-    assert [r["cold"] > res["config"]["recall_cold"] // 2 for r in res["loop"]] == \
-        [False, False, False, True] * 6  # with recall, over the prompt's culled tokens
+    # (and with the plain one, h2o with whole tokens and per head)
+    bright = [("brightness", m) for m in ("none", "merge", "fold", "none + recall")]
+    assert [(r["dtype"], r["stage1"], r["policy"], r["repair"], r["context"])
+            for r in res["loop"]] == \
+        [(d, s, p, m, 256) for d in dtypes for s in ("plain", "native")
+         for p, m in bright + [("h2o", "none"), ("h2o@head", "none")] * (s == "plain")]
+    recall = [r["repair"] == "none + recall" for r in res["loop"]]
+    # with recall, over the prompt's culled tokens
+    assert [r["cold"] > res["config"]["recall_cold"] // 2 for r in res["loop"]] == recall
     assert all(r["stage1_ms"] > 0 and r["step_ms"] > 0 and r["overhead"] > 0 for r in res["loop"])
     assert [(r["dtype"], r["context"]) for r in res["edits"]] == \
         [(d, c) for d in dtypes for c in contexts]
     assert all(v > 0 for r in res["edits"] for k, v in r.items() if k.endswith("_ms"))
     assert {t["what"].split(" at ")[0].split(" (")[0] for t in res["targets"]} >= {
         "loop step / stage 1", "stage 1 bytes allocated per context token per step: flat",
+        "loop step, h2o@head / h2o",
         "one cull, stage 4: ms", "one merge repair, stage 4: ms", "one fold, stage 4: ms"}
     edits = {(t["dtype"], t["what"]): t for t in res["targets"] if "stage 4" in t["what"]}
     assert len(edits) == 9
@@ -103,8 +108,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     # the cold store's memory per token: at least the K/V and a ledger row
     for m in res["memory"]:
         assert m["cold_bytes_per_token"] > m["kv_bytes_per_token"]
-    assert [r["cold_bytes_per_token"] is not None for r in res["loop"]] == \
-        [False, False, False, True] * 6
+    assert [r["cold_bytes_per_token"] is not None for r in res["loop"]] == recall
 
     # the operators one stage-1 call launches, counted by the profiler (one per layer at least)
     assert [(r["dtype"], r["context"]) for r in res["ops"]] == [(d, 256) for d in dtypes]

@@ -101,7 +101,7 @@ def test_write_data_writes_the_samples_and_measures_nothing(real_model, capsys, 
     (["--policies", "bogus"], "bogus"),
     (["--trials", "3"], "unrecognized arguments: --trials"),
     (["--lengths", "1024,1024"], "--lengths repeats a value"),
-    (["--params", "allocation=turns"], "one user turn"),
+    (["--params", "allocation=turns"], "NAME@ALLOCATION"),
 ])
 def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
     assert main(["bench", "ruler", "--model", "tiny-random", *argv]) == 2

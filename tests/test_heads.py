@@ -5,6 +5,7 @@ every head holds its budget at every step; every (layer, head, slot) is accounte
 rules pick the slots worked out by hand; a failure part-way changes nothing; bad input is
 one line and exit 2."""
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +21,8 @@ from positronic_brain.stages.apply import heads as apply_heads
 from positronic_brain.stages.decide.allocation import budgets, head_culls, retrieval_heads
 from positronic_brain.stages.generate import generate
 from positronic_brain.state import Heads
-from positronic_brain.types import (Allocation, CacheParams, Positions, SamplerParams, Segment,
-                                    UserError)
+from positronic_brain.types import (Allocation, CacheParams, Positions, Prefill, SamplerParams,
+                                    Segment, UserError)
 from tests.oracle import assert_close, hf_step_logits_per_head
 from tests.tolerance import ORACLE
 
@@ -201,7 +202,8 @@ def test_per_head_culls_never_lose_a_token_a_head_holds(tiny_model, tiny_policy,
     torch.set_num_threads(1)
     s = _session(tiny_model, tiny_policy, n_prompt=prompt, budget=budget, sinks=1, recent=2,
                  scorer="random", allocation=kind,
-                 positions=Positions(reindex_at=prompt + 10) if reindex else Positions())
+                 positions=Positions(reindex_at=max(prompt, budget) + 10) if reindex
+                 else Positions())
     for _ in range(steps):
         m, h = s.state.ledger, s.state.heads
         width = s.state.arena.n
@@ -230,3 +232,95 @@ def test_bad_allocations_are_one_line_and_exit_2(capsys, argv, message):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_h2o_sums_each_heads_own_attention(tiny_model, tiny_policy, one_thread):
+    """Per head, H2O's ``attn_sum`` of a token is what that (layer, KV head)'s query heads
+    paid it, step by step (their mean), from the prompt's own (``prefill_heads``) on."""
+    s = _session(tiny_model, tiny_policy, budget=64, scorer="h2o", allocation="head",
+                 prefill=Prefill(scores=True))
+    state = s.state
+    L, KVH = state.heads.n.shape
+    want = state.ledger.live("attn_sum").clone()  # (n, L, KVH): the prompt's, per head
+    assert want.shape[1:] == (L, KVH) and bool((want > 0).any())
+    assert not torch.equal(want[:, 0, 0], want[:, -1, -1]), "every head seeded alike"
+    for _ in range(4):
+        view = state.view()
+        gen = generate(tiny_model, view, s.sampler, make_generator(0, "cpu"))
+        paid = gen.attention.view(L, KVH, -1, view.k.shape[2]).mean(2)  # (L, KVH, slots)
+        rows = view.heads.row
+        for layer in range(L):
+            for head in range(KVH):
+                want[rows[layer, head], layer, head] += paid[layer, head]
+        s.step(force=gen.token_id)
+        want = torch.cat((want, torch.zeros(1, L, KVH)))  # the appended token's, from 0
+        assert torch.equal(state.ledger.live("attn_sum"), want)  # the same sums, in order
+
+
+def test_a_grid_names_a_per_head_allocation_with_its_policy():
+    from positronic_brain.bench import flags
+    from positronic_brain.bench.quality import QualityConfig
+    assert flags.cell_policy("tova@adaptive") == {"policy": "tova", "allocation": "adaptive"}
+    assert flags.cell_policy("h2o") == {"policy": "h2o"}
+    cfg = QualityConfig(policies=("h2o", "tova@head"), budgets=(64,), repairs=("none",))
+    cache = cfg.cache(64, "tova@head")
+    assert cache.allocation.kind == "head" and flags.policy_label(cache) == "tova@head"
+    assert flags.policy_label(cfg.cache(64, "h2o")) == "h2o"
+    with pytest.raises(UserError, match="allocation must be one of"):
+        QualityConfig(policies=("tova@sideways",), budgets=(64,), repairs=("none",))
+    with pytest.raises(UserError, match="NAME@ALLOCATION"):
+        flags.cache_options("allocation=head", None)
+
+
+def test_unorderable_scores_still_cull_what_the_budget_needs():
+    """A free slot scored inf or NaN still goes before a protected one would (none does):
+    each head culls exactly what its budget needs."""
+    view = _hand_view()
+    keep = torch.zeros(6, dtype=torch.bool)
+    keep[0] = True
+    scores = torch.full((2, 2, 6), math.inf)
+    scores[0, 0, 3] = math.nan
+    p = CacheParams(budget=5, sinks=0, recent=0, scorer="tova", allocation="head")
+    got = head_culls(view, scores, p, torch.full((2, 2), 5), keep)
+    assert got.sum(-1).tolist() == [[2, 2], [2, 2]] and not got[:, :, 0].any()
+
+
+def test_adaptive_shares_what_protection_leaves():
+    """AdaKV's floor is a share of the scored part of the budget (what the protected tokens,
+    held by every head, leave): a head whose scores all lose still keeps its share."""
+    view = _hand_view()
+    keep = torch.tensor([True, True, False, False, False, False])
+    scores = torch.tensor([[[0., 0, 9, 8, 7, 6], [0, 0, 1, 1, 1, 1]]] * 2)
+    p = CacheParams(budget=5, sinks=0, recent=0, scorer="tova",
+                    allocation=Allocation("adaptive", floor=0.5))
+    got = head_culls(view, scores, p, None, keep)
+    # 5 - 1 - 2 protected = 2 scored a head, 4 a layer; each head first its best 1 (head 1:
+    # its latest of equal scores, position 5), then the layer's best: 9, 8, 7 of head 0
+    kept = [(~r).nonzero()[:, 0].tolist() for r in got.flatten(0, 1)]
+    assert kept == [[0, 1, 2, 3, 4], [0, 1, 5]] * 2
+    with pytest.raises(UserError, match="too small"):
+        head_culls(view, scores, CacheParams(budget=2, sinks=0, recent=0, scorer="tova",
+                                             allocation="adaptive"), None,
+                   torch.ones(6, dtype=torch.bool))
+
+
+def test_a_re_index_waits_until_what_the_heads_hold_fits(tiny_model, tiny_policy, one_thread):
+    """The heads together hold more tokens than one head's budget: a re-index is made only
+    where it brings the next position back below the re-index point."""
+    s = _session(tiny_model, tiny_policy, n_prompt=20, budget=8, sinks=1, recent=2,
+                 scorer="random", allocation="head", positions=Positions(reindex_at=40))
+    reindexed = 0
+    for _ in range(60):
+        rec = s.step()
+        s.state.check_valid()
+        if rec.reindexed:
+            reindexed += 1
+            assert s.state.next_position < 40
+    assert reindexed >= 1
+
+
+def test_a_per_head_cache_takes_no_cuda_graph(tiny_model, tiny_policy, monkeypatch):
+    monkeypatch.setattr(tiny_model, "compiled", "graph")
+    with pytest.raises(UserError, match="compile graph"):
+        Session(tiny_model, tiny_policy, SamplerParams(greedy=True),
+                CacheParams(budget=24, scorer="tova", allocation="head"))

@@ -84,8 +84,27 @@ def preset(cls, quick: bool, **kw):
 
 
 def scorers(text: str) -> tuple[str, ...]:
-    """``--policies a,b``: scorer names, a file of your own made absolute."""
+    """``--policies a,b``: scorer names, a file of your own made absolute; each may name a
+    per-head allocation, ``NAME@ALLOCATION`` (``cell_policy``)."""
     return tuple(user.absolute(p.strip()) for p in text.split(","))
+
+
+def cell_policy(label: str) -> dict[str, str]:
+    """A grid's policy, ``NAME`` or ``NAME@ALLOCATION`` (``tova@head``: tova with each
+    (layer, KV head) keeping its own tokens, at the same K/V memory), as cache options."""
+    name, _, kind = label.partition("@")
+    return {"policy": name} | ({"allocation": kind} if kind else {})
+
+
+def scorer_names(labels) -> tuple[str, ...]:
+    """The scorers a grid's policies (``cell_policy``'s labels) name."""
+    return tuple(cell_policy(p)["policy"] for p in labels)
+
+
+def policy_label(cache) -> str:
+    """The grid's label of the cache parameters ``cache``: ``cell_policy``'s inverse."""
+    kind = cache.allocation.kind
+    return cache.scorer.name + (f"@{kind}" if cache.allocation.per_head else "")
 
 
 def policies(text: str) -> tuple[str, ...]:
@@ -97,9 +116,11 @@ def cache_options(text: str | None, items: list[str] | None) -> tuple[tuple[str,
     """``--params K=V,...`` and ``--param NAME=VALUE`` items: cache options of every run
     (flat name -> value), sorted."""
     given = options.typed(options.pairs(text or "", "--params"))
-    fixed = sorted({"budget", "policy", "repair", "positions", "recall", "param"} & set(given))
+    fixed = sorted({"budget", "policy", "repair", "positions", "recall", "param",
+                    "allocation"} & set(given))
     require(not fixed, f"--params: {', '.join(fixed)} is the benchmark's own axis"
-            + (" (--param NAME=VALUE)" if "param" in fixed else ""))
+            + (" (--param NAME=VALUE)" if "param" in fixed else "")
+            + (" (--policies NAME@ALLOCATION)" if "allocation" in fixed else ""))
     if items:
         given["param"] = tuple(items)
     return tuple(sorted(given.items()))

@@ -185,14 +185,14 @@ class PasskeyConfig:
                 f"budgets must be >= 1, got {self.budgets}")
         require(tuple(sorted(set(self.budgets))) == self.budgets,
                 f"budgets must be increasing, got {self.budgets}")
-        bad = [p for p in self.policies if not culling(p)]
+        bad = [p for p in flags.scorer_names(self.policies) if not culling(p)]
         require(not bad, f"unknown or non-culling policies {bad}; expected some of "
                 f"{', '.join(CULLING)} (or none: the full cache only)")
         require(self.framing in FRAMINGS,
                 f"framing must be one of {', '.join(FRAMINGS)}, got {self.framing!r}")
         require(self.max_new_tokens >= 5, "the answer needs at least 5 new tokens")
         require(len(self.variants) > 0, "variants must hold at least one entry ({} = plain)")
-        options.check_shared(dict(self.params), self.policies or CULLING)
+        options.check_shared(dict(self.params), flags.scorer_names(self.policies) or CULLING)
         for v in self.variants:
             require(isinstance(v, dict) and not {"budget", "policy"} & set(v),
                     f"a variant sets cache options other than budget and policy, got {v!r}")
@@ -217,8 +217,8 @@ class PasskeyConfig:
         return dataclasses.replace(self, budgets=budgets, lengths=lengths)
 
     def cache(self, budget: int | None, policy: str, variant: dict | None = None) -> CacheParams:
-        shared = {**dict(self.params), "policy": "none" if budget is None else policy,
-                  "budget": budget}
+        shared = {**dict(self.params), "budget": budget,
+                  **flags.cell_policy("none" if budget is None else policy)}
         own = options.cache_params(shared, strict=False)
         if budget is None:
             return own
@@ -248,8 +248,11 @@ class Cell:
 
 
 def cells(cfg: PasskeyConfig) -> list[Cell]:
+    """Every variant x budget x policy, but a per-head policy (``NAME@ALLOCATION``) under a
+    variant with recall, which it takes none of yet (its row shows "–")."""
     return [Cell(p, b, v, cfg.cache(b, p, v))
-            for v in cfg.variants for b in cfg.budgets for p in cfg.policies]
+            for v in cfg.variants for b in cfg.budgets for p in cfg.policies
+            if not (v.get("recall") and "allocation" in flags.cell_policy(p))]
 
 
 def answer(session: Session, n: int) -> list[int]:
@@ -509,6 +512,8 @@ def plots(res: PasskeyResult, out: Path) -> list[str]:
         for j, v in enumerate(cfg.variants):
             label = variant_label(v)
             rs = [r for r in res.runs if r.policy == p and r.variant_label == label]
+            if not rs:
+                continue
             series[p if len(cfg.variants) == 1 else f"{p}, {label}"] = (
                 [r.budget for r in rs], [100 * r.accuracy for r in rs],
                 {"color": f"C{i}", "linestyle": ("-", "--", "-.", ":")[j % 4]})

@@ -123,7 +123,8 @@ class QualityConfig:
                 f"budgets must be >= 1, got {self.budgets}")
         require(tuple(sorted(set(self.budgets))) == self.budgets,
                 f"budgets must be increasing, got {self.budgets}")
-        bad = [p for p in self.policies + (self.long_policy, *self.long_baselines)
+        bad = [p for p in flags.scorer_names(self.policies + (self.long_policy,
+                                                              *self.long_baselines))
                if not culling(p)]
         require(not bad and len(self.policies) > 0, f"unknown or non-culling policies {bad}; "
                 f"expected some of {', '.join(SCORERS)} (the oracle runs at every budget)")
@@ -133,7 +134,7 @@ class QualityConfig:
         require(self.tokens >= 2, f"tokens must be >= 2, got {self.tokens}")
         require(self.long >= 0 and self.long_window >= 1,
                 "long must be >= 0 and long_window >= 1")
-        options.check_shared(dict(self.params), self.policies)
+        options.check_shared(dict(self.params), flags.scorer_names(self.policies))
         for b in self.budgets:  # fail early: too small for the protections
             self.cache(b, self.policies[0])
         for p in self.policies[1:]:  # and each scorer built (your own: its file and fields)
@@ -177,9 +178,9 @@ class QualityConfig:
         if policy == ORACLE:  # built by the benchmark, not from options
             return dataclasses.replace(self.cache(budget, DEFAULT.scorer.name, repair,
                                                   positions, recall), scorer=ScorerSpec(ORACLE))
-        return options.cache_params({**dict(self.params), "budget": budget, "policy": policy,
-                                     "repair": repair, "positions": positions,
-                                     "recall": recall}, strict=False)
+        return options.cache_params({**dict(self.params), "budget": budget,
+                                     **flags.cell_policy(policy), "repair": repair,
+                                     "positions": positions, "recall": recall}, strict=False)
 
 
 # --- the text -------------------------------------------------------------------------------
@@ -649,7 +650,7 @@ def _tally(job: Job, m: Measured) -> dict:
     """A job's perplexity over every start's scored tokens, and its counts over the scored
     steps."""
     nll, t, c = [x for n in m.nll for x in n], m.totals, job.cache
-    return {"policy": c.scorer.name, "repair": c.repair_name, "budget": c.budget,
+    return {"policy": flags.policy_label(c), "repair": c.repair_name, "budget": c.budget,
             "recall": c.recall is not None, "positions": c.positions.mode,
             "ppl": perplexity(nll), "scored": len(nll),
             "stop_reason": ", ".join(sorted(set(m.stop_reason))), "culled": t.culled,

@@ -101,21 +101,21 @@ class RulerConfig:
         require(all(n >= 64 for n in self.lengths), f"lengths must be >= 64, got {self.lengths}")
         require(all(0 <= r < 1 for r in self.ratios), "--ratios takes comma-separated fractions "
                 f"in [0, 1), got {','.join(map(str, self.ratios))}")
-        bad = [p for p in self.policies if not culling(p)]
+        bad = [p for p in flags.scorer_names(self.policies) if not culling(p)]
         require(not bad, f"unknown or non-culling policies {bad}; expected some of "
                 f"{', '.join(CULLING)} (or none: the full cache only)")
         require(self.qa_file or not {"qa_1", "qa_2"} & set(self.tasks),
                 "qa_1 and qa_2 need --qa-file (SQuAD- or HotpotQA-format JSON)")
-        options.check_shared(dict(self.params), self.policies or CULLING)
+        options.check_shared(dict(self.params), flags.scorer_names(self.policies) or CULLING)
         for name in ("tasks", "lengths", "policies", "ratios"):
             values = getattr(self, name)
             require(len(set(values)) == len(values), f"--{name} repeats a value: {values}")
         for p in self.policies:  # fail early: unknown fields, options of pieces that are off
             for recall in (False, True)[:1 + self.recall]:
                 c = self.cache(p, 1 << 30, recall)  # any budget: the cells' own come later
-                require(c.allocation.kind == "token" and "user" not in c.pinned, "--params: a RULER "
-                        "prompt is one user turn: --allocation turns and pinned user tokens do not "
-                        "apply")
+                require(c.allocation.kind == "token" and "user" not in c.pinned, "a RULER prompt "
+                        "is one user turn, its question a turn of its own: pinned user tokens "
+                        "and allocations other than token do not apply (yet)")
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "RulerConfig":
@@ -123,7 +123,8 @@ class RulerConfig:
         return flags.preset(cls, quick, **kw)
 
     def cache(self, policy: str, budget: int | None, recall: bool) -> CacheParams:
-        given = {**dict(self.params), "policy": policy if budget else "none", "budget": budget}
+        given = {**dict(self.params), **flags.cell_policy(policy if budget else "none"),
+                 "budget": budget}
         return options.cache_params(given | ({"recall": True} if recall and budget else {}),
                                     strict=False)
 

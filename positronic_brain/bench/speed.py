@@ -44,7 +44,8 @@ from ..stages.score import recall_layers, recall_query, score
 from ..state import State, View
 from ..types import (Actions, CacheParams, FoldRepair, Prefill, Recall, SamplerParams, Segment,
                      require)
-from . import common, llamacpp
+from . import common, flags, llamacpp
+from .. import options
 from .common import Table, fmt, fmt_bytes
 from .result import Machine, Result, Target, target_table
 
@@ -54,6 +55,11 @@ DECODE_TARGETS = {1024: 0.8, 2048: 0.8, 4096: 0.6}  # stage 1 / HF ms per token,
 GPU_DECODE_TARGET = 1.0  # on a GPU, at every context
 LOOP_TARGET = 1.10  # a full loop step / stage 1 alone
 RECALL_LOOP_TARGET = 1.15  # ... with recall, over the cold store's ``recall_cold`` tokens
+PER_HEAD_TARGET = 1.15  # a per-head loop step / the whole-token one, the same scorer
+# the loop's settings: (policy, repair, with recall); the per-head pair with the plain stage 1
+LOOP_SETTINGS = (("brightness", "none", False), ("brightness", "merge", False),
+                 ("brightness", "fold", False), ("brightness", "none", True))
+PER_HEAD_SETTINGS = (("h2o", "none", False), ("h2o@head", "none", False))
 GRAPH_FLOOR_TARGET = 3.0  # on a GPU, stage 1 as a graph / the bandwidth floor, every context
 EDIT_TARGET = 1.5  # an edit's stage 4 at the longest context / at the shortest (O(1))
 # stage 1 / llama.cpp ms per token at equal precision, at these contexts (None: every one)
@@ -198,6 +204,7 @@ class LoopRow:
 
     dtype: str
     stage1: str = "plain"
+    policy: str = "brightness"  # ``NAME@ALLOCATION`` for a per-head one (``flags.cell_policy``)
     repair: str
     context: int
     host_reads: float | None = None
@@ -517,15 +524,17 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[LoopRow]:
     """A full loop step (stages 1-4, brightness scorer, at the budget: one removal per
     step) vs stage 1 alone on the same view, for each repair (none, merge, fold), and
     without repair with recall over ``recall_cold`` cold tokens (the prompt's first step
-    culls them into the cold store). A row's ``stage1`` is how the model runs stage 1:
-    plain, or a ``Model.compiled`` mode."""
+    culls them into the cold store); with the plain stage 1, also h2o's with whole tokens
+    and with every (layer, KV head) culling its own (``PER_HEAD_SETTINGS``). A row's
+    ``stage1`` is how the model runs stage 1: plain, or a ``Model.compiled`` mode."""
     dt, how = model.precision, model.compiled or "plain"
     rows = []
-    for repair, cold in (("none", 0), ("merge", 0), ("fold", 0), ("none", cfg.recall_cold)):
+    for policy, repair, recall in LOOP_SETTINGS + (() if model.compiled else PER_HEAD_SETTINGS):
+        cold = cfg.recall_cold if recall else 0
         what = repair + (" + recall" if cold else "")
-        tick = task(f"{dt} {how} loop ({what})", cfg.reps)
-        params = CacheParams(budget=cfg.budget, scorer="brightness", repair=repair,
-                             recall=bool(cold))
+        tick = task(f"{dt} {how} loop ({policy}, {what})", cfg.reps)
+        params = options.cache_params({**flags.cell_policy(policy), "budget": cfg.budget,
+                                       "repair": repair, "recall": recall})
         session = Session(model, TokenPolicy(model.tokenizer), GREEDY, params)
         session.prime([Segment(tuple(random_prompt(model, cfg.budget + 1 + cold, seed=2)),
                                "user")])
@@ -562,7 +571,8 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[LoopRow]:
         syncs = common.cuda_syncs(steps) if model.device.type == "cuda" else None
         store = session.state.cold
         rows.append(LoopRow(
-            dtype=dt, stage1=how, repair=what, context=cfg.budget, host_reads=reads,
+            dtype=dt, stage1=how, policy=policy, repair=what, context=cfg.budget,
+            host_reads=reads,
             cuda_syncs=None if syncs is None else syncs / every, cold=store.n if cold else 0,
             recall_every=every, cold_bytes_per_token=store.bytes_per_token if cold else None,
             scan_bytes=scan_bytes(params, store.arena.k, store.n) if cold else None,
@@ -834,14 +844,30 @@ def alloc_fit(alloc: list[AllocRow], memory: list[MemoryRow]) -> list[AllocFit]:
 
 
 def _loop_what(row: LoopRow) -> str:
-    """A loop row's setting in words: its repair, with recall the cold store it scans, and
-    a stage 1 other than the plain one."""
+    """A loop row's setting in words: its repair, with recall the cold store it scans, a
+    stage 1 other than the plain one, a scorer other than brightness."""
     repair = row.repair.removesuffix(" + recall")
     how = "" if row.stage1 == "plain" else f", stage 1 {row.stage1}"
+    how += "" if row.policy == "brightness" else f", {row.policy}"
     if not row.cold:
         return f"{repair} repair{how}"
     return (f"{repair} repair, recall over {row.cold} cold tokens, scanned every "
             f"{row.recall_every} steps{how}")
+
+
+def _per_head_targets(res: SpeedResult) -> list[Target]:
+    """Each per-head loop row's step over the whole-token step of its scorer (same dtype
+    and stage 1)."""
+    out = []
+    for r in res.loop:
+        name, _, kind = r.policy.partition("@")
+        token = next((x for x in res.loop if (x.dtype, x.stage1, x.policy, x.repair)
+                      == (r.dtype, r.stage1, name, r.repair)), None)
+        if kind and token is not None:
+            ratio = r.step_ms / token.step_ms
+            out.append(Target(f"loop step, {r.policy} / {name} at budget {r.context}", ratio,
+                              f"<= {PER_HEAD_TARGET}", ratio <= PER_HEAD_TARGET, r.dtype))
+    return out
 
 
 def loop_target(row: LoopRow) -> float:
@@ -904,9 +930,11 @@ def targets(res: SpeedResult) -> list[Target]:
                 out.append(Target(f"stage 0 / HF prefill tokens/s at {r.tokens}{what}", value,
                                   f">= {PREFILL_TARGET}", value >= PREFILL_TARGET, r.dtype))
     for r in res.loop:
-        t = loop_target(r)
-        out.append(Target(f"loop step / stage 1 at budget {r.context} ({_loop_what(r)})",
-                          r.overhead, f"<= {t}", r.overhead <= t, r.dtype))
+        if r.policy == "brightness":
+            t = loop_target(r)
+            out.append(Target(f"loop step / stage 1 at budget {r.context} ({_loop_what(r)})",
+                              r.overhead, f"<= {t}", r.overhead <= t, r.dtype))
+    out += _per_head_targets(res)
     for f in res.alloc_fit:
         if f.who == "ours":  # one copy of the past would cost >= kv_bytes_per_token
             out.append(Target("stage 1 bytes allocated per context token per step: less "
@@ -1007,7 +1035,7 @@ def missed_notes(res: SpeedResult) -> list[str]:
                 "bounded by how slow HF's context-dependent part is, not by our attention."))
     notes += _graph_floor_notes(res)
     for r in res.loop:
-        if r.overhead <= loop_target(r):
+        if r.policy != "brightness" or r.overhead <= loop_target(r):
             continue
         rest = r.step_ms - r.stage1_ms - r.score_ms - r.decide_ms
         why = (f" Stage 3 decides each merge repair with two read-only one-token forwards (the "
@@ -1141,16 +1169,18 @@ def tables(res: SpeedResult) -> list[Table]:
                    ("window_ms", 1), ("window_ratio", 2), ("total_ms", 1), ("total_ratio", 2))))
               for r in res.prefill))
     loop = Table(
-        "Loop step (stages 1-4, brightness scorer, one removal per step at the budget)",
-        ("dtype", "stage 1", "repair", "live slots", "stage 1 ms", "stage 2 ms", "stage 3 ms",
+        "Loop step (stages 1-4, one removal per step at the budget)",
+        ("dtype", "stage 1", "policy", "repair", "live slots", "stage 1 ms", "stage 2 ms", "stage 3 ms",
          "step ms", "step / stage 1", "host reads a step", "CUDA syncs a step"),
-        tuple((r.dtype, r.stage1, r.repair, str(r.context),
+        tuple((r.dtype, r.stage1, r.policy, r.repair, str(r.context),
                fmt(r.stage1_ms, 2),
                fmt(r.score_ms, 2), fmt(r.decide_ms, 2), fmt(r.step_ms, 2),
                fmt(r.overhead, 2), fmt(r.host_reads, 1), fmt(r.cuda_syncs, 1))
               for r in res.loop),
         "Medians per stage, timed on the same view within each repetition; the step is "
-        "`Session.step` (all four stages). With recall, stage 1 is timed as without it: the "
+        "`Session.step` (all four stages). The brightness scorer; with the plain stage 1 also "
+        "h2o with whole tokens and with every (layer, KV head) culling its own (`h2o@head`, "
+        "the same K/V memory). With recall, stage 1 is timed as without it: the "
         "query and log-sum-exp it also hands stage 2 count as recall's cost, in the step. "
         "Stage 1 native or graph: the same loop on the `--compile native` (the CPU) or "
         "`--compile graph` (a GPU) copy (stages 2-4 as they are), so the same stages 2-4 "

@@ -25,6 +25,25 @@ def aggregate(attention: torch.Tensor, how: str) -> torch.Tensor:
     return a.amax(0) if layers == "max" else a.mean(0)
 
 
+def by_head(attention: torch.Tensor, kv_heads: int, how: str) -> torch.Tensor:
+    """Attention (L, H, n) -> (L, kv_heads, n) for a per-head cache: what each KV head's
+    query heads paid its slots, their max where ``how`` ends in ``-max``, else their mean."""
+    L, H, n = attention.shape
+    grouped = attention.view(L, kv_heads, H // kv_heads, n)
+    return grouped.amax(2) if how.endswith("-max") else grouped.mean(2)
+
+
+def slot_rows(view) -> tuple[torch.Tensor, ...]:
+    """A per-head view's slots as indices into its per-head columns (tokens, L, kv_heads):
+    each slot's ledger row (a free slot's 0), which slots are live, and the layer and head
+    index of each, shaped to broadcast over (L, kv_heads, n)."""
+    h = view.heads
+    L, KVH, n = h.row.shape
+    layer = torch.arange(L, device=h.row.device).view(L, 1, 1)
+    head = torch.arange(KVH, device=h.row.device).view(1, KVH, 1)
+    return h.row.clamp(min=0), h.live(n), layer, head
+
+
 def value_weighted(attention: torch.Tensor, norms: torch.Tensor,
                    live: torch.Tensor | None = None) -> torch.Tensor:
     """Attention (L, H, n) times each slot's value norm (``View.vnorm``) relative to the mean

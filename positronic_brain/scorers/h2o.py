@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from .attention import aggregate, aggregation, check_aggregation
+from .attention import aggregate, aggregation, by_head, check_aggregation, slot_rows
 from ..state import View
 from ..types import Column, PrefillStats, ScoreOut
 
@@ -42,7 +42,28 @@ class H2O:
         queries = (view.step - view.born_step + 1).clamp(min=1).float()  # (n,) incl. this one
         return ScoreOut(scores=total / queries, columns={"attn_sum": total})
 
+    def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
+        """Per head (a per-head allocation): each (layer, KV head) sums the attention its
+        query heads paid each of its slots (their mean, or max with a ``-max`` aggregate)
+        into its own ``attn_sum`` of the slot's token, the column then one value a
+        (layer, KV head): (L, H, n) -> scores (L, KVH, n), ``attn_sum`` (tokens, L, KVH)."""
+        rows, live, layer, head = slot_rows(view)
+        paid = by_head(attention, view.heads.n.shape[1], self.aggregate)  # (L, KVH, n)
+        column = view.columns["attn_sum"]  # (tokens, L, KVH)
+        total = column[rows, layer, head] + paid
+        queries = (view.step - view.born_step[rows] + 1).clamp(min=1).float()
+        new = column.clone()
+        new[rows[live], layer.expand_as(rows)[live], head.expand_as(rows)[live]] = total[live]
+        return ScoreOut(scores=total / queries, columns={"attn_sum": new})
+
     def prefill(self, view: View, stats: PrefillStats) -> ScoreOut:
         """The prompt's mean attention per later query, as one query's worth."""
         mean = aggregate(stats.total, self.aggregate) / stats.queries.clamp(min=1)
         return ScoreOut(scores=mean, columns={"attn_sum": view.columns["attn_sum"] + mean})
+
+    def prefill_heads(self, view: View, stats: PrefillStats) -> ScoreOut:
+        """Per head: what each (layer, KV head)'s query heads paid each prompt token, per
+        later query (every head holds every prompt token: slot i is row i)."""
+        paid = by_head(stats.total, view.heads.n.shape[1], self.aggregate)  # (L, KVH, n)
+        mean = (paid / stats.queries.clamp(min=1)).permute(2, 0, 1)  # (n, L, KVH)
+        return ScoreOut(scores=paid, columns={"attn_sum": view.columns["attn_sum"] + mean})

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import aggregate, aggregation, check_aggregation
+from .attention import aggregate, aggregation, by_head, check_aggregation
 from ..state import View
 from ..types import ScoreOut
 
@@ -28,7 +28,4 @@ class TOVA:
         """Per head (a per-head allocation): each (layer, KV head) scores its own slots by
         what its query heads paid them this step, their mean or (``aggregate`` ending in
         ``-max``) their max; (L, H, n) -> (L, KVH, n)."""
-        grouped = attention.view(attention.shape[0], view.heads.n.shape[1], -1,
-                                 attention.shape[-1])
-        return ScoreOut(scores=grouped.amax(2) if self.aggregate.endswith("-max")
-                        else grouped.mean(2))
+        return ScoreOut(scores=by_head(attention, view.heads.n.shape[1], self.aggregate))

@@ -24,7 +24,9 @@ from .rows import arena, column_ranges, in_range, write_rows
 @torch.no_grad()
 def add_heads(state: State) -> None:
     """Stage 0: make ``state`` a per-head cache in which every head holds every live token
-    (slot i of each head holds ledger row i, as the arena did)."""
+    (slot i of each head holds ledger row i, as the arena did). Each scorer column then
+    holds a value per (layer, KV head) of each token (tokens, L, KVH), every head's the
+    token's value so far."""
     a, m = state.arena, state.ledger
     require(isinstance(a, Arena), "per-head allocations run on one device (no device map)")
     require(state.cold is None, "per-head allocations take no recall yet")
@@ -34,6 +36,8 @@ def add_heads(state: State) -> None:
     row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
     row[:, :, :a.n] = torch.arange(a.n, device=m.device)
     state.heads = Heads(row=row, n=torch.full((L, KVH), a.n, dtype=torch.long, device=m.device))
+    for name, col in m.columns.items():
+        m.columns[name] = col.view(-1, 1, 1).expand(-1, L, KVH).clone()
 
 
 def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> torch.Tensor:
@@ -224,7 +228,7 @@ def _grow(m: Ledger) -> None:
         new[:old.shape[0]] = old
         setattr(m, c, new)
     for c, old in m.columns.items():
-        new = old.new_zeros(rows)
+        new = old.new_zeros((rows,) + old.shape[1:])
         new[:old.shape[0]] = old
         m.columns[c] = new
 

@@ -171,9 +171,10 @@ def seed(state: State, scorer, stats: PrefillStats) -> ScoreOut | None:
     """Stage 0: write the ledger columns ``scorer`` seeds from the prompt's statistics
     ``stats`` (its ``prefill(view, stats)``, read-only; None: a scorer without one ignores
     them, and nothing changes) into the live slots they are of (a fresh prime's, or a copy
-    of it: bench passkey seeds each cell's). Returns what the scorer gave."""
+    of it: bench passkey seeds each cell's); a per-head cache's from its ``prefill_heads``,
+    one value a (layer, KV head). Returns what the scorer gave."""
     view = state.view()
-    take = getattr(scorer, "prefill", None)
+    take = getattr(scorer, "prefill" if state.heads is None else "prefill_heads", None)
     if take is None:
         return None
     assert torch.equal(view.uid, stats.uid), "the prompt statistics are of other slots"

@@ -188,7 +188,8 @@ def column_ranges(m: Ledger, new: dict[str, torch.Tensor] | None,
     out = []
     for name, t in (new or {}).items():
         assert name in m.specs, f"{name} is not a column of the ledger"
-        assert t.shape == (n,) and t.dtype == torch.float32, f"bad {name} for {n} slots"
+        assert t.shape == (n,) + m.columns[name].shape[1:] and t.dtype == torch.float32, \
+            f"bad {name} for {n} slots"
         if n:
             out.append((name, m.specs[name], torch.stack(t.aminmax()).double()))
     return out

@@ -61,7 +61,8 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     if params.allocation.kind == "turns":
         return Actions(columns=scores.columns, cull_slots=turns.oldest_turns(view, need),
                        reindex=reindex)
-    if view.heads is not None:
+    if view.heads is not None:  # re-indexed only where every token the heads hold fits
+        reindex = reindex and view.n + 1 < limit
         L, KVH = view.heads.n.shape
         culls = allocation.head_culls(view, scores.scores, params,
                                       allocation.budgets(params, L, KVH), protected(view, params))

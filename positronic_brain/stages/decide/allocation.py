@@ -149,20 +149,20 @@ def head_culls(view: View, scores: torch.Tensor, params: CacheParams,
     """(L, KVH, n) bool: the slots each head culls this step, from ``scores`` (L, KVH, n)
     over each head's slots (higher kept; ties: the earlier position culled first). With
     ``budget`` (L, KVH), each head culls its lowest unprotected slots until, after the
-    append, it holds its budget; without (``adaptive``), each layer keeps ``budget - 1``
-    slots a head on average, shared by ``adaptive`` with its floor. Protected tokens
-    (``keep`` (n,) over the ledger's rows: ``decide.protected``'s sinks, recent and pinned)
-    are held by every head, never culled."""
+    append, it holds its budget; without (``adaptive``: ``_adaptive_culls``), each layer
+    keeps ``budget - 1`` slots a head on average. Protected tokens (``keep`` (n,) over the
+    ledger's rows: ``decide.protected``'s sinks, recent and pinned) are held by every head,
+    never culled."""
     rows, held = view.heads.row, view.heads.n  # (L, KVH, n), (L, KVH)
-    live = torch.arange(view.k.shape[2], device=rows.device) < held.unsqueeze(-1)
+    live = view.heads.live(rows.shape[2])
     at = rows.clamp(min=0)
     guard = keep[at] & live
     free = live & ~guard
+    # each head's slots in text order (the free ones last), for the ties
+    by_pos = torch.argsort(torch.where(live, view.position[at], view.next_position), dim=-1,
+                           stable=True)
     if budget is None:
-        ranked = torch.where(guard, math.inf, torch.where(live, scores.float(), -math.inf))
-        kept = torch.stack([adaptive(r, params.budget - 1, params.allocation.floor)
-                            for r in ranked.cpu()]).to(rows.device)
-        return free & ~kept
+        return _adaptive_culls(scores, params, free, guard, by_pos)
     need = (held + 1 - budget.to(held.device)).clamp(min=0)
     short = need > free.sum(-1)
     if bool(short.any()):
@@ -170,10 +170,32 @@ def head_culls(view: View, scores: torch.Tensor, params: CacheParams,
         raise UserError(f"budget {int(budget[layer, head])} of layer {layer}, KV head {head} "
                         f"is too small: it holds {int(held[layer, head])} tokens, "
                         f"{int(guard[layer, head].sum())} of them protected")
-    key = torch.where(free, scores.float(), math.inf)
-    by_pos = torch.argsort(torch.where(live, view.position[at], view.next_position), dim=-1,
-                           stable=True)
-    order = by_pos.gather(-1, torch.argsort(key.gather(-1, by_pos), dim=-1, stable=True))
+    # ascending score, then the slots that may not go last (a stable sort by that flag
+    # keeps the score order within each part, whatever the scores: inf and NaN too)
+    order = by_pos.gather(-1, torch.argsort(scores.float().gather(-1, by_pos), dim=-1,
+                                            stable=True))
+    order = order.gather(-1, torch.argsort((~free).gather(-1, order).to(torch.uint8), dim=-1,
+                                           stable=True))
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     return free & (rank < need.unsqueeze(-1))
+
+
+def _adaptive_culls(scores: torch.Tensor, params: CacheParams, free: torch.Tensor,
+                    guard: torch.Tensor, by_pos: torch.Tensor) -> torch.Tensor:
+    """AdaKV's culls: each layer keeps its protected tokens (every head holds them) and,
+    of the scored part of ``budget - 1`` slots a head (the append comes next), each head
+    first its best ``floor`` share, then the layer's best whichever head they are in
+    (``adaptive``; equal scores: the lower head's, then the later position kept)."""
+    heads = scores.shape[1]
+    protected = guard.sum(-1).amax(-1)  # (L,) every head of a layer holds the same ones
+    scored = params.budget - 1 - protected
+    if bool((scored < 0).any()):
+        layer = int((scored < 0).nonzero()[0])
+        raise UserError(f"budget {params.budget} is too small: {int(protected[layer])} tokens "
+                        f"of layer {layer} are protected in each of its {heads} KV heads")
+    latest = by_pos.flip(-1)  # the later position first: the one ``adaptive`` keeps on ties
+    ranked = torch.where(free, scores.float(), -math.inf).gather(-1, latest).cpu()
+    kept = torch.stack([adaptive(r, int(b), params.allocation.floor)
+                        for r, b in zip(ranked, scored.tolist())]).to(free.device)
+    return free & ~torch.zeros_like(free).scatter(-1, latest, kept)

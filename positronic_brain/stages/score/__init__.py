@@ -31,7 +31,8 @@ def score(view: View, attention: torch.Tensor, scorer: Scorer,
         assert out.scores.shape == view.heads.row.shape, \
             f"per-head scores have shape {tuple(out.scores.shape)}"
         for name, t in (out.columns or {}).items():
-            assert name in view.columns and t.shape == (view.n,), f"{name} is not a column"
+            assert name in view.columns and t.shape == view.columns[name].shape, \
+                f"{name} has shape {tuple(t.shape)}"
         return out
     assert attention.shape[-1] == view.n, f"attention over {attention.shape[-1]} slots, not {view.n}"
     out = scorer.score(view, attention)
