@@ -99,7 +99,7 @@ def _rebuild(model: Model, state: State) -> None:
     rebuild_from_ledger(model, scratch)  # its slot j: the j-th row in text order
     at = torch.empty(m.n, dtype=torch.long, device=m.device)
     at[torch.argsort(m.live("position"))] = torch.arange(m.n, device=m.device)
-    live = _live(h, a.n)
+    live = h.live(a.n)
     lh, hh, s = live.nonzero().unbind(1)
     src = at[h.row[lh, hh, s]]
     b = scratch.arena
@@ -107,11 +107,6 @@ def _rebuild(model: Model, state: State) -> None:
     for name in ("v", "knorm", "vnorm"):
         getattr(a, name)[lh, hh, s] = getattr(b, name)[lh, hh, src]
     a.log_mass.zero_()
-
-
-def _live(h: Heads, width: int) -> torch.Tensor:
-    """(L, KVH, width) bool: the slots each head holds."""
-    return torch.arange(width, device=h.n.device) < h.n.unsqueeze(-1)
 
 
 def _remove(state: State, culls: torch.Tensor) -> int:
@@ -123,7 +118,7 @@ def _remove(state: State, culls: torch.Tensor) -> int:
     at = torch.arange(width, device=culls.device)
     below = at < left.unsqueeze(-1)
     holes = (culls & below).nonzero()  # (t, 3), in (layer, head, slot) order
-    movers = (_live(h, width) & ~culls & ~below).nonzero()  # as many per head as holes
+    movers = (h.live(width) & ~culls & ~below).nonzero()  # as many per head as holes
     if movers.numel():
         lh, hh, src = movers.unbind(1)
         dst = holes[:, 2]
@@ -139,10 +134,8 @@ def _drop_rows(state: State) -> list[int]:
     """Ledger rows that no head holds any more leave it (the last rows fill the holes, and
     the head map follows them). Returns their uids."""
     m, h = state.ledger, state.heads
-    live = _live(h, state.arena.n)
-    held = torch.zeros(m.n + 1, dtype=torch.long, device=m.device)
-    held.index_add_(0, h.row[:, :, :state.arena.n][live], torch.ones_like(h.row[:, :, :1])
-                    .expand(h.row.shape[:2] + (state.arena.n,))[live])
+    live = h.live(state.arena.n)
+    held = torch.bincount(h.row[:, :, :state.arena.n][live], minlength=m.n)
     gone = (held[:m.n] == 0).nonzero()[:, 0]
     if not gone.numel():
         return []
@@ -172,7 +165,7 @@ def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
     new = torch.empty_like(old)
     new[torch.argsort(old)] = torch.arange(m.n, device=m.device)
     m.position[:m.n] = new
-    live = _live(h, a.n)
+    live = h.live(a.n)
     lh, hh, s = live.nonzero().unbind(1)
     r = h.row[lh, hh, s]
     moved = old[r] != new[r]
