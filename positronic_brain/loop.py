@@ -20,7 +20,8 @@ from . import graph, threads
 from .capture import NO_TAPE, Tape
 from .model import Model
 from .sampler import make_generator
-from .scorers import columns_of, make_scorer, prefill_scorer, reads_total, takes_prefill_scores
+from .scorers import (SCORERS, columns_of, make_scorer, prefill_scorer, reads_total,
+                      takes_prefill_scores)
 from .special_tokens import TextStream, TokenPolicy
 from .stages.apply import add_cold_store, add_columns, add_heads, apply, extend, prime, seed
 from .stages.decide import decide
@@ -84,8 +85,9 @@ class Session:
         per_head = self.cache_params.allocation.per_head
         require(not per_head or hasattr(self.scorer, "score_heads"), f"policy "
                 f"{self.cache_params.scorer.name} scores whole tokens; --allocation "
-                f"{self.cache_params.allocation.kind} takes a per-head one (tova, streaming, "
-                "random, or a scorer with score_heads)")
+                f"{self.cache_params.allocation.kind} takes a per-head one "
+                f"({', '.join(n for n, c in SCORERS.items() if hasattr(c, 'score_heads'))}, "
+                "or a scorer with score_heads)")
         require(not per_head or self.tape.dir is None, "a per-head cache cannot be captured yet")
         require(not per_head or not graph.chosen(self.model.compiled), "a per-head cache "
                 "takes no --compile graph yet (its fixed bucket reads every head's slots)")

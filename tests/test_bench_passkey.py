@@ -202,7 +202,7 @@ def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
 def test_its_options_are_its_own(capsys):
     """Each benchmark's parser takes its own flags only: argparse refuses another's."""
     for argv in (["speed", "--trials", "3"], ["speed", "--jobs", "2"],
-                 ["passkey", "--params", "decay=1"]):
+                 ["passkey", "--windows", "2"]):
         assert main(["bench", *argv]) == 2
         err = capsys.readouterr().err
         assert f"unrecognized arguments: {' '.join(argv[1:])}" in err and err.count("\n") == 1

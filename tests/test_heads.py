@@ -18,13 +18,14 @@ from positronic_brain.loop import Session, head_capacity
 from positronic_brain.options import params
 from positronic_brain.sampler import make_generator
 from positronic_brain.stages.apply import heads as apply_heads
+from positronic_brain.stages.decide import allocation
 from positronic_brain.stages.decide.allocation import budgets, head_culls, retrieval_heads
 from positronic_brain.stages.generate import generate
 from positronic_brain.state import Heads
 from positronic_brain.types import (Allocation, CacheParams, Positions, Prefill, SamplerParams,
                                     Segment, UserError)
 from tests.oracle import assert_close, hf_step_logits_per_head
-from tests.tolerance import ORACLE
+from tests.tolerance import ORACLE, sum_bound
 
 TEXT = "the quick brown fox jumps over the lazy dog and runs far away " * 4
 
@@ -217,7 +218,7 @@ def test_per_head_culls_never_lose_a_token_a_head_holds(tiny_model, tiny_policy,
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--allocation", "head"], "scores whole tokens"),
+    (["--allocation", "head", "--policy", "tests/scorers/ema.py:Ema"], "scores whole tokens"),
     (["--allocation", "duo", "--policy", "tova"], "allocation-heads"),
     (["--allocation", "head", "--policy", "tova", "--repair", "fold"], "takes no repair"),
     (["--allocation", "head", "--policy", "tova", "--recall"], "no --allocation head"),
@@ -324,3 +325,81 @@ def test_a_per_head_cache_takes_no_cuda_graph(tiny_model, tiny_policy, monkeypat
     with pytest.raises(UserError, match="compile graph"):
         Session(tiny_model, tiny_policy, SamplerParams(greedy=True),
                 CacheParams(budget=24, scorer="tova", allocation="head"))
+
+
+def _head_brightness(b, attention, vnorm, held, gain, decay, top=255.0):
+    """Brightness's rule per (layer, KV head), by hand in float64: each head's share of a
+    slot is its query heads' mean attention x the slot's value norm over the head's mean
+    live norm, x the head's live count."""
+    L, KVH, n = b.shape
+    group = attention.shape[1] // KVH
+    out = torch.empty(L, KVH, n, dtype=torch.float64)
+    for layer in range(L):
+        for head in range(KVH):
+            k = int(held[layer, head])
+            norms = vnorm[layer, head, :k].double()
+            paid = attention[layer, head * group:(head + 1) * group, :k].double().mean(0)
+            share = k * paid * norms / norms.mean()
+            out[layer, head, :k] = (b[layer, head, :k].double() - decay + gain * share).clamp(0, top)
+    return out
+
+
+def test_brightness_lights_each_head_by_its_own_window_and_queries(tiny_model, tiny_policy,
+                                                                  one_thread):
+    """Per head, a prompt token's brightness is the window's rule for that (layer, KV head)
+    alone, its share the largest of the ``pool`` slots around it; each step then adds what
+    that head's own query heads paid each of its slots."""
+    cache = params(budget=24, sinks=2, recent=4, policy="brightness", allocation="head", pool=3)
+    s = Session(tiny_model, tiny_policy, SamplerParams(greedy=True), cache)
+    stats = s.prime([Segment(tuple(tiny_policy.encode(TEXT))[:40], "user")])
+    sc, state = s.scorer, s.state
+    L, KVH, n = state.heads.row[:, :, :state.arena.n].shape
+    w = stats.window_queries
+    share = _head_brightness(torch.zeros(L, KVH, n), stats.window, state.arena.vnorm,
+                             state.heads.n, 1.0, 0.0, math.inf)  # the bare shares
+    pooled = torch.stack([share[:, :, max(0, j - 1):j + 2].amax(-1) for j in range(n)], -1)
+    want = (w * (sc.gain * pooled - sc.decay)).clamp(0, 255)
+    got = state.ledger.live("brightness").permute(1, 2, 0)
+    bound = sum_bound(torch.float32, n, 255.0)  # the same sums, ours added in any order
+    assert (got.double() - want).abs().max() <= bound and bool((got > 0).any())
+    assert not torch.equal(got[0, 0], got[-1, -1]), "every head lit alike"
+    for _ in range(6):
+        view = state.view()
+        gen = generate(tiny_model, view, s.sampler, make_generator(0, "cpu"))
+        b = view.columns["brightness"][view.heads.row.clamp(min=0), torch.arange(L)[:, None, None],
+                                       torch.arange(KVH)[None, :, None]]
+        want = _head_brightness(b, gen.attention, view.vnorm, view.heads.n, sc.gain, sc.decay)
+        out = s.scorer.score_heads(view, gen.attention)
+        live = view.heads.live(view.k.shape[2])
+        assert (out.scores.double() - want)[live].abs().max() <= bound
+        s.step(force=gen.token_id)
+        s.state.check_valid()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_step_at_the_budget_culls_what_the_sort_would(data):
+    """Where each head culls one slot at most (a step at the budget), the culls found
+    without a sort are the sort's, whatever the scores (ties, inf, NaN) and the protection."""
+    L, KVH, n = 2, 3, data.draw(st.integers(1, 9))
+    values = st.sampled_from([0.0, 1.0, 2.0, math.inf, -math.inf, math.nan])
+    scores = torch.tensor(data.draw(st.lists(values, min_size=L * KVH * n,
+                                             max_size=L * KVH * n))).view(L, KVH, n)
+    held = torch.tensor(data.draw(st.lists(st.integers(0, n), min_size=L * KVH,
+                                           max_size=L * KVH))).view(L, KVH)
+    order = data.draw(st.permutations(range(n)))
+    row = torch.tensor(order).expand(L, KVH, n).clone()
+    live = torch.arange(n) < held.unsqueeze(-1)
+    row[~live] = -1
+    view = SimpleNamespace(heads=Heads(row=row, n=held), position=torch.arange(n) * 3,
+                           next_position=3 * n)
+    protect = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    at = row.clamp(min=0)
+    free = live & ~protect[at]
+    need = torch.tensor(data.draw(st.lists(st.integers(0, 1), min_size=L * KVH,
+                                           max_size=L * KVH))).view(L, KVH)
+    need = torch.minimum(need, free.sum(-1))
+    args = (view, scores, free)
+    fast = allocation._lowest(*args, at, need)
+    assert torch.equal(fast, allocation._sorted(*args, live, at, need))
+    assert torch.equal(fast.sum(-1), need)

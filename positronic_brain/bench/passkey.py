@@ -175,7 +175,9 @@ class PasskeyConfig:
     seed: int = 0
     # cache options of every cell (flat name -> value): sinks, recent, scorer fields (each
     # cell's scorer takes those it has)
-    params: tuple[tuple[str, Any], ...] = ()
+    params: tuple[tuple[str, Any], ...] = option(
+        (), "cache parameters of every cell, e.g. sinks=4,pool=1", metavar="K=V,...",
+        read=flags.cache_options, repeat="param")
 
     def __post_init__(self) -> None:
         require(self.trials >= 1, f"trials must be >= 1, got {self.trials}")
@@ -200,7 +202,8 @@ class PasskeyConfig:
                     f"variant {v!r}: pinned, seeds and prefill window are fixed by the "
                     "shared prime")
             for b in self.budgets:  # fail early: unknown fields, too small for the protections
-                self.cache(b, (self.policies or CULLING)[0], v)
+                for p in [p for p in self.policies or CULLING[:1] if takes(p, v)][:1]:
+                    self.cache(b, p, v)
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "PasskeyConfig":
@@ -251,8 +254,12 @@ def cells(cfg: PasskeyConfig) -> list[Cell]:
     """Every variant x budget x policy, but a per-head policy (``NAME@ALLOCATION``) under a
     variant with recall, which it takes none of yet (its row shows "–")."""
     return [Cell(p, b, v, cfg.cache(b, p, v))
-            for v in cfg.variants for b in cfg.budgets for p in cfg.policies
-            if not (v.get("recall") and "allocation" in flags.cell_policy(p))]
+            for v in cfg.variants for b in cfg.budgets for p in cfg.policies if takes(p, v)]
+
+
+def takes(policy: str, variant: dict) -> bool:
+    """Whether ``policy`` runs under ``variant``: not a per-head one with recall."""
+    return not (variant.get("recall") and "allocation" in flags.cell_policy(policy))
 
 
 def answer(session: Session, n: int) -> list[int]:

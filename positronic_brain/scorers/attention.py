@@ -33,15 +33,31 @@ def by_head(attention: torch.Tensor, kv_heads: int, how: str) -> torch.Tensor:
     return grouped.amax(2) if how.endswith("-max") else grouped.mean(2)
 
 
-def slot_rows(view) -> tuple[torch.Tensor, ...]:
-    """A per-head view's slots as indices into its per-head columns (tokens, L, kv_heads):
-    each slot's ledger row (a free slot's 0), which slots are live, and the layer and head
-    index of each, shaped to broadcast over (L, kv_heads, n)."""
+def head_index(view) -> torch.Tensor:
+    """Where each slot of each head sits in a per-head column (tokens, L, kv_heads) seen
+    flat: (L, kv_heads, n) int64, a free slot's one past the column's end."""
     h = view.heads
-    L, KVH, n = h.row.shape
-    layer = torch.arange(L, device=h.row.device).view(L, 1, 1)
-    head = torch.arange(KVH, device=h.row.device).view(1, KVH, 1)
-    return h.row.clamp(min=0), h.live(n), layer, head
+    L, KVH, _ = h.row.shape
+    at = h.row * (L * KVH) + torch.arange(L * KVH, device=h.row.device).view(L, KVH, 1)
+    return torch.where(h.row >= 0, at, view.n * L * KVH)
+
+
+def head_values(view, name: str) -> torch.Tensor:
+    """A per-head column ``name`` (tokens, L, kv_heads) read at each slot of each head:
+    (L, kv_heads, n), a free slot's some other value (its score is never read)."""
+    col = view.columns[name].reshape(-1)
+    return col.take(head_index(view).clamp(max=max(col.numel() - 1, 0)))
+
+
+def with_head_values(view, name: str, values: torch.Tensor) -> torch.Tensor:
+    """The per-head column ``name`` with each head's live slots set to ``values``
+    (L, kv_heads, n): a new (tokens, L, kv_heads) tensor, the view's left as it was (the free
+    slots write one element past its end, dropped)."""
+    col = view.columns[name]
+    new = col.new_empty(col.numel() + 1)
+    new[:-1] = col.reshape(-1)
+    new.scatter_(0, head_index(view).reshape(-1), values.reshape(-1).to(new.dtype))
+    return new[:-1].view(col.shape)
 
 
 def value_weighted(attention: torch.Tensor, norms: torch.Tensor,
@@ -62,3 +78,13 @@ def value_weights(norms: torch.Tensor, live: torch.Tensor | None = None) -> torc
     of each layer and KV head: ``value_weighted``'s factors."""
     live = norms if live is None else live
     return norms / live.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def head_value_weights(view) -> torch.Tensor:
+    """A per-head view's value norms (L, kv_heads, n) relative to the mean norm of each
+    head's own live slots (a free slot's weight 0)."""
+    h = view.heads
+    live = h.live(view.vnorm.shape[-1])
+    norms = view.vnorm * live
+    mean = norms.sum(-1, keepdim=True) / h.n.unsqueeze(-1).clamp(min=1)
+    return norms / mean.clamp_min(torch.finfo(torch.float32).tiny)

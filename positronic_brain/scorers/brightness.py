@@ -14,6 +14,16 @@ b = clamp(W (gain share_W - decay), 0, seed). The window has looked at every pro
 so none needs the benefit of the doubt a seed gives a token nobody has looked at yet. From
 the seed instead (255, the clamp), every token the window or the first step's query attends
 a little would stay at the clamp, and the first cull would keep the most recent of them.
+
+Per head (a per-head allocation: ``score_heads``, ``prefill_heads``): the same rule with a
+brightness per (layer, KV head) of each token, its share what that head's query heads paid
+the slot relative to a uniform share of the head's own live slots, value-weighted by the
+head's own mean; every layer scores its own heads (``skip_layers`` is for whole tokens,
+which every layer keeps alike). Seeded per head from the window, with each slot's share
+the largest of its ``pool`` neighbours', this is SnapKV's choice (its observation window
+and its clustering pool): each head keeps what its own view of the prompt's last queries
+attended, and the span around it: without the pool, a head that attended to two digits of a
+five-digit pass key let the other three go (docs/BENCHMARKS.md, per-head allocations).
 """
 from __future__ import annotations
 
@@ -23,7 +33,8 @@ from typing import ClassVar
 
 import torch
 
-from .attention import aggregate, aggregation, check_aggregation, value_weighted
+from .attention import (aggregate, aggregation, by_head, check_aggregation, head_value_weights,
+                        head_values, value_weighted, with_head_values)
 from ..state import View
 from ..types import SIGNALS, SOURCES, Column, PrefillStats, ScoreOut, option, require
 
@@ -42,6 +53,8 @@ class Brightness:
     signal: str = option("value", "what brightness gains from (value: attention x value norm "
                          "/ mean value norm)", choices=SIGNALS)
     skip_layers: float = option(0.2, "the fraction of the first layers brightness leaves out")
+    pool: int = option(7, "per head: the prompt window's shares max-pooled over this many "
+                       "neighbouring slots, as SnapKV clusters its scores (odd; 1: none)")
     seeds: tuple[float, ...] | None = option(
         None, f"a new token's brightness by its source ({':'.join(SOURCES)}; default: the max)")
 
@@ -56,6 +69,8 @@ class Brightness:
         check_aggregation(self.aggregate)
         require(0 <= self.skip_layers < 1,
                 f"skip layers must be a fraction in [0, 1), got {self.skip_layers}")
+        require(self.pool >= 1 and self.pool % 2 == 1,
+                f"pool must be an odd number of slots >= 1, got {self.pool}")
         if self.seeds is None:
             object.__setattr__(self, "seeds", (float(self.max_brightness),) * len(SOURCES))
         require(len(self.seeds) == len(SOURCES)
@@ -86,6 +101,39 @@ class Brightness:
         b = (view.columns["brightness"] - self.decay + self.gain * self.share(view, attention)).clamp(
             0.0, self.max_brightness)
         return ScoreOut(scores=b, columns={"brightness": b})
+
+    def head_share(self, view: View, attention: torch.Tensor) -> torch.Tensor:
+        """Attention (L, H, n) over a per-head view's slots -> each slot's share of its head
+        (L, KVH, n), 1 = a uniform share of the head's live slots, value-weighted with
+        ``signal`` value."""
+        h = view.heads
+        L, H, n = attention.shape
+        kvh = h.n.shape[1]
+        if self.signal == "value":
+            w = head_value_weights(view)
+            attention = (attention.view(L, kvh, H // kvh, n) * w[:, :, None]).view(L, H, n)
+        return h.n.unsqueeze(-1) * by_head(attention, kvh, self.aggregate)
+
+    def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
+        """The rule per (layer, KV head): (L, H, n) -> scores (L, KVH, n), the column
+        (tokens, L, KVH)."""
+        b = (head_values(view, "brightness") - self.decay
+             + self.gain * self.head_share(view, attention)).clamp(0.0, self.max_brightness)
+        return ScoreOut(scores=b, columns={"brightness": with_head_values(view, "brightness", b)})
+
+    def prefill_heads(self, view: View, stats: PrefillStats) -> ScoreOut:
+        """The window per (layer, KV head), as ``prefill`` (every head holds every prompt
+        token: slot i is row i), each slot's share the largest of the ``pool`` around it:
+        a head that attends to part of a span (a number's digits) keeps all of it."""
+        w = stats.window_queries
+        share = self.head_share(view, stats.window)  # (L, KVH, n)
+        if self.pool > 1:  # a slot counts as lit as its brightest neighbour
+            L, KVH, n = share.shape
+            share = torch.nn.functional.max_pool1d(share.reshape(L * KVH, 1, n), self.pool, 1,
+                                                   self.pool // 2).view(L, KVH, n)
+        lit = w * (self.gain * share - self.decay)
+        b = torch.minimum(lit.clamp(min=0.0), head_values(view, "brightness"))
+        return ScoreOut(scores=b, columns={"brightness": b.permute(2, 0, 1).contiguous()})
 
     def prefill(self, view: View, stats: PrefillStats) -> ScoreOut:
         """The window's W queries as W steps from 0, each paying the window's mean attention;

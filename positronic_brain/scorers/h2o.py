@@ -18,7 +18,8 @@ from typing import ClassVar
 
 import torch
 
-from .attention import aggregate, aggregation, by_head, check_aggregation, slot_rows
+from .attention import (aggregate, aggregation, by_head, check_aggregation, head_values,
+                        with_head_values)
 from ..state import View
 from ..types import Column, PrefillStats, ScoreOut
 
@@ -47,14 +48,12 @@ class H2O:
         query heads paid each of its slots (their mean, or max with a ``-max`` aggregate)
         into its own ``attn_sum`` of the slot's token, the column then one value a
         (layer, KV head): (L, H, n) -> scores (L, KVH, n), ``attn_sum`` (tokens, L, KVH)."""
-        rows, live, layer, head = slot_rows(view)
         paid = by_head(attention, view.heads.n.shape[1], self.aggregate)  # (L, KVH, n)
-        column = view.columns["attn_sum"]  # (tokens, L, KVH)
-        total = column[rows, layer, head] + paid
-        queries = (view.step - view.born_step[rows] + 1).clamp(min=1).float()
-        new = column.clone()
-        new[rows[live], layer.expand_as(rows)[live], head.expand_as(rows)[live]] = total[live]
-        return ScoreOut(scores=total / queries, columns={"attn_sum": new})
+        total = head_values(view, "attn_sum") + paid
+        born = view.born_step[view.heads.row.clamp(min=0)]
+        queries = (view.step - born + 1).clamp(min=1).float()
+        return ScoreOut(scores=total / queries,
+                        columns={"attn_sum": with_head_values(view, "attn_sum", total)})
 
     def prefill(self, view: View, stats: PrefillStats) -> ScoreOut:
         """The prompt's mean attention per later query, as one query's worth."""

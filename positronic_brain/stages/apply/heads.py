@@ -134,8 +134,8 @@ def _drop_rows(state: State) -> list[int]:
     """Ledger rows that no head holds any more leave it (the last rows fill the holes, and
     the head map follows them). Returns their uids."""
     m, h = state.ledger, state.heads
-    live = h.live(state.arena.n)
-    held = torch.bincount(h.row[:, :, :state.arena.n][live], minlength=m.n)
+    rows = h.row[:, :, :state.arena.n]  # a free slot's -1: counted below row 0, left out
+    held = torch.bincount(rows.flatten() + 1, minlength=m.n + 1)[1:]
     gone = (held[:m.n] == 0).nonzero()[:, 0]
     if not gone.numel():
         return []
@@ -150,8 +150,7 @@ def _drop_rows(state: State) -> list[int]:
         col.index_copy_(0, dst, col.index_select(0, src))
     remap = torch.arange(m.n, device=m.device)
     remap[src] = dst
-    rows = h.row[:, :, :state.arena.n]
-    rows[live] = remap[rows[live]]
+    rows.copy_(torch.where(rows >= 0, remap[rows.clamp(min=0)], rows))
     m.n = n
     m.dropped += len(uids)
     return uids

@@ -158,27 +158,54 @@ def head_culls(view: View, scores: torch.Tensor, params: CacheParams,
     at = rows.clamp(min=0)
     guard = keep[at] & live
     free = live & ~guard
-    # each head's slots in text order (the free ones last), for the ties
-    by_pos = torch.argsort(torch.where(live, view.position[at], view.next_position), dim=-1,
-                           stable=True)
     if budget is None:
-        return _adaptive_culls(scores, params, free, guard, by_pos)
+        return _adaptive_culls(scores, params, free, guard, _by_position(view, live, at))
     need = (held + 1 - budget.to(held.device)).clamp(min=0)
     short = need > free.sum(-1)
-    if bool(short.any()):
+    most, any_short = torch.stack((need.amax(), short.any())).tolist()
+    if any_short:
         layer, head = short.nonzero()[0].tolist()
         raise UserError(f"budget {int(budget[layer, head])} of layer {layer}, KV head {head} "
                         f"is too small: it holds {int(held[layer, head])} tokens, "
                         f"{int(guard[layer, head].sum())} of them protected")
+    if most <= 1:  # a step at the budget: each head culls one slot at most, found without a sort
+        return _lowest(view, scores.float(), free, at, need)
+    return _sorted(view, scores.float(), free, live, at, need)
+
+
+def _sorted(view: View, scores: torch.Tensor, free: torch.Tensor, live: torch.Tensor,
+            at: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """Each head's ``need`` (L, KVH) free slots first in ascending score, of equal ones the
+    earliest position (a stable sort: NaN above every number)."""
+    by_pos = _by_position(view, live, at)
     # ascending score, then the slots that may not go last (a stable sort by that flag
     # keeps the score order within each part, whatever the scores: inf and NaN too)
-    order = by_pos.gather(-1, torch.argsort(scores.float().gather(-1, by_pos), dim=-1,
+    order = by_pos.gather(-1, torch.argsort(scores.gather(-1, by_pos), dim=-1,
                                             stable=True))
     order = order.gather(-1, torch.argsort((~free).gather(-1, order).to(torch.uint8), dim=-1,
                                            stable=True))
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     return free & (rank < need.unsqueeze(-1))
+
+
+def _by_position(view: View, live: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Each head's slots in text order, the free ones last (L, KVH, n): for the ties."""
+    return torch.argsort(torch.where(live, view.position[at], view.next_position), dim=-1,
+                         stable=True)
+
+
+def _lowest(view: View, scores: torch.Tensor, free: torch.Tensor, at: torch.Tensor,
+            need: torch.Tensor) -> torch.Tensor:
+    """``_sorted``'s culls where each head culls at most one slot (``need`` (L, KVH) 0 or
+    1), without its sorts: the free slot of the lowest score (NaN above every number), of
+    equal ones the earliest position."""
+    nan = scores.isnan()
+    key = torch.where(free & ~nan, scores, math.inf)
+    first = free & ~nan & (key == key.amin(-1, keepdim=True))
+    first |= free & nan & ~first.any(-1, keepdim=True)  # all its free slots NaN
+    pick = torch.where(first, view.position[at], view.next_position).argmin(-1, keepdim=True)
+    return torch.zeros_like(free).scatter_(-1, pick, need.unsqueeze(-1) > 0)
 
 
 def _adaptive_culls(scores: torch.Tensor, params: CacheParams, free: torch.Tensor,
