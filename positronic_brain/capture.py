@@ -91,11 +91,18 @@ def view_ledger(view) -> dict:
 
 
 def view_columns(view) -> dict:
-    """The view's ledger columns and scalars (no K/V): what a scorer or inspect reads."""
+    """The view's ledger columns and scalars (no K/V): what a scorer or inspect reads; a
+    per-head cache's head map too (``heads``: the ledger row of each (layer, KV head, slot)
+    stage 1 reads, -1 where free, and each head's count)."""
     return {**view_ledger(view),
             "pending_token": view.pending_token, "next_position": view.next_position,
             "step": view.step, "n": view.n, "capacity": view.capacity,
-            "origins": list(view.origins)}
+            "origins": list(view.origins), **head_map(view.heads)}
+
+
+def head_map(h) -> dict:
+    """A head map as a capture file keeps it (nothing for a whole-token cache)."""
+    return {} if h is None else {"heads": {"row": h.row, "n": h.n}}
 
 
 def manifest_params(manifest: dict) -> CacheParams | None:
@@ -139,7 +146,7 @@ def _snapshot(state) -> dict:
             "ledger": view_ledger(view),
             "origins": list(view.origins),
             "pending_token": state.pending_token, "next_position": state.next_position,
-            "step": state.step}
+            "step": state.step, **head_map(view.heads)}
 
 
 # --- the tape the loop records on ---------------------------------------------------------
@@ -235,7 +242,8 @@ class CaptureTape(Tape):
                                     "cold_capacity": None if state.cold is None else state.cold.capacity,
                                     "prefill": prefill,
                                     "prefill_total": out.stats is not None
-                                    and out.stats.total is not None},
+                                    and out.stats.total is not None,
+                                    "per_head": state.heads is not None},
                     prime_outputs(state, out))
 
     def restored(self, state, source: str) -> None:
@@ -532,3 +540,66 @@ class StepFiles:
     @property
     def patch(self):
         return self.apply.out
+
+    @cached_property
+    def tokens(self) -> "TokenStep":
+        """The step as one value per ledger row (``token_step``)."""
+        return token_step(self.view, self.scores, self.gen.attention)
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    """A step's view, scores and attention as one value per ledger row, as inspect and
+    the page draw them."""
+
+    view: dict  # the captured view, a per-head cache's scorer columns one value a row
+    scores: object  # ScoreOut, ``scores`` and ``columns`` one value a row
+    attention: torch.Tensor  # (n,) what the step's query paid each row, mean of layers and heads
+    held: torch.Tensor | None  # (n,) how many (layer, KV head)s hold each row; None: whole tokens
+
+
+def row_attention(view: dict, attention: torch.Tensor) -> torch.Tensor:
+    """What stage 1's query paid each ledger row of a captured ``view`` (n,), the mean over
+    layers and heads of its ``attention`` (L, H, slots); in a per-head cache (its ``heads``
+    map) over each head's slots, a head that does not hold a row paying it nothing."""
+    h = view.get("heads")
+    if h is None:
+        return attention.float().mean(dim=(0, 1))
+    row = h["row"]
+    L, KVH, width = row.shape
+    live = row >= 0
+    paid = attention.float().view(L, KVH, -1, width).sum(2)[live]
+    n = len(view["uid"])
+    return torch.zeros(n).index_add_(0, row[live], paid) / (attention.shape[0] * attention.shape[1])
+
+
+def token_step(view: dict, scores, attention: torch.Tensor) -> TokenStep:
+    """A step's view, its ``scores`` (a ScoreOut) and stage 1's ``attention`` (L, H, slots)
+    per ledger row. A whole-token cache's slot i is row i. A per-head cache's values are
+    over each head's slots (its ``heads`` map): a row's attention is what every head paid
+    it (nothing from a head that does not hold it), its score and scorer columns the mean
+    over the heads that hold it."""
+    h = view.get("heads")
+    att = row_attention(view, attention)
+    if h is None:
+        return TokenStep(view, scores, att, None)
+    row = h["row"]
+    L, KVH, _ = row.shape
+    n = len(view["uid"])
+    live = row >= 0
+    at = row[live]
+    held = torch.bincount(at, minlength=n)
+    heads = torch.arange(L * KVH).view(L, KVH, 1).expand_as(row)[live]
+    holds = torch.zeros(n, L * KVH)
+    holds[at, heads] = 1.0
+    per = held.clamp(min=1).float()
+
+    def mean(x: torch.Tensor) -> torch.Tensor:  # (n, L, KVH) -> (n,) over the holders
+        return (x.float().reshape(n, -1) * holds).sum(1) / per
+
+    own = {c for c in view if c not in LEDGER_COLUMNS and isinstance(view[c], torch.Tensor)
+           and view[c].dim() == 3}
+    flat = {**view, **{c: mean(view[c]) for c in own}}
+    score = torch.zeros(n).index_add_(0, at, scores.scores.float()[live]) / per
+    columns = {c: mean(x) for c, x in (scores.columns or {}).items()}
+    return TokenStep(flat, dataclasses.replace(scores, scores=score, columns=columns), att, held)

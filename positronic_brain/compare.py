@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import page
-from .capture import CaptureRun, manifest_params, reads_capture
+from .capture import CaptureRun, manifest_params, reads_capture, row_attention
 from .model import load_model
 from .special_tokens import TokenPolicy
 from .types import require
@@ -70,7 +70,7 @@ def load(path: str) -> Run:
         r.uids.append(view["uid"])
         r.token_ids.append(view["token_id"])
         r.positions.append(view["position"])
-        r.attention.append(out["attention"].float().mean(dim=(0, 1)))
+        r.attention.append(row_attention(view, out["attention"]))
     return r
 
 

@@ -107,7 +107,8 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
     if t is None:
         return
     f = run.step(t)
-    view, out, patch = f.view, f.scores, f.patch  # the ledger before the step, its scores
+    per, patch = f.tokens, f.patch
+    view, out = per.view, per.scores  # the ledger before the step, its scores: a value a row
     bright = shown_brightness(out, view)
     bright = [None] * len(view["uid"]) if bright is None else [float(b) for b in bright]
     origins = [None] + list(view["origins"])
@@ -118,10 +119,14 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
     merged = [u for r in patch.merges for u in r.uids]
     legend = Text.assemble(("bright", "rgb(255,225,60)"), " … ", ("dim", "rgb(70,70,90)"), "   ",
                            ("culled", "strike red"), "   ", ("merged pair", "bold underline cyan"))
+    held = [] if per.held is None else [Text(
+        f"per head: each token held by {int(per.held.min())}..{int(per.held.max())} of "
+        f"{f.view['heads']['n'].numel()} (layer, KV head)s, {float(per.held.float().mean()):.1f} "
+        "on average; brightness and scores are the mean of the heads holding it")]
     console.print(Panel(Group(context_text(ledger, policy.token_text, culled=patch.culled_uids,
                                            merged=merged,
                                            max_brightness=f.cache_params.scorer.get("max_brightness", 255.0)),
-                              Text(""), legend, origin_legend(ledger)),
+                              Text(""), legend, origin_legend(ledger), *held),
                         title=f"context at step {t} ({len(ledger)} live slots, "
                               f"{len(patch.culled_uids)} culled, {len(patch.merges)} merged)"))
 

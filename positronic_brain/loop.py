@@ -29,8 +29,8 @@ from .stages.decide.allocation import budgets
 from .stages.generate import generate
 from .stages.score import recall_query, score
 from .state import State
-from .types import (CacheParams, Patch, PrefillStats, SamplerParams, Segment, StepRecord, Totals,
-                    require)
+from .types import (PER_HEAD, CacheParams, Patch, PrefillStats, SamplerParams, Segment, StepRecord,
+                    Totals, require)
 
 
 def arena_capacity(model: Model, cache_params: CacheParams, n_prompt: int,
@@ -88,13 +88,14 @@ class Session:
                 f"{self.cache_params.allocation.kind} takes a per-head one "
                 f"({', '.join(n for n, c in SCORERS.items() if hasattr(c, 'score_heads'))}, "
                 "or a scorer with score_heads)")
-        require(not per_head or self.tape.dir is None, "a per-head cache cannot be captured yet")
         require(not per_head or not graph.chosen(self.model.compiled), "a per-head cache "
                 "takes no --compile graph yet (its fixed bucket reads every head's slots)")
         if self.state is not None:  # stage 0: what this scorer and recall need of a state
             add_columns(self.state, columns_of(self.scorer))  # made without them
             if self.state.cold is None and self.cache_params.recall:
                 add_cold_store(self.model, self.state, self.cache_params.recall.cold_capacity)
+            require(per_head or self.state.heads is None, "the state is a per-head cache: it "
+                    f"goes on per head (--allocation {'|'.join(PER_HEAD)})")
             if per_head:
                 add_heads(self.state)
 
@@ -116,17 +117,12 @@ class Session:
                 f"capacity {capacity} is smaller than the budget {budget}")
         scorer = prefill_scorer(self.scorer, params)
         gather = stats or scorer is not None
-        per_head = params.allocation.per_head  # seeded per head, once the heads are there
         self.state, out = prime(self.model, segments, capacity, pinned=frozenset(params.pinned),
                                 columns=columns_of(self.scorer),
                                 cold_capacity=cold_capacity(params),
                                 prefill_window=params.prefill.window if gather else None,
-                                scorer=None if per_head else scorer,
-                                prefill_total=(stats and total) or reads_total(scorer))
-        if per_head:
-            add_heads(self.state)
-            if scorer is not None:
-                seed(self.state, scorer, out.stats)
+                                scorer=scorer, prefill_total=(stats and total) or reads_total(scorer),
+                                per_head=params.allocation.per_head)
         self.tape.primed(self.state, segments, capacity, out, params if gather else None)
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []
@@ -263,6 +259,7 @@ def drive(session: Session, max_new_tokens: int, ignore_eos: bool = False, on_te
         "steps": steps,
         "totals": asdict(totals),
         "ledger": session.state.ledger.rows(),
+        "kv": session.state.kv_memory(len(session.prompt_ids) + len(session.generated_ids) - 1),
         "pending_token": session.state.pending_token,
         **({"capture": str(tape.dir)} if tape.dir else {}),
     }

@@ -9,7 +9,9 @@ keeps none), the step's culls, folds and
 merges, the tokens recalled at the step before, the cache length after each step and the NLL
 of each step's token; hovering a token shows its ledger row (with its origin file, if it came
 from one), the attention the step's query paid it (mean over layers and heads), stage 2's
-score and each of the scorer's own columns by name (``scorer_columns``). A slider
+score and each of the scorer's own columns by name (``scorer_columns``); in a per-head
+cache, how many (layer, KV head)s hold it, its score and columns their mean over those
+(``capture.token_step``). A slider
 (or ``#step=T`` in the address) picks the step. Two runs (``compare``) are drawn side by side
 at the same step, the tokens one run held and the other did not outlined, with the NLL of
 both and the jumps ``compare`` found.
@@ -72,13 +74,15 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
     for t in (t for t in done if t < shown[0]):
         prev_recalled = _after(run, t, run.stage(t, "s4_apply").out, changed_at)
     vocab: dict[int, str] = {}
-    steps = []
+    steps, heads = [], None
     for t in shown:
         f = run.step(t)
-        view, gen, patch = f.view, f.gen, f.patch
-        bright = shown_brightness(f.scores, view)
-        columns = scorer_columns(f.scores, view)
-        att = gen.attention.float().mean(dim=(0, 1))  # (n,) slot order
+        gen, patch, per = f.gen, f.patch, f.tokens
+        view, scores, att = per.view, per.scores, per.attention  # a value per ledger row
+        bright = shown_brightness(scores, view)
+        columns = scorer_columns(scores, view)
+        if per.held is not None:
+            heads = f.view["heads"]["n"].numel()
         order = sorted(range(len(view["uid"])), key=lambda j: int(view["position"][j]))
         col = lambda name: [view[name][j] for j in order]  # noqa: E731
         for tok in col("token_id") + [gen.token_id]:
@@ -98,7 +102,8 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
                         for u, b in zip(col("uid"), col("born_step"))],
             "brightness": [None if bright is None else _r(bright[j], 2) for j in order],
             "attention": [_r(att[j], 5) for j in order],
-            "score": [_r(f.scores.scores[j], 4) for j in order],
+            "score": [_r(scores.scores[j], 4) for j in order],
+            "held": None if per.held is None else [int(per.held[j]) for j in order],
             "columns": {c: [_r(x[j], 4) for j in order] for c, x in columns.items()},
             "culled": [u for u in patch.culled_uids if u not in folded],
             "folded": sorted(folded),
@@ -116,7 +121,7 @@ def run_data(run: CaptureRun, token_text, last: int | None = None,
             "dtype": m.get("dtype"), "params": {k: v for k, v in options.flat(params).items()
                                                 if isinstance(v, (int, float, str, bool))
                                                 or v is None},
-            "parent": m.get("parent"), "steps_in_run": len(done),
+            "parent": m.get("parent"), "steps_in_run": len(done), "heads": heads,
             "max_brightness": float(params.scorer.get("max_brightness", 255.0)),
             "vocab": {str(k): v for k, v in vocab.items()}, "steps": steps}
 

@@ -28,14 +28,13 @@ from rich.console import Console
 
 from . import native, threads
 from .capture import (EXTEND, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
-                      extend_outputs, file_name, gen_outputs, manifest_params, prime_outputs,
-                      reads_capture,
-                      view_columns, view_ledger)
+                      extend_outputs, file_name, gen_outputs, head_map, manifest_params,
+                      prime_outputs, reads_capture, view_columns, view_ledger)
 from .model import Model, compile_flag, compile_mode, device_kind, load_model, resolve_device
 from .plain import to_plain
 from .sampler import make_generator
 from .scorers import columns_of, make_scorer, prefill_scorer, user
-from .stages.apply import add_columns, apply, extend, prime, restore
+from .stages.apply import add_columns, add_heads, apply, extend, prime, restore
 from .stages.decide import decide
 from .stages.generate import generate
 from .stages.score import recall_query, score
@@ -176,7 +175,8 @@ class _Replay:
                                 cold_capacity=inp["cold_capacity"],
                                 prefill_window=params and params.prefill.window,
                                 scorer=params and prefill_scorer(make_scorer(params), params),
-                                prefill_total=inp.get("prefill_total", True))
+                                prefill_total=inp.get("prefill_total", True),
+                                per_head=inp.get("per_head", False))
         if self.wanted(f.stage, 0):
             self.check(f, prime_outputs(self.state, out))
 
@@ -208,6 +208,8 @@ class _Replay:
         values, as ``Session`` did when it took the state over (stage 0)."""
         scorer = make_scorer(files.cache_params)
         add_columns(self.state, columns_of(scorer))
+        if files.cache_params.allocation.per_head:  # a fork that went on per head
+            add_heads(self.state)
         t, view, model = files.step, self.state.view(), self.model
         if files.state is not None:
             _check_state(files.state, self.state, f"state_{t:06d}.pt", self.report)
@@ -339,16 +341,19 @@ def _replay_steps(run, model: Model, report: ReplayReport, stage: str | None,
 
 
 def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
-    """Compare a ``full`` state file with the rebuilt state, slot order ignored (by uid)."""
+    """Compare a ``full`` state file with the rebuilt state, slot order ignored (by uid; a
+    per-head cache's slots as they are, each head's map naming its ledger rows)."""
     view = state.view()
     ours_order = torch.argsort(view.uid)
     theirs_order = torch.argsort(snap["ledger"]["uid"])
-    ours = {f"arena_{name}": gathered(state.arena, name, view.n)[:, :, ours_order]
-            for name in ("k", "v", "log_mass")}
+    slots = slice(None) if view.heads is not None else ours_order
+    ours = {f"arena_{name}": gathered(state.arena, name, state.arena.n)[:, :, slots]
+            for name in ("k", "v", "log_mass")} | head_map(view.heads)
     ours |= {"ledger": {c: t[ours_order] for c, t in view_ledger(view).items()},
              "origins": list(view.origins), "pending_token": state.pending_token, "next_position": state.next_position,
              "step": state.step}
-    theirs = {**snap, **{k: snap[k][:, :, theirs_order]
+    theirs_slots = slice(None) if view.heads is not None else theirs_order
+    theirs = {**snap, **{k: snap[k][:, :, theirs_slots]
                          for k in ("arena_k", "arena_v", "arena_log_mass")},
               "ledger": {c: col[theirs_order] for c, col in snap["ledger"].items()}}
     report.mismatches += [Mismatch(name, k, d) for k, d in diff(to_plain(ours), theirs,

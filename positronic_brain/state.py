@@ -522,6 +522,19 @@ class State:
                     capacity=self.arena.capacity,
                     cold=None if self.cold is None else self.cold.view())
 
+    def kv_memory(self, full_tokens: int) -> dict:
+        """What the live cache costs: the K/V pairs every (layer, KV head) holds in all, their
+        bytes (keys and values in the arena's dtypes) and their share of the full cache's
+        over ``full_tokens`` tokens (every one in every head)."""
+        blocks = self.arena.blocks
+        heads = sum(b.kt.shape[0] * b.kt.shape[1] for b in blocks)
+        pairs = int(self.heads.n.sum()) if self.heads is not None else self.arena.n * heads
+        b = blocks[0]
+        per_pair = b.kt.shape[2] * (b.kt.element_size() + b.v.element_size())
+        full = full_tokens * heads
+        return {"pairs": pairs, "bytes": pairs * per_pair, "full_pairs": full,
+                "fraction": pairs / full if full else 1.0}
+
     def check_valid(self) -> None:
         if self.heads is None:
             assert self.arena.n == self.ledger.n, \

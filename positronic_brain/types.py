@@ -296,7 +296,7 @@ class MergeRepair:
 
     def check(self, params: "CacheParams") -> None:
         require(params.allocation.kind == "token", f"--allocation {params.allocation.kind} "
-                "takes no repair (merge and fold are whole-token)")
+                "takes no merge repair (a merge makes a whole new token)")
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,8 @@ class FoldRepair:
         require(-1 <= self.min_cos <= 1,
                 f"fold min cos must be a cosine in [-1, 1], got {self.min_cos}")
 
-    check = MergeRepair.check
+    def check(self, params: "CacheParams") -> None:
+        require(params.allocation.kind != "turns", "--allocation turns takes no repair")
 
 
 REPAIRS = {"none": None, "merge": MergeRepair, "fold": FoldRepair}
@@ -565,6 +566,9 @@ class Actions:
     swaps: tuple[Swap, ...] = ()  # recalls: cold tokens that take dim hot slots
     cold_keep: int | None = None  # with recall, the cold rows a re-index keeps (newest first)
     head_culls: torch.Tensor | None = None  # per-head caches: (L, kv_heads, n) slots culled
+    # per-head fold repair: (L, kv_heads, n) the slot of its head each culled slot folds
+    # into (-1: none; it is only dropped)
+    head_folds: torch.Tensor | None = None
 
 
 NO_ACTIONS = Actions()
@@ -600,6 +604,7 @@ class Patch:
     appended_v: torch.Tensor | None = None
     rebuilt: bool = False  # a failure part-way rebuilt the arena from the ledger
     head_culls: torch.Tensor | None = None  # per-head caches: (L, kv_heads, n) slots culled
+    head_folds: torch.Tensor | None = None  # and the slots they folded into (Actions')
 
 
 @dataclass(frozen=True)
@@ -645,7 +650,7 @@ class StepRecord:
     logprob: float = 0.0  # log p(token_id) under the raw logits (its NLL when teacher-forced)
     culled: tuple[int, ...] = field(default=())  # uids
     merged: tuple[tuple[tuple[int, int], int, int], ...] = ()  # ((old uids), token_id, new uid)
-    folded: int = 0  # culled tokens whose K/V were folded into survivors
+    folded: int = 0  # culled tokens whose K/V were folded into survivors (per head: slots)
     reindexed: bool = False
     recalled: tuple[int, ...] = ()  # uids brought back from the cold store
 
@@ -658,7 +663,8 @@ class StepRecord:
                    culled=patch.culled_uids,
                    merged=tuple((r.uids, r.token_id, u)
                                 for r, u in zip(patch.merges, patch.merged_uids)),
-                   folded=len(patch.folds), reindexed=patch.reindex_to is not None,
+                   folded=len(patch.folds) if patch.head_folds is None
+                   else int((patch.head_folds >= 0).sum()), reindexed=patch.reindex_to is not None,
                    recalled=tuple(s.cold_uid for s in patch.swaps))
 
     def as_json(self) -> dict:

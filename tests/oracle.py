@@ -1,6 +1,7 @@
 """The oracle: Hugging Face's own forward (code nobody here wrote) on the same cache."""
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
@@ -59,13 +60,15 @@ def _per_head_attention(module, query, key, value, attention_mask, scaling, drop
     """Hugging Face's eager attention (``eager_attention_forward``, its weights and
     softmax) where each query head sees only the cached tokens its KV head holds:
     ``held[layer]`` (KVH, n) is False where that head does not hold the cached token
-    (the tokens past the cache, this forward's own, every head holds)."""
+    (the tokens past the cache, this forward's own, every head holds), or, as floats, what
+    each head adds to its scores of each cached token (a fold's log-mass; -inf: not held)."""
     keep = held[module.layer_idx].to(query.device)
+    if keep.dtype == torch.bool:  # held or not; else a bias: a fold's log-mass, -inf if not held
+        keep = torch.zeros(keep.shape, device=query.device).masked_fill(~keep, -math.inf)
     new = key.shape[2] - keep.shape[1]
-    keep = torch.cat((keep, keep.new_ones(keep.shape[0], new)), 1)
+    keep = torch.cat((keep, keep.new_zeros(keep.shape[0], new)), 1)
     keep = keep.repeat_interleave(module.num_key_value_groups, 0)  # (H, T): query heads
-    cut = torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill(
-        ~keep, torch.finfo(query.dtype).min)[None, :, None, :]
+    cut = keep.to(query.dtype).clamp(min=torch.finfo(query.dtype).min)[None, :, None, :]
     mask = cut if attention_mask is None else attention_mask + cut
     return eager_attention_forward(module, query, key, value, mask, scaling, dropout, **kwargs)
 

@@ -165,6 +165,9 @@ def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
     assert res["timing"]["prime_s"] > 0 and res["elapsed_s"] > 0
     report = (out / "report.md").read_text()
     assert report.startswith("# Pass-key retrieval benchmark")
+    # tiny-random: 2 layers x 2 KV heads, a pair 16 float32 keys and 16 values
+    assert res["kv"] == {"heads": 4, "pair_bytes": 128}
+    assert f"budget 128: 512 pairs, 0.06 MiB, {128 / cfg['lengths'][0]:.0%} of the full" in report
     assert "bench passkey --quick --model tiny-random --out" in report
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nintro\n") and "<!-- bench passkey: end -->" in text

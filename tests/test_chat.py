@@ -292,7 +292,7 @@ def test_ctrl_c_stops_the_reply_not_the_program(capsys, tmp_path, monkeypatch, o
     (["--json"], "--json needs --script"),
     (["--script", "/no/such/file"], "cannot read the script /no/such/file"),
     (["--allocation", "pairs"], "--allocation"),
-    (["--allocation", "turns", "--repair", "merge", "--script", "SCRIPT"], "takes no repair"),
+    (["--allocation", "turns", "--repair", "merge", "--script", "SCRIPT"], "takes no merge repair"),
     (["--budget", "300", "--script", "SCRIPT"], "below half the model's 512 positions"),
 ])
 def test_cli_bad_input_is_one_line(capsys, tmp_path, argv, message):

@@ -25,13 +25,13 @@ GREEDY = SamplerParams(greedy=True)
 FOLD = options.params(budget=20, sinks=2, recent=4, repair="fold", fold_min_cos=-1.0)
 
 
-def _cosines(model) -> float:
+def cosine_bound(model) -> float:
     """How far two computations of a cosine of two keys may lie apart: a head_dim-term dot
     product and two norms, each side in its own order (|cos| <= 1: Cauchy-Schwarz)."""
     return products(torch.float32, model.spec.head_dim, 2, 1.0)
 
 
-def _masses(tokens: int) -> float:
+def mass_bound(tokens: int) -> float:
     """How far the masses may lie from the ``tokens`` that entered the cache: a sum of that
     many unit masses, added in the log domain (a rounding of log m moves m by |log m| u, at
     most log(tokens) u, besides its own) and then summed."""
@@ -92,8 +92,8 @@ def test_every_cull_folds_into_its_most_alike_survivor(tiny_model, tiny_policy):
                     cos = F.cosine_similarity(keys, keys[f.slot][None], dim=-1)
                     cos[gone] = float("-inf")
                     i = int(f.into[layer, h])
-                    # the stage's cosines and these, each within _cosines of the other
-                    assert cos[i] >= cos.max() - 2 * _cosines(tiny_model), \
+                    # the stage's cosines and these, each within cosine_bound of the other
+                    assert cos[i] >= cos.max() - 2 * cosine_bound(tiny_model), \
                         "not the most alike survivor"
                     if len(gone) > 1:
                         continue  # two folds into one slot compound; checked by the masses
@@ -110,7 +110,7 @@ def test_every_cull_folds_into_its_most_alike_survivor(tiny_model, tiny_policy):
                                      f"folded {t}")
         masses = state.arena.log_mass[:, :, :state.arena.n].exp().sum(-1)  # (L, KVH)
         assert_close(masses, torch.full_like(masses, float(state.next_position)),
-                     _masses(state.next_position), "mass")
+                     mass_bound(state.next_position), "mass")
     assert folds >= 10 and state.view().log_mass is not None
 
 
@@ -138,11 +138,11 @@ def test_below_the_cosine_threshold_a_culled_token_is_only_dropped(tiny_model, t
             cos[..., gone] = float("-inf")
             best = cos.max(-1).values
             into = folds.get(c, torch.full(best.shape, -1, device=best.device))
-            # the stage's cosines and these, each within _cosines of the other
-            near = (best - min_cos).abs() <= _cosines(tiny_model)  # too close to call
+            # the stage's cosines and these, each within cosine_bound of the other
+            near = (best - min_cos).abs() <= cosine_bound(tiny_model)  # too close to call
             assert bool(((into < 0) == (best < min_cos))[~near].all()), "fold vs threshold"
             hit = (into >= 0).nonzero(as_tuple=True)
-            worst = best[hit] - 2 * _cosines(tiny_model)
+            worst = best[hit] - 2 * cosine_bound(tiny_model)
             assert bool((cos[hit + (into[hit],)] >= worst).all()), "not the best"
             dropped += torch.where(into < 0, mass[:, :, c], 0.0)  # every token it held
             kinds |= {"fold"} if bool((into >= 0).any()) else set()
@@ -150,7 +150,7 @@ def test_below_the_cosine_threshold_a_culled_token_is_only_dropped(tiny_model, t
             assert c in folds or not bool((into >= 0).any())
         apply(tiny_model, state, gen, actions)
         masses = state.arena.log_mass[:, :, :state.arena.n].exp().sum(-1)  # (L, KVH)
-        assert_close(masses, state.next_position - dropped, _masses(state.next_position), "mass")
+        assert_close(masses, state.next_position - dropped, mass_bound(state.next_position), "mass")
     assert kinds == {"fold", "drop"}
     state.check_valid()
 

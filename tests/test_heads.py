@@ -10,21 +10,26 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from positronic_brain.capture import CaptureRun
 from positronic_brain.cli import main
 from positronic_brain.loop import Session, head_capacity
 from positronic_brain.options import params
 from positronic_brain.sampler import make_generator
-from positronic_brain.stages.apply import heads as apply_heads
-from positronic_brain.stages.decide import allocation
+from positronic_brain.stages.apply import apply, heads as apply_heads
+from positronic_brain.stages.decide import allocation, decide
 from positronic_brain.stages.decide.allocation import budgets, head_culls, retrieval_heads
 from positronic_brain.stages.generate import generate
+from positronic_brain.stages.score import score
 from positronic_brain.state import Heads
-from positronic_brain.types import (Allocation, CacheParams, Positions, Prefill, SamplerParams,
-                                    Segment, UserError)
+from positronic_brain.types import (Allocation, CacheParams, FoldRepair, Positions, Prefill,
+                                    SamplerParams, Segment, UserError)
 from tests.oracle import assert_close, hf_step_logits_per_head
+from tests.test_fold import cosine_bound, mass_bound
+from tests.test_page import page_data
 from tests.tolerance import ORACLE, sum_bound
 
 TEXT = "the quick brown fox jumps over the lazy dog and runs far away " * 4
@@ -39,17 +44,17 @@ def _session(model, policy, n_prompt=40, **cache) -> Session:
 
 def _oracle(model, state) -> torch.Tensor:
     """HF's logits over the union of the tokens the heads hold, each head masked to its own,
-    its K/V for them taken from the slots it holds them in."""
+    its K/V for them taken from the slots it holds them in, a folded slot's log-mass added."""
     view, h, m = state.view(), state.heads, state.ledger
     L, KVH = h.n.shape
     k = torch.zeros(L, KVH, m.n, view.k.shape[-1])
     v = torch.zeros_like(k)
-    held = torch.zeros(L, KVH, m.n, dtype=torch.bool)
+    held = torch.full((L, KVH, m.n), -math.inf)  # each head's bias: its log-mass where held
     layer, head, slot = h.live(state.arena.n).nonzero().unbind(1)
     row = h.row[layer, head, slot]
     k[layer, head, row] = view.k[layer, head, slot]
     v[layer, head, row] = view.v[layer, head, slot]
-    held[layer, head, row] = True
+    held[layer, head, row] = state.arena.log_mass[layer, head, slot]
     return hf_step_logits_per_head(model, SimpleNamespace(
         k=k, v=v, pending_token=view.pending_token, next_position=view.next_position), held)
 
@@ -60,15 +65,20 @@ def _duo_file(tmp_path, model) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["head", "pyramid", "adaptive", "duo"])
+@pytest.mark.parametrize("kind,repair", [("head", "none"), ("pyramid", "none"),
+                                         ("adaptive", "none"), ("duo", "none"),
+                                         ("head", "fold"), ("adaptive", "fold")])
 def test_stage1_equals_the_per_head_oracle_after_culls_and_reindexes(tiny_model, tiny_policy,
-                                                                    one_thread, tmp_path, kind):
+                                                                    one_thread, tmp_path, kind,
+                                                                    repair):
+    """... and folds (each head's own, into its own slots: its log-mass in the oracle)."""
     extra = {"allocation_heads": _duo_file(tmp_path, tiny_model)} if kind == "duo" else {}
     cache = params(budget=24, sinks=2, recent=4, policy="tova", allocation=kind,
-                   reindex_at=60, **extra)
+                   reindex_at=60, repair=repair,
+                   **({"fold_min_cos": 0.2} if repair == "fold" else {}), **extra)
     s = Session(tiny_model, tiny_policy, SamplerParams(greedy=True), cache)
     s.prime([Segment(tuple(tiny_policy.encode(TEXT))[:40], "user")])
-    reindexed = differ = 0
+    reindexed = differ = folded = 0
     for _ in range(36):
         gen = generate(tiny_model, s.state.view(), s.sampler, make_generator(0, "cpu"))
         assert_close(gen.logits, _oracle(tiny_model, s.state), ORACLE, f"{kind} step {s.state.step}")
@@ -78,6 +88,8 @@ def test_stage1_equals_the_per_head_oracle_after_culls_and_reindexes(tiny_model,
         h = s.state.heads
         rows = [set(h.row[0, i, :int(h.n[0, i])].tolist()) for i in range(h.n.shape[1])]
         differ += rows[0] != rows[1]
+        folded += rec.folded
+    assert folded or repair == "none", "no fold happened"
     assert reindexed >= 1, "no re-index happened"
     assert differ, "the heads never kept different tokens"
 
@@ -220,7 +232,7 @@ def test_per_head_culls_never_lose_a_token_a_head_holds(tiny_model, tiny_policy,
 @pytest.mark.parametrize("argv,message", [
     (["--allocation", "head", "--policy", "tests/scorers/ema.py:Ema"], "scores whole tokens"),
     (["--allocation", "duo", "--policy", "tova"], "allocation-heads"),
-    (["--allocation", "head", "--policy", "tova", "--repair", "fold"], "takes no repair"),
+    (["--allocation", "head", "--policy", "tova", "--repair", "merge"], "takes no merge repair"),
     (["--allocation", "head", "--policy", "tova", "--recall"], "no --allocation head"),
     (["--allocation", "sideways"], "--allocation"),
     (["--allocation", "pyramid", "--allocation-beta", "0.5", "--policy", "tova"], "beta"),
@@ -403,3 +415,81 @@ def test_a_step_at_the_budget_culls_what_the_sort_would(data):
     fast = allocation._lowest(*args, at, need)
     assert torch.equal(fast, allocation._sorted(*args, live, at, need))
     assert torch.equal(fast.sum(-1), need)
+
+
+def test_a_per_head_run_captures_replays_forks_and_draws(tmp_path, capsys, one_thread):
+    """A per-head run (culls, a re-index) captured at level full replays bit for bit (its
+    head map among each view's inputs and each state file's); a fork of it goes on per head
+    and replays too; inspect and the page say how many heads hold each token."""
+    run = ["run", "--model", "tiny-random", "--prompt", TEXT, "--max-new-tokens", "30",
+           "--ignore-eos", "--budget", "16", "--sinks", "1", "--recent", "2",
+           "--allocation", "head", "--reindex-at", "60", "--repair", "fold", "--json",
+           "--compile", "none"]
+    assert main([*run, "--capture", str(tmp_path / "c"), "--capture-level", "full"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert any(s["reindexed"] for s in res["steps"]) and sum(len(s["culled"]) for s in res["steps"])
+    assert sum(s["folded"] for s in res["steps"])
+    heads = 2 * 2  # tiny-random's layers x KV heads
+    tokens = len(res["prompt_ids"]) + len(res["generated_ids"]) - 1
+    assert res["kv"] == {"pairs": 16 * heads, "bytes": 16 * heads * 2 * 16 * 4,
+                         "full_pairs": tokens * heads, "fraction": 16 / tokens}
+    files = CaptureRun(res["capture"]).step(5)
+    assert files.view["heads"]["row"].shape[:2] == files.view["heads"]["n"].shape
+    assert main(["replay", res["capture"]]) == 0
+    assert "all bit-exact" in capsys.readouterr().err
+    assert main(["fork", res["capture"], "--step", "12", "--policy", "tova", "--json",
+                 "--capture", str(tmp_path / "f")]) == 0
+    fk = json.loads(capsys.readouterr().out)
+    assert main(["replay", fk["capture"]]) == 0
+    assert "all bit-exact" in capsys.readouterr().err
+    assert main(["fork", res["capture"], "--step", "12", "--allocation", "token"]) == 2
+    assert "per-head" in capsys.readouterr().err
+    assert main(["compare", res["capture"], fk["capture"], "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["runs"]) == 2
+    assert main(["inspect", res["capture"]]) == 0
+    assert f"of {heads} (layer, KV head)s" in capsys.readouterr().out
+    page = tmp_path / "p.html"
+    assert main(["inspect", res["capture"], "--html", str(page)]) == 0
+    data = page_data(page)
+    step = data["runs"][0]["steps"][-1]
+    assert data["runs"][0]["heads"] == heads and len(step["held"]) == len(step["uid"])
+    assert 1 <= min(step["held"]) and max(step["held"]) == heads  # the sinks: every head's
+
+
+def test_a_per_head_cache_starts_from_a_one_token_prompt(tiny_model, tiny_policy, one_thread):
+    """The first step reads no slot (a one-token prompt is all pending): nothing to cull,
+    as bench quality's streams start."""
+    s = _session(tiny_model, tiny_policy, n_prompt=1, budget=8, sinks=1, recent=2,
+                 scorer="brightness", allocation="head")
+    for _ in range(12):
+        s.step()
+        s.state.check_valid()
+    assert s.state.heads.n.eq(8).all()
+
+
+def test_each_head_folds_what_it_culls_into_its_most_alike_survivor(tiny_model, tiny_policy,
+                                                                    one_thread):
+    """Fold per head: each slot a head culls folds into the slot of that head whose key is
+    most alike, so each head's masses add up to every token that entered the cache."""
+    s = _session(tiny_model, tiny_policy, budget=16, sinks=1, recent=2, scorer="tova",
+                 allocation="head", repair=FoldRepair(min_cos=-1.0))
+    state, folds = s.state, 0
+    for _ in range(16):
+        view = state.view()
+        gen = generate(tiny_model, view, s.sampler, s.generator)
+        actions = decide(tiny_model, view, score(view, gen.attention, s.scorer), s.cache_params)
+        culls, into = actions.head_culls, actions.head_folds
+        assert torch.equal(into >= 0, culls)  # min cos -1: every cull folds
+        for layer, head, slot in culls.nonzero().tolist():
+            keys = view.k[layer, head, :int(view.heads.n[layer, head])]
+            cos = F.cosine_similarity(keys, keys[slot][None], dim=-1)
+            cos[culls[layer, head, :len(cos)]] = -math.inf
+            assert cos[int(into[layer, head, slot])] >= cos.max() - 2 * cosine_bound(tiny_model)
+            folds += 1
+        apply(tiny_model, state, gen, actions)
+        state.check_valid()
+        masses = state.arena.log_mass[:, :, :state.arena.n].exp()
+        masses = (masses * state.heads.live(state.arena.n)).sum(-1)  # (L, KVH)
+        assert_close(masses, torch.full_like(masses, float(state.next_position)),
+                     mass_bound(state.next_position), "each head's mass")
+    assert folds >= 16

@@ -35,7 +35,7 @@ class LedgerTape(CaptureTape):
         super().begin(state, generator)
 
 
-def _page_data(path) -> dict:
+def page_data(path) -> dict:
     text = path.read_text(encoding="utf-8")
     blob = re.search(r'<script type="application/json" id="data">(.*?)</script>', text, re.S)
     assert not re.search(r"[<>&]", blob.group(1)), "markup characters in the data"
@@ -108,12 +108,12 @@ def test_inspect_and_compare_write_pages_and_refuse_bad_input(tmp_path, capsys, 
         caps[policy] = json.loads(capsys.readouterr().out)["capture"]
     out = tmp_path / "run.html"
     assert main(["inspect", caps["brightness"], "--html", str(out)]) == 0
-    data = _page_data(out)
+    data = page_data(out)
     assert len(data["runs"]) == 1 and data["compare"] is None
     assert len(data["runs"][0]["steps"]) == 12
     pair = tmp_path / "pair.html"
     assert main(["compare", caps["brightness"], caps["h2o"], "--html", str(pair)]) == 0
-    data = _page_data(pair)
+    data = page_data(pair)
     assert [r["params"]["policy"] for r in data["runs"]] == ["brightness", "h2o"]
     h2o = data["runs"][1]["steps"][-1]  # each scorer's own column by name, no brightness
     assert list(h2o["columns"]) == ["attn_sum"] and set(h2o["brightness"]) == {None}
@@ -123,7 +123,7 @@ def test_inspect_and_compare_write_pages_and_refuse_bad_input(tmp_path, capsys, 
                  "--budget", "24", "--greedy", "--json", "--capture", str(tmp_path / "long")]) == 0
     longer = json.loads(capsys.readouterr().out)["capture"]
     assert main(["compare", caps["h2o"], longer, "--html", str(pair), "--last", "5"]) == 0
-    data = _page_data(pair)  # the last 5 of the 12 steps both runs have, in each run
+    data = page_data(pair)  # the last 5 of the 12 steps both runs have, in each run
     assert [[s["step"] for s in r["steps"]] for r in data["runs"]] == [list(range(8, 13))] * 2
     capsys.readouterr()
     for argv, message in (
@@ -158,7 +158,7 @@ def test_a_browser_draws_the_page_and_its_slider_moves_the_text(edited_run, tiny
     first = str(data["steps"][0]["token_id"][0])
     data["vocab"][first] = hostile
     out = page.write(tmp_path / "run.html", "a title with {{DATA}} & <b>", [data])
-    assert _page_data(out)["runs"][0] == data
+    assert page_data(out)["runs"][0] == data
     html_text = out.read_text()
     assert "<title>a title with {{DATA}} &amp; &lt;b&gt;</title>" in html_text
     shown = {}

@@ -44,7 +44,7 @@ from ..types import CacheParams, SamplerParams, Segment, UserError, option, requ
 from . import common, flags, grid
 from .common import Table, fmt
 from .grid import Pool
-from .result import Machine, Result, Target, model_facts, target_table
+from .result import KVCost, Machine, Result, Target, model_facts, target_table
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about the important information there.")
@@ -380,6 +380,7 @@ class PasskeyResult(Result):
     dtype: str
     max_positions: int
     workers: int
+    kv: KVCost
     ray: str | None = None
     trials: list[TrialRow]
     reference: CellRow
@@ -403,7 +404,8 @@ def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
     res = PasskeyResult(
         benchmark="passkey", command=command, model=cfg.model, quick=cfg.quick,
         machine=machine, config=cfg, base=options.settings(dict(cfg.params)), dtype=cfg.dtype,
-        max_positions=model.spec.max_positions, workers=workers, ray=pool.ray,
+        max_positions=model.spec.max_positions, workers=workers, kv=KVCost.of(model),
+        ray=pool.ray,
         trials=rows, reference=ref,
         runs=[_cell_row(rows, i, c.policy, c.budget, c.variant, ref)
               for i, c in enumerate(cells(cfg), 1)],
@@ -550,7 +552,8 @@ def report_md(res: PasskeyResult, images: list[str], image_dir: str, level: int 
         + grid.where("trials", res)
         + ". Full-cache accuracy: "
         f"**{_pct(ref.correct, ref.trials)}**. Protected from culls: {sp['sinks']} "
-        f"sinks, {sp['recent']} recent tokens.",
+        f"sinks, {sp['recent']} recent tokens. "
+        + res.kv.sentence(cfg.budgets, max(cfg.lengths), "the longest prompt"),
         "",
     ]
     for tb in tables(res):

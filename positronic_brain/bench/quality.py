@@ -54,7 +54,7 @@ from ..types import (CacheParams, SamplerParams, ScorerSpec, Segment, Totals, Us
 from . import common, flags, grid
 from .common import Table, fmt
 from .grid import Pool
-from .result import Machine, Result, Target, model_facts, target_table
+from .result import KVCost, Machine, Result, Target, model_facts, target_table
 
 SCORERS = CULLING  # the default scorer first, then the baselines
 REPAIRS = ("none", "merge", "fold")
@@ -636,6 +636,7 @@ class QualityResult(Result):
     dtype: str
     max_positions: int
     workers: int
+    kv: KVCost
     ray: str | None = None
     text: Text
     reference: Run
@@ -696,6 +697,7 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
     limit = model.spec.max_positions
     cfg = cfg.fitted(limit)
     all_ids = TokenPolicy(model.tokenizer).encode(text)
+    kv = KVCost.of(model)
     del model
     room = slice_range(len(all_ids), cfg.slice, cfg.at)
     jobs = plan(cfg, limit, room)
@@ -707,7 +709,7 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
         benchmark="quality", command=command, model=cfg.model, quick=cfg.quick,
         machine=machine, config=cfg, base=options.settings(dict(cfg.params)),
         warmup=cfg.warmup, dtype=cfg.dtype, max_positions=limit,
-        workers=workers, ray=pool.ray,
+        workers=workers, kv=kv, ray=pool.ray,
         text=Text(cfg.text, TEXTS.get(cfg.text, "a file"), len(text), len(all_ids),
                   hashlib.sha256(text.encode()).hexdigest()[:16], cfg.slice, room.start,
                   room.stop, jobs[0].starts),
@@ -1054,7 +1056,8 @@ def report_md(res: QualityResult, images: list[str], image_dir: str, level: int 
         f"skip layers {sp.get('skip_layers', 0.0)}, max {sp['max_brightness']}. Recall: the "
         f"cold store scanned every {sp['recall_every']} step(s) over "
         f"{sp['recall_layers'] or 'all the brightness'} layers, at most {sp['recall_max']} "
-        f"swaps a step, span {sp['recall_span']}, margin {sp.get('recall_margin', 0.0)}.",
+        f"swaps a step, span {sp['recall_span']}, margin {sp.get('recall_margin', 0.0)}. "
+        + res.kv.sentence(c.budgets, res.warmup + c.tokens, "a window's end"),
         "",
     ]
     for tb in tables(res):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..stages.apply import arena
 from ..types import UserError
 from .common import Table, cpu_name, duration, fmt, write_text
 
@@ -113,6 +114,31 @@ class Result:
         quick = "; `make bench` runs the quick version" if quick_version else ""
         return (f"Regenerate with `{self.command}` (this run took "
                 f"{duration(self.elapsed_s)}{quick}). Every number below comes from that one run.")
+
+
+@dataclass(frozen=True)
+class KVCost:
+    """What a budget costs in a model's K/V cache: its (layer, KV head)s and the bytes of one
+    K/V pair (a key and a value of one head, in the arena's dtypes)."""
+
+    heads: int
+    pair_bytes: int
+
+    @classmethod
+    def of(cls, model) -> "KVCost":
+        a = arena(model, 1)  # the arena's own dtypes
+        return cls(a.kt.shape[0] * a.kt.shape[1],
+                   a.kt.shape[2] * (a.kt.element_size() + a.v.element_size()))
+
+    def sentence(self, budgets, full_tokens: int, full_what: str) -> str:
+        """A report's sentence: the K/V pairs, bytes and fraction of the full cache of
+        ``full_tokens`` tokens each budget keeps at most, whatever its allocation."""
+        each = "; ".join(f"budget {b}: {b * self.heads:,} pairs, "
+                         f"{b * self.heads * self.pair_bytes / 2 ** 20:.2f} MiB, "
+                         f"{b / full_tokens:.0%} of the full cache" for b in budgets)
+        return (f"K/V memory a cell keeps at most, whatever its allocation (budget x "
+                f"{self.heads} (layer, KV head)s, {self.pair_bytes} bytes a pair; the full "
+                f"cache: {full_what}, {full_tokens:,} tokens): {each}.")
 
 
 def model_facts(res) -> str:

@@ -76,9 +76,11 @@ def _report(args, result: dict) -> int:
     steps = result["steps"]
     if not args.json and steps:
         ms = sorted(s["ms"] for s in steps)[len(steps) // 2]
+        kv = result["kv"]
         print(f"[{len(steps)} tokens, median {ms:.1f} ms/token, cache {steps[-1]['cache_len']} "
-              f"slots, {Totals(**result['totals']).edits()}, stop: {result['stop_reason']}]",
-              file=sys.stderr)
+              f"slots ({kv['pairs']:,} K/V pairs, {kv['bytes'] / 2 ** 20:.2f} MiB, "
+              f"{kv['fraction']:.0%} of the full cache), {Totals(**result['totals']).edits()}, "
+              f"stop: {result['stop_reason']}]", file=sys.stderr)
     return 0
 
 

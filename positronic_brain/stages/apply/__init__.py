@@ -15,18 +15,17 @@ one module for each kind of write:
   ``restore``, write a saved or composed session back (stage 0); ``rewrite``, write
   recomputed K/V into live slots (stage 0; a selective recompute); ``add_columns``, give a
   live state the columns of a scorer it was not made with.
-- ``heads``: ``add_heads`` makes a state a per-head cache (stage 0), ``apply_heads`` is
-  stage 4 of one (each (layer, KV head) culls its own slots; the ledger keeps the tokens
+- ``heads``: ``apply_heads`` is stage 4 of a per-head cache (``prefill.add_heads`` makes
+  a state one, stage 0) (each (layer, KV head) culls its own slots; the ledger keeps the tokens
   some head holds).
 - ``cold``: the recall tier's cold store (stage 4's culls going in, recalls coming back).
 - ``rows``: the row writers they share (a slot's K/V and norms, a new token's ledger row,
   moving and removing slots) and the checks of a scorer's column values.
 """
 from .recall import COLD_ROWS, add_cold_store, cold_store
-from .heads import add_heads
 from .patch import apply
-from .prefill import (FUSED_CHUNK, PREFILL_CHUNK, TOTAL_UNREAD, chunks, extend, gpu_chunk_bytes,
-                      prime, seed)
+from .prefill import (FUSED_CHUNK, PREFILL_CHUNK, TOTAL_UNREAD, add_heads, chunks, extend,
+                      gpu_chunk_bytes, prime, seed)
 from .restore import add_columns, rebuild_from_ledger, restore, rewrite
 from .rows import arena
 

@@ -26,7 +26,13 @@ def _fold_block(a: Arena, slot: int, into: torch.Tensor) -> None:
     li, hi = (into >= 0).nonzero(as_tuple=True)  # the (layer, KV head) pairs that fold
     if len(li) == 0:
         return
-    into = into[li, hi]
+    fold_pairs(a, li, hi, slot, into[li, hi])
+
+
+def fold_pairs(a: Arena, li: torch.Tensor, hi: torch.Tensor, slot, into: torch.Tensor) -> None:
+    """Fold the K/V of ``slot`` (a slot, or one per pair) into ``into`` (one per pair) in
+    the (layer, KV head) pairs ``li``, ``hi`` (p,), each pair's own: a mass-weighted mean,
+    the log-masses' log-sum-exp."""
     lm_i, lm_j = a.log_mass[li, hi, into], a.log_mass[li, hi, slot]  # (p,)
     w = torch.sigmoid(lm_j - lm_i).unsqueeze(-1)  # m_j / (m_i + m_j), (p, 1)
     for t, norm, rows in ((a.k, a.knorm, key_norms), (a.v, a.vnorm, value_norms)):
@@ -36,3 +42,20 @@ def _fold_block(a: Arena, slot: int, into: torch.Tensor) -> None:
         norm[li, hi, into] = rows(folded)
     a.log_mass[li, hi, into] = torch.logaddexp(lm_i, lm_j)
     a.folded = True
+
+
+def fold_heads(state: State, folds: torch.Tensor) -> int:
+    """A per-head cache's folds (``Actions.head_folds`` (L, KVH, n): each culled slot's
+    target in its head, -1 none), in slot order within each head: a round folds each
+    head's next one, so two folds into one slot compound as in ``fold``. Returns how many."""
+    li, hi, src = (folds >= 0).nonzero(as_tuple=True)  # (layer, head, slot) order
+    if len(li) == 0:
+        return 0
+    dst = folds[li, hi, src]
+    head = li * folds.shape[1] + hi
+    first = torch.searchsorted(head, head)  # each head's first fold's index
+    rank = torch.arange(len(li), device=li.device) - first
+    for r in range(int(rank.max()) + 1):
+        at = rank == r
+        fold_pairs(state.arena, li[at], hi[at], src[at], dst[at])
+    return len(li)

@@ -1,5 +1,6 @@
-"""Stage 0/4 for per-head caches (an ``Allocation`` whose heads keep tokens of their own):
-each (layer, KV head) holds its own tokens in its own slots of the arena.
+"""Stage 4 for per-head caches (an ``Allocation`` whose heads keep tokens of their own;
+stage 0 makes one: ``prefill.add_heads``): each (layer, KV head) holds its own tokens in its
+own slots of the arena.
 
 ``state.heads`` (``state.Heads``) says which ledger row each (layer, KV head, slot) holds;
 a head's live slots are its dense prefix ``[0, n)``, as the whole arena's are with
@@ -15,29 +16,11 @@ import torch
 
 from ...forward import apply_rope, rerotation
 from ...model import Model
-from ...state import FLAG_PROTECTED, Arena, Heads, Ledger, State, key_norms, value_norms
+from ...state import FLAG_PROTECTED, Ledger, State, key_norms, value_norms
 from ...types import SOURCES, Actions, GenerateOut, Patch, require
+from .fold import fold_heads
 from .restore import rebuild_from_ledger
 from .rows import arena, column_ranges, in_range, write_rows
-
-
-@torch.no_grad()
-def add_heads(state: State) -> None:
-    """Stage 0: make ``state`` a per-head cache in which every head holds every live token
-    (slot i of each head holds ledger row i, as the arena did). Each scorer column then
-    holds a value per (layer, KV head) of each token (tokens, L, KVH), every head's the
-    token's value so far."""
-    a, m = state.arena, state.ledger
-    require(isinstance(a, Arena), "per-head allocations run on one device (no device map)")
-    require(state.cold is None, "per-head allocations take no recall yet")
-    if state.heads is not None:
-        return
-    L, KVH, cap = a.log_mass.shape
-    row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
-    row[:, :, :a.n] = torch.arange(a.n, device=m.device)
-    state.heads = Heads(row=row, n=torch.full((L, KVH), a.n, dtype=torch.long, device=m.device))
-    for name, col in m.columns.items():
-        m.columns[name] = col.view(-1, 1, 1).expand(-1, L, KVH).clone()
 
 
 def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> torch.Tensor:
@@ -49,7 +32,7 @@ def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> to
     assert gen.k.shape == (spec.n_layers, spec.n_kv_heads, 1, spec.head_dim), \
         f"new K has shape {tuple(gen.k.shape)}"
     assert not (actions.cull_slots or actions.merges or actions.folds or actions.swaps), \
-        "a per-head cache takes per-head culls only"
+        "a per-head cache takes per-head culls and folds only"
     culls = actions.head_culls
     if culls is None:
         culls = torch.zeros(h.row.shape[:2] + (a.n,), dtype=torch.bool, device=m.device)
@@ -58,14 +41,28 @@ def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> to
     rows = h.row[:, :, :a.n]
     ranges = column_ranges(m, actions.columns, m.n)
     read = torch.cat([r for _, _, r in ranges] + [
+        _bad_folds(actions.head_folds, culls, h.live(a.n)).view(1).double(),
         (culls & (rows < 0)).any().view(1).double(),
         (culls & (m.flags[rows.clamp(min=0)] & FLAG_PROTECTED != 0)).any().view(1).double(),
         (h.n - culls.sum(-1)).max().view(1).double()]).tolist()
-    in_range(ranges, read[:-3])
+    in_range(ranges, read[:-4])
+    assert not read[-4], "a per-head fold of a slot not culled, or into one that goes or is free"
     assert not read[-3], "a per-head cull of a slot its head does not hold"
     require(not read[-2], "a per-head cull of a protected token")
     require(read[-1] < a.capacity, f"the arena is full ({a.capacity} slots); set a budget to cull")
     return culls
+
+
+def _bad_folds(folds: torch.Tensor | None, culls: torch.Tensor,
+               live: torch.Tensor) -> torch.Tensor:
+    """Whether any fold is of a slot its head does not cull, or into one it culls or does
+    not hold (a 0-d bool; False without folds)."""
+    if folds is None:
+        return torch.zeros((), dtype=torch.bool, device=culls.device)
+    assert folds.shape == culls.shape, f"per-head folds have shape {tuple(folds.shape)}"
+    into = folds.clamp(0, culls.shape[-1] - 1)
+    return ((folds >= 0) & (~culls | culls.gather(-1, into) | ~live.gather(-1, into)
+                            | (folds >= culls.shape[-1]))).any()
 
 
 def _saved(state: State) -> tuple:
@@ -237,6 +234,8 @@ def apply_heads(model: Model, state: State, gen: GenerateOut, actions: Actions,
     try:
         for name, t in (actions.columns or {}).items():
             m.columns[name][:m.n] = t
+        if actions.head_folds is not None:
+            fold_heads(state, actions.head_folds)
         _remove(state, culls)
         dropped = _drop_rows(state)
         position = gen.position
@@ -252,6 +251,7 @@ def apply_heads(model: Model, state: State, gen: GenerateOut, actions: Actions,
     state.pending_source = "assistant"
     state.next_position = position + 1
     return Patch(step=step, columns=actions.columns, culled_uids=tuple(dropped),
-                 dropped_uids=tuple(dropped), head_culls=culls, reindex_from=reindex_from,
+                 dropped_uids=tuple(dropped), head_culls=culls,
+                 head_folds=actions.head_folds, reindex_from=reindex_from,
                  reindex_to=reindex_to, appended_uids=(uid,), appended_positions=(position,),
                  appended_k=gen.k, appended_v=gen.v)

@@ -12,7 +12,7 @@ import torch
 from ...forward import builds_scores, forward
 from ...model import Model
 from ...scorers import reads_total
-from ...state import FLAG_PROTECTED, Ledger, State
+from ...state import FLAG_PROTECTED, Arena, Heads, Ledger, State
 from ...types import SOURCES, Column, Patch, PrefillStats, PrimeOut, ScoreOut, Segment, require
 from .recall import cold_store
 from .rows import arena, check_columns, slots_of, store_layer, write, write_rows
@@ -108,7 +108,8 @@ def prime(model: Model, segments: list[Segment], capacity: int,
           pinned: frozenset[str] = frozenset(), chunk: int | None = None,
           all_logits: bool = False, columns: dict[str, Column] | None = None,
           cold_capacity: int | None = None, prefill_window: int | None = None,
-          scorer=None, prefill_total: bool = True) -> tuple[State, PrimeOut]:
+          scorer=None, prefill_total: bool = True,
+          per_head: bool = False) -> tuple[State, PrimeOut]:
     """Stage 0: allocate an arena of ``capacity`` slots and prefill all prompt tokens but
     the last, which becomes the pending token (stage 1 runs it and samples the first
     generated token). Tokens whose source is in ``pinned`` are protected from culls;
@@ -119,7 +120,8 @@ def prime(model: Model, segments: list[Segment], capacity: int,
     ``prefill_window``: also gather the prompt's attention statistics (``PrimeOut.stats``,
     ``PrefillStats``) over its last ``prefill_window`` prefilled queries and, with
     ``prefill_total``, all of them, inside the chunked prefill; ``scorer``: then seed its
-    ledger columns from them (``seed``).
+    ledger columns from them (``seed``). ``per_head``: the state becomes a per-head cache
+    (``add_heads``) before the seed, which is then per head (``prefill_heads``).
     """
     ids_list = [i for s in segments for i in s.ids]
     require(len(ids_list) > 0, "the prompt is empty")
@@ -155,6 +157,8 @@ def prime(model: Model, segments: list[Segment], capacity: int,
     rows = torch.cat(logits) if logits else torch.empty(0, model.spec.vocab, device=model.device)
     patch = Patch(step=0, appended_slots=tuple(slots), appended_uids=tuple(uids))
     stats = None
+    if per_head:
+        add_heads(state)
     if received is not None:
         total, window, first = received
         stats = PrefillStats(uid=state.ledger.live("uid").clone(),
@@ -164,6 +168,25 @@ def prime(model: Model, segments: list[Segment], capacity: int,
         if seeded is not None:
             patch = dataclasses.replace(patch, columns=seeded.columns)
     return state, PrimeOut(logits=rows, patch=patch, stats=stats)
+
+
+@torch.no_grad()
+def add_heads(state: State) -> None:
+    """Stage 0: make ``state`` a per-head cache in which every head holds every live token
+    (slot i of each head holds ledger row i, as the arena did). Each scorer column then
+    holds a value per (layer, KV head) of each token (tokens, L, KVH), every head's the
+    token's value so far."""
+    a, m = state.arena, state.ledger
+    require(isinstance(a, Arena), "per-head allocations run on one device (no device map)")
+    require(state.cold is None, "per-head allocations take no recall yet")
+    if state.heads is not None:
+        return
+    L, KVH, cap = a.log_mass.shape
+    row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
+    row[:, :, :a.n] = torch.arange(a.n, device=m.device)
+    state.heads = Heads(row=row, n=torch.full((L, KVH), a.n, dtype=torch.long, device=m.device))
+    for name, col in m.columns.items():
+        m.columns[name] = col.view(-1, 1, 1).expand(-1, L, KVH).clone()
 
 
 @torch.no_grad()

@@ -66,7 +66,10 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
         L, KVH = view.heads.n.shape
         culls = allocation.head_culls(view, scores.scores, params,
                                       allocation.budgets(params, L, KVH), protected(view, params))
-        return Actions(columns=scores.columns, head_culls=culls, reindex=reindex)
+        folds = (fold.head_fold_targets(view, culls, params.repair.min_cos)
+                 if isinstance(params.repair, FoldRepair) else None)
+        return Actions(columns=scores.columns, head_culls=culls, head_folds=folds,
+                       reindex=reindex)
     order = torch.argsort(view.position)  # slots in text order
     keep = protected(view, params, order)
 

@@ -168,7 +168,9 @@ def head_culls(view: View, scores: torch.Tensor, params: CacheParams,
         raise UserError(f"budget {int(budget[layer, head])} of layer {layer}, KV head {head} "
                         f"is too small: it holds {int(held[layer, head])} tokens, "
                         f"{int(guard[layer, head].sum())} of them protected")
-    if most <= 1:  # a step at the budget: each head culls one slot at most, found without a sort
+    if most == 0:
+        return torch.zeros_like(free)
+    if most == 1:  # a step at the budget: each head culls one slot at most, found without a sort
         return _lowest(view, scores.float(), free, at, need)
     return _sorted(view, scores.float(), free, live, at, need)
 

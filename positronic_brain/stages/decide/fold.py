@@ -51,3 +51,28 @@ def _dots(k: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         keys = stored_keys(k)
     dots = torch.bmm(k[:, :, c].reshape(L * KVH, c.numel(), D), keys)
     return dots[..., :n].float().reshape(L, KVH, c.numel(), n)
+
+
+def head_fold_targets(view: View, culls: torch.Tensor, min_cos: float = -1.0) -> torch.Tensor:
+    """A per-head cache's folds: for each slot a head culls (``culls`` (L, KVH, n)), the
+    surviving slot of the same head whose key has the highest cosine to its key (ties: the
+    lowest slot), -1 where that is below ``min_cos`` or the slot is not culled: (L, KVH, n)."""
+    L, KVH, n = culls.shape
+    out = torch.full((L, KVH, n), -1, dtype=torch.long, device=culls.device)
+    count = culls.sum(-1)  # (L, KVH)
+    m = int(count.max()) if n else 0
+    if m == 0:
+        return out
+    # each head's culled slots first, in slot order (m of them, the short heads padded)
+    order = torch.argsort((~culls).to(torch.uint8), dim=-1, stable=True)[:, :, :m]  # (L, KVH, m)
+    real = torch.arange(m, device=culls.device) < count.unsqueeze(-1)
+    k = view.k.float()  # (L, KVH, n, D)
+    picked = k.gather(2, order.unsqueeze(-1).expand(L, KVH, m, k.shape[-1]))
+    norms = view.knorm.clamp_min(1e-12)  # (L, KVH, n)
+    sim = picked @ k.transpose(2, 3) / norms.unsqueeze(2)  # (L, KVH, m, n)
+    gone = culls | ~view.heads.live(n)  # never into a slot that goes too, or a free one
+    sim.masked_fill_(gone.unsqueeze(2), float("-inf"))
+    best, into = sim.max(-1)  # (L, KVH, m)
+    into.masked_fill_((best / norms.gather(-1, order) < min_cos) | ~real, -1)
+    return out.scatter_(-1, order, into)  # a short head's padding: slots it keeps, -1
+
