@@ -259,7 +259,7 @@ def drive(session: Session, max_new_tokens: int, ignore_eos: bool = False, on_te
         "steps": steps,
         "totals": asdict(totals),
         "ledger": session.state.ledger.rows(),
-        "kv": session.state.kv_memory(len(session.prompt_ids) + len(session.generated_ids) - 1),
+        "kv": session.state.kv_memory(),
         "pending_token": session.state.pending_token,
         **({"capture": str(tape.dir)} if tape.dir else {}),
     }

@@ -522,10 +522,12 @@ class State:
                     capacity=self.arena.capacity,
                     cold=None if self.cold is None else self.cold.view())
 
-    def kv_memory(self, full_tokens: int) -> dict:
+    def kv_memory(self) -> dict:
         """What the live cache costs: the K/V pairs every (layer, KV head) holds in all, their
-        bytes (keys and values in the arena's dtypes) and their share of the full cache's
-        over ``full_tokens`` tokens (every one in every head)."""
+        bytes (keys and values in the arena's dtypes) and their share of the full cache's:
+        every token that entered the cache (each uid issued, less the new token of each
+        merge, which stands for a pair already counted) in every head."""
+        full_tokens = self.ledger.next_uid - len(self.ledger.merged)
         blocks = self.arena.blocks
         heads = sum(b.kt.shape[0] * b.kt.shape[1] for b in blocks)
         pairs = int(self.heads.n.sum()) if self.heads is not None else self.arena.n * heads

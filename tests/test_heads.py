@@ -437,7 +437,7 @@ def test_a_per_head_run_captures_replays_forks_and_draws(tmp_path, capsys, one_t
     assert files.view["heads"]["row"].shape[:2] == files.view["heads"]["n"].shape
     assert main(["replay", res["capture"]]) == 0
     assert "all bit-exact" in capsys.readouterr().err
-    assert main(["fork", res["capture"], "--step", "12", "--policy", "tova", "--json",
+    assert main(["fork", res["capture"], "--step", "12", "--policy", "h2o", "--json",
                  "--capture", str(tmp_path / "f")]) == 0
     fk = json.loads(capsys.readouterr().out)
     assert main(["replay", fk["capture"]]) == 0

@@ -127,7 +127,7 @@ class Brightness:
         a head that attends to part of a span (a number's digits) keeps all of it."""
         w = stats.window_queries
         share = self.head_share(view, stats.window)  # (L, KVH, n)
-        if self.pool > 1:  # a slot counts as lit as its brightest neighbour
+        if self.pool > 1 and share.shape[-1]:  # a slot lit as its brightest neighbour
             L, KVH, n = share.shape
             share = torch.nn.functional.max_pool1d(share.reshape(L * KVH, 1, n), self.pool, 1,
                                                    self.pool // 2).view(L, KVH, n)

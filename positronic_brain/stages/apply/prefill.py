@@ -175,18 +175,20 @@ def add_heads(state: State) -> None:
     """Stage 0: make ``state`` a per-head cache in which every head holds every live token
     (slot i of each head holds ledger row i, as the arena did). Each scorer column then
     holds a value per (layer, KV head) of each token (tokens, L, KVH), every head's the
-    token's value so far."""
+    token's value so far; so does a column given to a per-head state later (a fork to a
+    scorer with columns of its own: ``add_columns`` makes them one value a token)."""
     a, m = state.arena, state.ledger
     require(isinstance(a, Arena), "per-head allocations run on one device (no device map)")
     require(state.cold is None, "per-head allocations take no recall yet")
-    if state.heads is not None:
-        return
     L, KVH, cap = a.log_mass.shape
-    row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
-    row[:, :, :a.n] = torch.arange(a.n, device=m.device)
-    state.heads = Heads(row=row, n=torch.full((L, KVH), a.n, dtype=torch.long, device=m.device))
+    if state.heads is None:
+        row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
+        row[:, :, :a.n] = torch.arange(a.n, device=m.device)
+        state.heads = Heads(row=row, n=torch.full((L, KVH), a.n, dtype=torch.long,
+                                                  device=m.device))
     for name, col in m.columns.items():
-        m.columns[name] = col.view(-1, 1, 1).expand(-1, L, KVH).clone()
+        if col.dim() == 1:
+            m.columns[name] = col.view(-1, 1, 1).expand(-1, L, KVH).clone()
 
 
 @torch.no_grad()
