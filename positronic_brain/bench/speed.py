@@ -1118,7 +1118,6 @@ def llamacpp_note(llama) -> str:
     return " ".join(notes) + (" " if notes else "")
 
 
-
 def tables(res: SpeedResult) -> list[Table]:
     llama = res.llamacpp
     measured = any(x.measured for x in llama)

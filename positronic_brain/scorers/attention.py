@@ -42,22 +42,22 @@ def head_index(view) -> torch.Tensor:
     return torch.where(h.row >= 0, at, view.n * L * KVH)
 
 
-def head_values(view, name: str) -> torch.Tensor:
+def head_column(view, name: str):
     """A per-head column ``name`` (tokens, L, kv_heads) read at each slot of each head:
-    (L, kv_heads, n), a free slot's some other value (its score is never read)."""
-    col = view.columns[name].reshape(-1)
-    return col.take(head_index(view).clamp(max=max(col.numel() - 1, 0)))
-
-
-def with_head_values(view, name: str, values: torch.Tensor) -> torch.Tensor:
-    """The per-head column ``name`` with each head's live slots set to ``values``
-    (L, kv_heads, n): a new (tokens, L, kv_heads) tensor, the view's left as it was (the free
-    slots write one element past its end, dropped)."""
+    (L, kv_heads, n), a free slot's some other value (its score is never read), and ``put``:
+    values (L, kv_heads, n) -> a new (tokens, L, kv_heads) column with each head's live
+    slots set to them, the view's left as it was (the free slots write one element past
+    its end, dropped). The slots' places are found once for both."""
     col = view.columns[name]
-    new = col.new_empty(col.numel() + 1)
-    new[:-1] = col.reshape(-1)
-    new.scatter_(0, head_index(view).reshape(-1), values.reshape(-1).to(new.dtype))
-    return new[:-1].view(col.shape)
+    at = head_index(view)
+
+    def put(values: torch.Tensor) -> torch.Tensor:
+        new = col.new_empty(col.numel() + 1)
+        new[:-1] = col.reshape(-1)
+        new.scatter_(0, at.reshape(-1), values.reshape(-1).to(new.dtype))
+        return new[:-1].view(col.shape)
+
+    return col.reshape(-1).take(at.clamp(max=max(col.numel() - 1, 0))), put
 
 
 def value_weighted(attention: torch.Tensor, norms: torch.Tensor,

@@ -33,8 +33,8 @@ from typing import ClassVar
 
 import torch
 
-from .attention import (aggregate, aggregation, by_head, check_aggregation, head_value_weights,
-                        head_values, value_weighted, with_head_values)
+from .attention import (aggregate, aggregation, by_head, check_aggregation, head_column,
+                        head_value_weights, value_weighted)
 from ..state import View
 from ..types import SIGNALS, SOURCES, Column, PrefillStats, ScoreOut, option, require
 
@@ -117,9 +117,10 @@ class Brightness:
     def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
         """The rule per (layer, KV head): (L, H, n) -> scores (L, KVH, n), the column
         (tokens, L, KVH)."""
-        b = (head_values(view, "brightness") - self.decay
+        held, put = head_column(view, "brightness")
+        b = (held - self.decay
              + self.gain * self.head_share(view, attention)).clamp(0.0, self.max_brightness)
-        return ScoreOut(scores=b, columns={"brightness": with_head_values(view, "brightness", b)})
+        return ScoreOut(scores=b, columns={"brightness": put(b)})
 
     def prefill_heads(self, view: View, stats: PrefillStats) -> ScoreOut:
         """The window per (layer, KV head), as ``prefill`` (every head holds every prompt
@@ -132,7 +133,7 @@ class Brightness:
             share = torch.nn.functional.max_pool1d(share.reshape(L * KVH, 1, n), self.pool, 1,
                                                    self.pool // 2).view(L, KVH, n)
         lit = w * (self.gain * share - self.decay)
-        b = torch.minimum(lit.clamp(min=0.0), head_values(view, "brightness"))
+        b = torch.minimum(lit.clamp(min=0.0), head_column(view, "brightness")[0])
         return ScoreOut(scores=b, columns={"brightness": b.permute(2, 0, 1).contiguous()})
 
     def prefill(self, view: View, stats: PrefillStats) -> ScoreOut:

@@ -18,8 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from .attention import (aggregate, aggregation, by_head, check_aggregation, head_values,
-                        with_head_values)
+from .attention import aggregate, aggregation, by_head, check_aggregation, head_column
 from ..state import View
 from ..types import Column, PrefillStats, ScoreOut
 
@@ -49,11 +48,12 @@ class H2O:
         into its own ``attn_sum`` of the slot's token, the column then one value a
         (layer, KV head): (L, H, n) -> scores (L, KVH, n), ``attn_sum`` (tokens, L, KVH)."""
         paid = by_head(attention, view.heads.n.shape[1], self.aggregate)  # (L, KVH, n)
-        total = head_values(view, "attn_sum") + paid
+        summed, put = head_column(view, "attn_sum")
+        total = summed + paid
         born = view.born_step[view.heads.row.clamp(min=0)]
         queries = (view.step - born + 1).clamp(min=1).float()
         return ScoreOut(scores=total / queries,
-                        columns={"attn_sum": with_head_values(view, "attn_sum", total)})
+                        columns={"attn_sum": put(total)})
 
     def prefill(self, view: View, stats: PrefillStats) -> ScoreOut:
         """The prompt's mean attention per later query, as one query's worth."""

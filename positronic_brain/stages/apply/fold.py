@@ -44,13 +44,13 @@ def fold_pairs(a: Arena, li: torch.Tensor, hi: torch.Tensor, slot, into: torch.T
     a.folded = True
 
 
-def fold_heads(state: State, folds: torch.Tensor) -> int:
+def fold_heads(state: State, folds: torch.Tensor) -> None:
     """A per-head cache's folds (``Actions.head_folds`` (L, KVH, n): each culled slot's
     target in its head, -1 none), in slot order within each head: a round folds each
-    head's next one, so two folds into one slot compound as in ``fold``. Returns how many."""
+    head's next one, so two folds into one slot compound as in ``fold``."""
     li, hi, src = (folds >= 0).nonzero(as_tuple=True)  # (layer, head, slot) order
     if len(li) == 0:
-        return 0
+        return
     dst = folds[li, hi, src]
     head = li * folds.shape[1] + hi
     first = torch.searchsorted(head, head)  # each head's first fold's index
@@ -58,4 +58,3 @@ def fold_heads(state: State, folds: torch.Tensor) -> int:
     for r in range(int(rank.max()) + 1):
         at = rank == r
         fold_pairs(state.arena, li[at], hi[at], src[at], dst[at])
-    return len(li)
