@@ -11,7 +11,7 @@ scores (``builds_scores``) has torch's fused attention attend instead.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -325,8 +325,8 @@ def _scores(qg: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor,
     row by row."""
     KVH, rows, _ = qg.shape
     Tq, n, T = rows // g, past_kt.shape[2], k.shape[1]
-    s_past = torch.matmul(qg, past_kt, out=None if buf is None else buf[0])
-    s_new = torch.matmul(qg, k.transpose(1, 2))  # (KVH, gT, T)
+    s_past = torch.bmm(qg, past_kt, out=None if buf is None else buf[0])
+    s_new = torch.bmm(qg, k.transpose(1, 2))  # (KVH, gT, T)
     if log_mass is not None:
         s_past = as_dtype(s_past, torch.float32) + log_mass.unsqueeze(1)  # (KVH, 1, n)
     if mask_past is not None:
@@ -353,8 +353,8 @@ def _weigh(p: torch.Tensor, v: torch.Tensor, past_v: torch.Tensor, buf,
     # one new token: its weights times its value is an outer product, each element
     # one rounded product as in the matrix product (the same bits), without the
     # fixed cost of a product call (oneDNN's bfloat16 one: tens of µs on the CPU)
-    new = p_new * v if T == 1 else torch.matmul(p_new, v)
-    return torch.matmul(p_past, past_v) + new
+    new = p_new * v if T == 1 else torch.bmm(p_new, v)
+    return torch.bmm(p_past, past_v) + new
 
 
 def _tail(x: torch.Tensor, out: torch.Tensor, w, eps: float) -> torch.Tensor:
@@ -433,6 +433,51 @@ def decode(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
                  else None)
     k, v = _stacked(new_k, new_v, dev, bool(moves))
     return ForwardOut(logits=logits, k=k, v=v, attention=attention, query=query, lse=lse)
+
+
+@torch.no_grad()
+def decode_rows(model: Model, pasts: Sequence[tuple], ids: torch.Tensor, positions: torch.Tensor,
+                queries: Sequence[bool]) -> list[ForwardOut]:
+    """``decode`` of one new token in each of B rows (a batch's stage 1): ``ids`` and
+    ``positions`` (B,), row b over its own live K/V ``pasts[b]`` = (past_k, past_v,
+    past_log_mass) as ``decode`` takes them (one device). The weight products take the B
+    rows at once (each weight read once a step); each row attends over its own slots alone,
+    so rows hold different numbers of them with nothing padded. Row b's output is
+    ``decode``'s with ``want_attention`` (and ``want_query`` where ``queries[b]``), to float
+    rounding: a product of B rows may add in another order than a product of one."""
+    s = model.spec
+    L, H, KVH, D = s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim
+    require(not model.moves, "a batch runs on one device (no --device-map)")
+    g, B = H // KVH, len(pasts)
+    x = F.embedding(ids, model.embed)  # (B, hidden)
+    cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, B, D)
+    views = [_past_views(*p) for p in pasts]
+    new_k, new_v = [], []
+    rows, last = [[] for _ in range(B)], [([], []) if want else None for want in queries]
+    for i, w in enumerate(model.layers):
+        qk, q, k, v = _qkv(x, w, cos_qk, sin_qk, s)  # (H + KVH | H | KVH | KVH, B, D)
+        new_k.append(k)
+        new_v.append(v)
+        outs = []
+        for b, (past_kt, past_vs, log_mass) in enumerate(views):
+            scores, p = _scores(q[:, b].reshape(KVH, g, D), k[:, b:b + 1], past_kt[i],
+                                None if log_mass is None else log_mass[i], None, None, g, None)
+            if last[b] is not None:
+                last[b][0].append(qk[:, b:b + 1])
+                last[b][1].append(scores)
+            rows[b].append(p)
+            outs.append(_weigh(p, v[:, b:b + 1], past_vs[i], None, model.dtype).view(H * D))
+        x = _tail(x, torch.stack(outs), w, s.rms_eps)
+    logits = linear(rms_norm(x, model.final_norm, s.rms_eps), model.lm_head).float()
+    k, v = torch.stack(new_k), torch.stack(new_v)  # (L, KVH, B, D)
+    out = []
+    for b, (_, past_vs, _) in enumerate(views):
+        n = past_vs[0].shape[1]
+        query, lse = (None, None) if last[b] is None else _recall(*last[b], model.device, False, H)
+        out.append(ForwardOut(logits=logits[b:b + 1], k=k[:, :, b:b + 1], v=v[:, :, b:b + 1],
+                              attention=torch.stack(rows[b]).view(L, H, n + 1)[..., :n],
+                              query=query, lse=lse))
+    return out
 
 
 Store = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, its new k, v): stage 0's

@@ -13,7 +13,7 @@ it. Stages don't know the tape exists.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import InitVar, asdict, dataclass, field, replace
 
 from . import graph, threads
@@ -28,9 +28,9 @@ from .stages.decide import decide
 from .stages.decide.allocation import budgets
 from .stages.generate import generate
 from .stages.score import recall_query, score
-from .state import State
-from .types import (PER_HEAD, CacheParams, Patch, PrefillStats, SamplerParams, Segment, StepRecord,
-                    Totals, require)
+from .state import State, View
+from .types import (PER_HEAD, CacheParams, GenerateOut, Patch, PrefillStats, SamplerParams,
+                    Segment, StepRecord, Totals, require)
 
 
 def arena_capacity(model: Model, cache_params: CacheParams, n_prompt: int,
@@ -169,10 +169,20 @@ class Session:
     def step(self, force: int | None = None) -> StepRecord:
         """One token through the stages. ``force`` (teacher forcing) is the next pending
         token instead of a sampled one; the record's ``logprob`` is the model's for it."""
-        require(self.state is not None, "prime the session before stepping")
-        t0, view, tape = time.perf_counter(), self.state.view(), self.tape
-        tape.begin(self.state, self.generator)  # a recording tape keeps its state (an input)
+        t0, view = time.perf_counter(), self.begin()
         gen = generate(self.model, view, self.sampler, self.generator, force)  # 1) read-only
+        return self.settle(view, gen, force, t0)
+
+    def begin(self) -> View:
+        """A step's start: the view stage 1 reads (the tape told a step begins)."""
+        require(self.state is not None, "prime the session before stepping")
+        self.tape.begin(self.state, self.generator)  # a recording tape keeps its state (an input)
+        return self.state.view()
+
+    def settle(self, view: View, gen: GenerateOut, force: int | None, t0: float) -> StepRecord:
+        """Stages 2-4 of the step ``begin`` started, whose stage 1 gave ``gen`` (``force``: the
+        token it was given); the record's time counts from ``t0``."""
+        tape = self.tape
         tape.generated(view, self.sampler, force, gen)
         recall = recall_query(view, gen, self.cache_params, self.model.compiled)
         scores = score(view, gen.attention, self.scorer, recall)  # 2) read-only
@@ -183,6 +193,17 @@ class Session:
         tape.applied(patch)
         self.generated_ids.append(gen.token_id)
         return StepRecord.of(self.state, gen, patch, (time.perf_counter() - t0) * 1e3)
+
+    def full(self) -> bool:
+        """Whether no step fits (stop reason ``capacity``: an arena without a budget is full;
+        ``max_positions``: the pending token is past the model's positions)."""
+        if self.cache_params.budget is None and self.state.arena.n >= self.state.arena.capacity:
+            self.stop_reason = "capacity"
+        elif self.state.next_position >= self.model.spec.max_positions:
+            self.stop_reason = "max_positions"
+        else:
+            return False
+        return True
 
     def stream(self, max_new_tokens: int, ignore_eos: bool = False,
                force: Sequence[int] | None = None) -> Iterator[StepRecord]:
@@ -195,11 +216,7 @@ class Session:
                 f"{max_new_tokens} steps need as many forced tokens, got {len(force or ())}")
         self.stop_reason = "max_new_tokens"
         for i in range(max_new_tokens):
-            if self.cache_params.budget is None and self.state.arena.n >= self.state.arena.capacity:
-                self.stop_reason = "capacity"
-                return
-            if self.state.next_position >= self.model.spec.max_positions:
-                self.stop_reason = "max_positions"
+            if self.full():
                 return
             rec = self.step(None if force is None else force[i])
             yield rec
@@ -230,36 +247,58 @@ def drive(session: Session, max_new_tokens: int, ignore_eos: bool = False, on_te
           start=None) -> dict:
     """``run``'s generation on a session (after ``start()``, its prime, if given): the run
     as plain JSON-ready values; the session's tape is closed when it ends."""
-    model, policy, tape = session.model, session.policy, session.tape
-    text, steps, totals = TextStream(policy), [], Totals()
+    report = Report(session, ignore_eos, on_text)
     try:
         if start is not None:
             start()
         for rec in session.stream(max_new_tokens, ignore_eos):
-            steps.append(rec.as_json())
-            totals.add(rec)
-            if ignore_eos or not policy.is_eos(rec.token_id):  # the stop token ends the text
-                delta = text.push(rec.token_id)
-                if on_text and delta:
-                    on_text(delta)
+            report.add(rec)
     except BaseException as e:
-        tape.close(type(e).__name__, complete=False)
+        session.tape.close(type(e).__name__, complete=False)
         raise
-    tape.close(session.stop_reason)
-    session.state.check_valid()
-    return {
-        "model": model.name,
-        "dtype": model.precision,
-        "compiled": model.compiled,
-        "threads": threads.current(),
-        "prompt_ids": session.prompt_ids,
-        "generated_ids": session.generated_ids,
-        "text": text.text,
-        "stop_reason": session.stop_reason,
-        "steps": steps,
-        "totals": asdict(totals),
-        "ledger": session.state.ledger.rows(),
-        "kv": session.state.kv_memory(),
-        "pending_token": session.state.pending_token,
-        **({"capture": str(tape.dir)} if tape.dir else {}),
-    }
+    session.tape.close(session.stop_reason)
+    return report.result()
+
+
+@dataclass
+class Report:
+    """What a run reports of its session's steps (``drive``'s; each row's of a batch):
+    each step's record, the totals and the text, streamed to ``on_text(delta)``."""
+
+    session: Session
+    ignore_eos: bool = False
+    on_text: Callable[[str], None] | None = None
+    steps: list[dict] = field(default_factory=list)
+    totals: Totals = field(default_factory=Totals)
+
+    def __post_init__(self) -> None:
+        self.text = TextStream(self.session.policy)
+
+    def add(self, rec: StepRecord) -> None:
+        self.steps.append(rec.as_json())
+        self.totals.add(rec)
+        if self.ignore_eos or not self.session.policy.is_eos(rec.token_id):  # the stop
+            delta = self.text.push(rec.token_id)  # token ends the text
+            if self.on_text and delta:
+                self.on_text(delta)
+
+    def result(self) -> dict:
+        """The run as plain JSON-ready values (the state checked first)."""
+        session, model, tape = self.session, self.session.model, self.session.tape
+        session.state.check_valid()
+        return {
+            "model": model.name,
+            "dtype": model.precision,
+            "compiled": model.compiled,
+            "threads": threads.current(),
+            "prompt_ids": session.prompt_ids,
+            "generated_ids": session.generated_ids,
+            "text": self.text.text,
+            "stop_reason": session.stop_reason,
+            "steps": self.steps,
+            "totals": asdict(self.totals),
+            "ledger": session.state.ledger.rows(),
+            "kv": session.state.kv_memory(),
+            "pending_token": session.state.pending_token,
+            **({"capture": str(tape.dir)} if tape.dir else {}),
+        }

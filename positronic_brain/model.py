@@ -124,6 +124,8 @@ class Model:
     blocks: tuple[tuple[slice, torch.device], ...] = field(init=False)
     split: bool = field(init=False)
     moves: dict[int, torch.device] = field(init=False)
+    # ``for_rows``' copies, by rows, made once (a copy of the model starts without them)
+    rows: dict[int, "Model"] = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """``blocks``: runs of consecutive layers on one device, (layers, device) each.
@@ -744,9 +746,9 @@ def packable() -> bool:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A bfloat16 (out, in) matrix in oneDNN's blocked layout (``pack``), an opaque tensor
-    ``w``, beside ``plain``, the same matrix row-major (Hugging Face's modules hold views of
-    it; ``native`` reads it). A type of its own because a compiled trace sees an opaque
+    """A bfloat16 (out, in) matrix in oneDNN's blocked layout (``pack``; a batch's float32
+    one: ``for_rows``), an opaque tensor ``w``, beside ``plain``, the same matrix as the model
+    holds it (Hugging Face's modules hold views of it; ``native`` reads it). A type of its own because a compiled trace sees an opaque
     tensor as a plain one, so ``forward.linear`` could not tell them apart there."""
 
     w: torch.Tensor
@@ -760,6 +762,28 @@ def pack(w: torch.Tensor) -> PackedWeight:
     twice their size in memory."""
     w = w.contiguous()
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 1), w)
+
+
+def for_rows(model: Model, rows: int) -> Model:
+    """``model`` for products of ``rows`` rows at once (a batch's stage 1,
+    ``forward.decode_rows``): on the CPU in float32, a copy whose matrices are oneDNN-packed
+    for that many rows (``PackedWeight``, beside the plain ones: twice the weights' memory),
+    since torch's product of a few float32 rows by an input-major weight takes several times
+    one row's time and oneDNN's little more than it (docs/DESIGN.md, the batch), made once
+    and kept (``Model.rows``); else ``model`` itself."""
+    if (model.dtype != torch.float32 or model.device.type != "cpu" or model.split
+            or not torch.backends.mkldnn.is_available()):
+        return model
+
+    def packed(w: torch.Tensor) -> PackedWeight:
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows), w)
+
+    if rows not in model.rows:  # made once, kept with the model
+        layers = tuple(dataclasses.replace(w, **{m: packed(getattr(w, m)) for m in MATRICES})
+                       for w in model.layers)
+        model.rows[rows] = dataclasses.replace(model, layers=layers,
+                                               lm_head=packed(model.lm_head))
+    return model.rows[rows]
 
 
 @dataclass(frozen=True)

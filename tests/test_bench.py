@@ -34,6 +34,21 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def test_bench_speed_measures_only_the_parts_asked(capsys, one_thread):
+    code = main(["bench", "speed", "--quick", "--model", "tiny-random", "--json", "--parts",
+                 "batch", "--batches", "1,2"])
+    stdout, err = capsys.readouterr()
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["config"]["parts"] == ["batch"] and res["config"]["batches"] == [1, 2]
+    assert not any(res[k] for k in ("decode", "prefill", "alloc", "loop", "edits", "ops"))
+    assert {(r["dtype"], r["batch"]) for r in res["batch"]} == \
+        {(d, b) for d in ("float32", "bfloat16", "int8") for b in (1, 2)}
+    assert main(["bench", "speed", "--parts", "batch,fast"]) == 2
+    err = capsys.readouterr().err
+    assert "--parts: unknown 'fast'" in err and err.count("\n") == 1
+
+
 def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     out = tmp_path / "bench"
     code = main(["bench", "speed", "--quick", "--model", "tiny-random", "--json", "--out", str(out)])
@@ -61,6 +76,15 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
         [(d, m) for d in dtypes for m in ("inductor", "native")]
     assert all(c["compile_s"] > 0 and c["why_not"] is None for c in res["compile"])
     assert [r["tokens"] for r in res["prefill"]] == [256] * 3
+    # a batch's throughput: stage 1 at the longest context that fits, the loop at the budget
+    assert res["config"]["batches"] == [1, 4, 8] and res["config"]["batch_contexts"] == [256]
+    whats = ["stage 1", "loop none", "loop fold", "loop none + recall"]
+    assert [(r["dtype"], r["batch"], r["what"]) for r in res["batch"]] == \
+        [(d, b, w) for d in dtypes for b in (1, 4, 8) for w in whats]
+    for r in res["batch"]:
+        assert r["ms"] > 0 and r["tokens_s"] == pytest.approx(r["batch"] / r["ms"] * 1e3)
+        assert r["speedup"] > 0 and (r["batch"] > 1 or r["speedup"] == 1.0)
+        assert (r["overhead"] is None) == (r["what"] == "stage 1")
     assert all(r[f"{k}_tok_s"] > 0 for r in res["prefill"] for k in ("ours", "hf", "window", "total"))
 
     # HF's DynamicCache concatenates the past every step; stage 1 only reads it (in
@@ -114,7 +138,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     assert [(r["dtype"], r["context"]) for r in res["ops"]] == [(d, 256) for d in dtypes]
     for r in res["ops"]:
         assert r["ops"] >= 2 * 10 and sum(k for _, k in r["top"]) <= r["ops"]
-        assert any(name.endswith("matmul") for name, _ in r["top"]), r["top"]
+        assert any(name.endswith(("matmul", "bmm")) for name, _ in r["top"]), r["top"]
     assert "Operators launched per token (stage 1)" in (out / "report.md").read_text()
     assert "Stage 1 compiled (`--compile`" in (out / "report.md").read_text()
     assert "Stage 1 native (`--compile native`" in (out / "report.md").read_text()

@@ -1,5 +1,6 @@
 """`bench passkey`: the prompt, the seeded trials, a hand-checked answer from SmolLM2, the
 copied prime, and the CLI's JSON, report and one-line errors."""
+import dataclasses
 import json
 import re
 from types import SimpleNamespace
@@ -100,6 +101,21 @@ def test_a_copied_prime_answers_as_a_fresh_one(tiny_model, tiny_policy, one_thre
         assert text == tiny_policy.decode(ids) and fresh.state.arena.n == 64
     # plain, recall, prefill scores flipped
     assert row.tokens <= 400 and len(row.hits) == 1 + len(grid) == 7
+
+
+def test_a_trial_s_answers_as_a_batch_s_rows_are_its_answers_one_at_a_time(
+        tiny_model, tiny_policy, one_thread):
+    """``--batch``: the full cache and the cells answer together, 3 rows at a time (the
+    later cells taking the places of those that finish): the same answers (greedy; the
+    tiny model's logits hold no tie that rounding tips, checked by the first comparison)."""
+    cfg = passkey.PasskeyConfig(model="tiny-random", lengths=(400,), budgets=(64,),
+                                policies=("h2o", "tova"))
+    trial, grid = passkey.trials(1, 1, cfg.lengths)[0], passkey.cells(cfg)
+    alone = passkey.run_trial(tiny_model, tiny_policy, cfg, trial, grid)
+    rows = passkey.run_trial(tiny_model, tiny_policy, dataclasses.replace(cfg, batch=3),
+                             trial, grid)
+    assert len(rows.answers) == 1 + len(grid) == 7
+    assert rows.answers == alone.answers and rows.hits == alone.hits
 
 
 @pytest.mark.parametrize("policies, total", [(("brightness",), False), (("h2o",), True)])

@@ -365,6 +365,34 @@ def test_pool_workers_give_the_inline_result(tiny_model, tiny_policy):
         assert max(abs(x - y) for x, y in zip(a.nll, b.nll)) <= tol
 
 
+def test_batched_windows_give_what_one_at_a_time_gives(tiny_model, tiny_policy):
+    """A cell's windows as a batch's rows (``--batch``): each window's NLLs as when it runs
+    alone, to float rounding (a product of several rows adds in another order), with the
+    same culls; the oracle cells too, each row with its window's oracle."""
+    cfg = quality.QualityConfig(model="tiny-random", budgets=(24,), tokens=40, batch=3)
+    ids = tiny_policy.encode(quality.default_text())[:200]
+    starts = (0, 50, 100)
+    full = quality.Job("reference", "full", cfg.cache(None, "none"), 40, 40, starts, 5, True)
+    jobs = [quality.Job("grid", p, cfg.cache(24, p, r), 40, 40, starts, 5)
+            for p, r in (("h2o", "none"), ("tova", "merge"), ("brightness", "fold"))]
+    jobs.append(quality.Job("oracle", "oracle", cfg.cache(24, quality.ORACLE), 40, 40, starts,
+                            5))
+    rows = quality._rows(tiny_model, cfg.batch)  # pylint: disable=protected-access
+    oracles = tuple(s.oracle for s in full.run(tiny_model, tiny_policy, ids))
+    tol = nll_bound(tiny_model, 45)
+    for job in [full] + jobs:
+        o = oracles if job.kind == "oracle" else None
+        alone = job.run(tiny_model, tiny_policy, ids, oracles=o)
+        batched = job.run(tiny_model, tiny_policy, ids, oracles=o, rows=rows)
+        assert len(batched) == len(starts)
+        for a, b in zip(alone, batched):
+            assert (a.totals.culled, a.totals.merged, a.totals.folded, a.stop_reason) == \
+                (b.totals.culled, b.totals.merged, b.totals.folded, b.stop_reason)
+            assert len(a.nll) == len(b.nll) == 35
+            assert max(abs(x - y) for x, y in zip(a.nll, b.nll)) <= tol
+    assert sum(s.totals.culled for s in alone) > 0
+
+
 def test_params_take_true_and_false_for_yes_no_fields():
     read = lambda text: options.cache_params(options.pairs(text, "--params"), text=True)  # noqa: E731
     assert read("prefill_scores=false").prefill.scores is False

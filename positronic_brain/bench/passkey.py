@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import options
+from ..batch import drive_rows
 from ..loop import Session, arena_capacity
 from ..model import DTYPES, Model, load_model
 from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
@@ -173,6 +174,9 @@ class PasskeyConfig:
     framing: str = "raw"  # SmolLM2's full-cache accuracy: raw 50/50, chat 30/50 (METHOD)
     max_new_tokens: int = 8
     seed: int = 0
+    batch: int = option(1, "a trial's answers (the full cache's and each cell's) B at a time, "
+                        "as the rows of a batch (one stage-1 forward a step for all; 1: one "
+                        "after another)", metavar="B")
     # cache options of every cell (flat name -> value): sinks, recent, scorer fields (each
     # cell's scorer takes those it has)
     params: tuple[tuple[str, Any], ...] = option(
@@ -193,6 +197,7 @@ class PasskeyConfig:
         require(self.framing in FRAMINGS,
                 f"framing must be one of {', '.join(FRAMINGS)}, got {self.framing!r}")
         require(self.max_new_tokens >= 5, "the answer needs at least 5 new tokens")
+        require(self.batch >= 1, f"batch must be >= 1, got {self.batch}")
         require(len(self.variants) > 0, "variants must hold at least one entry ({} = plain)")
         options.check_shared(dict(self.params), flags.scorer_names(self.policies) or CULLING)
         for v in self.variants:
@@ -262,13 +267,6 @@ def takes(policy: str, variant: dict) -> bool:
     return not (variant.get("recall") and "allocation" in flags.cell_policy(policy))
 
 
-def answer(session: Session, n: int) -> list[int]:
-    """Up to ``n`` greedy tokens (stopping at EOS)."""
-    ids = [r.token_id for r in session.stream(n)]
-    session.state.check_valid()
-    return ids
-
-
 @dataclass(frozen=True)
 class TrialRow:
     """One trial's row: its prompt (the trial's fields, its tokens and filler sentences),
@@ -306,26 +304,32 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
                       stats=bool(seeded), total=any(reads_total(s) for s in seeded))
     t1 = time.perf_counter()
     primed = copy.deepcopy(ref.state) if grid else None
-    t2 = time.perf_counter()
-    answers = [answer(ref, cfg.max_new_tokens)]
-    if tick:
-        tick()
-    copy_s, answer_s = t2 - t1, time.perf_counter() - t2
-    for cell in grid:
-        t3 = time.perf_counter()
-        state = copy.deepcopy(primed)
-        t4 = time.perf_counter()
-        session = Session(model, policy, sampler, cell.cache, state=state)
-        if stats is not None:
-            session.seed(stats)  # stage 0: the cell's scorer columns, as its own prime's
-        answers.append(answer(session, cfg.max_new_tokens))
-        copy_s, answer_s = copy_s + t4 - t3, answer_s + time.perf_counter() - t4
+    copy_s = [time.perf_counter() - t1]
+
+    def sessions():  # the full cache, then each cell from a copy, made as a place frees
+        yield 0, ref
+        for i, cell in enumerate(grid, 1):
+            t = time.perf_counter()
+            state = copy.deepcopy(primed)
+            copy_s[0] += time.perf_counter() - t
+            session = Session(model, policy, sampler, cell.cache, state=state)
+            if stats is not None:
+                session.seed(stats)  # stage 0: the cell's scorer columns, as its own prime's
+            yield i, session
+
+    answers: list = [None] * (1 + len(grid))
+
+    def done(i: int, report) -> None:
+        report.session.state.check_valid()
+        answers[i] = report.session.generated_ids
         if tick:
             tick()
+
+    drive_rows(model, sessions(), cfg.batch, cfg.max_new_tokens, on_done=done)
     texts = [policy.decode(a) for a in answers]
     return TrialRow(**dataclasses.asdict(trial), tokens=n, sentences=sentences, answers=texts,
                     hits=[correct(trial.key, t) for t in texts], prime_s=t1 - t0,
-                    copy_s=copy_s, answer_s=answer_s)
+                    copy_s=copy_s[0], answer_s=time.perf_counter() - t1 - copy_s[0])
 
 
 def _run_trial(trial: Trial) -> TrialRow:

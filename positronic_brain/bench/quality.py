@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import options
+from ..batch import step_rows
 from ..loop import Session, arena_capacity
-from ..model import DTYPES, Model, load_model
+from ..model import DTYPES, Model, for_rows, load_model
 from ..special_tokens import TokenPolicy
 from ..stages.score import read_like_scorer
 from ..scorers import BASELINES, CULLING, culling
@@ -102,6 +103,8 @@ class QualityConfig:
         (), "cache parameters of every run, e.g. decay=1,gain=200,sinks=4", metavar="K=V,...",
         read=flags.cache_options, repeat="param")
     windows: int = option(4, "grid windows spread over the slice", quick=2)
+    batch: int = option(1, "a cell's windows stepped B at a time, as the rows of a batch (one "
+                        "stage-1 forward a step for all; 1: one after another)", metavar="B")
     tokens: int = option(512, "scored tokens per grid window", quick=64)
     long: int = option(10240, "scored tokens of the run past the model's positions (0 = none)",
                        quick=0)
@@ -131,6 +134,7 @@ class QualityConfig:
         require(all(r in REPAIRS for r in self.repairs + (self.long_repair,)),
                 f"repairs must be among {REPAIRS}")
         require(self.windows >= 1, f"windows must be >= 1, got {self.windows}")
+        require(self.batch >= 1, f"batch must be >= 1, got {self.batch}")
         require(self.tokens >= 2, f"tokens must be >= 2, got {self.tokens}")
         require(self.long >= 0 and self.long_window >= 1,
                 "long must be >= 0 and long_window >= 1")
@@ -318,28 +322,58 @@ def streaming_nll(model: Model, policy: TokenPolicy, ids: list[int], cache: Cach
     stops at the model's positions. ``record`` (full cache only): the first ``record``
     queries' attention becomes ``Streamed.oracle``; ``oracle``: the scorer of a run with
     scorer ``oracle``, from such a run over the same ``ids``."""
-    require(len(ids) >= skip + 2, "streaming perplexity needs at least 2 tokens past the warm-up")
+    return streaming_rows(model, policy, [ids], cache, tick, record, (oracle,), skip)[0]
+
+
+def streaming_rows(model: Model, policy: TokenPolicy, texts: list[list[int]],
+                   cache: CacheParams, tick=None, record: int = 0,
+                   oracles: tuple[Oracle | None, ...] | None = None, skip: int = 0,
+                   rows_model: Model | None = None) -> list[Streamed]:
+    """``streaming_nll`` of each of ``texts`` (as long as each other), as the rows of one
+    batch (``batch.step_rows`` over ``rows_model``, ``model.for_rows``), or one after another
+    through ``Session.step`` without one; ``oracles``: one a text."""
+    require(all(len(ids) >= skip + 2 for ids in texts),
+            "streaming perplexity needs at least 2 tokens past the warm-up")
     require(not record or cache.budget is None, "only a full-cache run records the oracle")
-    require((oracle is not None) == (cache.scorer.name == ORACLE),
+    oracles = oracles or (None,) * len(texts)
+    require(all((o is not None) == (cache.scorer.name == ORACLE) for o in oracles),
             "an oracle run needs the full-cache run's oracle, and only it takes one")
-    recorder = AttentionRecorder(record, read_like_scorer(cache, "aggregate"), ids) if record else None
-    session = Session(model, policy, SamplerParams(greedy=True), cache,
-                      scorer=recorder or oracle)
-    session.prime([Segment((ids[0],), "user")], arena_capacity(model, cache, 1, len(ids) - 1))
-    nll, totals, warm = [], Totals(), Totals()
-    for rec in session.stream(len(ids) - 1, ignore_eos=True, force=ids[1:]):
-        if warm.steps < skip:
-            warm.add(rec)
-        else:
-            nll.append(-rec.logprob)
-            totals.add(rec)
-        if tick:
-            tick()
-    session.state.check_valid()
-    require(not recorder or warm.steps + len(nll) >= record, f"the full cache ran "
-            f"{warm.steps + len(nll)} steps, the oracle needs {record}")
-    return Streamed(tuple(nll), session.stop_reason, totals, warm,
-                    recorder.oracle() if recorder else None)
+    if rows_model is None and len(texts) > 1:
+        return [r for ids, o in zip(texts, oracles)
+                for r in streaming_rows(model, policy, [ids], cache, tick, record, (o,), skip)]
+    recorders = [AttentionRecorder(record, read_like_scorer(cache, "aggregate"), ids)
+                 if record else None for ids in texts]
+    sessions = [Session(model, policy, SamplerParams(greedy=True), cache, scorer=r or o)
+                for r, o in zip(recorders, oracles)]
+    for s, ids in zip(sessions, texts):
+        s.prime([Segment((ids[0],), "user")], arena_capacity(model, cache, 1, len(ids) - 1))
+        s.stop_reason = "max_new_tokens"
+    nll, totals, warm = ([[] for _ in texts], [Totals() for _ in texts],
+                         [Totals() for _ in texts])
+    live = list(range(len(texts)))
+    for t in range(1, len(texts[0])):
+        live = [b for b in live if not sessions[b].full()]
+        if not live:
+            break
+        forces = [texts[b][t] for b in live]
+        records = ([sessions[live[0]].step(forces[0])] if rows_model is None
+                   else step_rows(rows_model, [sessions[b] for b in live], forces))
+        for b, rec in zip(live, records):
+            if warm[b].steps < skip:
+                warm[b].add(rec)
+            else:
+                nll[b].append(-rec.logprob)
+                totals[b].add(rec)
+            if tick:
+                tick()
+    out = []
+    for b, (s, recorder) in enumerate(zip(sessions, recorders)):
+        s.state.check_valid()
+        require(not recorder or warm[b].steps + len(nll[b]) >= record, f"the full cache "
+                f"ran {warm[b].steps + len(nll[b])} steps, the oracle needs {record}")
+        out.append(Streamed(tuple(nll[b]), s.stop_reason, totals[b], warm[b],
+                            recorder.oracle() if recorder else None))
+    return out
 
 
 @dataclass(frozen=True)
@@ -359,11 +393,17 @@ class Job:
     record: bool = False
 
     def run(self, model: Model, policy: TokenPolicy, ids: list[int], tick=None,
-            oracles: tuple[Oracle, ...] | None = None) -> list[Streamed]:
-        """One ``Streamed`` per start; ``oracles``: the recording job's, one per start."""
-        return [streaming_nll(model, policy, ids[s:s + self.tokens + 1], self.cache, tick,
-                              self.tokens if self.record else 0, o, self.skip)
-                for s, o in zip(self.starts, oracles or (None,) * len(self.starts))]
+            oracles: tuple[Oracle, ...] | None = None,
+            rows: tuple[int, Model] | None = None) -> list[Streamed]:
+        """One ``Streamed`` per start; ``oracles``: the recording job's, one per start;
+        ``rows``: (B, the model for B rows): the starts run B at a time as a batch's rows."""
+        texts = [ids[s:s + self.tokens + 1] for s in self.starts]
+        oracles = oracles or (None,) * len(self.starts)
+        b, rows_model = rows or (1, None)
+        return [r for i in range(0, len(texts), b)
+                for r in streaming_rows(model, policy, texts[i:i + b], self.cache, tick,
+                                        self.tokens if self.record else 0, oracles[i:i + b],
+                                        self.skip, rows_model)]
 
 
 def plan(cfg: QualityConfig, limit: int, room: range) -> list[Job]:
@@ -416,12 +456,19 @@ def long_plan(cfg: QualityConfig, limit: int, room: range) -> list[Job]:
 _WORKER: dict = {}  # a pool worker's model, policy, ids and tick queue
 
 
-def _init_worker(model: str, dtype: str, device: str, ids: list[int], queue) -> None:
+def _init_worker(model: str, dtype: str, device: str, ids: list[int], queue,
+                 batch: int = 1) -> None:
     import torch
 
     torch.set_num_threads(1)  # one thread per worker: parallel runs, not parallel matmuls
     m = load_model(model, dtype, device)
-    _WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), ids=ids, queue=queue)
+    _WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), ids=ids, queue=queue,
+                   rows=_rows(m, batch))
+
+
+def _rows(model: Model, batch: int) -> tuple[int, Model] | None:
+    """``Job.run``'s rows: (B, the model for B rows), or None for one at a time."""
+    return (batch, for_rows(model, batch)) if batch > 1 else None
 
 
 def _run_job(i: int, job: Job, oracles: tuple[Oracle, ...] | None = None) -> list[Streamed]:
@@ -432,7 +479,7 @@ def _run_job(i: int, job: Job, oracles: tuple[Oracle, ...] | None = None) -> lis
         if count[0] % 16 == 0:
             w["queue"].put((i, 16))
 
-    return job.run(w["model"], w["policy"], w["ids"], tick, oracles)
+    return job.run(w["model"], w["policy"], w["ids"], tick, oracles, w["rows"])
 
 
 def _oracles(runs: list[Streamed]) -> tuple[Oracle, ...]:
@@ -448,7 +495,9 @@ def _given_ids(ids: list[int], _cfg: QualityConfig) -> list[int]:
 
 def _ray_job(item: tuple[Job, tuple[Oracle, ...] | None]) -> list[Streamed]:
     w = grid.WORKER
-    return item[0].run(w["model"], w["policy"], w["grid"], None, item[1])
+    if "rows" not in w:  # the model for a batch's rows, made once a worker
+        w["rows"] = _rows(w["model"], w["cfg"].batch)
+    return item[0].run(w["model"], w["policy"], w["grid"], None, item[1], w["rows"])
 
 
 def _on_ray(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool, ticks: list,
@@ -491,10 +540,10 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool,
             return _on_ray(cfg, jobs, ids, pool, ticks, finished)
         if workers == 1:
             model = load_model(cfg.model, cfg.dtype, cfg.device)
-            policy = TokenPolicy(model.tokenizer)
+            policy, rows = TokenPolicy(model.tokenizer), _rows(model, cfg.batch)
             for i in first + later:
                 results[i] = jobs[i].run(model, policy, ids, ticks[i],
-                                         _oracles(results[rec]) if i in later else None)
+                                         _oracles(results[rec]) if i in later else None, rows)
                 finished(i, results[i])
             return results
         import multiprocessing as mp
@@ -504,7 +553,7 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool,
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
         q = ctx.Queue()
         with ProcessPoolExecutor(workers, ctx, _init_worker,
-                                 (cfg.model, cfg.dtype, cfg.device, ids, q)) as pool:
+                                 (cfg.model, cfg.dtype, cfg.device, ids, q, cfg.batch)) as pool:
             futures = {i: pool.submit(_run_job, i, jobs[i]) for i in first}
             while any(r is None for r in results):
                 for i, f in futures.items():

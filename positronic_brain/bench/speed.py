@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..loop import Session
-from ..model import (CPU_ONLY, GRAPH, NATIVE, Int8Weight, Model, PackedWeight, compile_flag, hf_forward,
+from ..model import (CPU_ONLY, DTYPES, GRAPH, NATIVE, Int8Weight, Model, PackedWeight, compile_flag, hf_forward,
                      load_model)
 from ..sampler import make_generator
 from ..special_tokens import TokenPolicy
@@ -43,13 +43,15 @@ from ..stages.generate import generate
 from ..stages.score import recall_layers, recall_query, score
 from ..state import State, View
 from ..types import (Actions, CacheParams, FoldRepair, Prefill, Recall, SamplerParams, Segment,
-                     require)
-from . import common, flags, llamacpp
+                     option, require)
+from . import common, flags, llamacpp, throughput
 from .. import options
 from .common import Table, fmt, fmt_bytes
 from .result import Machine, Result, Target, target_table
+from .throughput import BatchRow
 
 GREEDY = SamplerParams(greedy=True)
+PARTS = ("stage", "loop", "batch")  # what a run measures (``SpeedConfig.parts``)
 # Targets from the project's issues: reported, never asserted.
 DECODE_TARGETS = {1024: 0.8, 2048: 0.8, 4096: 0.6}  # stage 1 / HF ms per token, on the CPU
 GPU_DECODE_TARGET = 1.0  # on a GPU, at every context
@@ -78,7 +80,9 @@ class SpeedConfig:
     model: str = "smollm2"
     quick: bool = False
     device: str = "cpu"
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8")
+    dtypes: tuple[str, ...] = option(("float32", "bfloat16", "int8"), "the precisions, "
+                                     "comma-separated (on a GPU: the first two)",
+                                     choices=tuple(DTYPES))
     contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     prefill: tuple[int, ...] = (1024, 4096)
     reps: int = 21  # decode and loop repetitions (after 2 warm-up rounds)
@@ -87,6 +91,14 @@ class SpeedConfig:
     budget: int = 512  # the loop's live slots
     recall_cold: int = 8000  # the loop with recall: cold tokens (at most what the positions hold)
     bandwidth_mb: int = 512
+    parts: tuple[str, ...] = option(PARTS, "what to measure: stage (stages 0 and 1 against "
+                                    "HF and llama.cpp, operators, allocations, edits), loop, "
+                                    "batch (throughput of B rows); default: all",
+                                    choices=PARTS)
+    batches: tuple[int, ...] = option((1, 2, 4, 8, 16), "batch: the rows a step, "
+                                      "comma-separated (--quick: 1,4,8)")
+    batch_contexts: tuple[int, ...] = (1024, 4096)  # its stage 1's live slots a row
+    batch_reps: int = 5
 
     def __post_init__(self) -> None:
         require(len(self.contexts) > 0 and all(c >= 1 for c in self.contexts),
@@ -98,11 +110,20 @@ class SpeedConfig:
             require(tuple(sorted(set(xs))) == xs, f"{name} must be increasing, got {xs}")
         require(min(self.reps, self.prefill_reps, self.edit_reps) >= 1, "repetitions must be >= 1")
         require(self.budget >= 32, f"budget must be >= 32, got {self.budget}")
+        require(all(b >= 1 for b in self.batches) and all(c >= 1 for c in self.batch_contexts)
+                and self.batch_reps >= 1, "batches, their contexts and repetitions must be >= 1")
+        require(self.parts and set(self.parts) <= set(PARTS),
+                f"parts must be some of {', '.join(PARTS)}, got {self.parts}")
 
     @classmethod
-    def preset(cls, quick: bool, model: str = "smollm2", device: str = "cpu") -> "SpeedConfig":
+    def preset(cls, quick: bool, model: str = "smollm2", device: str = "cpu",
+               **given) -> "SpeedConfig":
         """The CPU's contexts, or on a GPU 1k-32k (bandwidth over a buffer that dwarfs its
-        caches)."""
+        caches); then the fields ``given`` (its flags)."""
+        return dataclasses.replace(cls._preset(quick, model, device), **given)
+
+    @classmethod
+    def _preset(cls, quick: bool, model: str, device: str) -> "SpeedConfig":
         gpu = device != "cpu"
         full = dict(model=model, device=device)
         if gpu:
@@ -113,8 +134,8 @@ class SpeedConfig:
             return cls(**full)
         return cls(**{**full, "quick": True, "contexts": (1024, 4096) if gpu else (128, 256, 512, 1024),
                       "prefill": (1024,), "reps": 7, "prefill_reps": 2, "edit_reps": 3,
-                      "recall_cold": 1024,
-                      "bandwidth_mb": 2048 if gpu else 128})
+                      "recall_cold": 1024, "batches": (1, 4, 8), "batch_contexts": (1024,),
+                      "batch_reps": 3, "bandwidth_mb": 2048 if gpu else 128})
 
     def fitted(self, max_positions: int) -> "SpeedConfig":
         """Drop what the model's positions cannot hold (the pending token needs one more)."""
@@ -125,8 +146,10 @@ class SpeedConfig:
         budget = min(self.budget, max_positions // 2)
         steps = (self.reps + 2) * Recall().every  # the loop's rounds of steps
         cold = min(self.recall_cold, max_positions - budget - steps - 8)
+        batch_contexts = (tuple(c for c in self.batch_contexts if c < max_positions)
+                          or (contexts[-1],))
         return dataclasses.replace(self, contexts=contexts, prefill=prefill, budget=budget,
-                                   recall_cold=cold)
+                                   recall_cold=cold, batch_contexts=batch_contexts)
 
 
 # --- the result ---------------------------------------------------------------------------
@@ -323,6 +346,7 @@ class SpeedResult(Result):
     compile: list[CompileRow] = field(default_factory=list)
     decode_fit: list[DecodeFit] = field(default_factory=list)
     alloc_fit: list[AllocFit] = field(default_factory=list)
+    batch: list[BatchRow] = field(default_factory=list)
     peak_rss_mb: float
 
 
@@ -744,6 +768,29 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float,
     rows by the name of their ``SpeedResult`` field."""
     model = load_model(cfg.model, dtype, cfg.device)
     cfg = cfg.fitted(model.spec.max_positions)
+    rows = measure_stage(model, cfg, task) if "stage" in cfg.parts else {}
+    loop = []
+    if "loop" in cfg.parts:
+        loop = measure_loop(model, cfg, task)
+        for other in rows.pop("compiled", ()):  # the same loop over stage 1 native or graph
+            loop += measure_loop(other, cfg, task)
+    rows.pop("compiled", None)
+    batch = throughput.measure(model, cfg, task, random_prompt) if "batch" in cfg.parts else []
+    wb, kvb = weight_bytes(model), kv_bytes_per_token(model)
+    # the physical floor: weights + live K/V read once per token
+    rows["decode"] = [dataclasses.replace(r, floor_ms=(wb + r.context * kvb) /
+                                          (bandwidth * 1e9) * 1e3) for r in rows.get("decode", ())]
+    memory = MemoryRow(dtype, wb, kvb, wb / (bandwidth * 1e9) * 1e3,
+                       next((r.cold_bytes_per_token for r in loop if r.cold), None))
+    return cfg, {"prefill": [], "alloc": [], "edits": [], "ops": [], "compile": [],
+                 "llamacpp": [], **rows, "memory": [memory], "loop": loop, "batch": batch}
+
+
+def measure_stage(model: Model, cfg: SpeedConfig, task) -> dict[str, list]:
+    """The ``stage`` part in ``model``'s dtype: stage 0 and stage 1 against HF (and
+    llama.cpp where it is at hand), the compiled copies, operators, allocations and edits;
+    ``compiled``: the native or graph copies, for the loop to run over too."""
+    dtype = model.precision
     hf = stock_hf(model)
     prefill, states = measure_prefill(model, hf, cfg, task)
     longest = max(cfg.contexts[-1], cfg.prefill[-1])
@@ -763,7 +810,7 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float,
         if other is not None:
             compiled[key] = other
     decode = measure_decode(model, hf, view, ids, cfg, task, llama, compiled)
-    loops = [compiled.pop(key) for key in ("native", "graph") if key in compiled]  # below
+    loops = [compiled.pop(key) for key in ("native", "graph") if key in compiled]
     del compiled
     if llama is not None:
         llama.close()
@@ -773,21 +820,10 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float,
     del hf
     del view
     edits = measure_edits(model, primed, cfg, task)  # changes the primed arena: last
-    del primed
-    loop = measure_loop(model, cfg, task)
-    for other in loops:  # the same loop over stage 1 native or as a graph
-        loop += measure_loop(other, cfg, task)
-    del loops
-    wb, kvb = weight_bytes(model), kv_bytes_per_token(model)
-    # the physical floor: weights + live K/V read once per token
-    decode = [dataclasses.replace(r, floor_ms=(wb + r.context * kvb) / (bandwidth * 1e9) * 1e3)
-              for r in decode]
-    memory = MemoryRow(dtype, wb, kvb, wb / (bandwidth * 1e9) * 1e3,
-                       next((r.cold_bytes_per_token for r in loop if r.cold), None))
-    return cfg, {"prefill": prefill, "decode": decode, "alloc": alloc, "memory": [memory],
-                 "loop": loop, "edits": edits, "ops": [ops], "compile": compile_info,
-                 "llamacpp": [LlamacppRow(dtype, llama is not None, why_not,
-                                          llama and llama.path.name)]}
+    return {"prefill": prefill, "decode": decode, "alloc": alloc, "edits": edits,
+            "ops": [ops], "compile": compile_info, "compiled": loops,
+            "llamacpp": [LlamacppRow(dtype, llama is not None, why_not,
+                                     llama and llama.path.name)]}
 
 
 def run(cfg: SpeedConfig, command: str) -> SpeedResult:
@@ -935,6 +971,7 @@ def targets(res: SpeedResult) -> list[Target]:
             out.append(Target(f"loop step / stage 1 at budget {r.context} ({_loop_what(r)})",
                               r.overhead, f"<= {t}", r.overhead <= t, r.dtype))
     out += _per_head_targets(res)
+    out += throughput.targets(res.batch)
     for f in res.alloc_fit:
         if f.who == "ours":  # one copy of the past would cost >= kv_bytes_per_token
             out.append(Target("stage 1 bytes allocated per context token per step: less "
@@ -1226,7 +1263,8 @@ def tables(res: SpeedResult) -> list[Table]:
         "speed (above 1 = faster than HF); the edit rows divide the cost at the longest "
         "context by the cost at the shortest (1 = flat).")
     # on a GPU no allocations are counted (the profiler's events are the host allocator's)
-    return [t for t in (target, decode, *compiled, fit, ops, alloc, loop, edits, prefill, memory)
+    return [t for t in (target, decode, *compiled, fit, ops, alloc, loop,
+                        throughput.table(res.batch), edits, prefill, memory)
             if t is not None and t.rows]
 
 
@@ -1332,7 +1370,7 @@ METHOD = """\
 """
 
 
-FLAGS = (SpeedConfig,)  # the dataclasses whose fields are its flags (none but the shared)
+FLAGS = (SpeedConfig,)  # the dataclasses whose fields are its flags (those with a help string)
 
 
 def section(cfg: SpeedConfig) -> str:

@@ -135,6 +135,12 @@ def _add_run_args(run: argparse.ArgumentParser) -> None:
     start.add_argument("--session", metavar="FILE.pbs", default=None,
                        help="go on from a saved (or composed) session instead of a prompt, with "
                        "its own arena, sampler and cache parameters")
+    start.add_argument("--prompts", metavar="FILE", default=None,
+                       help="one prompt a line (- for stdin), each run as --prompt would run it; "
+                       "with --json one object a prompt, a line each, in input order")
+    run.add_argument("--batch", type=int, default=1, metavar="B",
+                     help="with --prompts: run B prompts at a time, one stage-1 forward a step "
+                     "for all of them, each with a cache of its own (default 1: one at a time)")
     run.add_argument("--system", default=None,
                      help="format as chat turns: this system prompt, then the prompt as the user")
     run.add_argument("--chat", action="store_true",

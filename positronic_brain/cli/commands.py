@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .. import compare, compose, fork, inspector, options, partial, replay, transfer
+from ..batch import run_rows
 from ..bench import flags, quality
 from ..bench.common import Table, fmt, print_tables
 from ..loop import drive, run
@@ -27,29 +28,82 @@ def _echo(delta: str) -> None:
 def cmd_run(args) -> int:
     if args.max_new_tokens < 0:
         raise UserError(f"max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    require(args.batch >= 1, f"--batch must be >= 1, got {args.batch}")
+    require(args.batch == 1 or args.prompts is not None, "--batch takes --prompts FILE")
     if args.session is not None:
         return _report(args, _run_session(args))
     sampler, params = sampler_params(args), cache_params(args)  # before the (slower) model load
+    texts = _prompts(args.prompts) if args.prompts is not None else [args.prompt]
     if args.prompt == "":
         raise UserError("the prompt is empty")
     if args.capacity is not None and args.capacity < 1:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
+    require(args.prompts is None or args.capture is None,
+            "--capture records one run: give --prompt, not --prompts")
     model = cli_model(args, args.model or MODEL, args.dtype or DTYPE)
     require(args.capacity is None or args.capacity <= model.spec.max_positions,
             f"capacity must be at most the model's {model.spec.max_positions} positions (the "
             f"live slots never outnumber them), got {args.capacity}")
     policy = TokenPolicy(model.tokenizer, bos=args.bos)
-    if args.system is not None or args.chat:
-        turns = ([("system", args.system)] if args.system is not None else []) \
-            + [("user", args.prompt)]
-        segments = policy.chat(turns)
-    else:
-        segments = policy.raw_prompt(args.prompt)
+    prompts = [_segments(args, policy, text) for text in texts]
+    if args.prompts is not None:
+        for line, segments in enumerate(prompts, 1):
+            n = sum(len(s.ids) for s in segments)
+            require(n <= model.spec.max_positions, f"{args.prompts}: line {line}: the prompt "
+                    f"is {n} tokens, more than the model's {model.spec.max_positions} positions")
+        return _run_prompts(args, model, policy, prompts, sampler, params)
+    segments = prompts[0]
     tape = open_tape(args, model, sampler, params, [i for s in segments for i in s.ids])
     return _report(args, run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
                              ignore_eos=args.ignore_eos, capacity=args.capacity,
                              on_text=None if args.json else _echo, cache_params=params,
                              tape=tape))
+
+
+def _segments(args, policy: TokenPolicy, text: str) -> list:
+    """A prompt's segments as ``run`` formats it: chat turns with ``--system`` or ``--chat``,
+    else the raw text."""
+    if args.system is not None or args.chat:
+        turns = ([("system", args.system)] if args.system is not None else []) \
+            + [("user", text)]
+        return policy.chat(turns)
+    return policy.raw_prompt(text)
+
+
+def _prompts(path: str) -> list[str]:
+    """``--prompts``' lines (``-``: stdin), one prompt each; an empty line or file is refused,
+    naming it."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--prompts {path}: {e.strerror if isinstance(e, OSError) else e}") from e
+    lines = text.splitlines()
+    require(lines, f"--prompts {path}: no prompt in it")
+    for i, line in enumerate(lines, 1):
+        require(line.strip(), f"{path}: line {i} is empty (one prompt a line)")
+    return lines
+
+
+def _run_prompts(args, model, policy: TokenPolicy, prompts: list, sampler, params) -> int:
+    """``run --prompts``: each prompt's result as ``run`` reports it, in input order, printed
+    as soon as every prompt before it has finished."""
+    done: dict[int, dict] = {}
+    printed = 0
+
+    def finished(i: int, result: dict) -> None:
+        nonlocal printed
+        done[i] = result
+        while printed in done:
+            result = done.pop(printed)
+            if not args.json:
+                sys.stdout.write(result["text"])
+            _report(args, result)
+            printed += 1
+
+    run_rows(model, policy, prompts, sampler, args.batch, max_new_tokens=args.max_new_tokens,
+             ignore_eos=args.ignore_eos, capacity=args.capacity, cache_params=params,
+             on_result=finished)
+    return 0
 
 
 def _run_session(args) -> dict:

@@ -6,11 +6,12 @@ then the sampler. Returns the new token's K/V as outputs for stage 4 to append.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
 from .. import graph, native
-from ..forward import forward
+from ..forward import decode_rows, forward
 from ..model import Model
 from ..sampler import sample
 from ..state import View
@@ -37,8 +38,34 @@ def generate(model: Model, view: View, params: SamplerParams,
         pos = view.position.new_tensor([view.next_position])
         out = stage1_forward(model)(model, view.k, view.v, ids, pos, want_attention=True,
                                     past_log_mass=view.log_mass, want_query=view.cold is not None)
+    return _sampled(view, out, params, generator, force, ids)
+
+
+def generate_rows(model: Model, views: Sequence[View], params: Sequence[SamplerParams],
+                  generators: Sequence[torch.Generator],
+                  forces: Sequence[int | None]) -> list[GenerateOut]:
+    """``generate`` for each row of a batch at once: one forward over every row's pending
+    token (``forward.decode_rows``: the plain path, each row over its own live slots), then
+    each row's sampler with its own ``params``, generator and ``force``."""
+    for force in forces:
+        require(force is None or 0 <= force < model.spec.vocab,
+                f"forced token {force} outside the model's vocabulary of {model.spec.vocab}")
+    first = views[0]
+    ids = first.token_id.new_tensor([v.pending_token for v in views])
+    positions = first.position.new_tensor([v.next_position for v in views])
+    outs = decode_rows(model, [(v.k, v.v, v.log_mass) for v in views], ids, positions,
+                       [v.cold is not None for v in views])
+    return [_sampled(v, out, p, g, f, ids[b:b + 1])
+            for b, (v, out, p, g, f) in enumerate(zip(views, outs, params, generators, forces))]
+
+
+def _sampled(view: View, out, params: SamplerParams, generator: torch.Generator,
+             force: int | None, ids: torch.Tensor | None) -> GenerateOut:
+    """Stage 1's output from its forward's ``out``: the next token sampled (or ``force``d)
+    from the logits, the repetition penalty over the live tokens and the pending one
+    (``ids``)."""
     logits = out.logits[0]  # (V,)
-    seen = torch.cat((view.token_id, ids)) if penalty else ids
+    seen = torch.cat((view.token_id, ids)) if params.repetition_penalty != 1.0 else ids
     report = sample(logits, params, seen, generator, force)
     return GenerateOut(input_token=view.pending_token, position=view.next_position,
                        logits=logits, token_id=report.token_id, report=report,

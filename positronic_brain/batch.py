@@ -1,0 +1,111 @@
+"""Many sequences per forward: a batch of rows stepped together (``run --prompts --batch B``).
+
+Each row is a ``Session`` of its own: its prompt, state (arena, ledger, cold store, scorer
+columns, per-head map), scorer, cache parameters, positions, sampler and generator, stop
+reason. A batch step runs stage 1 once for all its rows (``stages.generate.generate_rows``:
+the weights read once a step, each row attending over its own live slots), then each row's
+stages 2-4 as its solo step runs them (``Session.settle``): rows cull, merge, fold, recall
+and re-index on their own, and stage 4 stays the only writer of each row's state. A row
+finishes on its own (EOS, its token limit, the model's positions, a full arena) and the next
+prompt takes its place (continuous batching). Stage 0 primes each row alone.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from .loop import Report, Session, arena_capacity
+from .model import Model, for_rows
+from .special_tokens import TokenPolicy
+from .stages.generate import generate_rows
+from .types import CacheParams, SamplerParams, Segment, StepRecord, require
+
+
+def step_rows(model: Model, sessions: Sequence[Session],
+              forces: Sequence[int | None] | None = None) -> list[StepRecord]:
+    """One step of every session at once: stage 1 for all of them over ``model`` (the
+    sessions' model, or ``for_rows`` of it), then each one's stages 2-4. ``forces``: each
+    row's forced token (teacher forcing) or None. A row's record times its share: the batch's
+    stage 1 plus its own stages 2-4."""
+    t0 = time.perf_counter()
+    forces = [None] * len(sessions) if forces is None else forces
+    require(len(forces) == len(sessions), f"{len(sessions)} rows, {len(forces)} forced tokens")
+    views = [s.begin() for s in sessions]
+    gens = generate_rows(model, views, [s.sampler for s in sessions],
+                         [s.generator for s in sessions], forces)
+    shared = time.perf_counter() - t0
+    return [s.settle(view, gen, force, time.perf_counter() - shared)
+            for s, view, gen, force in zip(sessions, views, gens, forces)]
+
+
+def drive_rows(model: Model, rows: Iterator[tuple[int, Session]], batch: int,
+               max_new_tokens: int, ignore_eos: bool = False,
+               on_done: Callable[[int, Report], None] | None = None) -> None:
+    """Step primed sessions ``batch`` at a time until each stops as ``Session.stream`` stops
+    it (its ``max_new_tokens``, EOS unless ``ignore_eos``, a full arena, the positions):
+    ``rows`` yields (index, session) pairs, taken only as places free (so a row's state is
+    made when it can step); ``on_done(index, report)`` is told of each as it finishes, its
+    tape closed. ``model``: the sessions' model (stage 1 of a batch runs over
+    ``for_rows`` of it); a batch of 1 steps each through ``Session.step``."""
+    require(batch >= 1, f"batch must be >= 1, got {batch}")
+    require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
+    stage1 = for_rows(model, batch) if batch > 1 else None
+    rows, active = iter(rows), []
+    left = True
+
+    def finish(row: tuple[int, Report]) -> None:
+        active.remove(row)
+        row[1].session.tape.close(row[1].session.stop_reason)
+        if on_done is not None:
+            on_done(*row)
+
+    while left or active:
+        while left and len(active) < batch:
+            nxt = next(rows, None)
+            if nxt is None:
+                left = False
+                break
+            nxt[1].stop_reason = "max_new_tokens"
+            active.append((nxt[0], Report(nxt[1], ignore_eos)))
+        for row in [r for r in active if len(r[1].steps) >= max_new_tokens
+                    or r[1].session.full()]:
+            finish(row)
+        if not active or (left and len(active) < batch):
+            continue  # a finished row's place goes to the next one first
+        sessions = [r[1].session for r in active]
+        records = [sessions[0].step()] if stage1 is None else step_rows(stage1, sessions)
+        for row, rec in zip(list(active), records):
+            row[1].add(rec)
+            if not ignore_eos and row[1].session.policy.is_eos(rec.token_id):
+                row[1].session.stop_reason = "eos"
+                finish(row)
+
+
+def run_rows(model: Model, policy: TokenPolicy, prompts: Sequence[list[Segment]],
+             sampler: SamplerParams, batch: int, max_new_tokens: int = 64,
+             ignore_eos: bool = False, capacity: int | None = None,
+             cache_params: CacheParams | None = None,
+             on_result: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """``loop.run`` of each prompt (its segments), ``batch`` rows at a time (``drive_rows``):
+    the results in input order, each the object ``run`` returns for that prompt alone (its
+    tokens the same but where float rounding tips a choice: a product of several rows may
+    add in another order); ``on_result(i, result)`` is told of each as its row finishes. A
+    batch of 1 steps each row alone, as ``run`` does."""
+    cache_params = cache_params or CacheParams()
+    results: list[dict | None] = [None] * len(prompts)
+
+    def primed() -> Iterator[tuple[int, Session]]:
+        for i, segments in enumerate(prompts):
+            session = Session(model, policy, sampler, cache_params)
+            n_prompt = sum(len(s.ids) for s in segments)
+            session.prime(segments, capacity or arena_capacity(model, cache_params, n_prompt,
+                                                                max_new_tokens))
+            yield i, session
+
+    def done(i: int, report: Report) -> None:
+        results[i] = report.result()
+        if on_result is not None:
+            on_result(i, results[i])
+
+    drive_rows(model, primed(), batch, max_new_tokens, ignore_eos, done)
+    return results

@@ -1,0 +1,162 @@
+"""``bench speed``'s throughput of a batch (``batch``; ``run --prompts --batch B``): tokens
+a second for B rows a step, stage 1 alone at the decode contexts and the whole loop at the
+budget, against one row at a time (B = 1: ``Session.step``, the solo path)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from . import common, flags
+from .. import options
+from ..batch import step_rows
+from ..loop import Session
+from ..model import Model, for_rows
+from ..sampler import make_generator
+from ..special_tokens import TokenPolicy
+from ..stages.apply import prime
+from ..stages.generate import generate, generate_rows
+from ..types import SamplerParams, Segment
+from .common import Table, fmt
+from .result import Target
+
+GREEDY = SamplerParams(greedy=True)
+SPEEDUP_BATCH, SPEEDUP_TARGET = 8, 4.0  # B = 8: at least 4x the tokens/s of B = 1 ...
+OVERHEAD_TARGET = 1.15  # ... and its loop step at most 1.15x its stage 1
+REPAIRS = (("none", False), ("fold", False), ("none", True))  # the loop's settings
+RECALL_COLD = 1024  # the loop with recall: cold tokens a row (its prime culls them), at most
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchRow:
+    """B rows stepped together: ``what`` is "stage 1" (at ``context`` live slots a row) or
+    "loop REPAIR" (the whole loop at the budget, brightness; "none + recall" with a cold
+    store). ``ms``: one step of all B rows; ``tokens_s``: B tokens over it; ``speedup``:
+    over B = 1's tokens/s (the same what and context); a loop row's ``stage1_ms`` is stage 1
+    of its rows, ``overhead`` its step over that, ``row_ms`` stages 2-4 a row."""
+
+    dtype: str
+    what: str
+    context: int
+    batch: int
+    ms: float
+    tokens_s: float
+    speedup: float | None = None
+    stage1_ms: float | None = None
+    overhead: float | None = None
+    row_ms: float | None = None
+
+
+def _stage1(model: Model, rows_model: Model, views: list, gens: list):
+    """Stage 1 of ``views``: alone (B = 1, the solo ``generate``), or all at once."""
+    if len(views) == 1:
+        return lambda: generate(model, views[0], GREEDY, gens[0])
+    return lambda: generate_rows(rows_model, views, [GREEDY] * len(views), gens,
+                                 [None] * len(views))
+
+
+def measure(model: Model, cfg, task, random_prompt) -> list[BatchRow]:
+    """For each B of ``cfg.batches`` (the model packed for B rows, one copy at a time):
+    stage 1 of B rows at each of ``cfg.batch_contexts`` live slots, each row a copy of one
+    prime's state (so each reads K/V of its own), then the whole loop at ``cfg.budget`` for
+    each of ``REPAIRS``, each row a copy of one primed session at its budget.
+    ``random_prompt(model, n, seed)`` gives the primes' tokens."""
+    dt, out, most = model.precision, [], max(cfg.batches)
+    primed = {}  # context -> the prime's state, copied for every row
+    for c in cfg.batch_contexts:  # a prime of c cached tokens and the pending one
+        ids = random_prompt(model, c + 1, seed=3)
+        first = prime(model, [Segment(tuple(ids), "user")], capacity=c + 8)[0]
+        primed[c] = [first] + [copy.deepcopy(first) for _ in range(most - 1)]
+    sessions = {}  # the loop's setting -> its primed session, copied for every row
+    for repair, recall in REPAIRS:
+        params = options.cache_params({**flags.cell_policy("brightness"),
+                                       "budget": cfg.budget, "repair": repair,
+                                       "recall": recall})
+        first = Session(model, TokenPolicy(model.tokenizer), GREEDY, params)
+        cold = min(RECALL_COLD, cfg.recall_cold) if recall else 0  # what the positions hold
+        first.prime([Segment(tuple(random_prompt(model, cfg.budget + 1 + cold, seed=2)),
+                             "user")])
+        sessions[f"loop {repair}" + (" + recall" if recall else "")] = first
+    for b in cfg.batches:
+        rows_model = for_rows(model, b) if b > 1 else model
+        for c, states in primed.items():
+            views = [s.view() for s in states[:b]]
+            gens = [make_generator(i, model.device) for i in range(b)]
+            tick = task(f"{dt} stage 1, {b} rows at {c}", cfg.batch_reps)
+            t = common.interleaved_ms({"stage 1": _stage1(model, rows_model, views, gens)},
+                                      cfg.batch_reps, warmup=1, tick=tick)
+            ms = common.median(t["stage 1"])
+            out.append(BatchRow(dtype=dt, what="stage 1", context=c, batch=b, ms=ms,
+                                tokens_s=b / ms * 1e3))
+        for what, first in sessions.items():
+            out.append(_loop_row(model, rows_model, first, b, what, cfg, task))
+    return _with_speedups(out)
+
+
+def _loop_row(model: Model, rows_model: Model, first: Session, b: int, what: str, cfg,
+              task) -> BatchRow:
+    """The whole loop of ``b`` copies of the primed session ``first``: a step of every row
+    (the mean over a round of recall's scans) against stage 1 of the same rows."""
+    rows = [Session(model, first.policy, GREEDY, first.cache_params,
+                    state=copy.deepcopy(first.state)) for _ in range(b)]
+    every = first.cache_params.recall.every if first.cache_params.recall else 1
+
+    def steps():
+        for _ in range(every):
+            if b == 1:
+                rows[0].step()
+            else:
+                step_rows(rows_model, rows)
+
+    def stage1():  # as the loop's, without recall's query (that counts as recall's cost)
+        views = [dataclasses.replace(s.state.view(), cold=None) for s in rows]
+        _stage1(model, rows_model, views, [s.generator for s in rows])()
+
+    tick = task(f"{model.precision} {what}, {b} rows", cfg.batch_reps)
+    t = common.interleaved_ms({"stage 1": stage1, "step": steps}, cfg.batch_reps, warmup=1,
+                              tick=tick)
+    step, one = common.median(t["step"]) / every, common.median(t["stage 1"])
+    return BatchRow(dtype=model.precision, what=what, context=first.cache_params.budget,
+                    batch=b, ms=step, tokens_s=b / step * 1e3, stage1_ms=one,
+                    overhead=step / one, row_ms=(step - one) / b)
+
+
+def _with_speedups(rows: list[BatchRow]) -> list[BatchRow]:
+    """Each row's tokens/s over B = 1's of its dtype, what and context."""
+    one = {(r.dtype, r.what, r.context): r.tokens_s for r in rows if r.batch == 1}
+    return [dataclasses.replace(r, speedup=r.tokens_s / one[(r.dtype, r.what, r.context)])
+            if (r.dtype, r.what, r.context) in one else r for r in rows]
+
+
+def targets(rows: list[BatchRow]) -> list[Target]:
+    """B = 8's tokens/s over B = 1's (stage 1 at each context, each loop), and its loop step
+    over its stage 1."""
+    out = []
+    for r in rows:
+        if r.batch != SPEEDUP_BATCH:
+            continue
+        if r.speedup is not None:
+            out.append(Target(f"{r.what} tokens/s, {r.batch} rows / 1 at {r.context}",
+                              r.speedup, f">= {SPEEDUP_TARGET}", r.speedup >= SPEEDUP_TARGET,
+                              r.dtype, context=r.context))
+        if r.overhead is not None:
+            out.append(Target(f"{r.what} step / stage 1, {r.batch} rows at budget {r.context}",
+                              r.overhead, f"<= {OVERHEAD_TARGET}",
+                              r.overhead <= OVERHEAD_TARGET, r.dtype))
+    return out
+
+
+def table(rows: list[BatchRow]) -> Table:
+    return Table(
+        "Throughput of a batch: B rows a step (`run --prompts --batch B`)",
+        ("dtype", "what", "context", "rows", "ms a step", "tokens/s", "x B = 1",
+         "stage 1 ms", "step / stage 1", "stages 2-4 ms a row"),
+        tuple((r.dtype, r.what, str(r.context), str(r.batch), fmt(r.ms, 1),
+               fmt(r.tokens_s, 1), fmt(r.speedup, 2), fmt(r.stage1_ms, 1),
+               fmt(r.overhead, 2), fmt(r.row_ms, 2)) for r in rows),
+        "Stage 1: one forward of every row's pending token, each row over its own copy of a "
+        "prime's K/V at the context (B = 1: the solo `generate`). Loop: the whole step of "
+        "every row (`batch.step_rows`; B = 1: `Session.step`) at the budget, the brightness "
+        "scorer, each row a copy of one primed session; with recall, over "
+        f"{RECALL_COLD} cold tokens a row (fewer where the positions hold fewer), the mean step of a round of its scans; its stage 1 "
+        "timed on the same rows without recall's query. x B = 1: tokens/s over one row's.")
