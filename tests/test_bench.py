@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from positronic_brain import options
-from positronic_brain.bench import speed
+from positronic_brain.bench import speed, throughput
 from positronic_brain.bench.result import Machine, Result
 from positronic_brain.cli import main
 from positronic_brain.model import hf_forward, packable
@@ -85,6 +85,9 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
         assert r["ms"] > 0 and r["tokens_s"] == pytest.approx(r["batch"] / r["ms"] * 1e3)
         assert r["speedup"] > 0 and (r["batch"] > 1 or r["speedup"] == 1.0)
         assert (r["overhead"] is None) == (r["what"] == "stage 1")
+        assert r["ceiling"] >= 1 and (r["batch"] > 1 or r["ceiling"] == 1)
+    # hand-worked: 2 rows of 10 slots, weights 100 B, 5 B of K/V a token: 2 x 150 / 200
+    assert throughput.ceiling(2, 10, 100, 5) == 1.5
     assert all(r[f"{k}_tok_s"] > 0 for r in res["prefill"] for k in ("ours", "hf", "window", "total"))
 
     # HF's DynamicCache concatenates the past every step; stage 1 only reads it (in

@@ -775,8 +775,9 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float,
         for other in rows.pop("compiled", ()):  # the same loop over stage 1 native or graph
             loop += measure_loop(other, cfg, task)
     rows.pop("compiled", None)
-    batch = throughput.measure(model, cfg, task, random_prompt) if "batch" in cfg.parts else []
     wb, kvb = weight_bytes(model), kv_bytes_per_token(model)
+    batch = (throughput.measure(model, cfg, task, random_prompt, wb, kvb)
+             if "batch" in cfg.parts else [])
     # the physical floor: weights + live K/V read once per token
     rows["decode"] = [dataclasses.replace(r, floor_ms=(wb + r.context * kvb) /
                                           (bandwidth * 1e9) * 1e3) for r in rows.get("decode", ())]
@@ -1282,8 +1283,9 @@ def plots(res: SpeedResult, out: Path) -> list[str]:
         xs = [r.context for r in rows]
         alloc[f"stage 1 {dt}"] = (xs, [r.ours_bytes / 2 ** 20 for r in rows], "-")
         alloc[f"HF {dt}"] = (xs, [r.hf_bytes / 2 ** 20 for r in rows], "--")
-    common.line_plot(out / "decode_ms.png", f"Decode ms/token, {res.model}", "context (tokens)",
-                     "ms per token (median)", decode)
+    if decode:  # a run of the stage part
+        common.line_plot(out / "decode_ms.png", f"Decode ms/token, {res.model}",
+                         "context (tokens)", "ms per token (median)", decode)
     if alloc:
         common.line_plot(out / "alloc_bytes.png", "Bytes allocated per decode step",
                          "context (tokens)", "MiB allocated per step", alloc, logy=True)
@@ -1297,9 +1299,11 @@ def plots(res: SpeedResult, out: Path) -> list[str]:
         if rows[0].fold_apply_ms is not None:
             edits[f"fold (stages 3+4) {dt}"] = (
                 xs, [r.fold_targets_ms + r.fold_apply_ms for r in rows], "-.")
-    common.line_plot(out / "edits_ms.png", "One edit (incl. the append)",
-                     "context (tokens)", "ms (median)", edits, logy=True)
-    return ["decode_ms.png"] + (["alloc_bytes.png"] if alloc else []) + ["edits_ms.png"]
+    if edits:
+        common.line_plot(out / "edits_ms.png", "One edit (incl. the append)",
+                         "context (tokens)", "ms (median)", edits, logy=True)
+    return ((["decode_ms.png"] if decode else []) + (["alloc_bytes.png"] if alloc else [])
+            + (["edits_ms.png"] if edits else []))
 
 
 def report_md(res: SpeedResult, images: list[str], image_dir: str, level: int = 1) -> str:
@@ -1317,7 +1321,8 @@ def report_md(res: SpeedResult, images: list[str], image_dir: str, level: int = 
         f"{m.torch_threads} torch threads; torch {m.torch}, transformers "
         f"{m.transformers}; load average {m.loadavg_start[0]} at the start, "
         f"{m.loadavg_end[0]} at the end (other processes share the cores; medians of "
-        f"{res.config.reps} decode / {res.config.prefill_reps} prefill repetitions, "
+        f"{res.config.reps} decode / {res.config.prefill_reps} prefill / "
+        f"{res.config.batch_reps} batch repetitions, "
         "contenders alternating within each repetition).",
         "",
     ]
@@ -1327,8 +1332,9 @@ def report_md(res: SpeedResult, images: list[str], image_dir: str, level: int = 
             notes = missed_notes(res)
             if notes:
                 lines += [f"{h}## Missed targets, and why", "", *notes, ""]
-    lines += [f"{h}# Plots", ""]
-    lines += [f"![{name}]({image_dir}/{name})" for name in images]
+    if images:
+        lines += [f"{h}# Plots", ""]
+        lines += [f"![{name}]({image_dir}/{name})" for name in images]
     lines += ["", f"{h}# Method", "", METHOD]
     return "\n".join(lines) + "\n"
 
