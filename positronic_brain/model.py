@@ -124,7 +124,7 @@ class Model:
     blocks: tuple[tuple[slice, torch.device], ...] = field(init=False)
     split: bool = field(init=False)
     moves: dict[int, torch.device] = field(init=False)
-    # ``for_rows``' copies, by rows, made once (a copy of the model starts without them)
+    # ``for_rows``' copy, by its rows (one at a time; a copy of the model starts without it)
     rows: dict[int, "Model"] = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -769,8 +769,9 @@ def for_rows(model: Model, rows: int) -> Model:
     ``forward.decode_rows``): on the CPU in float32, a copy whose matrices are oneDNN-packed
     for that many rows (``PackedWeight``, beside the plain ones: twice the weights' memory),
     since torch's product of a few float32 rows by an input-major weight takes several times
-    one row's time and oneDNN's little more than it (docs/DESIGN.md, the batch), made once
-    and kept (``Model.rows``); else ``model`` itself."""
+    one row's time and oneDNN's little more than it (docs/DESIGN.md, the batch), kept with
+    the model until another number of rows is asked for (``Model.rows``: one copy at a
+    time); else ``model`` itself."""
     if (model.dtype != torch.float32 or model.device.type != "cpu" or model.split
             or not torch.backends.mkldnn.is_available()):
         return model
@@ -778,7 +779,8 @@ def for_rows(model: Model, rows: int) -> Model:
     def packed(w: torch.Tensor) -> PackedWeight:
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows), w)
 
-    if rows not in model.rows:  # made once, kept with the model
+    if rows not in model.rows:  # kept with the model: the last one asked for
+        model.rows.clear()
         layers = tuple(dataclasses.replace(w, **{m: packed(getattr(w, m)) for m in MATRICES})
                        for w in model.layers)
         model.rows[rows] = dataclasses.replace(model, layers=layers,

@@ -261,6 +261,8 @@ def test_run_prompts_prints_each_prompts_run_in_input_order(capsys, tmp_path, ti
     ("one\n\nthree\n", (), "line 2 is empty"),
     ("", (), "no prompt in it"),
     ("one\n" + "word " * 5000 + "\n", (), "line 2: the prompt is"),
+    ("one\n" + "word " * 20 + "\n", ("--capacity", "12"), "line 2: the prompt is"),
+    ("one\n", ("--batch", "2", "--device-map", "balanced"), "it takes no --device-map"),
     ("one\n", ("--batch", "0"), "--batch must be >= 1, got 0"),
     ("one\n", ("--capture", "CAP"), "--capture records one run"),
 ])

@@ -331,13 +331,14 @@ def streaming_rows(model: Model, policy: TokenPolicy, texts: list[list[int]],
                    rows_model: Model | None = None) -> list[Streamed]:
     """``streaming_nll`` of each of ``texts`` (as long as each other), as the rows of one
     batch (``batch.step_rows`` over ``rows_model``, ``model.for_rows``), or one after another
-    through ``Session.step`` without one; ``oracles``: one a text."""
+    through ``Session.step`` without one (or with one text); ``oracles``: one a text."""
     require(all(len(ids) >= skip + 2 for ids in texts),
             "streaming perplexity needs at least 2 tokens past the warm-up")
     require(not record or cache.budget is None, "only a full-cache run records the oracle")
     oracles = oracles or (None,) * len(texts)
     require(all((o is not None) == (cache.scorer.name == ORACLE) for o in oracles),
             "an oracle run needs the full-cache run's oracle, and only it takes one")
+    rows_model = rows_model if len(texts) > 1 else None  # one text: Session.step itself
     if rows_model is None and len(texts) > 1:
         return [r for ids, o in zip(texts, oracles)
                 for r in streaming_rows(model, policy, [ids], cache, tick, record, (o,), skip)]

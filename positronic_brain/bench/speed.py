@@ -81,7 +81,7 @@ class SpeedConfig:
     quick: bool = False
     device: str = "cpu"
     dtypes: tuple[str, ...] = option(("float32", "bfloat16", "int8"), "the precisions, "
-                                     "comma-separated (on a GPU: the first two)",
+                                     "comma-separated (default on a GPU: the first two)",
                                      choices=tuple(DTYPES))
     contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     prefill: tuple[int, ...] = (1024, 4096)

@@ -40,6 +40,8 @@ def cmd_run(args) -> int:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
     require(args.prompts is None or args.capture is None,
             "--capture records one run: give --prompt, not --prompts")
+    require(args.batch == 1 or args.device_map is None,
+            "--batch runs its rows on one device: it takes no --device-map")
     model = cli_model(args, args.model or MODEL, args.dtype or DTYPE)
     require(args.capacity is None or args.capacity <= model.spec.max_positions,
             f"capacity must be at most the model's {model.spec.max_positions} positions (the "
@@ -51,6 +53,8 @@ def cmd_run(args) -> int:
             n = sum(len(s.ids) for s in segments)
             require(n <= model.spec.max_positions, f"{args.prompts}: line {line}: the prompt "
                     f"is {n} tokens, more than the model's {model.spec.max_positions} positions")
+            require(args.capacity is None or n <= args.capacity, f"{args.prompts}: line "
+                    f"{line}: the prompt is {n} tokens, more than --capacity {args.capacity}")
         return _run_prompts(args, model, policy, prompts, sampler, params)
     segments = prompts[0]
     tape = open_tape(args, model, sampler, params, [i for s in segments for i in s.ids])
@@ -96,7 +100,7 @@ def _run_prompts(args, model, policy: TokenPolicy, prompts: list, sampler, param
         while printed in done:
             result = done.pop(printed)
             if not args.json:
-                sys.stdout.write(result["text"])
+                _echo(result["text"])
             _report(args, result)
             printed += 1
 
