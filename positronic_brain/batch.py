@@ -40,13 +40,17 @@ def step_rows(model: Model, sessions: Sequence[Session],
 
 def drive_rows(model: Model, rows: Iterator[tuple[int, Session]], batch: int,
                max_new_tokens: int, ignore_eos: bool = False,
-               on_done: Callable[[int, Report], None] | None = None) -> None:
+               on_done: Callable[[int, Report], None] | None = None,
+               force: Callable[[int, int], int] | None = None,
+               on_step: Callable[[int, StepRecord], None] | None = None) -> None:
     """Step primed sessions ``batch`` at a time until each stops as ``Session.stream`` stops
     it (its ``max_new_tokens``, EOS unless ``ignore_eos``, a full arena, the positions):
     ``rows`` yields (index, session) pairs, taken only as places free (so a row's state is
     made when it can step); ``on_done(index, report)`` is told of each as it finishes, its
     tape closed. ``model``: the sessions' model (stage 1 of a batch runs over
-    ``for_rows`` of it); a batch of 1 steps each through ``Session.step``."""
+    ``for_rows`` of it); a batch of 1 steps each through ``Session.step``. ``force(index,
+    k)``: the token row ``index``'s step ``k`` is given (teacher forcing); ``on_step(index,
+    record)`` is told of every step."""
     require(batch >= 1, f"batch must be >= 1, got {batch}")
     require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
     stage1 = for_rows(model, batch) if batch > 1 else None
@@ -73,9 +77,13 @@ def drive_rows(model: Model, rows: Iterator[tuple[int, Session]], batch: int,
         if not active or (left and len(active) < batch):
             continue  # a finished row's place goes to the next one first
         sessions = [r[1].session for r in active]
-        records = [sessions[0].step()] if stage1 is None else step_rows(stage1, sessions)
+        forces = [force(i, len(r.steps)) if force else None for i, r in active]
+        records = ([sessions[0].step(forces[0])] if stage1 is None
+                   else step_rows(stage1, sessions, forces))
         for row, rec in zip(list(active), records):
             row[1].add(rec)
+            if on_step is not None:
+                on_step(row[0], rec)
             if not ignore_eos and row[1].session.policy.is_eos(rec.token_id):
                 row[1].session.stop_reason = "eos"
                 finish(row)

@@ -377,13 +377,12 @@ def test_batched_windows_give_what_one_at_a_time_gives(tiny_model, tiny_policy):
             for p, r in (("h2o", "none"), ("tova", "merge"), ("brightness", "fold"))]
     jobs.append(quality.Job("oracle", "oracle", cfg.cache(24, quality.ORACLE), 40, 40, starts,
                             5))
-    rows = quality._rows(tiny_model, cfg.batch)  # pylint: disable=protected-access
     oracles = tuple(s.oracle for s in full.run(tiny_model, tiny_policy, ids))
     tol = nll_bound(tiny_model, 45)
     for job in [full] + jobs:
         o = oracles if job.kind == "oracle" else None
         alone = job.run(tiny_model, tiny_policy, ids, oracles=o)
-        batched = job.run(tiny_model, tiny_policy, ids, oracles=o, rows=rows)
+        batched = job.run(tiny_model, tiny_policy, ids, oracles=o, batch=cfg.batch)
         assert len(batched) == len(starts)
         for a, b in zip(alone, batched):
             assert (a.totals.culled, a.totals.merged, a.totals.folded, a.stop_reason) == \

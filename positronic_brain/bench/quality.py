@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import options
-from ..batch import step_rows
+from ..batch import drive_rows
 from ..loop import Session, arena_capacity
-from ..model import DTYPES, Model, for_rows, load_model
+from ..model import DTYPES, Model, load_model
 from ..special_tokens import TokenPolicy
 from ..stages.score import read_like_scorer
 from ..scorers import BASELINES, CULLING, culling
@@ -328,45 +328,41 @@ def streaming_nll(model: Model, policy: TokenPolicy, ids: list[int], cache: Cach
 def streaming_rows(model: Model, policy: TokenPolicy, texts: list[list[int]],
                    cache: CacheParams, tick=None, record: int = 0,
                    oracles: tuple[Oracle | None, ...] | None = None, skip: int = 0,
-                   rows_model: Model | None = None) -> list[Streamed]:
-    """``streaming_nll`` of each of ``texts`` (as long as each other), as the rows of one
-    batch (``batch.step_rows`` over ``rows_model``, ``model.for_rows``), or one after another
-    through ``Session.step`` without one (or with one text); ``oracles``: one a text."""
+                   batch: int = 1) -> list[Streamed]:
+    """``streaming_nll`` of each of ``texts`` (as long as each other), ``batch`` at a time as
+    the rows of a batch (``batch.drive_rows``; one text steps alone); ``oracles``: one a
+    text."""
     require(all(len(ids) >= skip + 2 for ids in texts),
             "streaming perplexity needs at least 2 tokens past the warm-up")
     require(not record or cache.budget is None, "only a full-cache run records the oracle")
     oracles = oracles or (None,) * len(texts)
     require(all((o is not None) == (cache.scorer.name == ORACLE) for o in oracles),
             "an oracle run needs the full-cache run's oracle, and only it takes one")
-    rows_model = rows_model if len(texts) > 1 else None  # one text: Session.step itself
-    if rows_model is None and len(texts) > 1:
-        return [r for ids, o in zip(texts, oracles)
-                for r in streaming_rows(model, policy, [ids], cache, tick, record, (o,), skip)]
     recorders = [AttentionRecorder(record, read_like_scorer(cache, "aggregate"), ids)
                  if record else None for ids in texts]
-    sessions = [Session(model, policy, SamplerParams(greedy=True), cache, scorer=r or o)
-                for r, o in zip(recorders, oracles)]
-    for s, ids in zip(sessions, texts):
-        s.prime([Segment((ids[0],), "user")], arena_capacity(model, cache, 1, len(ids) - 1))
-        s.stop_reason = "max_new_tokens"
     nll, totals, warm = ([[] for _ in texts], [Totals() for _ in texts],
                          [Totals() for _ in texts])
-    live = list(range(len(texts)))
-    for t in range(1, len(texts[0])):
-        live = [b for b in live if not sessions[b].full()]
-        if not live:
-            break
-        forces = [texts[b][t] for b in live]
-        records = ([sessions[live[0]].step(forces[0])] if rows_model is None
-                   else step_rows(rows_model, [sessions[b] for b in live], forces))
-        for b, rec in zip(live, records):
-            if warm[b].steps < skip:
-                warm[b].add(rec)
-            else:
-                nll[b].append(-rec.logprob)
-                totals[b].add(rec)
-            if tick:
-                tick()
+    sessions: list[Session | None] = [None] * len(texts)
+
+    def primed():  # each text's session, made as its place frees
+        for b, (ids, r, o) in enumerate(zip(texts, recorders, oracles)):
+            sessions[b] = Session(model, policy, SamplerParams(greedy=True), cache,
+                                  scorer=r or o)
+            sessions[b].prime([Segment((ids[0],), "user")],
+                              arena_capacity(model, cache, 1, len(ids) - 1))
+            yield b, sessions[b]
+
+    def stepped(b: int, rec) -> None:
+        if warm[b].steps < skip:
+            warm[b].add(rec)
+        else:
+            nll[b].append(-rec.logprob)
+            totals[b].add(rec)
+        if tick:
+            tick()
+
+    drive_rows(model, primed(), batch if len(texts) > 1 else 1, len(texts[0]) - 1,
+               ignore_eos=True, force=lambda b, k: texts[b][k + 1], on_step=stepped)
     out = []
     for b, (s, recorder) in enumerate(zip(sessions, recorders)):
         s.state.check_valid()
@@ -394,17 +390,12 @@ class Job:
     record: bool = False
 
     def run(self, model: Model, policy: TokenPolicy, ids: list[int], tick=None,
-            oracles: tuple[Oracle, ...] | None = None,
-            rows: tuple[int, Model] | None = None) -> list[Streamed]:
+            oracles: tuple[Oracle, ...] | None = None, batch: int = 1) -> list[Streamed]:
         """One ``Streamed`` per start; ``oracles``: the recording job's, one per start;
-        ``rows``: (B, the model for B rows): the starts run B at a time as a batch's rows."""
-        texts = [ids[s:s + self.tokens + 1] for s in self.starts]
-        oracles = oracles or (None,) * len(self.starts)
-        b, rows_model = rows or (1, None)
-        return [r for i in range(0, len(texts), b)
-                for r in streaming_rows(model, policy, texts[i:i + b], self.cache, tick,
-                                        self.tokens if self.record else 0, oracles[i:i + b],
-                                        self.skip, rows_model)]
+        ``batch``: the starts run that many at a time as a batch's rows."""
+        return streaming_rows(model, policy, [ids[s:s + self.tokens + 1] for s in self.starts],
+                              self.cache, tick, self.tokens if self.record else 0, oracles,
+                              self.skip, batch)
 
 
 def plan(cfg: QualityConfig, limit: int, room: range) -> list[Job]:
@@ -464,12 +455,7 @@ def _init_worker(model: str, dtype: str, device: str, ids: list[int], queue,
     torch.set_num_threads(1)  # one thread per worker: parallel runs, not parallel matmuls
     m = load_model(model, dtype, device)
     _WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), ids=ids, queue=queue,
-                   rows=_rows(m, batch))
-
-
-def _rows(model: Model, batch: int) -> tuple[int, Model] | None:
-    """``Job.run``'s rows: (B, the model for B rows), or None for one at a time."""
-    return (batch, for_rows(model, batch)) if batch > 1 else None
+                   batch=batch)
 
 
 def _run_job(i: int, job: Job, oracles: tuple[Oracle, ...] | None = None) -> list[Streamed]:
@@ -480,7 +466,7 @@ def _run_job(i: int, job: Job, oracles: tuple[Oracle, ...] | None = None) -> lis
         if count[0] % 16 == 0:
             w["queue"].put((i, 16))
 
-    return job.run(w["model"], w["policy"], w["ids"], tick, oracles, w["rows"])
+    return job.run(w["model"], w["policy"], w["ids"], tick, oracles, w["batch"])
 
 
 def _oracles(runs: list[Streamed]) -> tuple[Oracle, ...]:
@@ -496,9 +482,7 @@ def _given_ids(ids: list[int], _cfg: QualityConfig) -> list[int]:
 
 def _ray_job(item: tuple[Job, tuple[Oracle, ...] | None]) -> list[Streamed]:
     w = grid.WORKER
-    if "rows" not in w:  # the model for a batch's rows, made once a worker
-        w["rows"] = _rows(w["model"], w["cfg"].batch)
-    return item[0].run(w["model"], w["policy"], w["grid"], None, item[1], w["rows"])
+    return item[0].run(w["model"], w["policy"], w["grid"], None, item[1], w["cfg"].batch)
 
 
 def _on_ray(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool, ticks: list,
@@ -541,10 +525,11 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool,
             return _on_ray(cfg, jobs, ids, pool, ticks, finished)
         if workers == 1:
             model = load_model(cfg.model, cfg.dtype, cfg.device)
-            policy, rows = TokenPolicy(model.tokenizer), _rows(model, cfg.batch)
+            policy = TokenPolicy(model.tokenizer)
             for i in first + later:
                 results[i] = jobs[i].run(model, policy, ids, ticks[i],
-                                         _oracles(results[rec]) if i in later else None, rows)
+                                         _oracles(results[rec]) if i in later else None,
+                                         cfg.batch)
                 finished(i, results[i])
             return results
         import multiprocessing as mp
