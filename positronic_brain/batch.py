@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from .capture import NO_TAPE, BatchTape
 from .loop import Report, Session, arena_capacity
 from .model import Model, for_rows
 from .special_tokens import TokenPolicy
@@ -42,7 +43,8 @@ def drive_rows(model: Model, rows: Iterator[tuple[int, Session]], batch: int,
                max_new_tokens: int, ignore_eos: bool = False,
                on_done: Callable[[int, Report], None] | None = None,
                force: Callable[[int, int], int] | None = None,
-               on_step: Callable[[int, StepRecord], None] | None = None) -> None:
+               on_step: Callable[[int, StepRecord], None] | None = None,
+               on_batch: Callable[[list[int]], None] | None = None) -> None:
     """Step primed sessions ``batch`` at a time until each stops as ``Session.stream`` stops
     it (its ``max_new_tokens``, EOS unless ``ignore_eos``, a full arena, the positions):
     ``rows`` yields (index, session) pairs, taken only as places free (so a row's state is
@@ -50,7 +52,8 @@ def drive_rows(model: Model, rows: Iterator[tuple[int, Session]], batch: int,
     tape closed. ``model``: the sessions' model (stage 1 of a batch runs over
     ``for_rows`` of it); a batch of 1 steps each through ``Session.step``. ``force(index,
     k)``: the token row ``index``'s step ``k`` is given (teacher forcing); ``on_step(index,
-    record)`` is told of every step."""
+    record)`` is told of every step, ``on_batch(indices)`` of the rows each step steps
+    together (before it)."""
     require(batch >= 1, f"batch must be >= 1, got {batch}")
     require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
     stage1 = for_rows(model, batch) if batch > 1 else None
@@ -63,57 +66,76 @@ def drive_rows(model: Model, rows: Iterator[tuple[int, Session]], batch: int,
         if on_done is not None:
             on_done(*row)
 
-    while left or active:
-        while left and len(active) < batch:
-            nxt = next(rows, None)
-            if nxt is None:
-                left = False
-                break
-            nxt[1].stop_reason = "max_new_tokens"
-            active.append((nxt[0], Report(nxt[1], ignore_eos)))
-        for row in [r for r in active if len(r[1].steps) >= max_new_tokens
-                    or r[1].session.full()]:
-            finish(row)
-        if not active or (left and len(active) < batch):
-            continue  # a finished row's place goes to the next one first
-        sessions = [r[1].session for r in active]
-        forces = [force(i, len(r.steps)) if force else None for i, r in active]
-        records = ([sessions[0].step(forces[0])] if stage1 is None
-                   else step_rows(stage1, sessions, forces))
-        for row, rec in zip(list(active), records):
-            row[1].add(rec)
-            if on_step is not None:
-                on_step(row[0], rec)
-            if not ignore_eos and row[1].session.policy.is_eos(rec.token_id):
-                row[1].session.stop_reason = "eos"
+    try:
+        while left or active:
+            while left and len(active) < batch:
+                nxt = next(rows, None)
+                if nxt is None:
+                    left = False
+                    break
+                nxt[1].stop_reason = "max_new_tokens"
+                active.append((nxt[0], Report(nxt[1], ignore_eos)))
+            for row in [r for r in active if len(r[1].steps) >= max_new_tokens
+                        or r[1].session.full()]:
                 finish(row)
+            if not active or (left and len(active) < batch):
+                continue  # a finished row's place goes to the next one first
+            sessions = [r[1].session for r in active]
+            forces = [force(i, len(r.steps)) if force else None for i, r in active]
+            if on_batch is not None:
+                on_batch([i for i, _ in active])
+            records = ([sessions[0].step(forces[0])] if stage1 is None
+                       else step_rows(stage1, sessions, forces))
+            for row, rec in zip(list(active), records):
+                row[1].add(rec)
+                if on_step is not None:
+                    on_step(row[0], rec)
+                if not ignore_eos and row[1].session.policy.is_eos(rec.token_id):
+                    row[1].session.stop_reason = "eos"
+                    finish(row)
+    except BaseException as e:  # each row in flight keeps what it recorded, marked unfinished
+        for _, report in active:
+            report.session.tape.close(type(e).__name__, complete=False)
+        raise
 
 
 def run_rows(model: Model, policy: TokenPolicy, prompts: Sequence[list[Segment]],
              sampler: SamplerParams, batch: int, max_new_tokens: int = 64,
              ignore_eos: bool = False, capacity: int | None = None,
              cache_params: CacheParams | None = None,
-             on_result: Callable[[int, dict], None] | None = None) -> list[dict]:
+             on_result: Callable[[int, dict, Session], None] | None = None,
+             tape: BatchTape | None = None) -> list[dict]:
     """``loop.run`` of each prompt (its segments), ``batch`` rows at a time (``drive_rows``):
     the results in input order, each the object ``run`` returns for that prompt alone (its
     tokens the same but where float rounding tips a choice: a product of several rows may
-    add in another order); ``on_result(i, result)`` is told of each as its row finishes. A
-    batch of 1 steps each row alone, as ``run`` does."""
+    add in another order); ``on_result(i, result, session)`` is told of each as its row
+    finishes. A
+    batch of 1 steps each row alone, as ``run`` does. ``tape``: the batch's capture (each
+    row's tape and the rows each step stepped together), closed when the batch ends."""
     cache_params = cache_params or CacheParams()
     results: list[dict | None] = [None] * len(prompts)
 
     def primed() -> Iterator[tuple[int, Session]]:
         for i, segments in enumerate(prompts):
-            session = Session(model, policy, sampler, cache_params)
-            n_prompt = sum(len(s.ids) for s in segments)
-            session.prime(segments, capacity or arena_capacity(model, cache_params, n_prompt,
+            ids = [t for s in segments for t in s.ids]
+            session = Session(model, policy, sampler, cache_params,
+                              tape=NO_TAPE if tape is None else tape.row(i, ids))
+            session.prime(segments, capacity or arena_capacity(model, cache_params, len(ids),
                                                                 max_new_tokens))
             yield i, session
 
     def done(i: int, report: Report) -> None:
         results[i] = report.result()
         if on_result is not None:
-            on_result(i, results[i])
+            on_result(i, results[i], report.session)
 
-    drive_rows(model, primed(), batch, max_new_tokens, ignore_eos, done)
+    try:
+        drive_rows(model, primed(), batch, max_new_tokens, ignore_eos, done,
+                   on_batch=None if tape is None else tape.stepped)
+    except BaseException:
+        if tape is not None:
+            tape.close(complete=False)
+        raise
+    if tape is not None:
+        tape.close()
     return results

@@ -41,6 +41,7 @@ from .version import __version__
 
 FORMAT = 9
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
+BATCH = "batch.json"  # a batch capture's record of its rows and steps (``BatchTape``)
 EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step
 RESTORE = "s0_restore"  # stage 0 writing a whole saved state (a session file), named likewise
 FILE_KEYS = ("format", "stage", "step", "model", "inputs", "outputs", "cache_len", "arena_version")
@@ -187,6 +188,24 @@ def manifest(model: Model, sampler: SamplerParams, params: CacheParams, prompt_i
         "scorer_sha256": user.file_sha256(params.scorer.name), "prompt_ids": prompt_ids}
 
 
+def new_folder(root: str | os.PathLike, run_id: str | None = None) -> Path:
+    """A capture's own new folder ``root/<run-id>``: ``run_id``, which must be free, or a
+    generated one (the time and process, with the next free suffix)."""
+    given = run_id is not None
+    base = run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    for i in range(1, 1000):
+        folder = Path(root) / (base if i == 1 else f"{base}-{i}")
+        try:
+            folder.mkdir(parents=True, exist_ok=False)
+            return folder
+        except FileExistsError:
+            if given:
+                raise UserError(f"capture folder {folder} exists already") from None
+        except OSError as e:
+            raise UserError(f"cannot create capture folder {folder}: {e.strerror}") from None
+    raise UserError(f"no free capture folder for {base} in {root}")
+
+
 class CaptureTape(Tape):
     """Writes one run folder. ``level`` is ``light`` (stage files) or ``full`` (also the
     whole live state before each stage-1 call)."""
@@ -194,19 +213,8 @@ class CaptureTape(Tape):
     def __init__(self, root: str | os.PathLike, manifest: dict, level: str = "light",
                  run_id: str | None = None):
         require(level in ("light", "full"), f"capture level must be light or full, got {level!r}")
-        given = run_id is not None
-        base = run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
-        for i in range(1, 1000):  # a generated id takes the next free suffix; a given one must be free
-            run_id = base if i == 1 else f"{base}-{i}"
-            self.dir = Path(root) / run_id
-            try:
-                self.dir.mkdir(parents=True, exist_ok=False)
-                break
-            except FileExistsError:
-                if given:
-                    raise UserError(f"capture folder {self.dir} exists already") from None
-            except OSError as e:
-                raise UserError(f"cannot create capture folder {self.dir}: {e.strerror}") from None
+        self.dir = new_folder(root, run_id)
+        run_id = self.dir.name
         self.model = manifest.get("fingerprint", manifest.get("model"))
         self.manifest = {"format": FORMAT, "run_id": run_id, "level": level,
                          "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "versions": versions(),
@@ -321,6 +329,51 @@ class CaptureTape(Tape):
         self._unsaved = 0
 
 
+def row_name(index: int) -> str:
+    """The run folder of a batch's row ``index`` (its prompt's place in the input)."""
+    return f"row-{index:06d}"
+
+
+class BatchTape:
+    """Writes a batch's capture (``run --prompts --capture``): the folder ``root/<run-id>/``
+    holds one run folder a row (``row_name``: a whole capture of that row, its manifest
+    naming the batch) and ``BATCH`` (the batch's size, and which rows stepped together at
+    each of its steps, each at its own step): a row's stage 1 ran in one product with the
+    others', so replay steps them together again (``replay.replay_batch``)."""
+
+    def __init__(self, root: str | os.PathLike, manifest: dict, level: str, size: int):
+        require(level in ("light", "full"), f"capture level must be light or full, got {level!r}")
+        self.dir = new_folder(root)
+        self.manifest, self.level = manifest, level
+        self.steps: dict[int, int] = {}  # a row's steps so far
+        self.record = {"format": FORMAT, "run_id": self.dir.name, "size": size, "rows": [],
+                       "schedule": [], "complete": False}
+        self._write()
+
+    def row(self, index: int, prompt_ids: list[int]) -> CaptureTape:
+        """Row ``index``'s tape (its prompt ``prompt_ids``)."""
+        self.record["rows"].append(row_name(index))
+        self.steps[index] = 0
+        return CaptureTape(self.dir, {**self.manifest, "prompt_ids": prompt_ids, "batch": {
+            "run_id": self.dir.name, "row": index, "size": self.record["size"]}},
+            self.level, run_id=row_name(index))
+
+    def stepped(self, rows: list[int]) -> None:
+        """``rows`` (their indices) step together now, each its next step."""
+        for i in rows:
+            self.steps[i] += 1
+        self.record["schedule"].append([[i, self.steps[i]] for i in rows])
+        if len(self.record["schedule"]) % MANIFEST_EVERY == 0:
+            self._write()
+
+    def close(self, complete: bool = True) -> None:
+        self.record["complete"] = complete
+        self._write()
+
+    def _write(self) -> None:
+        atomic_write(self.dir / BATCH, json.dumps(self.record).encode())
+
+
 def _to_bytes(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -392,23 +445,68 @@ def reads_capture(fn):
     return checked
 
 
-def resolve_run(path: str | os.PathLike) -> Path:
-    """A run folder, or a capture root holding exactly one run."""
-    path = Path(path)
+def _one(path: Path) -> Path:
+    """``path`` if it is a run or batch folder, else the one run or batch a capture root holds."""
     require(path.is_dir(), f"{path}: no such capture folder")
-    if (path / "manifest.json").is_file():
+    if (path / "manifest.json").is_file() or (path / BATCH).is_file():
         return path
-    runs = sorted(p for p in path.iterdir() if (p / "manifest.json").is_file())
+    runs = sorted(p for p in path.iterdir()
+                  if (p / "manifest.json").is_file() or (p / BATCH).is_file())
     require(len(runs) == 1, f"{path} holds {len(runs)} capture runs; name one of them" if runs
             else f"{path}: no manifest.json here: not a capture run folder")
     return runs[0]
 
 
+def read_batch(folder: Path) -> dict:
+    """A batch capture's record (``BATCH``), checked."""
+    path = folder / BATCH
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: unreadable ({type(e).__name__})") from None
+    require(isinstance(record, dict) and record.get("format") == FORMAT
+            and isinstance(record.get("rows"), list) and isinstance(record.get("schedule"), list),
+            f"{path}: not a batch capture of format {FORMAT}")
+    return record
+
+
+def batch_of(path: str | os.PathLike, row: int | None = None) -> tuple[Path, int | None] | None:
+    """The batch capture ``path`` names and the row asked for: a batch folder (or a root
+    holding one) and ``row``, or a row's run folder and its row; None for a run of one
+    prompt (``row`` refused)."""
+    path = _one(Path(path))
+    if (path / BATCH).is_file():
+        return path, row
+    batch = read_manifest(path).get("batch")
+    if batch is None:
+        require(row is None, f"--row {row}: {path} is a run of one prompt, not a batch capture")
+        return None
+    require(row in (None, batch["row"]), f"--row {row}: {path} is row {batch['row']}")
+    return path.parent, batch["row"]
+
+
+def resolve_run(path: str | os.PathLike, row: int | None = None) -> Path:
+    """A run folder: ``path``, the one run a capture root holds, or with ``row`` that row's
+    of a batch capture (which has no run of its own without one)."""
+    path = _one(Path(path))
+    if not (path / BATCH).is_file():
+        require(row is None or read_manifest(path).get("batch", {}).get("row") == row,
+                f"--row {row}: {path} is not a batch capture")
+        return path
+    rows = read_batch(path)["rows"]
+    require(row is not None, f"{path} is a batch capture of {len(rows)} rows: name one "
+            "with --row I (0 for the first prompt)")
+    require(row_name(row) in rows, f"--row {row}: {path} has no such row (its rows: "
+            f"{', '.join(r.removeprefix('row-').lstrip('0') or '0' for r in rows[:8])}"
+            f"{', ...' if len(rows) > 8 else ''})")
+    return path / row_name(row)
+
+
 class CaptureRun:
     """A run folder, checked against its manifest; its files by step and stage."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.dir = resolve_run(path)
+    def __init__(self, path: str | os.PathLike, row: int | None = None):
+        self.dir = resolve_run(path, row)
         self.manifest = read_manifest(self.dir)
         self.fingerprint = self.manifest.get("fingerprint")
         self.device = torch.device("cpu")  # where loaded tensors go: replay sets its model's

@@ -8,7 +8,10 @@ state it had before step T, unless the seed changes). A fork's capture holds the
 files of the steps before T, byte for byte, then its own, and names its parent run and step:
 it replays like any capture. Forced tokens (teacher forcing) are not carried on: a fork
 samples. A fork keeps the parent's arena (its capacity) and cold store: recall cannot be
-switched on where the parent had none.
+switched on where the parent had none. A row of a batch capture (``--row``) forks alone: its
+stage 1 from T on reads that row only, not one product over the batch's rows, so the fork
+follows the row within float rounding, not bit for bit, and its capture replays within the
+dtype's tolerance (the steps copied from the batch's row ran in that product).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from .types import SamplerParams, require
 
 # the parent's manifest keys a fork's capture does not inherit (its own run's)
 OWN = ("format", "run_id", "level", "created", "versions", "complete", "stop_reason",
-       "last_step", "last_file", "files", "parent", "scorer_sha256")
+       "last_step", "last_file", "files", "parent", "scorer_sha256", "batch")
 
 
 @reads_capture
@@ -84,7 +87,7 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
                        "sampler": dataclasses.asdict(new_sampler)},
             "scorer_sha256": user.file_sha256(cache_params.scorer.name),
             "parent": {"run": str(run.dir.resolve()), "run_id": manifest.get("run_id"),
-                       "step": step}},
+                       "step": step, "batch": manifest.get("batch", {}).get("size", 1)}},
             level=level)
         session.tape.copy_from(copied, step, state)
     out = drive(session, max_new_tokens, ignore_eos, on_text)

@@ -78,6 +78,10 @@ def inspect_run(run: CaptureRun, console: Console, step: int | None = None, last
         info.add_row(k, str(manifest.get(k)))
     info.add_row("compiled", compile_mode(manifest.get("compiled")) or "no")
     info.add_row("threads", str(manifest.get("threads", "not recorded")))
+    if "batch" in manifest:
+        b = manifest["batch"]
+        info.add_row("batch", f"row {b['row']} of batch {b['run_id']} (stepped {b['size']} "
+                     "rows at a time)")
     for k, v in (manifest.get("params") or {}).items():
         info.add_row(k, _short(v))
     for f in run.restores():
@@ -141,7 +145,7 @@ def write_page(run: CaptureRun, out: str, last: int | None = None) -> Path:
 
 @reads_capture
 def main(path: str, step: int | None = None, last: int | None = None, out=None,
-         html: str | None = None) -> int:
+         html: str | None = None, row: int | None = None) -> int:
     console = Console(file=out, highlight=False)
     p = Path(path)
     require(p.exists(), f"{p}: no such file or folder")
@@ -149,10 +153,11 @@ def main(path: str, step: int | None = None, last: int | None = None, out=None,
     if html is not None:
         require(p.is_dir(), f"{p}: --html draws a capture run folder, not one file")
         require(step is None, "--step: the page has a slider over every step (or #step=T)")
-        written = write_page(CaptureRun(p), html, last)
+        written = write_page(CaptureRun(p, row), html, last)
         print(f"wrote {written}", file=sys.stderr)
     elif p.is_file():
+        require(row is None, f"--row {row}: {p} is one capture file")
         inspect_file(p, console)
     else:
-        inspect_run(CaptureRun(p), console, step, last)
+        inspect_run(CaptureRun(p, row), console, step, last)
     return 0

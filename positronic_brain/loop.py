@@ -227,20 +227,24 @@ class Session:
 
 def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: SamplerParams,
         max_new_tokens: int = 64, ignore_eos: bool = False, capacity: int | None = None,
-        on_text=None, cache_params: CacheParams | None = None, tape: Tape = NO_TAPE) -> dict:
+        on_text=None, cache_params: CacheParams | None = None, tape: Tape = NO_TAPE,
+        on_end: Callable[[Session], None] | None = None) -> dict:
     """Prime and generate; returns the run as plain JSON-ready values (``totals``: the
     run's ``Totals``).
 
     ``capacity`` defaults to ``arena_capacity`` for the prompt and ``max_new_tokens``.
-    ``on_text(delta)`` receives the streamed text. The tape is closed when the run ends
-    (marked incomplete if it fails).
+    ``on_text(delta)`` receives the streamed text; ``on_end(session)`` the session when it
+    stops (to save it). The tape is closed when the run ends (marked incomplete if it fails).
     """
     cache_params = cache_params or CacheParams()
     n_prompt = sum(len(s.ids) for s in segments)
     capacity = capacity or arena_capacity(model, cache_params, n_prompt, max_new_tokens)
     session = Session(model, policy, sampler, cache_params, tape=tape)
-    return drive(session, max_new_tokens, ignore_eos, on_text,
-                 lambda: session.prime(segments, capacity))
+    result = drive(session, max_new_tokens, ignore_eos, on_text,
+                   lambda: session.prime(segments, capacity))
+    if on_end is not None:
+        on_end(session)
+    return result
 
 
 def drive(session: Session, max_new_tokens: int, ignore_eos: bool = False, on_text=None,

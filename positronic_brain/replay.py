@@ -27,16 +27,18 @@ import torch
 from rich.console import Console
 
 from . import native, threads
-from .capture import (EXTEND, RESTORE, STAGES, CaptureRun, StageFile, StepFiles,
+from .capture import (EXTEND, RESTORE, STAGES, CaptureRun, StageFile, StepFiles, batch_of,
                       extend_outputs, file_name, gen_outputs, head_map, manifest_params,
-                      prime_outputs, reads_capture, view_columns, view_ledger)
-from .model import Model, compile_flag, compile_mode, device_kind, load_model, resolve_device
+                      prime_outputs, read_batch, reads_capture, row_name, view_columns,
+                      view_ledger)
+from .model import (Model, compile_flag, compile_mode, device_kind, for_rows, load_model,
+                    resolve_device)
 from .plain import to_plain
 from .sampler import make_generator
 from .scorers import columns_of, make_scorer, prefill_scorer, user
 from .stages.apply import add_columns, add_heads, apply, extend, prime, restore
 from .stages.decide import decide
-from .stages.generate import generate
+from .stages.generate import generate, generate_rows
 from .stages.score import recall_query, score
 from .state import State, gathered, restore_args
 from .types import require
@@ -60,6 +62,7 @@ class ReplayReport:
     mismatches: list[Mismatch] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     tolerance: float | None = None  # None: compared bit for bit (the capture's own device)
+    rows: int = 1  # a batch's rows replayed (their steps counted together)
 
     @property
     def ok(self) -> bool:
@@ -124,6 +127,7 @@ class _Replay:
         self.run, self.model, self.report = run, model, report
         self.only_stage, self.only_step = stage, step
         self.state: State | None = None
+        self.scorer = None  # the step's scorer (``begin``)
         captured_on = str(torch.device(run.manifest.get("device", "cpu")))
         here = str(model.device)
         kind, here_kind = run.manifest.get("device_kind"), device_kind(model.device)
@@ -133,6 +137,10 @@ class _Replay:
         if captured_on == here and ran != runs:  # the same device, other native kernels
             captured_on, here = (f"{captured_on} with native kernels {ran or 'not recorded'}",
                                  f"{here} with native kernels {runs}")
+        batch = (run.manifest.get("parent") or {}).get("batch", 1)
+        if captured_on == here and batch > 1:  # a fork of a row: its first steps ran batched
+            captured_on, here = (f"{captured_on} in a batch of {batch} rows (the steps the "
+                                 "fork copied)", f"{here} alone")
         if captured_on != here:
             report.tolerance = TOLERANCE[run.manifest["dtype"]]
             report.notes.append(f"captured on {captured_on}, replayed on {here}: "
@@ -202,15 +210,23 @@ class _Replay:
 
     def step(self, files: StepFiles) -> None:
         """Stages 1-4 of one step, each from the captured outputs of the stage before it; the
-        captured generate output and actions re-applied rebuild the next state. The view
-        stage 1 recorded must be the rebuilt state's. A step whose scorer keeps columns the
-        state lacks (a fork with another policy) first gives the state them at their birth
-        values, as ``Session`` did when it took the state over (stage 0)."""
-        scorer = make_scorer(files.cache_params)
-        add_columns(self.state, columns_of(scorer))
+        captured generate output and actions re-applied rebuild the next state."""
+        view = self.begin(files)
+        if self.wanted(files.generate.stage, files.step):
+            sampler, rng, force = self.draw(files)
+            self.check(files.generate, gen_outputs(generate(self.model, view, sampler, rng, force)))
+        self.settle(files, view)
+
+    def begin(self, files: StepFiles):
+        """A step's start: the view stage 1 read, which must be the rebuilt state's. A step
+        whose scorer keeps columns the state lacks (a fork with another policy) first gives
+        the state them at their birth values, as ``Session`` did when it took the state over
+        (stage 0)."""
+        self.scorer = make_scorer(files.cache_params)
+        add_columns(self.state, columns_of(self.scorer))
         if files.cache_params.allocation.per_head:  # a fork that went on per head
             add_heads(self.state)
-        t, view, model = files.step, self.state.view(), self.model
+        t, view = files.step, self.state.view()
         if files.state is not None:
             _check_state(files.state, self.state, f"state_{t:06d}.pt", self.report)
         for f in files.stages[:3]:
@@ -223,18 +239,27 @@ class _Replay:
         g = files.generate
         self.report.mismatches += [Mismatch(g.name, f"inputs.view.{k}", d) for k, d in diff(
             to_plain(view_columns(view)), files.view, tol=self.report.tolerance)]
-        if self.wanted(g.stage, t):  # 1) from the captured sampler and generator state
-            rng, force = make_generator(0, model.device), g.args["force"]
-            if self.report.tolerance is None:
-                rng.set_state(g.args["generator_state"].cpu())
-            else:  # the draw happened on another device: take its token
-                force = files.gen.token_id
-            out = generate(model, view, g.args["sampler"], rng, force)
-            self.check(g, gen_outputs(out))
-        params = files.cache_params
+        return view
+
+    def draw(self, files: StepFiles) -> tuple:
+        """Stage 1's sampler, generator (in its captured state) and forced token; on another
+        device the captured token is given (the draw happened there)."""
+        g = files.generate
+        rng, force = make_generator(0, self.model.device), g.args["force"]
+        if self.report.tolerance is None:
+            rng.set_state(g.args["generator_state"].cpu())
+        else:
+            force = files.gen.token_id
+        return g.args["sampler"], rng, force
+
+    def settle(self, files: StepFiles, view) -> None:
+        """Stages 2-4 of the step ``begin`` started: 2 and 3 from the captured outputs of the
+        stage before them, 4 re-applying the captured ones (the next state)."""
+        t, params, model = files.step, files.cache_params, self.model
         if self.wanted(files.score.stage, t):  # 2) score the captured attention
             recall = recall_query(view, files.gen, params, model.compiled)
-            self.check(files.score, {"out": score(view, files.gen.attention, scorer, recall)})
+            self.check(files.score, {"out": score(view, files.gen.attention, self.scorer,
+                                                  recall)})
         if self.wanted(files.decide.stage, t):  # 3) decide from the captured scores
             self.check(files.decide, {"out": decide(model, view, files.scores, params)})
         patch = apply(model, self.state, files.gen, files.actions)  # 4) rebuilds the next state
@@ -297,13 +322,17 @@ def rebuild(run: CaptureRun, model: Model, before: int) -> tuple[State, list[int
 @reads_capture
 def replay(run_dir: str | Path, stage: str | None = None, step: int | None = None,
            model: Model | None = None, progress: Callable[[int, int], None] | None = None,
-           device: str | None = None) -> ReplayReport:
+           device: str | None = None, row: int | None = None) -> ReplayReport:
     """Replay a run folder; ``stage``/``step`` restrict which files are compared (the state
     is still rebuilt from every patch before them). The model loads onto ``device``
-    (default: the capture's, if this machine has it, else the CPU). Bad files raise
-    ``UserError``."""
+    (default: the capture's, if this machine has it, else the CPU). A batch capture, or a
+    row of one, replays as a batch (``replay_batch``; ``row``: compare only that row's).
+    Bad files raise ``UserError``."""
     require(stage is None or stage in (*STAGES, EXTEND, RESTORE), f"unknown stage {stage!r}; "
             f"expected one of {', '.join((*STAGES, EXTEND, RESTORE))}")
+    batch = batch_of(run_dir, row)
+    if batch is not None:
+        return replay_batch(*batch, stage, step, model, progress, device)
     run, model = open_run(run_dir, model, device)
     manifest, steps = run.manifest, run.steps
     report = ReplayReport(str(run.dir))
@@ -340,6 +369,78 @@ def _replay_steps(run, model: Model, report: ReplayReport, stage: str | None,
     return report
 
 
+def replay_batch(folder: Path, row: int | None, stage: str | None, step: int | None,
+                 model: Model | None, progress, device: str | None) -> ReplayReport:
+    """``replay`` of a batch capture (``capture.BatchTape``): every row rebuilt, and the rows
+    that stepped together stepped together again, stage 1 in one product over them as the
+    batch ran it (``generate_rows`` over ``for_rows`` of the model, or each alone in a batch
+    of one); each row's stages compared as a run's are, only row ``row``'s if given (the
+    others still rebuilt: its stage 1 shared their product). ``step``: a row's step."""
+    record = read_batch(folder)
+    rows = {int(name.removeprefix("row-")): name for name in record["rows"]}
+    require(rows, f"{folder}: the batch captured no row")
+    require(row is None or row in rows, f"--row {row}: {folder} has no such row")
+    runs, reports = {}, {}
+    for i, name in rows.items():
+        runs[i], model = open_run(folder / name, model, device)
+        reports[i] = ReplayReport(str(folder / name))
+        if not runs[i].manifest.get("complete"):
+            reports[i].notes.append(f"{name} did not complete (stopped: "
+                                    f"{runs[i].manifest.get('stop_reason')})")
+    replays = {i: _Replay(runs[i], model, reports[i], stage if row in (None, i) else "", step)
+               for i in rows}
+    with threads.running(runs[min(rows)].manifest.get("threads")):
+        for r in replays.values():
+            r.start()
+        _step_batch(record, runs, replays, model, step, progress)
+    return _merged(folder, {i: reports[i] for i in rows if row in (None, i)})
+
+
+def _step_batch(record: dict, runs: dict, replays: dict, model: Model, step: int | None,
+                progress) -> None:
+    """``replay_batch``'s steps: the rows of each batch step as they stepped together."""
+    stage1 = for_rows(model, record["size"]) if record["size"] > 1 else None
+    schedule = record["schedule"]
+    for k, together in enumerate(schedule):
+        files = [(replays[i], runs[i].step(t, state=step in (None, t))) for i, t in together]
+        cut = [(i, t) for (i, t), (_, f) in zip(together, files) if f is None]
+        if cut:
+            replays[cut[0][0]].report.notes.append(f"step {cut[0][1]} was not captured whole; "
+                                                   "the batch's replay stops before it")
+            return
+        views = [r.begin(f) for r, f in files]
+        wanted = [r.wanted(f.generate.stage, f.step) for r, f in files]
+        if any(wanted):
+            draws = [r.draw(f) for r, f in files]
+            gens = ([generate(model, views[0], *draws[0])] if stage1 is None else
+                    generate_rows(stage1, views, *map(list, zip(*draws))))
+            for (r, f), w, gen in zip(files, wanted, gens):
+                if w:
+                    r.check(f.generate, gen_outputs(gen))
+        for (r, f), view in zip(files, views):
+            r.settle(f, view)
+            r.between(f.step)
+            r.state.check_valid()
+            r.report.steps += 1
+        if progress:
+            progress(k + 1, len(schedule))
+
+
+def _merged(folder: Path, reports: dict[int, ReplayReport]) -> ReplayReport:
+    """The rows' reports as one, each mismatch naming its row's folder."""
+    first = next(iter(reports.values()))
+    out = ReplayReport(str(folder) if len(reports) > 1 else first.run_dir,
+                       tolerance=first.tolerance, rows=len(reports))
+    for i, r in reports.items():
+        out.steps += r.steps
+        for stage, n in r.compared.items():
+            out.compared[stage] = out.compared.get(stage, 0) + n
+        out.mismatches += [Mismatch(f"{row_name(i)}/{m.file}", m.key, m.detail)
+                           for m in r.mismatches]
+        out.notes += [n for n in r.notes if n not in out.notes]
+    return out
+
+
 def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
     """Compare a ``full`` state file with the rebuilt state, slot order ignored (by uid; a
     per-head cache's slots as they are, each head's map naming its ledger rows)."""
@@ -361,17 +462,19 @@ def _check_state(snap: dict, state, name: str, report: ReplayReport) -> None:
 
 
 def main(run_dir: str, stage: str | None, step: int | None, out=None,
-         device: str | None = None) -> int:
+         device: str | None = None, row: int | None = None) -> int:
     """The ``replay`` command: exit 0 if everything matches, 1 on a mismatch."""
     console = Console(file=out, stderr=out is None, highlight=False)
     if device is not None:
         resolve_device(device)  # a bad device is refused before the capture is read
-    report = replay(run_dir, stage, step, device=device)
+    report = replay(run_dir, stage, step, device=device, row=row)
     for note in report.notes:
         console.print(f"note: {note}")
     counts = ", ".join(f"{n} {s}" for s, n in report.compared.items()) or "nothing"
     if report.ok:
-        console.print(f"replay OK: {report.steps} steps of {report.run_dir}; compared {counts}; "
+        rows = f" ({report.rows} rows)" if report.rows > 1 else ""
+        console.print(f"replay OK: {report.steps} steps of {report.run_dir}{rows}; compared "
+                      f"{counts}; "
                       + ("all bit-exact" if report.tolerance is None
                          else "all within the tolerance"))
         return 0
@@ -381,4 +484,5 @@ def main(run_dir: str, stage: str | None, step: int | None, out=None,
     return 1
 
 
-__all__ = ["Mismatch", "ReplayReport", "diff", "main", "open_run", "rebuild", "replay"]
+__all__ = ["Mismatch", "ReplayReport", "diff", "main", "open_run", "rebuild", "replay",
+           "replay_batch"]

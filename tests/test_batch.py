@@ -193,7 +193,7 @@ def test_rows_finish_on_their_own_and_others_take_their_place(tiny_model, tiny_p
     order = []
     rows = run_rows(tiny_model, tiny_policy, prompts, GREEDY, 2, max_new_tokens=200,
                     ignore_eos=True, capacity=capacity,
-                    on_result=lambda i, r: order.append(i))
+                    on_result=lambda i, r, s: order.append(i))
     for p, row in zip(prompts, rows):
         solo = run(tiny_model, tiny_policy, p, GREEDY, max_new_tokens=200, ignore_eos=True,
                    capacity=capacity)
@@ -264,7 +264,6 @@ def test_run_prompts_prints_each_prompts_run_in_input_order(capsys, tmp_path, ti
     ("one\n" + "word " * 20 + "\n", ("--capacity", "12"), "line 2: the prompt is"),
     ("one\n", ("--batch", "2", "--device-map", "balanced"), "it takes no --device-map"),
     ("one\n", ("--batch", "0"), "--batch must be >= 1, got 0"),
-    ("one\n", ("--capture", "CAP"), "--capture records one run"),
 ])
 def test_run_prompts_refuses_bad_input_before_any_work(capsys, tmp_path, lines, flags, message):
     path = tmp_path / "prompts.txt"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import tempfile
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,19 +23,22 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 from positronic_brain import options
+from positronic_brain.batch import step_rows
+from positronic_brain.capture import Tape
 from positronic_brain.loop import Session
+from positronic_brain.model import for_rows
 from positronic_brain.sampler import make_generator
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import apply, extend
 from positronic_brain.stages.decide import decide, removals_needed, merge_pair
-from positronic_brain.stages.generate import generate
+from positronic_brain.stages.generate import generate, generate_rows
 from positronic_brain.stages.score import recall_query, score
 from positronic_brain.state import FLAG_PROTECTED
 from positronic_brain.types import (SOURCES, Actions, MergeRepair, SamplerParams, Segment, Swap,
                                    UserError)
 from tests.oracle import assert_close, hf_step_logits
 from tests.test_properties_readonly import SETTINGS, cache_params, prompts, samplers, token_ids
-from tests.tolerance import ORACLE
+from tests.tolerance import ORACLE, apart
 
 GREEDY = SamplerParams(greedy=True)
 
@@ -375,4 +377,136 @@ def test_the_loop_with_recall_never_loses_a_uid(tiny_model, tiny_policy):
     print(seen)
     for kind in ("step", "decide_cull", "decide_recall", "decide_reindex", "cull", "recall",
                  "reindex", "export_import"):
+        assert seen.get(kind), f"no {kind} in {seen}"
+
+
+class _Recording(Tape):
+    """A row's tape here: keeps its last step's stage-1 output and actions, and the uids its
+    culls name (read before stage 4 writes the ledger the view reads)."""
+
+    def generated(self, view, sampler, force, gen) -> None:
+        self.view, self.gen = view, gen
+
+    def decided(self, cache_params, actions) -> None:
+        self.actions = actions
+        self.culled = [int(self.view.uid[s]) for s in actions.cull_slots]
+
+
+class Row:
+    """One row of the batch machine: LoopMachine's plain model of one session (its
+    bookkeeping, edits and invariant), stepped by the batch."""
+
+    seen = Counter()
+    params = staticmethod(lambda: st.one_of(loop_params(), recall_params()).filter(
+        lambda c: c.allocation.kind != "turns"))  # a refused turn would stop every row
+
+    def __init__(self, model, policy):
+        self.model, self.policy = model, policy
+
+
+for _name in ("_enter", "_apply", "_protected", "_unpinned", "_pairs", "_slot", "_generate", "n",
+              "_room", "_can_step", "prime", "cull", "repair", "recall", "reindex",
+              "extend_turn", "matches_the_model"):
+    setattr(Row, _name, vars(LoopMachine)[_name])
+
+
+ROWS = 3  # the batch's rows at most (its stage 1 packed for them)
+
+
+class BatchMachine(RuleBasedStateMachine):
+    """A batch of rows against one plain model each: rows start (each with cache parameters
+    and a sampler of its own), finish and are edited by hand on their own; a batch step
+    steps every row that can, stage 1 in one product over them (``batch.step_rows``), and
+    each row's model follows what its own stage 3 decided. After every rule each row equals
+    its model, and the batch's stage 1 gives each row its own forward's logits."""
+
+    model = policy = None
+    seen = Counter()
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[Row] = []
+
+    @precondition(lambda self: len(self.rows) < ROWS)
+    @rule(segments=prompts(max_len=10), data=st.data(), sampler=samplers,
+          slack=st.integers(1, 24))
+    def start_row(self, segments, data, sampler, slack):
+        row = Row(self.model, self.policy)
+        Row.prime(row, segments, data, sampler, slack)
+        row.session.tape = _Recording()
+        self.rows.append(row)
+        self.seen["start"] += 1
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data())
+    def finish_row(self, data):
+        self.rows.pop(data.draw(st.integers(0, len(self.rows) - 1)))
+        self.seen["finish"] += 1
+
+    @precondition(lambda self: any(r._can_step() for r in self.rows))
+    @rule(count=st.integers(1, 4))
+    def batch_steps(self, count):
+        for _ in range(count):
+            rows = [r for r in self.rows if r._can_step()]
+            if not rows:
+                break
+            need = [removals_needed(r.n, r.cache.budget) for r in rows]
+            step_rows(for_rows(self.model, ROWS), [r.session for r in rows])
+            for r, n in zip(rows, need):
+                tape = r.session.tape
+                a, culled = tape.actions, tape.culled
+                touched = set(culled) | {u for m in a.merges for u in m.uids}
+                assert not touched & r._protected(), "decide touched a protected token"
+                assert len(touched) - len(a.merges) == n, "decide removed other than needed"
+                r._apply(tape.gen, culled, a.merges, a.reindex, a.swaps, a.cold_keep)
+                self.seen.update(decide_cull=len(culled), decide_repair=len(a.merges),
+                                 decide_reindex=a.reindex, decide_recall=len(a.swaps))
+            self.seen["batch step"] += 1
+            self.seen[f"batch step of {len(rows)}"] += 1
+            self.rows_match()
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data(), edit=st.sampled_from(("cull", "repair", "recall", "reindex",
+                                                "extend_turn")))
+    def edit_row(self, data, edit):
+        """A hand-made edit of one row alone (the others untouched)."""
+        row = self.rows[data.draw(st.integers(0, len(self.rows) - 1))]
+        ready = {"cull": row._room() and row._unpinned(), "repair": row._room() and row._pairs(),
+                 "recall": row._room() and row.cold and row._unpinned(),
+                 "reindex": row._room(), "extend_turn": row._room()}
+        if not ready[edit]:
+            return
+        args = {"reindex": (), "extend_turn": (data, data.draw(st.sampled_from(SOURCES)))}
+        getattr(Row, edit)(row, *args.get(edit, (data,)))
+        self.seen[f"edit {edit}"] += 1
+
+    @invariant()
+    def rows_match(self):
+        for row in self.rows:
+            row.matches_the_model()
+
+    @invariant()
+    def batch_stage1_is_each_rows(self):
+        if not self.rows:
+            return
+        views = [r.session.state.view() for r in self.rows]
+        gens = generate_rows(for_rows(self.model, ROWS), views, [GREEDY] * len(views),
+                             [make_generator(0) for _ in views], [None] * len(views))
+        for view, gen in zip(views, gens):
+            alone = generate(self.model, view, GREEDY, make_generator(0))
+            tol = apart(self.model, float(alone.logits.abs().max()), view.n + 1)
+            assert (gen.logits - alone.logits).abs().max() <= tol
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_batch_against_a_plain_model_per_row(tiny_model, tiny_policy):
+    BatchMachine.model, BatchMachine.policy = tiny_model, tiny_policy
+    BatchMachine.seen = Counter()
+    run_state_machine_as_test(BatchMachine, settings=settings(
+        max_examples=25, stateful_step_count=30, **SETTINGS))
+    seen = dict(BatchMachine.seen)
+    print(seen)
+    for kind in ("start", "finish", f"batch step of {ROWS}", "batch step of 2", "decide_cull",
+                 "decide_reindex", "decide_recall", "edit cull", "edit repair", "edit recall",
+                 "edit reindex", "edit extend_turn"):
         assert seen.get(kind), f"no {kind} in {seen}"

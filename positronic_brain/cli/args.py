@@ -11,7 +11,7 @@ from .. import native, options, threads
 from ..bench import flags, passkey, quality, ruler, speed
 from ..bench import transfer as transfer_bench
 from ..blend import SELECT_LAYER, check_percents
-from ..capture import NO_TAPE, CaptureTape, Tape, manifest
+from ..capture import NO_TAPE, BatchTape, CaptureTape, Tape, manifest
 from ..model import COMPILERS, DTYPES, NATIVE, Model, load_model, resolve_device
 from ..options import add_cache_args
 from ..transfer import INITS, KINDS, TrainParams
@@ -154,13 +154,16 @@ def _add_run_args(run: argparse.ArgumentParser) -> None:
     _add_sampler_args(run)
     run.add_argument("--ignore-eos", action="store_true")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    run.add_argument("--save", metavar="PATH", default=None,
+                     help="save the session when it stops (go on with --session PATH); with "
+                     "--prompts PATH is a folder, one file a prompt (row-NNNNNN.pbs, from 0)")
     add_cache_args(run)
     _add_capture_args(run)
 
 
 # The run options that go with --session; the others are the file's to say.
 WITH_SESSION = ("session", "model", "dtype", "device", "device_map", "compile", "max_new_tokens",
-                "ignore_eos", "json", "capture", "capture_level")
+                "ignore_eos", "json", "capture", "capture_level", "save")
 
 
 def settled_by_session(args) -> list[str]:
@@ -230,9 +233,13 @@ def _add_export_args(sub) -> None:
 def _add_capture_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("capture (see docs/CAPTURE.md: capture, replay, inspect)")
     g.add_argument("--capture", metavar="DIR", default=None,
-                   help="save every stage call's inputs and outputs to DIR/<run-id>/")
+                   help="save every stage call's inputs and outputs to DIR/<run-id>/ (with "
+                   "--prompts, one run folder a prompt: DIR/<run-id>/row-NNNNNN/)")
     g.add_argument("--capture-level", default="light", choices=("light", "full"),
                    help="full also saves the whole live state before each step")
+
+
+ROW_HELP = "a batch capture's row (0 for the first prompt; a row's own folder names it too)"
 
 
 def _add_inspect_args(sub) -> None:
@@ -241,6 +248,9 @@ def _add_inspect_args(sub) -> None:
     rp.add_argument("--stage", default=None, help="compare only this stage (s0_prime ... "
                     "s4_apply, s0_extend, s0_restore)")
     rp.add_argument("--step", type=int, default=None, help="compare only this step")
+    rp.add_argument("--row", type=int, default=None, metavar="I", help=ROW_HELP + "; the "
+                    "batch is replayed whole, its rows stepping together, and only this row "
+                    "compared")
     rp.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the "
                     "capture's device if this machine has it, else the CPU; on another device "
                     "than the capture's, outputs are compared with a tolerance)")
@@ -253,11 +263,13 @@ def _add_inspect_args(sub) -> None:
                     help="tokens from step T on (default: what the parent had left)")
     fk.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     fk.add_argument("--device", default=None, help="as for replay")
+    fk.add_argument("--row", type=int, default=None, metavar="I", help=ROW_HELP + "; the "
+                    "fork goes on alone")
     _add_sampler_args(fk)
     add_cache_args(fk)
     _add_capture_args(fk)
-    keep = {"run_dir", "step", "max_new_tokens", "json", "device", "capture", "capture_level",
-            "help", *options.NAMES}
+    keep = {"run_dir", "step", "max_new_tokens", "json", "device", "row", "capture",
+            "capture_level", "help", *options.NAMES}
     fk.set_defaults(**{a.dest: None for a in fk._actions if a.dest not in keep})
     cp = sub.add_parser("compare", help="where captured runs of one prompt part, and what "
                         "each had forgotten where its loss jumped")
@@ -272,6 +284,7 @@ def _add_inspect_args(sub) -> None:
                     "page instead: the runs side by side at a step slider, NLL curves, jumps")
     ip = sub.add_parser("inspect", help="show a captured run (or one capture file)")
     ip.add_argument("path", metavar="PATH")
+    ip.add_argument("--row", type=int, default=None, metavar="I", help=ROW_HELP)
     ip.add_argument("--step", type=int, default=None, help="the step whose context to show "
                     "(default: the last)")
     ip.add_argument("--last", type=int, default=None, help="how many steps the table shows "
@@ -384,6 +397,20 @@ def open_tape(args, model, sampler: SamplerParams, params: CacheParams,
     """The tape for ``--capture`` (none without it); its manifest holds every parameter."""
     if args.capture is None:
         return NO_TAPE
-    return CaptureTape(args.capture, manifest(
-        model, sampler, params, prompt_ids, args.command,
-        {k: v for k, v in vars(args).items() if k != "command"}), level=args.capture_level)
+    return CaptureTape(args.capture, _manifest(args, model, sampler, params, prompt_ids),
+                       level=args.capture_level)
+
+
+def open_batch_tape(args, model, sampler: SamplerParams, params: CacheParams) -> BatchTape | None:
+    """``run --prompts``' tape for ``--capture`` (None without it): each row's manifest holds
+    every parameter and its own prompt."""
+    if args.capture is None:
+        return None
+    return BatchTape(args.capture, _manifest(args, model, sampler, params, []),
+                     args.capture_level, args.batch)
+
+
+def _manifest(args, model, sampler: SamplerParams, params: CacheParams,
+              prompt_ids: list[int]) -> dict:
+    return manifest(model, sampler, params, prompt_ids, args.command,
+                    {k: v for k, v in vars(args).items() if k != "command"})

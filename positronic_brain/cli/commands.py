@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .. import compare, compose, fork, inspector, options, partial, replay, transfer
+from .. import capture, compare, compose, fork, inspector, options, partial, replay, transfer
 from ..batch import run_rows
 from ..bench import flags, quality
 from ..bench.common import Table, fmt, print_tables
@@ -16,8 +16,8 @@ from ..plain import output_file
 from ..session_io import load_session, save_session, saved_model, spans
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError, require
-from .args import (BENCHES, DTYPE, MODEL, cache_params, cli_model, open_tape, percents,
-                   sampler_params, settled_by_session, train_params)
+from .args import (BENCHES, DTYPE, MODEL, cache_params, cli_model, open_batch_tape, open_tape,
+                   percents, sampler_params, settled_by_session, train_params)
 
 
 def _echo(delta: str) -> None:
@@ -38,8 +38,7 @@ def cmd_run(args) -> int:
         raise UserError("the prompt is empty")
     if args.capacity is not None and args.capacity < 1:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
-    require(args.prompts is None or args.capture is None,
-            "--capture records one run: give --prompt, not --prompts")
+    save = _save_to(args)
     require(args.batch == 1 or args.device_map is None,
             "--batch runs its rows on one device: it takes no --device-map")
     model = cli_model(args, args.model or MODEL, args.dtype or DTYPE)
@@ -55,13 +54,34 @@ def cmd_run(args) -> int:
                     f"is {n} tokens, more than the model's {model.spec.max_positions} positions")
             require(args.capacity is None or n <= args.capacity, f"{args.prompts}: line "
                     f"{line}: the prompt is {n} tokens, more than --capacity {args.capacity}")
-        return _run_prompts(args, model, policy, prompts, sampler, params)
+        return _run_prompts(args, model, policy, prompts, sampler, params, save)
     segments = prompts[0]
     tape = open_tape(args, model, sampler, params, [i for s in segments for i in s.ids])
     return _report(args, run(model, policy, segments, sampler, max_new_tokens=args.max_new_tokens,
                              ignore_eos=args.ignore_eos, capacity=args.capacity,
                              on_text=None if args.json else _echo, cache_params=params,
-                             tape=tape))
+                             tape=tape, on_end=save and (lambda s: _save(s, save))))
+
+
+def _save_to(args) -> Path | None:
+    """``--save``'s file (``--prompt``, ``--session``) or folder (``--prompts``, made if
+    missing), checked before any work; None without it."""
+    if args.save is None:
+        return None
+    if args.prompts is None:
+        return output_file(args.save, *(args.session,) * (args.session is not None))
+    folder = Path(args.save)
+    require(not folder.exists() or folder.is_dir(), f"--save {folder}: with --prompts, a "
+            "folder (one session file a prompt), and this is a file")
+    require(folder.parent.is_dir(), f"--save {folder}: no folder {folder.parent}")
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _save(session, out: Path) -> None:
+    """Save a session that stopped, saying where on stderr."""
+    written = save_session(session, out)
+    print(f"[saved {written}: go on with --session {written}]", file=sys.stderr)
 
 
 def _segments(args, policy: TokenPolicy, text: str) -> list:
@@ -88,14 +108,18 @@ def _prompts(path: str) -> list[str]:
     return lines
 
 
-def _run_prompts(args, model, policy: TokenPolicy, prompts: list, sampler, params) -> int:
+def _run_prompts(args, model, policy: TokenPolicy, prompts: list, sampler, params,
+                 save: Path | None) -> int:
     """``run --prompts``: each prompt's result as ``run`` reports it, in input order, printed
-    as soon as every prompt before it has finished."""
+    as soon as every prompt before it has finished; with ``save``, each row's session saved
+    there as it stops."""
     done: dict[int, dict] = {}
     printed = 0
 
-    def finished(i: int, result: dict) -> None:
+    def finished(i: int, result: dict, session) -> None:
         nonlocal printed
+        if save is not None:
+            _save(session, save / f"{capture.row_name(i)}.pbs")
         done[i] = result
         while printed in done:
             result = done.pop(printed)
@@ -106,7 +130,7 @@ def _run_prompts(args, model, policy: TokenPolicy, prompts: list, sampler, param
 
     run_rows(model, policy, prompts, sampler, args.batch, max_new_tokens=args.max_new_tokens,
              ignore_eos=args.ignore_eos, capacity=args.capacity, cache_params=params,
-             on_result=finished)
+             on_result=finished, tape=open_batch_tape(args, model, sampler, params))
     return 0
 
 
@@ -117,13 +141,17 @@ def _run_session(args) -> dict:
     if settled:
         raise UserError(f"{', '.join(settled)}: not with --session (the session goes on with "
                         "its own prompt, arena, sampler and cache parameters)")
+    save = _save_to(args)
     name, dtype = saved_model(args.session)
     model = cli_model(args, args.model or name, args.dtype or dtype)
     session = load_session(model, args.session)
     if args.capture is not None:
         session.record(open_tape(args, model, session.sampler, session.cache_params,
                                  session.prompt_ids), args.session)
-    return drive(session, args.max_new_tokens, args.ignore_eos, None if args.json else _echo)
+    result = drive(session, args.max_new_tokens, args.ignore_eos, None if args.json else _echo)
+    if save is not None:
+        _save(session, save)
+    return result
 
 
 def _report(args, result: dict) -> int:
@@ -147,8 +175,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_fork(args) -> int:
-    result = fork.fork(args.run_dir, args.step, options.given(args),
-                       fork.sampler_overrides(args), args.max_new_tokens, args.capture,
+    result = fork.fork(capture.resolve_run(args.run_dir, args.row), args.step,
+                       options.given(args), fork.sampler_overrides(args), args.max_new_tokens, args.capture,
                        args.capture_level, args.command, args.device,
                        None if args.json else _echo)
     if args.json:
@@ -166,11 +194,11 @@ def cmd_compare(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    return replay.main(args.run_dir, args.stage, args.step, device=args.device)
+    return replay.main(args.run_dir, args.stage, args.step, device=args.device, row=args.row)
 
 
 def cmd_inspect(args) -> int:
-    return inspector.main(args.path, args.step, args.last, html=args.html)
+    return inspector.main(args.path, args.step, args.last, html=args.html, row=args.row)
 
 
 def _saved_model(args, path: str):
