@@ -69,7 +69,10 @@ class Part:
     @classmethod
     def of(cls, session: Session, label: str) -> "Part":
         require(session.state is not None, f"{label}: the session is not primed")
-        return cls(label, session, **restore_args(session.state))
+        saved = restore_args(session.state)
+        require(saved.pop("heads") is None, f"{label}: a per-head cache cannot be composed "
+                "yet (its heads hold other tokens)")
+        return cls(label, session, **saved)
 
     @classmethod
     def read(cls, model: Model, path: str | Path, label: str) -> "Part":

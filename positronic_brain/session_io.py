@@ -3,8 +3,10 @@
 Tensors: the arena's live prefix ``arena.k`` / ``arena.v`` (L, kv_heads, n, head_dim) and
 ``arena.log_mass`` (L, kv_heads, n), every ledger column ``ledger.<name>`` (n,) (whatever
 ``Ledger.COLUMNS`` lists), with recall the cold store's rows alike (``cold.k``, ``cold.v``,
-``cold.<column>``, ``cold.entered``), and the sampler's generator state ``generator``
-(uint8). The
+``cold.<column>``, ``cold.entered``), a per-head cache's map ``heads.row`` (L, kv_heads, n:
+the ledger row each slot holds, -1 where free) and ``heads.n`` (L, kv_heads) (its ledger
+then holds every token some head holds, its scorer columns a value a head; format 8), and
+the sampler's generator state ``generator`` (uint8). The
 str->str safetensors header holds JSON (``plain.to_plain(..., json=True)``): the model's
 fingerprint, the rest of the ledger and state (capacity, next uid, merge history, pending
 token, its source and position, step), the session's plain fields (prompt and generated
@@ -48,7 +50,9 @@ from .scorers.h2o import H2O
 from .state import LEDGER_TENSORS, STATE_PARTS, Ledger, State, key_norms, restore_args
 from .types import SOURCES, UserError, inconsistent, require
 
-FORMAT = "positronic-brain-session/7"
+FORMAT = "positronic-brain-session/8"
+# Format 7 held no per-head cache (``heads.row``, ``heads.n``); it reads as 8 without them.
+FORMAT_7 = "positronic-brain-session/7"
 # Format 6 held CacheParams' 30 flat fields (``_flat_params``).
 FORMAT_6 = "positronic-brain-session/6"
 # Format 5's ledgers all hold brightness and attn_sum, brightness born at its ``seeds``.
@@ -89,6 +93,8 @@ def session_tensors(session: Session, rows: torch.Tensor | None = None,
     require(state is not None, "prime the session before saving it")
     saved = restore_args(state)
     partial = rows is not None or layers is not None
+    require(not partial or saved["heads"] is None, "a per-head cache cannot be exported in "
+            "part yet (its heads hold other rows)")
     rows = slice(None) if rows is None else rows.to(saved["columns"]["uid"].device)
     cold = None if partial else saved["cold"]
     tensors = {**{f"arena.{x}": _picked(saved[x], layers, rows) for x in ("k", "v", "log_mass")},
@@ -97,6 +103,8 @@ def session_tensors(session: Session, rows: torch.Tensor | None = None,
     if cold is not None:
         tensors |= {"cold.k": cold["k"], "cold.v": cold["v"], "cold.entered": cold["entered"],
                     **{f"cold.{c}": t for c, t in cold["columns"].items()}}
+    if saved["heads"] is not None:
+        tensors |= {f"heads.{x}": t for x, t in saved["heads"].items()}
     return {k: t.to("cpu").contiguous() for k, t in tensors.items()}
 
 
@@ -184,14 +192,15 @@ def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | N
     holds of its state, as ``compose.Part`` takes it: ``k``, ``v`` (layers held, kv_heads,
     n, head_dim), ``log_mass``, ``columns``, ``capacity``, ``state_fields``,
     ``ledger_fields`` and ``layers`` (the layers held, ascending)."""
-    meta, tensors = load_signed(path, (FORMAT, FORMAT_6, FORMAT_5, FORMAT_4), "session file")
+    meta, tensors = load_signed(path, (FORMAT, FORMAT_7, FORMAT_6, FORMAT_5, FORMAT_4),
+                                "session file")
     if meta["format"] == FORMAT_4:
         tensors |= _made_here(tensors)
     with inconsistent(path, "session", name_refusals=True):
         saved, body = json.loads(meta["model"]), json.loads(meta["session"])
         if meta["format"] in (FORMAT_5, FORMAT_4):
             body["ledger"] = _declared(body["ledger"])
-        if meta["format"] != FORMAT:
+        if meta["format"] in (FORMAT_6, FORMAT_5, FORMAT_4):
             body["session"] = _flat_params(body["session"])
         diff = _mismatch(saved, model.fingerprint)
         require(diff is None, f"saved from model {saved.get('name')!r}, it cannot load into "
@@ -215,8 +224,9 @@ def restore_session(model: Model, tensors: dict[str, torch.Tensor], body: dict) 
     state carries over from the same device type only."""
     columns, fields, ledger = _checked(model, tensors, body, model.spec.n_layers)
     cold = _saved_cold(model, tensors, body["cold"], ledger)
+    heads = {x: tensors[f"heads.{x}"] for x in ("row", "n")} if "heads.n" in tensors else None
     state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
-                    ledger, fields, tensors["arena.log_mass"], cold)
+                    ledger, fields, tensors["arena.log_mass"], cold, heads)
     return _session(model, tensors, body, state)
 
 
@@ -347,23 +357,45 @@ def _check_kv(model: Model, k: torch.Tensor, v: torch.Tensor, what: str = "",
     return shape
 
 
-def _check_columns(columns: dict[str, torch.Tensor], n: int, ledger: dict) -> None:
+def _check_columns(columns: dict[str, torch.Tensor], n: int, ledger: dict,
+                   per_head: tuple[int, ...] = ()) -> None:
     """Exactly ``Ledger.COLUMNS`` and the scorer columns the ``ledger`` fields' ``specs``
-    declare, each (n,) of its dtype; each row's origin in the fields' ``origins`` table
-    (origin uid -1 for the rows made here, and only for them)."""
+    declare, each (n,) of its dtype (a per-head cache's scorer columns (n, *``per_head``):
+    (L, kv_heads)); each row's origin in the fields' ``origins`` table (origin uid -1 for
+    the rows made here, and only for them)."""
     empty = Ledger.allocate(1, ledger["specs"])
     require(sorted(columns) == sorted(empty.names),
             f"ledger columns {sorted(columns)} differ from {sorted(empty.names)}")
     for c in empty.names:
         want = empty.col(c).dtype
-        require(columns[c].shape == (n,) and columns[c].dtype == want,
+        shape = (n,) + (per_head if c in empty.columns else ())
+        require(columns[c].shape == shape and columns[c].dtype == want,
                 f"ledger column {c}: {tuple(columns[c].shape)} {columns[c].dtype}, "
-                f"expected ({n},) {want}")
+                f"expected {shape} {want}")
     origin, there = columns["origin"], columns["origin_uid"]
     require(bool(((origin >= 0) & (origin <= len(ledger["origins"]))).all())
             and bool(((origin == 0) == (there == -1)).all()) and bool((there >= -1).all()),
             f"a row's origin is outside the file's {len(ledger['origins'])} origins, or its "
             "origin uid does not fit it")
+
+
+def _check_heads(tensors: dict[str, torch.Tensor], shape: tuple,
+                 columns: dict[str, torch.Tensor]) -> int:
+    """A per-head cache's saved map (``heads.row`` (L, kv_heads, n), ``heads.n``
+    (L, kv_heads); the arena's K/V ``shape``) of int64 within its slots and ledger rows: the
+    ledger's rows (its ``n`` slots without a map)."""
+    if "heads.n" not in tensors:
+        return shape[2]
+    row, count = tensors["heads.row"], tensors["heads.n"]
+    rows = columns["uid"].shape[0] if "uid" in columns else -1
+    require(tuple(row.shape) == shape[:3] and tuple(count.shape) == shape[:2]
+            and row.dtype == count.dtype == torch.int64, f"saved head map "
+            f"{tuple(row.shape)} {row.dtype} and counts {tuple(count.shape)} {count.dtype} do "
+            f"not fit {shape[:3]} torch.int64")
+    require(rows >= 0 and bool(((row >= -1) & (row < rows)).all())
+            and bool(((count >= 0) & (count <= shape[2])).all()), f"a saved head holds a "
+            f"row outside the ledger's {rows}, or more slots than the arena's {shape[2]}")
+    return rows
 
 
 def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[str, torch.Tensor],
@@ -380,7 +412,8 @@ def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[s
             and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),
             f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]} "
             "torch.float32, finite and >= 0")
-    _check_columns(columns, n, ledger)
+    rows = _check_heads(tensors, shape, columns)
+    _check_columns(columns, rows, ledger, shape[:2] if rows != n else ())
     saved = columns["token_id"]
     ids = torch.cat((saved, torch.tensor([pending_token], device=saved.device)))
     require(bool(((ids >= 0) & (ids < s.vocab)).all()), "a saved token id is outside the vocabulary")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from .model import ModelSpec
-from .types import SOURCES, Column, require
+from .types import SOURCES, Column
 
 FLAG_PROTECTED = 1  # never culled (e.g. a pinned system prompt)
 
@@ -581,10 +581,13 @@ def restore_args(state: State) -> dict:
     fields (``ledger_fields``: next uid, merge history, dropped, the scorer columns' specs, origins), the state's
     (``state_fields``: pending token, its source and position, step, pinned) and the cold
     store's live rows (``cold``: k, v, columns, entered, capacity, next entry; None without
-    one). The scorer's columns are among ``columns``, declared in the ledger fields' ``specs``. Views, not copies (of a split arena, K/V and log-mass gathered onto its main device)."""
-    require(state.heads is None, "a per-head cache cannot be saved, forked or composed yet")
-    a, m, cold = state.arena, state.ledger, state.cold
+    one). The scorer's columns are among ``columns``, declared in the ledger fields' ``specs``. Views, not copies (of a split arena, K/V and log-mass gathered onto its main device).
+    A per-head cache's ``heads``: its map over the live slots (``row`` (L, kv_heads, n), the
+    ledger row each slot holds or -1, and each head's count ``n`` (L, kv_heads)); its ledger's
+    rows (every token some head holds) are not its slots then (None: whole tokens)."""
+    a, m, cold, h = state.arena, state.ledger, state.cold, state.heads
     return {
+        "heads": None if h is None else {"row": h.row[:, :, :a.n], "n": h.n},
         "k": gathered(a, "k", a.n), "v": gathered(a, "v", a.n),
         "columns": {c: m.live(c) for c in m.names}, "capacity": a.capacity,
         "ledger_fields": {f.name: getattr(m, f.name) for f in fields(Ledger)

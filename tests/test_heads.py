@@ -19,6 +19,7 @@ from positronic_brain.cli import main
 from positronic_brain.loop import Session, head_capacity
 from positronic_brain.options import params
 from positronic_brain.sampler import make_generator
+from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import apply, heads as apply_heads
 from positronic_brain.stages.decide import allocation, decide
 from positronic_brain.stages.decide.allocation import budgets, head_culls, retrieval_heads
@@ -493,3 +494,54 @@ def test_each_head_folds_what_it_culls_into_its_most_alike_survivor(tiny_model, 
         assert_close(masses, torch.full_like(masses, float(state.next_position)),
                      mass_bound(state.next_position), "each head's mass")
     assert folds >= 16
+
+
+def test_a_per_head_session_saves_loads_and_goes_on(tiny_model, tiny_policy, one_thread,
+                                                    tmp_path):
+    """A per-head session (culls, folds and a re-index behind it, h2o's column a value a
+    head) saved and loaded goes on as it would have: the same tokens and logprobs, ledger,
+    head map and live K/V, bit for bit."""
+    s = Session(tiny_model, tiny_policy, SamplerParams(temperature=1.0, seed=4), CacheParams(
+        budget=16, sinks=1, recent=2, scorer="h2o", allocation=Allocation(kind="head"),
+        repair=FoldRepair(), positions=Positions(reindex_at=50)))
+    s.prime([Segment(tuple(tiny_policy.encode(TEXT))[:40], "user")])
+    records = [s.step() for _ in range(20)]
+    assert any(r.culled for r in records) and any(r.reindexed for r in records)
+    assert s.state.ledger.n > s.state.arena.n  # the heads' union passes one head's slots
+    loaded = load_session(tiny_model, save_session(s, tmp_path / "h.pbs"))
+    assert loaded.state.heads is not None and loaded.cache_params == s.cache_params
+    ours = [loaded.step() for _ in range(10)]
+    theirs = [s.step() for _ in range(10)]
+    assert [(r.token_id, r.logprob) for r in ours] == [(r.token_id, r.logprob) for r in theirs]
+    a, b = loaded.state, s.state
+    assert a.ledger.rows() == b.ledger.rows()
+    assert torch.equal(a.heads.n, b.heads.n)
+    assert torch.equal(a.heads.row[:, :, :a.arena.n], b.heads.row[:, :, :b.arena.n])
+    va, vb = a.view(), b.view()
+    assert torch.equal(va.k, vb.k) and torch.equal(va.v, vb.v)
+    assert torch.equal(va.columns["attn_sum"], vb.columns["attn_sum"])
+
+
+def test_a_per_head_session_goes_on_from_the_cli_captured(tmp_path, capsys, one_thread):
+    """``run --save`` of a per-head run, ``run --session`` of it captured: the capture's
+    restore holds the head map and replays bit for bit. Composing or exporting part of it
+    is refused in one line."""
+    saved = tmp_path / "h.pbs"
+    assert main(["run", "--model", "tiny-random", "--prompt", TEXT, "--max-new-tokens", "12",
+                 "--ignore-eos", "--budget", "16", "--sinks", "1", "--recent", "2",
+                 "--allocation", "head", "--policy", "tova", "--json", "--save",
+                 str(saved)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--session", str(saved), "--max-new-tokens", "8", "--ignore-eos",
+                 "--json", "--capture", str(tmp_path / "c")]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert len(res["steps"]) == 8 and res["kv"]["pairs"] == 16 * 4
+    assert main(["replay", res["capture"]]) == 0
+    assert "all bit-exact" in capsys.readouterr().err
+    for argv, message in ((["compose", str(saved), str(saved), "--out", str(tmp_path / "x.pbs")],
+                           "cannot be composed"),
+                          (["export", str(saved), "--out", str(tmp_path / "y.pbs"),
+                            "--layers", "0"], "cannot be exported in part")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err

@@ -8,10 +8,10 @@ import torch
 
 from ...forward import forward
 from ...model import Model
-from ...state import Cold, Ledger, State, key_norms, value_norms
+from ...state import Cold, Heads, Ledger, State, key_norms, value_norms
 from ...types import Column, require
 from .recall import cold_store, grow
-from .prefill import chunks
+from .prefill import add_heads, chunks
 from .rows import arena, birth_values, per_block, put_kv, write
 
 
@@ -63,28 +63,36 @@ def rebuild_from_ledger(model: Model, state: State, chunk: int | None = None) ->
 @torch.no_grad()
 def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, torch.Tensor],
             capacity: int, ledger_fields: dict, state_fields: dict,
-            log_mass: torch.Tensor, cold: dict | None = None) -> State:
+            log_mass: torch.Tensor, cold: dict | None = None, heads: dict | None = None) -> State:
     """Stage 0 from a saved session (checked by ``session_io``): allocate ``capacity`` slots
     and write back the live prefix ``k``/``v`` (L, kv_heads, n, head_dim), the ledger
-    ``columns`` (name -> (n,): ``Ledger.COLUMNS`` and the scorer columns that
+    ``columns`` (name -> (rows,): ``Ledger.COLUMNS`` and the scorer columns that
     ``ledger_fields``' ``specs`` declare) and the slots' ``log_mass``
     (L, kv_heads, n) float32; ``ledger_fields`` (next_uid, merged, ...) and ``state_fields``
     (pending token, its source and position, step, pinned) are set as given; ``cold`` (the
     cold store's ``k``, ``v``, ``columns``, ``entered``, ``capacity``, ``next_entry``) is
-    written back likewise. An inconsistent ledger fails ``check_valid`` (AssertionError)."""
-    n = k.shape[2]
-    state = State(arena(model, capacity),
-                  Ledger.allocate(capacity, ledger_fields["specs"], model.device), **state_fields)
+    written back likewise, and a per-head cache's map ``heads`` (``row`` (L, kv_heads, n),
+    ``n`` (L, kv_heads); its scorer columns (rows, L, kv_heads)). An inconsistent ledger
+    fails ``check_valid`` (AssertionError)."""
+    n, rows = k.shape[2], columns["uid"].shape[0]  # whole tokens: a row a slot
+    state = State(arena(model, capacity), Ledger.allocate(
+        max(capacity, rows), ledger_fields["specs"], model.device), **state_fields)
     a, m = state.arena, state.ledger
     for name, value in ledger_fields.items():
         setattr(m, name, value)
+    if heads is not None:
+        row = torch.full(log_mass.shape[:2] + (capacity,), -1, dtype=torch.long,
+                         device=m.device)
+        row[:, :, :n] = heads["row"]
+        state.heads = Heads(row=row, n=heads["n"].to(m.device, copy=True))
+        add_heads(state)  # the scorer columns one value a head
     for c in m.names:
-        m.col(c)[:n] = columns[c]
+        m.col(c)[:rows] = columns[c]
     write(a, 0, k, v, norms_of_kv=False)
     for b, (lm,) in per_block(a, log_mass):
         b.log_mass[:, :, :n] = lm
     a.folded = bool((log_mass > 0).any())
-    a.n = m.n = n
+    a.n, m.n = n, rows
     if cold is not None:
         state.cold = _restore_cold(model, cold, m.specs)
     state.check_valid()
