@@ -132,10 +132,11 @@ def prime_outputs(state, out) -> dict:
 
 
 def extend_outputs(state, n_before: int, patch) -> dict:
-    """What stage 0's extend gave: its patch and the K/V of the slots it added."""
+    """What stage 0's extend gave: its patch and the K/V of the slots it added (a per-head
+    cache's: each head's slots past the widest head's count before, and its head map)."""
     a = state.arena
     return {"patch": patch, "k": gathered(a, "k", a.n)[:, :, n_before:],
-            "v": gathered(a, "v", a.n)[:, :, n_before:]}
+            "v": gathered(a, "v", a.n)[:, :, n_before:], **head_map(state.heads)}
 
 
 def _snapshot(state) -> dict:

@@ -160,7 +160,6 @@ class Session:
         segments but their last id, which becomes pending (``pending`` replaces the old
         pending token first). Recorded at the current step; replay re-runs it there."""
         require(self.state is not None, "prime the session before extending it")
-        require(self.state.heads is None, "a per-head cache takes no chat turns yet")
         n = self.state.arena.n
         patch = extend(self.model, self.state, segments, pending=pending)
         self.tape.extended(self.state, segments, pending, n, patch)

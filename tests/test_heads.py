@@ -4,6 +4,7 @@ tokens it holds (``oracle.hf_step_logits_per_head``) after per-head culls and re
 every head holds its budget at every step; every (layer, head, slot) is accounted for; the
 rules pick the slots worked out by hand; a failure part-way changes nothing; bad input is
 one line and exit 2."""
+import copy
 import json
 import math
 from types import SimpleNamespace
@@ -14,10 +15,12 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from positronic_brain.capture import CaptureRun
+from positronic_brain.capture import CaptureRun, CaptureTape
+from positronic_brain.chat import Chat
 from positronic_brain.cli import main
 from positronic_brain.loop import Session, head_capacity
 from positronic_brain.options import params
+from positronic_brain.replay import replay
 from positronic_brain.sampler import make_generator
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import apply, heads as apply_heads
@@ -26,12 +29,12 @@ from positronic_brain.stages.decide.allocation import budgets, head_culls, retri
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
 from positronic_brain.state import Heads
-from positronic_brain.types import (Allocation, CacheParams, FoldRepair, Positions, Prefill,
-                                    SamplerParams, Segment, UserError)
+from positronic_brain.types import (Actions, Allocation, CacheParams, FoldRepair, Positions,
+                                    Prefill, SamplerParams, Segment, UserError)
 from tests.oracle import assert_close, hf_step_logits_per_head
 from tests.test_fold import cosine_bound, mass_bound
 from tests.test_page import page_data
-from tests.tolerance import ORACLE, sum_bound
+from tests.tolerance import ORACLE, apart, sum_bound
 
 TEXT = "the quick brown fox jumps over the lazy dog and runs far away " * 4
 
@@ -545,3 +548,67 @@ def test_a_per_head_session_goes_on_from_the_cli_captured(tmp_path, capsys, one_
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_a_turn_per_head_is_its_tokens_stepped_one_at_a_time(tiny_model, tiny_policy,
+                                                             one_thread):
+    """Stage 0's extend of a per-head cache whose heads hold different tokens caches each new
+    token in every head's next slot, with the K/V that stepping the tokens one at a time
+    gives (stage 1 over each head's own tokens, stage 4 appending without a cull), to float
+    rounding; stage 1 then equals the per-head oracle, before and after the culls back to
+    the budget."""
+    s = _session(tiny_model, tiny_policy, budget=16, sinks=1, recent=2,
+                 allocation=Allocation(kind="head"))
+    for _ in range(12):
+        s.step()
+    h = s.state.heads
+    assert not all(torch.equal(h.row[0, 0], h.row[i, j]) for i in range(h.row.shape[0])
+                   for j in range(h.row.shape[1]))  # the heads hold different tokens
+    ref = copy.deepcopy(s.state)
+    turn = tuple(tiny_policy.encode(" the cat sat"))
+    s.extend([Segment(turn, "user")])
+    s.state.check_valid()
+    for token in turn:
+        gen = generate(tiny_model, ref.view(), SamplerParams(greedy=True), make_generator(0),
+                       force=token)
+        apply(tiny_model, ref, gen, Actions())
+    a, b = s.state, ref
+    assert torch.equal(a.heads.n, b.heads.n) and int(a.heads.n.min()) == 16 + len(turn)
+    assert torch.equal(a.heads.row, b.heads.row)
+    keep = ("uid", "token_id", "position")  # (stepped, a token is the model's own)
+    assert [{k: r[k] for k in keep} for r in a.ledger.rows()] == \
+        [{k: r[k] for k in keep} for r in b.ledger.rows()]
+    assert (a.pending_token, a.next_position) == (b.pending_token, b.next_position)
+    va, vb = a.view(), b.view()
+    for x, y in ((va.k, vb.k), (va.v, vb.v)):
+        tol = apart(tiny_model, float(y.abs().max()), a.arena.n, tiny_model.spec.n_layers - 1)
+        assert (x - y).abs().max() <= tol
+    for _ in range(3):
+        gen = generate(tiny_model, s.state.view(), SamplerParams(greedy=True), make_generator(0))
+        assert_close(gen.logits, _oracle(tiny_model, s.state), ORACLE, "after the turn")
+        s.step()
+    assert torch.equal(s.state.heads.n, torch.full_like(s.state.heads.n, 16))
+
+
+def test_a_per_head_chat_holds_each_heads_budget_and_replays(tiny_model, tiny_policy, tmp_path,
+                                                             one_thread):
+    """Turns of a chat under a per-head allocation: after each reply every head holds at most
+    its budget (then all of it), the system prompt in every head; the capture (its turns
+    with their head maps) replays bit for bit."""
+    capture = CaptureTape(tmp_path, {"model": tiny_model.name, "dtype": "float32",
+                                     "fingerprint": tiny_model.fingerprint}, run_id="chat")
+    chat = Chat(tiny_model, tiny_policy, system="Be brief.", max_new_tokens=6, tape=capture,
+                sampler=SamplerParams(temperature=1.0, seed=5),
+                cache_params=CacheParams(budget=64, sinks=2, recent=4, scorer="tova",
+                                         allocation=Allocation(kind="head")))
+    for q in ("one", "two", "three", "four", "five"):
+        chat.say(q)
+        state = chat.session.state
+        state.check_valid()  # pinned: every head holds the system prompt
+        assert int(state.heads.n.max()) <= 64
+    assert torch.equal(state.heads.n, torch.full_like(state.heads.n, 64))
+    assert chat.stats()["culled"] > 0 and state.ledger.n > 64  # the heads kept other tokens
+    capture.close(chat.session.stop_reason)
+    report = replay(capture.dir, model=tiny_model)
+    assert report.ok, report.mismatches[:3]
+    assert report.compared["s0_extend"] == 5

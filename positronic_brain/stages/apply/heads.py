@@ -16,11 +16,11 @@ import torch
 
 from ...forward import apply_rope, rerotation
 from ...model import Model
-from ...state import FLAG_PROTECTED, Ledger, State, key_norms, value_norms
+from ...state import FLAG_PROTECTED, Ledger, State, key_norms
 from ...types import SOURCES, Actions, GenerateOut, Patch, require
 from .fold import fold_heads
 from .restore import rebuild_from_ledger
-from .rows import arena, column_ranges, in_range, write_rows
+from .rows import append_heads, arena, column_ranges, in_range
 
 
 def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> torch.Tensor:
@@ -176,9 +176,7 @@ def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _append(state: State, gen: GenerateOut, position: int, model: Model, step: int) -> int:
     """The pending token becomes a ledger row and every head's next slot."""
-    a, m, h = state.arena, state.ledger, state.heads
-    if m.n == m.uid.shape[0]:
-        _grow(m)
+    m = state.ledger
     k = gen.k
     if position != gen.position:
         cos, sin = rerotation(model, m.uid.new_tensor([gen.position]), m.uid.new_tensor([position]))
@@ -188,38 +186,10 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model, step: i
         return torch.full((1,), x, dtype=dtype, device=m.device)
 
     flag = FLAG_PROTECTED if state.pending_source in state.pinned else 0
-    (uid,) = write_rows(m, slice(m.n, m.n + 1), one(gen.input_token), one(position),
-                        one(SOURCES.index(state.pending_source), torch.int8), step,
-                        one(flag, torch.int8))
-    L, KVH = h.n.shape
-    lh = torch.arange(L, device=m.device).view(L, 1).expand(L, KVH)
-    hh = torch.arange(KVH, device=m.device).view(1, KVH).expand(L, KVH)
-    s = h.n
-    a.kt[lh, hh, :, s] = k[:, :, 0]
-    a.v[lh, hh, s] = gen.v[:, :, 0]
-    a.knorm[lh, hh, s] = key_norms(k[:, :, 0])
-    a.vnorm[lh, hh, s] = value_norms(gen.v[:, :, 0])
-    a.log_mass[lh, hh, s] = 0.0
-    h.row[lh, hh, s] = m.n
-    m.n += 1
-    h.n += 1
-    a.n = int(h.n.max())
+    (uid,) = append_heads(state, k, gen.v, one(gen.input_token), one(position),
+                          one(SOURCES.index(state.pending_source), torch.int8),
+                          one(flag, torch.int8), step)
     return uid
-
-
-def _grow(m: Ledger) -> None:
-    """Double the ledger's rows (a per-head cache's union of tokens can pass the arena's
-    slots a head)."""
-    rows = 2 * m.uid.shape[0]
-    for c in m.COLUMNS:
-        old = getattr(m, c)
-        new = old.new_full((rows,), -1 if c == "origin_uid" else 0)
-        new[:old.shape[0]] = old
-        setattr(m, c, new)
-    for c, old in m.columns.items():
-        new = old.new_zeros((rows,) + old.shape[1:])
-        new[:old.shape[0]] = old
-        m.columns[c] = new
 
 
 @torch.no_grad()

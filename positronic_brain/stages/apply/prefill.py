@@ -15,7 +15,7 @@ from ...scorers import reads_total
 from ...state import FLAG_PROTECTED, Arena, Heads, Ledger, State
 from ...types import SOURCES, Column, Patch, PrefillStats, PrimeOut, ScoreOut, Segment, require
 from .recall import cold_store
-from .rows import arena, check_columns, slots_of, store_layer, write, write_rows
+from .rows import append_heads, arena, check_columns, slots_of, store_layer, write, write_rows
 
 
 PREFILL_CHUNK = 256  # tokens per prefill chunk on the CPU (longer ones measured slower there)
@@ -101,6 +101,20 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
         a.n = m.n = n + t
         logits.append(out.logits)
     return logits, slots, uids
+
+
+def _prefill_heads(model: Model, state: State, ids: torch.Tensor, positions: torch.Tensor,
+                   sources: torch.Tensor, flags: torch.Tensor, chunk: int | None) -> list[int]:
+    """``_prefill`` of a per-head cache: each causal chunk attends to what each head holds
+    (the view's mask: -inf where a head holds no token, a folded slot's log-mass), then
+    joins the ledger and every head's next slots (``append_heads``). Returns the uids."""
+    uids = []
+    for sl in chunks(model, state.arena.n, ids.shape[0], chunk, logits=False, scores=True):
+        view = state.view()
+        out = forward(model, view.k, view.v, ids[sl], positions[sl], past_log_mass=view.log_mass)
+        uids += append_heads(state, out.k, out.v, ids[sl], positions[sl], sources[sl],
+                             flags[sl], state.step)
+    return uids
 
 
 @torch.no_grad()
@@ -236,12 +250,15 @@ def extend(model: Model, state: State, segments: list[Segment], chunk: int | Non
     ids = [first] + new[:-1]
     src = [state.pending_source] + [s.source for s in segments for _ in s.ids][:-1]
     dev = model.device
-    _, slots, uids = _prefill(
-        model, state, torch.tensor(ids, device=dev),
-        torch.arange(state.next_position, state.next_position + len(ids), device=dev),
-        torch.tensor([SOURCES.index(x) for x in src], dtype=torch.int8, device=dev),
-        torch.tensor([FLAG_PROTECTED if x in state.pinned else 0 for x in src], dtype=torch.int8,
-                     device=dev), chunk, all_logits=False)
+    args = (model, state, torch.tensor(ids, device=dev),
+            torch.arange(state.next_position, state.next_position + len(ids), device=dev),
+            torch.tensor([SOURCES.index(x) for x in src], dtype=torch.int8, device=dev),
+            torch.tensor([FLAG_PROTECTED if x in state.pinned else 0 for x in src],
+                         dtype=torch.int8, device=dev), chunk)
+    if state.heads is None:
+        _, slots, uids = _prefill(*args, all_logits=False)
+    else:
+        slots, uids = [], _prefill_heads(*args)
     state.pending_token = new[-1]
     state.pending_source = segments[-1].source
     state.next_position += len(ids)

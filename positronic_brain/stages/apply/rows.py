@@ -8,7 +8,7 @@ import math
 import torch
 
 from ...model import Model
-from ...state import Arena, Ledger, SplitArena
+from ...state import Arena, Ledger, SplitArena, State, key_norms, value_norms
 from ...types import Column
 
 
@@ -84,6 +84,48 @@ def write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: torc
 
 
 @functools.lru_cache(maxsize=16)
+def append_heads(state: State, k: torch.Tensor, v: torch.Tensor, token_ids: torch.Tensor,
+                 positions: torch.Tensor, sources: torch.Tensor, flags: torch.Tensor,
+                 step: int) -> list[int]:
+    """Append t tokens to a per-head cache (``state.heads``): new ledger rows (the ledger
+    grown as needed) and every head's next t slots, their K/V ``k``, ``v`` (L, kv_heads, t,
+    head_dim, rotated at ``positions``); returns their uids."""
+    a, m, h = state.arena, state.ledger, state.heads
+    t = k.shape[2]
+    while m.n + t > m.uid.shape[0]:
+        _grow(m)
+    uids = write_rows(m, slice(m.n, m.n + t), token_ids, positions, sources, step, flags)
+    L, KVH = h.n.shape
+    s = h.n.unsqueeze(-1) + torch.arange(t, device=m.device)  # (L, KVH, t): each head's next
+    lh = torch.arange(L, device=m.device).view(L, 1, 1).expand_as(s)
+    hh = torch.arange(KVH, device=m.device).view(1, KVH, 1).expand_as(s)
+    a.kt[lh, hh, :, s] = k
+    a.v[lh, hh, s] = v
+    a.knorm[lh, hh, s] = key_norms(k)
+    a.vnorm[lh, hh, s] = value_norms(v)
+    a.log_mass[lh, hh, s] = 0.0
+    h.row[lh, hh, s] = m.n + torch.arange(t, device=m.device)
+    m.n += t
+    h.n += t
+    a.n = int(h.n.max())
+    return uids
+
+
+def _grow(m: Ledger) -> None:
+    """Double the ledger's rows (a per-head cache's union of tokens can pass the arena's
+    slots a head)."""
+    rows = 2 * m.uid.shape[0]
+    for c in m.COLUMNS:
+        old = getattr(m, c)
+        new = old.new_full((rows,), -1 if c == "origin_uid" else 0)
+        new[:old.shape[0]] = old
+        setattr(m, c, new)
+    for c, old in m.columns.items():
+        new = old.new_zeros((rows,) + old.shape[1:])
+        new[:old.shape[0]] = old
+        m.columns[c] = new
+
+
 def birth_values(births: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """A column's birth value per source as a float32 tensor on ``device``, made once
     (copying it from host memory at every step would wait for the device)."""
