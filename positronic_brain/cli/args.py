@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compose_args(sub)
     _add_transfer_args(sub)
     _add_export_args(sub)
+    _add_calibrate_args(sub)
     return parser
 
 
@@ -320,6 +321,35 @@ def _add_chat_args(sub) -> None:
     _add_sampler_args(ch)
     add_cache_args(ch)
     _add_capture_args(ch)
+
+
+def _add_calibrate_args(sub) -> None:
+    ca = sub.add_parser("calibrate", help="choose --allocation duo's retrieval heads: the heads "
+                        "that read a pass-key's tokens the most while the model answers it")
+    ca.add_argument("--out", required=True, metavar="HEADS.json",
+                    help="the heads file --allocation-heads reads (a layers x KV heads 0/1 grid)")
+    ca.add_argument("--trials", type=int, default=8, help="pass-key prompts (default 8)")
+    ca.add_argument("--lengths", default="1024", metavar="N[,N...]",
+                    help="their lengths in tokens, in turn (default 1024)")
+    ca.add_argument("--fraction", type=float, default=0.25,
+                    help="the share of (layer, KV head)s chosen (default 0.25)")
+    ca.add_argument("--framing", default="raw", choices=("raw", "chat"),
+                    help="the prompts as raw text or as a chat turn (as bench passkey's)")
+    ca.add_argument("--seed", type=int, default=1, help="the trials' keys and depths (default "
+                    "1: other prompts than bench passkey's, seed 0)")
+    ca.add_argument("--random", action="store_true", help="choose the --fraction at random "
+                    "(seeded) instead: the baseline to measure a choice against")
+    ca.add_argument("--json", action="store_true", help="print one JSON object instead")
+    _add_model_args(ca)
+
+
+def lengths(text: str) -> tuple[int, ...]:
+    """``--lengths N[,N...]``: positive token counts."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--lengths {text!r}: token counts, comma-separated") from None
+    return out
 
 
 def _add_transfer_args(sub) -> None:

@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from .. import capture, compare, compose, fork, inspector, options, partial, replay, transfer
+from .. import (calibrate, capture, compare, compose, fork, inspector, options, partial, replay,
+               transfer)
 from ..batch import run_rows
 from ..bench import flags, quality
 from ..bench.common import Table, fmt, print_tables
@@ -16,8 +17,8 @@ from ..plain import output_file
 from ..session_io import load_session, save_session, saved_model, spans
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError, require
-from .args import (BENCHES, DTYPE, MODEL, cache_params, cli_model, open_batch_tape, open_tape,
-                   percents, sampler_params, settled_by_session, train_params)
+from .args import (BENCHES, DTYPE, MODEL, cache_params, cli_model, lengths, open_batch_tape,
+                   open_tape, percents, sampler_params, settled_by_session, train_params)
 
 
 def _echo(delta: str) -> None:
@@ -259,6 +260,35 @@ def measure_tables(m: dict) -> list[Table]:
                    "V deviation"), tuple(rows),
                   f"Rows recomputed: those whose values deviate most at layer "
                   f"{m['select_layer']}. Gap closed: (composed - NLL) / (composed - joint).")]
+
+
+def cmd_calibrate(args) -> int:
+    """``calibrate``: the retrieval heads chosen, written where ``--out`` says (checked
+    before the work), their scores as a table or JSON."""
+    out = output_file(args.out)
+    sizes = lengths(args.lengths)
+    model = cli_model(args, args.model, args.dtype)
+    found = (calibrate.at_random(model, args.fraction, args.seed) if args.random else
+             calibrate.calibrate(model, TokenPolicy(model.tokenizer), args.trials, sizes,
+                                 args.fraction, args.seed, args.framing))
+    written = calibrate.write(found, out)
+    heads = [[int(a), int(b)] for a, b in found.heads.nonzero().tolist()]
+    if args.json:
+        print(json.dumps({"model": model.name, "dtype": model.precision, "trials": found.trials,
+                          "steps": found.steps, "fraction": args.fraction,
+                          "scores": found.scores.tolist(), "heads": heads,
+                          "out": str(written)}))
+        return 0
+    kv = found.scores.shape[1]
+    rows = tuple((str(layer), *(f"{float(x):.3f}{' *' if c else ''}"
+                                for x, c in zip(found.scores[layer], found.heads[layer])))
+                 for layer in range(found.scores.shape[0]))
+    title = ("heads drawn at random (* chosen)" if args.random else f"attention on the key "
+             f"({found.trials} trials, {found.steps} answer tokens; * chosen)")
+    print_tables([Table(title, ("layer", *(f"KV head {h}" for h in range(kv))), rows)])
+    print(f"[{len(heads)} of {found.heads.numel()} heads -> {written}: "
+          f"--allocation duo --allocation-heads {written}]", file=sys.stderr)
+    return 0
 
 
 def cmd_transfer(args) -> int:
