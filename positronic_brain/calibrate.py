@@ -28,10 +28,11 @@ from .loop import Session, arena_capacity
 from .model import Model
 from .plain import atomic_write
 from .special_tokens import TokenPolicy
-from .types import CacheParams, SamplerParams, require
+from .types import CacheParams, SamplerParams, require, require_seed
 
 
 SEED = 1  # the trials' seed: other prompts than bench passkey's (seed 0) evaluates on
+ROOM = 16  # positions a prompt leaves for its answer (a key's tokens)
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,11 @@ def calibrate(model: Model, policy: TokenPolicy, n_trials: int = 8,
     trials of ``seed``, at ``lengths`` tokens) and choose the ``fraction`` that read the
     key the most (``choose``)."""
     require(n_trials >= 1, f"--trials must be >= 1, got {n_trials}")
-    require(lengths and all(16 <= n <= model.spec.max_positions for n in lengths),
-            f"--lengths {','.join(map(str, lengths))}: each in 16..{model.spec.max_positions} "
-            "(the model's positions)")
+    most = model.spec.max_positions - ROOM
+    require(lengths and all(16 <= n <= most for n in lengths),
+            f"--lengths {','.join(map(str, lengths))}: each in 16..{most} (the model's "
+            f"positions less {ROOM} for the answer)")
+    require_seed(seed)
     require(framing in FRAMINGS, f"--framing must be one of {', '.join(FRAMINGS)}")
     choose(torch.zeros(1), fraction)  # a bad fraction refused before the work
     shares = []
@@ -120,6 +123,8 @@ def at_random(model: Model, fraction: float = 0.25, seed: int = SEED) -> Calibra
     """The baseline: the ``fraction`` of heads chosen at random (``seed``), each head's
     "score" its draw."""
     spec = model.spec
+    choose(torch.zeros(1), fraction)
+    require_seed(seed)
     rng = torch.Generator().manual_seed(seed)
     scores = torch.rand(spec.n_layers, spec.n_kv_heads, generator=rng)
     return Calibration(scores, choose(scores, fraction), 0, 0)

@@ -491,8 +491,9 @@ def resolve_run(path: str | os.PathLike, row: int | None = None) -> Path:
     of a batch capture (which has no run of its own without one)."""
     path = _one(Path(path))
     if not (path / BATCH).is_file():
-        require(row is None or read_manifest(path).get("batch", {}).get("row") == row,
-                f"--row {row}: {path} is not a batch capture")
+        own = read_manifest(path).get("batch") if row is not None else None
+        require(row is None or (own or {}).get("row") == row, f"--row {row}: {path} is "
+                + (f"row {own['row']} of a batch" if own else "not a batch capture"))
         return path
     rows = read_batch(path)["rows"]
     require(row is not None, f"{path} is a batch capture of {len(rows)} rows: name one "

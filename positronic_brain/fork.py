@@ -87,7 +87,8 @@ def fork(run_dir: str | Path, step: int, cache: dict | None = None, sampler: dic
                        "sampler": dataclasses.asdict(new_sampler)},
             "scorer_sha256": user.file_sha256(cache_params.scorer.name),
             "parent": {"run": str(run.dir.resolve()), "run_id": manifest.get("run_id"),
-                       "step": step, "batch": manifest.get("batch", {}).get("size", 1)}},
+                       "step": step, "batch": manifest.get("batch", {}).get(
+                           "size", (manifest.get("parent") or {}).get("batch", 1))}},
             level=level)
         session.tape.copy_from(copied, step, state)
     out = drive(session, max_new_tokens, ignore_eos, on_text)

@@ -378,15 +378,28 @@ def replay_batch(folder: Path, row: int | None, stage: str | None, step: int | N
     others still rebuilt: its stage 1 shared their product). ``step``: a row's step."""
     record = read_batch(folder)
     rows = {int(name.removeprefix("row-")): name for name in record["rows"]}
-    require(rows, f"{folder}: the batch captured no row")
     require(row is None or row in rows, f"--row {row}: {folder} has no such row")
-    runs, reports = {}, {}
-    for i, name in rows.items():
-        runs[i], model = open_run(folder / name, model, device)
+    stepped = {i for together in record["schedule"] for i, _ in together}
+    runs, reports, unprimed = {}, {}, []
+    for i, name in list(rows.items()):
+        run, model = open_run(folder / name, model, device)
+        if i not in stepped and not run.has(file_name(0, STAGES[0])):
+            unprimed.append(name)  # the batch stopped while it primed: nothing to replay
+            del rows[i]
+            continue
+        runs[i] = run
         reports[i] = ReplayReport(str(folder / name))
         if not runs[i].manifest.get("complete"):
             reports[i].notes.append(f"{name} did not complete (stopped: "
                                     f"{runs[i].manifest.get('stop_reason')})")
+    require(rows, f"{folder}: the batch captured no primed row")
+    require(row is None or row in rows, f"--row {row}: {folder}'s row {row} was not primed")
+    require(step is None or any(step in runs[i].steps or step == 0 for i in rows
+                                if row in (None, i)),
+            f"step {step} is not in this capture's rows")
+    if unprimed:
+        reports[min(rows)].notes.append(f"{', '.join(unprimed)}: not primed (the batch "
+                                        "stopped first); left out")
     replays = {i: _Replay(runs[i], model, reports[i], stage if row in (None, i) else "", step)
                for i in rows}
     with threads.running(runs[min(rows)].manifest.get("threads")):

@@ -413,7 +413,7 @@ def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[s
             f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]} "
             "torch.float32, finite and >= 0")
     rows = _check_heads(tensors, shape, columns)
-    _check_columns(columns, rows, ledger, shape[:2] if rows != n else ())
+    _check_columns(columns, rows, ledger, shape[:2] if "heads.n" in tensors else ())
     saved = columns["token_id"]
     ids = torch.cat((saved, torch.tensor([pending_token], device=saved.device)))
     require(bool(((ids >= 0) & (ids < s.vocab)).all()), "a saved token id is outside the vocabulary")

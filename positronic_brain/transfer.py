@@ -517,6 +517,9 @@ def apply_projector(projector: Projector, session: Session, target: Model,
     projector.check_fits(source, target)
     require_same_tokens(source.tokenizer, target.tokenizer)
     tensors, body = session_tensors(session), session_body(session)
+    require("heads.n" not in tensors, "the session is a per-head cache (--allocation "
+            f"{session.cache_params.allocation.kind}): a projector cannot carry its heads' "
+            "own tokens yet")
     require(not bool((tensors["arena.log_mass"] > 0).any()), "the session holds folded slots "
             "(--repair fold): a projector cannot carry a per-head mix of tokens")
     for part, rows in (("arena", "ledger"), ("cold", "cold")):  # the hot rows, the cold ones

@@ -264,6 +264,7 @@ def test_run_prompts_prints_each_prompts_run_in_input_order(capsys, tmp_path, ti
     ("one\n" + "word " * 20 + "\n", ("--capacity", "12"), "line 2: the prompt is"),
     ("one\n", ("--batch", "2", "--device-map", "balanced"), "it takes no --device-map"),
     ("one\n", ("--batch", "0"), "--batch must be >= 1, got 0"),
+    ("one\n\nthree\n", ("--save", "CAP"), "line 2 is empty"),  # no folder made
 ])
 def test_run_prompts_refuses_bad_input_before_any_work(capsys, tmp_path, lines, flags, message):
     path = tmp_path / "prompts.txt"

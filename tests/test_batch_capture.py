@@ -109,6 +109,29 @@ def test_a_batch_that_fails_part_way_keeps_what_it_recorded(tiny_model, tiny_pol
     assert any("did not complete (stopped: RuntimeError)" in n for n in report.notes)
 
 
+def test_a_batch_that_stops_while_a_row_primes_replays_the_rest(tiny_model, tiny_policy,
+                                                                tmp_path, one_thread,
+                                                                monkeypatch):
+    primes = []
+    prime = Session.prime
+
+    def interrupted(self, *args, **kw):
+        primes.append(1)
+        if len(primes) == 4:  # the fourth prompt, once a place is free
+            raise KeyboardInterrupt
+        return prime(self, *args, **kw)
+
+    monkeypatch.setattr(Session, "prime", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _batch(tiny_model, tiny_policy, tmp_path)
+    monkeypatch.undo()
+    folder = next(tmp_path.iterdir())
+    assert read_batch(folder)["rows"][-1] == row_name(3)
+    report = replay(folder, model=tiny_model)
+    assert report.ok and report.rows == 3 and report.steps > 0
+    assert any(f"{row_name(3)}: not primed" in n for n in report.notes)
+
+
 def test_a_session_saved_from_a_row_goes_on_as_the_row_would(tiny_model, tiny_policy, tmp_path,
                                                              one_thread):
     """Rows saved as they finish; each file, loaded, steps as the row's own session goes on
@@ -176,6 +199,11 @@ def test_the_cli_captures_replays_inspects_forks_and_saves_a_batch(capsys, tmp_p
     assert len(fork["generated_ids"]) == 14
     rc, _, err = _cli(capsys, "replay", fork["capture"])
     assert rc == 0 and "in a batch of 2 rows" in err and "within the tolerance" in err
+    rc, out, err = _cli(capsys, "fork", fork["capture"], "--step", "9", "--json", "--capture",
+                        str(tmp_path / "forks2"))  # a fork of the fork: its first steps batched
+    assert rc == 0, err
+    rc, _, err = _cli(capsys, "replay", json.loads(out)["capture"])
+    assert rc == 0 and "in a batch of 2 rows" in err and "within the tolerance" in err
     # a saved row goes on with run --session
     rc, out, err = _cli(capsys, "run", "--session", str(saved / f"{row_name(0)}.pbs"),
                         "--max-new-tokens", "3", "--json", "--ignore-eos")
@@ -189,6 +217,8 @@ def test_the_cli_captures_replays_inspects_forks_and_saves_a_batch(capsys, tmp_p
     (("replay", "BATCH", "--row", "9"), "--row 9: "),
     (("fork", "BATCH", "--step", "2"), "name one with --row I"),
     (("replay", "ROW1", "--row", "0"), "is row 1"),
+    (("inspect", "ROW1", "--row", "0"), "is row 1 of a batch"),
+    (("replay", "BATCH", "--step", "99"), "step 99 is not in this capture's rows"),
     (("inspect", "SOLO", "--row", "0"), "is not a batch capture"),
     (("replay", "SOLO", "--row", "0"), "a run of one prompt, not a batch capture"),
 ])

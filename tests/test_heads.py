@@ -5,8 +5,10 @@ every head holds its budget at every step; every (layer, head, slot) is accounte
 rules pick the slots worked out by hand; a failure part-way changes nothing; bad input is
 one line and exit 2."""
 import copy
+import gc
 import json
 import math
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -508,6 +510,8 @@ def test_a_per_head_session_saves_loads_and_goes_on(tiny_model, tiny_policy, one
         budget=16, sinks=1, recent=2, scorer="h2o", allocation=Allocation(kind="head"),
         repair=FoldRepair(), positions=Positions(reindex_at=50)))
     s.prime([Segment(tuple(tiny_policy.encode(TEXT))[:40], "user")])
+    fresh = load_session(tiny_model, save_session(s, tmp_path / "fresh.pbs"))  # every head
+    assert torch.equal(fresh.state.heads.n, s.state.heads.n)  # holds every token yet
     records = [s.step() for _ in range(20)]
     assert any(r.culled for r in records) and any(r.reindexed for r in records)
     assert s.state.ledger.n > s.state.arena.n  # the heads' union passes one head's slots
@@ -523,6 +527,10 @@ def test_a_per_head_session_saves_loads_and_goes_on(tiny_model, tiny_policy, one
     va, vb = a.view(), b.view()
     assert torch.equal(va.k, vb.k) and torch.equal(va.v, vb.v)
     assert torch.equal(va.columns["attn_sum"], vb.columns["attn_sum"])
+    state = weakref.ref(s.state)  # nothing keeps a finished session's state alive
+    del s, a, b, va, vb
+    gc.collect()
+    assert state() is None
 
 
 def test_a_per_head_session_goes_on_from_the_cli_captured(tmp_path, capsys, one_thread):
@@ -550,14 +558,15 @@ def test_a_per_head_session_goes_on_from_the_cli_captured(tmp_path, capsys, one_
         assert len(err) == 1 and message in err[0], err
 
 
+@pytest.mark.parametrize("scorer", ["tova", "h2o"])  # h2o: a column a head, born per head
 def test_a_turn_per_head_is_its_tokens_stepped_one_at_a_time(tiny_model, tiny_policy,
-                                                             one_thread):
+                                                             one_thread, scorer):
     """Stage 0's extend of a per-head cache whose heads hold different tokens caches each new
     token in every head's next slot, with the K/V that stepping the tokens one at a time
     gives (stage 1 over each head's own tokens, stage 4 appending without a cull), to float
     rounding; stage 1 then equals the per-head oracle, before and after the culls back to
     the budget."""
-    s = _session(tiny_model, tiny_policy, budget=16, sinks=1, recent=2,
+    s = _session(tiny_model, tiny_policy, budget=16, sinks=1, recent=2, scorer=scorer,
                  allocation=Allocation(kind="head"))
     for _ in range(12):
         s.step()

@@ -66,7 +66,7 @@ def cmd_run(args) -> int:
 
 def _save_to(args) -> Path | None:
     """``--save``'s file (``--prompt``, ``--session``) or folder (``--prompts``, made if
-    missing), checked before any work; None without it."""
+    missing once the prompts are checked), checked before any work; None without it."""
     if args.save is None:
         return None
     if args.prompts is None:
@@ -75,8 +75,7 @@ def _save_to(args) -> Path | None:
     require(not folder.exists() or folder.is_dir(), f"--save {folder}: with --prompts, a "
             "folder (one session file a prompt), and this is a file")
     require(folder.parent.is_dir(), f"--save {folder}: no folder {folder.parent}")
-    folder.mkdir(exist_ok=True)
-    return folder
+    return folder  # made once the prompts are checked (_run_prompts)
 
 
 def _save(session, out: Path) -> None:
@@ -116,6 +115,8 @@ def _run_prompts(args, model, policy: TokenPolicy, prompts: list, sampler, param
     there as it stops."""
     done: dict[int, dict] = {}
     printed = 0
+    if save is not None:
+        save.mkdir(exist_ok=True)
 
     def finished(i: int, result: dict, session) -> None:
         nonlocal printed

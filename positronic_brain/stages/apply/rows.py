@@ -74,7 +74,8 @@ def write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: torc
     m.position[slots] = positions
     m.source[slots] = sources
     for name, spec in m.specs.items():  # the scorer's columns at their birth values
-        m.columns[name][slots] = birth_values(spec.births, m.device)[sources.long()]
+        col, born = m.columns[name], birth_values(spec.births, m.device)[sources.long()]
+        m.columns[name][slots] = born.view(-1, *(1,) * (col.dim() - 1))  # per head: each
     m.born_step[slots] = step
     m.changed_step[slots] = step
     m.flags[slots] = flags
@@ -83,7 +84,6 @@ def write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: torc
     return uids
 
 
-@functools.lru_cache(maxsize=16)
 def append_heads(state: State, k: torch.Tensor, v: torch.Tensor, token_ids: torch.Tensor,
                  positions: torch.Tensor, sources: torch.Tensor, flags: torch.Tensor,
                  step: int) -> list[int]:
@@ -126,6 +126,7 @@ def _grow(m: Ledger) -> None:
         m.columns[c] = new
 
 
+@functools.lru_cache(maxsize=16)
 def birth_values(births: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """A column's birth value per source as a float32 tensor on ``device``, made once
     (copying it from host memory at every step would wait for the device)."""
