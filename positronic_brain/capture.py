@@ -480,28 +480,27 @@ def batch_of(path: str | os.PathLike, row: int | None = None) -> tuple[Path, int
         return path, row
     batch = read_manifest(path).get("batch")
     if batch is None:
-        require(row is None, f"--row {row}: {path} is a run of one prompt, not a batch capture")
+        require(row is None, f"--row {row}: {path} is not a batch capture (a run of one "
+                "prompt, not a batch capture's row)")
         return None
-    require(row in (None, batch["row"]), f"--row {row}: {path} is row {batch['row']}")
+    require(row in (None, batch["row"]), f"--row {row}: {path} is row {batch['row']} of a batch")
     return path.parent, batch["row"]
 
 
 def resolve_run(path: str | os.PathLike, row: int | None = None) -> Path:
     """A run folder: ``path``, the one run a capture root holds, or with ``row`` that row's
     of a batch capture (which has no run of its own without one)."""
-    path = _one(Path(path))
-    if not (path / BATCH).is_file():
-        own = read_manifest(path).get("batch") if row is not None else None
-        require(row is None or (own or {}).get("row") == row, f"--row {row}: {path} is "
-                + (f"row {own['row']} of a batch" if own else "not a batch capture"))
-        return path
-    rows = read_batch(path)["rows"]
-    require(row is not None, f"{path} is a batch capture of {len(rows)} rows: name one "
+    found = batch_of(path, row)
+    if found is None:
+        return _one(Path(path))
+    folder, row = found
+    rows = read_batch(folder)["rows"]
+    require(row is not None, f"{folder} is a batch capture of {len(rows)} rows: name one "
             "with --row I (0 for the first prompt)")
-    require(row_name(row) in rows, f"--row {row}: {path} has no such row (its rows: "
+    require(row_name(row) in rows, f"--row {row}: {folder} has no such row (its rows: "
             f"{', '.join(r.removeprefix('row-').lstrip('0') or '0' for r in rows[:8])}"
             f"{', ...' if len(rows) > 8 else ''})")
-    return path / row_name(row)
+    return folder / row_name(row)
 
 
 class CaptureRun:

@@ -224,9 +224,8 @@ def restore_session(model: Model, tensors: dict[str, torch.Tensor], body: dict) 
     state carries over from the same device type only."""
     columns, fields, ledger = _checked(model, tensors, body, model.spec.n_layers)
     cold = _saved_cold(model, tensors, body["cold"], ledger)
-    heads = {x: tensors[f"heads.{x}"] for x in ("row", "n")} if "heads.n" in tensors else None
     state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
-                    ledger, fields, tensors["arena.log_mass"], cold, heads)
+                    ledger, fields, tensors["arena.log_mass"], cold, _saved_heads(tensors))
     return _session(model, tensors, body, state)
 
 
@@ -379,14 +378,16 @@ def _check_columns(columns: dict[str, torch.Tensor], n: int, ledger: dict,
             "origin uid does not fit it")
 
 
-def _check_heads(tensors: dict[str, torch.Tensor], shape: tuple,
+def _saved_heads(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """A per-head cache's saved map, ``row`` and ``n`` (None: a whole-token file)."""
+    return {x: tensors[f"heads.{x}"] for x in ("row", "n")} if "heads.n" in tensors else None
+
+
+def _check_heads(heads: dict[str, torch.Tensor], shape: tuple,
                  columns: dict[str, torch.Tensor]) -> int:
-    """A per-head cache's saved map (``heads.row`` (L, kv_heads, n), ``heads.n``
-    (L, kv_heads); the arena's K/V ``shape``) of int64 within its slots and ledger rows: the
-    ledger's rows (its ``n`` slots without a map)."""
-    if "heads.n" not in tensors:
-        return shape[2]
-    row, count = tensors["heads.row"], tensors["heads.n"]
+    """A per-head cache's saved map (``row`` (L, kv_heads, n), ``n`` (L, kv_heads); the
+    arena's K/V ``shape``) of int64 within its slots and ledger rows: the ledger's rows."""
+    row, count = heads["row"], heads["n"]
     rows = columns["uid"].shape[0] if "uid" in columns else -1
     require(tuple(row.shape) == shape[:3] and tuple(count.shape) == shape[:2]
             and row.dtype == count.dtype == torch.int64, f"saved head map "
@@ -412,8 +413,9 @@ def _check_saved(model: Model, tensors: dict[str, torch.Tensor], columns: dict[s
             and bool(torch.isfinite(log_mass).all()) and bool((log_mass >= 0).all()),
             f"saved log-mass {tuple(log_mass.shape)} {log_mass.dtype} does not fit {shape[:3]} "
             "torch.float32, finite and >= 0")
-    rows = _check_heads(tensors, shape, columns)
-    _check_columns(columns, rows, ledger, shape[:2] if "heads.n" in tensors else ())
+    heads = _saved_heads(tensors)
+    rows = n if heads is None else _check_heads(heads, shape, columns)
+    _check_columns(columns, rows, ledger, () if heads is None else shape[:2])
     saved = columns["token_id"]
     ids = torch.cat((saved, torch.tensor([pending_token], device=saved.device)))
     require(bool(((ids >= 0) & (ids < s.vocab)).all()), "a saved token id is outside the vocabulary")
