@@ -31,8 +31,12 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(BIN)/positronic-brain run --prompt "$(PROMPT)" --max-new-tokens 48 --greedy $(ARGS)
 
+# The suite in one worker process per core, at most four (pytest-xdist; each worker on one
+# thread: conftest.py), a test file to a worker.
+TEST_JOBS ?= $(shell $(PY) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
+
 test: install browser
-	$(BIN)/python -m pytest -q -ra $(ARGS)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
 # A real browser for the HTML page's test (Debian's chromium), where it is missing and the
 # machine can install it; elsewhere that test skips with the reason.

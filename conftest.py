@@ -13,7 +13,10 @@ from positronic_brain import options, threads
 from positronic_brain.model import load_model  # the package sets the offline environment
 from positronic_brain.special_tokens import TokenPolicy
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist each worker takes one core: two workers of two threads each on two
+# cores would wait on each other's descheduled threads.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else
+                      max(1, min(2, os.cpu_count() or 1)))
 # The oracle tolerances on CUDA assume full float32 products (TF32 off).
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False

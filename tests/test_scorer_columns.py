@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from positronic_brain import options
+from positronic_brain import options, threads
 from positronic_brain import Session
 from positronic_brain.cli import main
 from positronic_brain.scorers import columns_of
@@ -151,7 +151,8 @@ def test_a_format_5_session_loads_with_both_old_columns_and_continues_bit_exact(
     s = load_session(tiny_model, data / f"{name}.pbs")
     assert sorted(s.state.ledger.specs) == ["attn_sum", "brightness"]
     assert s.state.ledger.specs["brightness"].high == 255.0
-    assert [s.step().token_id for _ in range(10)] == want["next_ids"]
+    with threads.running(2):  # as they were saved: float32 sums split by the threads
+        assert [s.step().token_id for _ in range(10)] == want["next_ids"]
     for ledger, cols in ((s.state.ledger, want["ledger"]),
                          (s.state.cold and s.state.cold.ledger, want["cold"])):
         if cols is not None:

@@ -472,10 +472,16 @@ class BatchMachine(RuleBasedStateMachine):
         """A hand-made edit of one row alone (the others untouched)."""
         row = self.rows[data.draw(st.integers(0, len(self.rows) - 1))]
         ready = {"cull": row._room() and row._unpinned(), "repair": row._room() and row._pairs(),
-                 "recall": row._room() and row.cold and row._unpinned(),
+                 "recall": row._room() and (row.cold or row.cache.recall) and row._unpinned(),
                  "reindex": row._room(), "extend_turn": row._room()}
         if not ready[edit]:
             return
+        if edit == "recall" and not row.cold:  # whether one is cold depends on the numbers:
+            Row.cull(row, data)  # a cull of a row with recall sends one there
+            self.seen["edit cull"] += 1
+            row.matches_the_model()  # (which also notes what went cold)
+            if not (row._room() and row.cold and row._unpinned()):
+                return
         args = {"reindex": (), "extend_turn": (data, data.draw(st.sampled_from(SOURCES)))}
         getattr(Row, edit)(row, *args.get(edit, (data,)))
         self.seen[f"edit {edit}"] += 1
