@@ -36,6 +36,22 @@ def test_every_protocol_compresses_the_context_to_the_budget(real_model, real_po
     assert len(row.outputs) == len(row.scores) == 1 + len(grid)
 
 
+def test_per_head_cells_keep_the_budget_in_each_head(real_model, real_policy, needle):
+    """A per-head policy (``NAME@ALLOCATION``) compresses the context at the same K/V memory:
+    at the question its (layer, KV head)s hold the budget on average (``head``: each
+    exactly); its recall variant is left out, as recall takes no per-head cache yet."""
+    cfg = _cfg(policies=("h2o@head", "tova@adaptive"), ratios=(0.03,), recall=True,
+               protocols=("compress", "online"))
+    grid = ruler.cells(cfg)
+    assert [(c.protocol, c.method) for c in grid] == [
+        (p, m) for p in ("compress", "online") for m in ("h2o@head", "tova@adaptive")]
+    row = ruler.run_sample(real_model, real_policy, cfg, needle, grid)
+    budget = ruler.Prompt.of(real_policy, needle).budget(0.03, ruler.cell_cache(
+        cfg, grid[0], ruler.Prompt.of(real_policy, needle)))
+    assert row.budgets[1:] == [budget] * 4 and row.kept[1:] == [budget] * 4
+    assert all(0 <= s <= 1 for s in row.scores)
+
+
 def test_a_miss_is_captured_and_replays(real_model, real_policy, needle, tmp_path, monkeypatch):
     """Every cell scored below 1 answers again on a tape (here each, by a scorer of answers
     that finds none right): the capture replays bit for bit, budget change included."""

@@ -96,6 +96,12 @@ def cell_policy(label: str) -> dict[str, str]:
     return {"policy": name} | ({"allocation": kind} if kind else {})
 
 
+def per_head(label: str) -> bool:
+    """Whether a grid's policy label names a per-head allocation (which takes no recall
+    yet: its cells with recall are left out)."""
+    return "allocation" in cell_policy(label)
+
+
 def scorer_names(labels) -> tuple[str, ...]:
     """The scorers a grid's policies (``cell_policy``'s labels) name."""
     return tuple(cell_policy(p)["policy"] for p in labels)

@@ -264,7 +264,7 @@ def cells(cfg: PasskeyConfig) -> list[Cell]:
 
 def takes(policy: str, variant: dict) -> bool:
     """Whether ``policy`` runs under ``variant``: not a per-head one with recall."""
-    return not (variant.get("recall") and "allocation" in flags.cell_policy(policy))
+    return not (variant.get("recall") and flags.per_head(policy))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ question and the answer go on uncompressed:
 
 A cell's budget is a compression ratio of the context (the fraction of its tokens removed;
 the budget keeps the rest, and never fewer than the protected tokens allow); the rows give
-both and the fraction really kept. Every sample is also answered with the full cache: the
+both and the fraction really kept (a per-head policy, ``NAME@ALLOCATION``: the mean over the
+(layer, KV head)s, at the same K/V memory). Every sample is also answered with the full cache: the
 model's own ceiling. A sample is primed once per protocol that can share the prime, and
 each cell answers from its own deep copy. ``--capture-misses DIR`` captures every wrong
 answer, so ``inspect --html`` shows when the needle was culled and whether it came back.
@@ -31,7 +32,7 @@ from typing import Any
 
 from .. import options
 from ..capture import CaptureTape, manifest
-from ..loop import Session
+from ..loop import Session, head_capacity
 from ..model import DTYPES, Model, load_model
 from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
 from ..special_tokens import TokenPolicy
@@ -67,8 +68,8 @@ class RulerConfig:
                                       quick=(1024,))
     samples: int = option(10, "samples per task and length", quick=2)
     policies: tuple[str, ...] = option(("brightness", "h2o", "tova", "streaming"),
-                                       "comma-separated scorers (none: the full cache only)",
-                                       read=flags.policies)
+                                       "comma-separated scorers, NAME@ALLOCATION per head "
+                                       "(none: the full cache only)", read=flags.policies)
     ratios: tuple[float, ...] = option((0.5, 0.75, 0.875), "compression ratios: the "
                                        "fraction of the context's tokens removed",
                                        quick=(0.75,))
@@ -111,11 +112,10 @@ class RulerConfig:
             values = getattr(self, name)
             require(len(set(values)) == len(values), f"--{name} repeats a value: {values}")
         for p in self.policies:  # fail early: unknown fields, options of pieces that are off
-            for recall in (False, True)[:1 + self.recall]:
+            for recall in (False, True)[:1 + (self.recall and not flags.per_head(p))]:
                 c = self.cache(p, 1 << 30, recall)  # any budget: the cells' own come later
-                require(c.allocation.kind == "token" and "user" not in c.pinned, "a RULER prompt "
-                        "is one user turn, its question a turn of its own: pinned user tokens "
-                        "and allocations other than token do not apply (yet)")
+                require("user" not in c.pinned, "a RULER prompt is one user turn, its question "
+                        "a turn of its own: pinned user tokens do not apply")
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "RulerConfig":
@@ -145,8 +145,10 @@ class Cell:
 
 
 def cells(cfg: RulerConfig) -> list[Cell]:
+    """Every protocol x policy x ratio, with recall too if ``recall``, but a per-head policy
+    (``NAME@ALLOCATION``) with recall, which it takes none of yet."""
     return [Cell(pr, p, r, rc) for pr in cfg.protocols for rc in (False, True)[:1 + cfg.recall]
-            for p in cfg.policies for r in cfg.ratios]
+            for p in cfg.policies if not (rc and flags.per_head(p)) for r in cfg.ratios]
 
 
 # --- one sample ---------------------------------------------------------------------------
@@ -237,10 +239,18 @@ def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
     else:
         session = Session(model, policy, sampler, cache, **kw)
         session.prime(prompt.segment(0, min(budget, prompt.n_context)),
-                      budget + (cfg.chunk if cell.protocol == "chunked" else 1) + room)
+                      head_capacity(model, cache) + room
+                      + (cfg.chunk if cell.protocol == "chunked" else 1))
         _stream_context(session, prompt, 1 if cell.protocol == "online" else cfg.chunk)
-    kept = session.state.arena.n
+    kept = kept_tokens(session.state)  # at the question
     return _answer(session, prompt), budget, kept, session.stop_reason
+
+
+def kept_tokens(state) -> float:
+    """The tokens ``state`` holds, as the K/V memory they cost: with per-head budgets, the
+    mean over the (layer, KV head)s of what each holds."""
+    heads = state.heads
+    return state.arena.n if heads is None else float(heads.n.double().mean())
 
 
 @dataclass(frozen=True)
@@ -259,7 +269,7 @@ class SampleRow:
     outputs: list[str]
     scores: list[float]
     budgets: list[int | None]
-    kept: list[int | None]
+    kept: list[float | None]  # ``kept_tokens``
     seconds: list[float]
 
 
