@@ -12,6 +12,10 @@ last session gives the pending token, the sampler and its generator state, and t
 parameters; cold stores (recall) are composed alike when those parameters recall, and
 count as dropped otherwise. Stage 0 (``stages.apply.restore``) writes the result.
 
+Per-head parts (``Allocation.per_head``) compose head by head: each head's live slots in
+part order (a whole-token part: every head holds every row), each slot's key moved by its
+token's move; the composed cache is per head, so the last part's parameters must be.
+
 A partial session file (``partial``) is a part too: its rows get fresh uids even when it
 comes first (its accounts are not carried: the composed session accounts only for the rows
 it holds), and the layers it lacks are rebuilt as a prefill of its tokens (text order, at
@@ -65,14 +69,26 @@ class Part:
     state_fields: dict  # pending token, its source and position, step, pinned
     ledger_fields: dict  # next uid, merge history, dropped, scorer column specs, origins
     layers: tuple[int, ...] | None = None  # the layers a partial part holds (None: whole)
+    heads: dict | None = None  # a per-head cache's map over its slots (``restore_args``)
 
     @classmethod
     def of(cls, session: Session, label: str) -> "Part":
         require(session.state is not None, f"{label}: the session is not primed")
-        saved = restore_args(session.state)
-        require(saved.pop("heads") is None, f"{label}: a per-head cache cannot be composed "
-                "yet (its heads hold other tokens)")
-        return cls(label, session, **saved)
+        return cls(label, session, **restore_args(session.state))
+
+    @property
+    def rows(self) -> int:
+        """The ledger rows it holds (a per-head part's slots are not its rows)."""
+        return self.columns["uid"].shape[0]
+
+    def head_map(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its map over its slots (``row`` (L, kv_heads, w), ``n`` (L, kv_heads)): a
+        whole-token part's every head holds every row, slot i row i."""
+        if self.heads is not None:
+            return self.heads["row"], self.heads["n"]
+        L, KVH, w = self.log_mass.shape
+        row = torch.arange(w, device=self.log_mass.device).expand(L, KVH, w)
+        return row, torch.full((L, KVH), w, dtype=torch.long, device=row.device)
 
     @classmethod
     def read(cls, model: Model, path: str | Path, label: str) -> "Part":
@@ -104,12 +120,14 @@ def compose_files(model: Model, paths: list[str | Path], out: str | Path,
     state = session.state
     measured = None
     if continuation is not None:
+        require(state.heads is None, "--measure compares whole tokens with a joint prefill: "
+                "a per-head composition cannot be measured yet")
         measured, rows = measure(model, state, continuation, percents, layer)
         if rows is not None:
             rewrite(model, state, *rows)
     save_session(session, out)
     return {"out": str(out), "parts": [{"file": str(p), "label": part.label,
-                                        "cached": part.k.shape[2],
+                                        "cached": part.rows,
                                         "layers": None if part.layers is None else list(part.layers),
                                         "cold": 0 if part.cold is None else part.cold["k"].shape[2]}
                                        for p, part in zip(paths, parts)],
@@ -152,6 +170,9 @@ def compose(model: Model, parts: list[Part]) -> Session:
     specs = {}  # every part's scorer columns (a later part's declaration of a name wins)
     for part in parts:
         specs |= part.ledger_fields["specs"]
+    per_head = any(p.heads is not None for p in parts)  # then every part is, as it goes on
+    require(not per_head or all(p.layers is None for p in parts), "a partial part composes "
+            "with whole-token parts only (a per-head part's heads hold other tokens)")
     for i, part in enumerate(parts):
         keep_uids = i == 0 and part.layers is None
         if keep_uids:
@@ -166,17 +187,18 @@ def compose(model: Model, parts: list[Part]) -> Session:
             elif keep_uids:
                 dropped += part.cold["k"].shape[2]
         for out, k, v, log_mass, cols in rows:
-            n = k.shape[2]
-            born = cols["source"].long()  # a part made without a column: its birth values
-            cols = {**{c: birth_values(spec.births, born.device)[born]
-                       for c, spec in specs.items()}, **cols}
+            n = cols["uid"].shape[0]
+            cols = _every_column(cols, specs, (s.n_layers, s.n_kv_heads) if per_head else ())
             cols["origin"], cols["origin_uid"] = origins.columns(part, cols)
             if not keep_uids:
                 cols["uid"] = torch.arange(next_uid, next_uid + n, device=cols["uid"].device)
                 next_uid += n
             old = cols["position"]
             cols["position"] = old + offset
-            k = rerotate(model, k, old, cols["position"])
+            if per_head and out is hot:  # each slot by its row's move
+                k = _rerotated_slots(model, k, part.head_map()[0], old, cols["position"])
+            else:
+                k = rerotate(model, k, old, cols["position"])
             if part.layers is not None and len(part.layers) < s.n_layers:  # layers missing
                 k, v, log_mass = _rebuilt(model, hot, part.layers, k, v, log_mass, cols)
             out.append((k, v, log_mass, cols))
@@ -185,7 +207,11 @@ def compose(model: Model, parts: list[Part]) -> Session:
     require(next_position < s.max_positions,
             f"the composed context needs {next_position + 1} positions; the model has "
             f"{s.max_positions}")
-    k, v, log_mass = _joined(model, hot)
+    heads = None
+    if per_head:
+        k, v, log_mass, heads = _joined_heads(model, hot, [p.head_map() for p in parts])
+    else:
+        k, v, log_mass = _joined(model, hot)
     names = Ledger.COLUMNS + tuple(specs)
     columns = {c: torch.cat([h[3][c] for h in hot]) for c in names}
     n = k.shape[2]
@@ -200,7 +226,7 @@ def compose(model: Model, parts: list[Part]) -> Session:
     saved_cold = _cold(parts, cold, names) if cold else None
     try:
         state = restore(model, k, v, columns, capacity, ledger_fields, state_fields, log_mass,
-                        saved_cold)
+                        saved_cold, heads)
     except AssertionError as e:
         raise UserError(f"the composed sessions are inconsistent: {e}") from None
     source = last.session
@@ -213,6 +239,17 @@ def compose(model: Model, parts: list[Part]) -> Session:
     return session
 
 
+def _every_column(cols: dict[str, torch.Tensor], specs: dict, heads: tuple[int, ...]) -> dict:
+    """``cols`` with every scorer column ``specs`` declares (a part made without one: its
+    rows' birth values), one value a head (``heads``: (L, kv_heads)) in a per-head
+    composition, as ``add_heads`` makes them."""
+    born = cols["source"].long()
+    cols = {**{c: birth_values(spec.births, born.device)[born] for c, spec in specs.items()},
+            **cols}
+    return cols | {c: cols[c].view(-1, 1, 1).expand(-1, *heads) for c in specs
+                   if heads and cols[c].dim() == 1}
+
+
 def _joined(model: Model, rows: list[tuple]) -> tuple[torch.Tensor, ...]:
     """Composed rows (k, v, log_mass, columns) joined in order: K, V (L, kv_heads, n,
     head_dim) and log-mass (L, kv_heads, n); n is 0 for none."""
@@ -222,6 +259,40 @@ def _joined(model: Model, rows: list[tuple]) -> tuple[torch.Tensor, ...]:
     mass = torch.zeros(s.n_layers, s.n_kv_heads, 0, device=model.device)
     return tuple(torch.cat([t] + [r[j] for r in rows], dim=2)
                  for j, t in enumerate((kv, kv, mass)))
+
+
+def _rerotated_slots(model: Model, k: torch.Tensor, row: torch.Tensor, old: torch.Tensor,
+                     new: torch.Tensor) -> torch.Tensor:
+    """Keys ``k`` (L, kv_heads, w, head_dim) of a per-head map's slots (``row`` (L,
+    kv_heads, w), -1 where free) rotated from their rows' ``old`` positions to ``new``, as
+    ``rerotate`` moves rows (a free slot stays as it is)."""
+    r = row.clamp_min(0)
+    was = old[r]
+    to = torch.where(row >= 0, new[r], was)
+    D = k.shape[-1]
+    return rerotate(model, k.reshape(-1, D), was.flatten(), to.flatten()).view(k.shape)
+
+
+def _joined_heads(model: Model, rows: list[tuple], maps: list[tuple]) -> tuple:
+    """``_joined`` per head: composed rows (k, v, log_mass, columns) over slots of their
+    head maps ``maps`` (row, n), each head's live slots joined in order; returns K, V,
+    log-mass (L, kv_heads, w) and the composed map (``restore``'s ``heads``), w the most one
+    head holds."""
+    count = sum(n for _, n in maps)
+    s = model.spec
+    shape = (s.n_layers, s.n_kv_heads, int(count.max()) if maps else 0)
+    k = torch.zeros(shape + (s.head_dim,), dtype=model.dtype, device=model.device)
+    v, mass = torch.zeros_like(k), torch.zeros(shape, device=model.device)
+    row = torch.full(shape, -1, dtype=torch.long, device=count.device)
+    start, base = torch.zeros_like(count), 0
+    for (kp, vp, mp, cols), (rp, n) in zip(rows, maps):
+        li, hi, j = torch.nonzero(torch.arange(rp.shape[2], device=n.device) < n[..., None],
+                                  as_tuple=True)
+        to = start[li, hi] + j
+        k[li, hi, to], v[li, hi, to], mass[li, hi, to] = kp[li, hi, j], vp[li, hi, j], mp[li, hi, j]
+        row[li, hi, to] = rp[li, hi, j] + base
+        start, base = start + n, base + cols["uid"].shape[0]
+    return k, v, mass, {"row": row, "n": start}
 
 
 def _rebuilt(model: Model, before: list[tuple], layers: tuple[int, ...], k: torch.Tensor,

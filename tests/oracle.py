@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -102,3 +103,20 @@ def hf_step_logits_per_head(model: Model, view: View, held: torch.Tensor) -> tor
                          dynamic_cache(view), use_cache=True, held=held,
                          position_ids=torch.tensor([[view.next_position]], device=model.device))
     return out.logits[0, -1].float()
+
+
+def per_head_state_logits(model: Model, state) -> torch.Tensor:
+    """HF's logits over the union of the tokens the heads hold, each head masked to its own,
+    its K/V for them taken from the slots it holds them in, a folded slot's log-mass added."""
+    view, h, m = state.view(), state.heads, state.ledger
+    L, KVH = h.n.shape
+    k = torch.zeros(L, KVH, m.n, view.k.shape[-1])
+    v = torch.zeros_like(k)
+    held = torch.full((L, KVH, m.n), -math.inf)  # each head's bias: its log-mass where held
+    layer, head, slot = h.live(state.arena.n).nonzero().unbind(1)
+    row = h.row[layer, head, slot]
+    k[layer, head, row] = view.k[layer, head, slot]
+    v[layer, head, row] = view.v[layer, head, slot]
+    held[layer, head, row] = state.arena.log_mass[layer, head, slot]
+    return hf_step_logits_per_head(model, SimpleNamespace(
+        k=k, v=v, pending_token=view.pending_token, next_position=view.next_position), held)

@@ -11,11 +11,12 @@ from positronic_brain.cli import main
 from positronic_brain.compose import Part, compose, compose_files
 from positronic_brain.loop import Session
 from positronic_brain.model import hf_forward
+from positronic_brain.partial import save_partial
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.generate import generate
 from positronic_brain.state import Ledger
 from positronic_brain.types import CacheParams, SamplerParams, UserError
-from tests.oracle import assert_close, hf_step_logits
+from tests.oracle import assert_close, hf_step_logits, per_head_state_logits
 from tests.tolerance import ORACLE
 
 SAMPLED = SamplerParams(temperature=1.0, top_k=40, seed=11)
@@ -117,3 +118,51 @@ def test_compose_refuses_what_does_not_fit(tiny_model, tiny_policy, tmp_path, ca
                  str(tmp_path / "aa.pbs"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["cached"] == 2 * a.state.ledger.n and len(out["origins"]) == 1  # one file, twice
+
+
+def test_per_head_sessions_compose_and_read_as_hf_does_per_head(tiny_model, tiny_policy,
+                                                                 tmp_path, capsys):
+    """A per-head part keeps each head's own tokens, each slot moved by its token's move; a
+    whole-token part gives every head all of its tokens. The composed cache's stage 1 is
+    HF's over the union, each head masked to its own; it goes on per head (the last part's
+    parameters), through files and the command line too; a whole-token last part cannot
+    take it on (one line)."""
+    heads = CacheParams(budget=5, sinks=1, recent=1, scorer="tova", allocation="head")
+    a = _session(tiny_model, tiny_policy, TEXTS[0], steps=8, params=heads)
+    b = _session(tiny_model, tiny_policy, TEXTS[1])
+    c = _session(tiny_model, tiny_policy, TEXTS[2], steps=6, params=heads)
+    rows = a.state.heads.row[:, :, :a.state.arena.n]
+    assert not bool((rows.sort(-1).values == rows[:1, :1].sort(-1).values).all()), \
+        "the heads of the first part hold the same tokens"
+    three = compose(tiny_model, [Part.of(a, "a.pbs"), Part.of(b, "b.pbs"), Part.of(c, "c.pbs")])
+    state = three.state
+    state.check_valid()
+    assert torch.equal(state.heads.n, a.state.heads.n + b.state.ledger.n + c.state.heads.n)
+    assert state.ledger.n == a.state.ledger.n + b.state.ledger.n + c.state.ledger.n
+    view = state.view()
+    assert torch.equal(view.k[0, 0, :5], a.state.view().k[0, 0, :5])  # the first part stays
+    gen = generate(tiny_model, view, SamplerParams(greedy=True), three.generator)
+    assert_close(gen.logits, per_head_state_logits(tiny_model, state), ORACLE,
+                 "composed per-head cache vs HF")
+    for _ in range(3):  # culls each head back to its budget
+        three.step()
+        state.check_valid()
+    assert int(state.heads.n.max()) == heads.budget
+    with pytest.raises(UserError, match="per-head cache"):
+        compose(tiny_model, [Part.of(a, "a.pbs"), Part.of(b, "b.pbs")])
+    for name, s in zip("abc", (a, b, c)):
+        save_session(s, tmp_path / f"{name}.pbs")
+    save_partial(b, tmp_path / "p.pbs", layers=(0,))
+    with pytest.raises(UserError, match="a partial part composes with whole-token parts only"):
+        compose_files(tiny_model, [tmp_path / "p.pbs", tmp_path / "c.pbs"], tmp_path / "pc.pbs")
+    assert main(["compose", *(str(tmp_path / f"{x}.pbs") for x in "abc"), "--out",
+                 str(tmp_path / "abc.pbs"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["cached"] for p in out["parts"]] == [s.state.ledger.n for s in (a, b, c)]
+    with pytest.raises(UserError, match="a per-head composition cannot be measured"):
+        compose_files(tiny_model, [tmp_path / "a.pbs"], tmp_path / "m.pbs", continuation=[1, 2])
+    again = load_session(tiny_model, tmp_path / "abc.pbs")
+    assert torch.equal(again.state.heads.n, compose(tiny_model, [
+        Part.of(s, f"{x}.pbs") for x, s in zip("abc", (a, b, c))]).state.heads.n)
+    again.step()
+    again.state.check_valid()
