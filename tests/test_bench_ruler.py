@@ -7,7 +7,9 @@ import pytest
 
 from positronic_brain.bench import ruler, ruler_tasks
 from positronic_brain.cli import main
+from positronic_brain.loop import Session
 from positronic_brain.replay import replay
+from positronic_brain.types import CacheParams, SamplerParams, Segment
 
 
 def _cfg(**kw) -> ruler.RulerConfig:
@@ -33,7 +35,24 @@ def test_every_protocol_compresses_the_context_to_the_budget(real_model, real_po
     assert row.budgets[0] is None and row.kept[0] is None
     for b, k in zip(row.budgets[1:], row.kept[1:]):
         assert b == round(prompt.n_context * 0.875) and k == b  # culled to it, the question next
-    assert len(row.outputs) == len(row.scores) == 1 + len(grid)
+    assert len(row.outputs) == len(row.scores) == len(row.held) == 1 + len(grid)
+    # the needle's number, spelt by context tokens, is held or not at the question
+    assert real_policy.decode([prompt.ids[i] for i in prompt.answer]).strip() == needle.answers[0]
+    assert row.held[0] is None and all(0 <= h <= 1 for h in row.held[1:])
+
+
+def test_the_answer_held_is_the_share_of_its_spelling_the_cache_holds(real_model, real_policy):
+    """Hand-worked: "7 4 seven 74 and 74 too" spells 74 twice (SmolLM2's digits are a token
+    each, so not "7 4"); a cache that culled one of those 4 tokens holds 3 of them."""
+    ids = real_policy.encode("7 4 seven 74 and 74 too")  # the last one pending, not cached
+    answer = ruler.spelling(real_policy, ids, ("74",))
+    assert [real_policy.decode([ids[i]]) for i in answer] == ["7", "4"] * 2
+    assert answer[0] > 3 and ruler.spelling(real_policy, ids, ("75",)) == ()
+    s = Session(real_model, real_policy, SamplerParams(greedy=True), CacheParams())
+    s.prime([Segment(tuple(ids), "user")])
+    assert ruler.answer_held(s.state, answer) == 1.0 and ruler.answer_held(s.state, ()) is None
+    s.state.ledger.col("uid")[answer[0]] = 10 ** 6  # as if culled (the uid no longer there)
+    assert ruler.answer_held(s.state, answer) == 3 / 4
 
 
 def test_per_head_cells_keep_the_budget_in_each_head(real_model, real_policy, needle):
@@ -89,7 +108,7 @@ def test_json_rows_have_the_leaderboard_columns(real_model, capsys):
     for r in rows:
         assert {"dataset", "data_dir", "model", "method", "compression_ratio", "score",
                 "protocol", "budget", "recall", "full_cache_score", "score_vs_full", "seconds",
-                "samples"} <= set(r)
+                "samples", "answer_held", "misses", "misses_culled"} <= set(r)
         assert r["dataset"] == "ruler" and r["data_dir"] == "1024" and 0 <= r["score"] <= 100
     assert [r["protocol"] for r in rows] == [None, "compress", "compress"]
     assert rows[0]["method"] == "full cache" and rows[0]["score"] == 100
@@ -123,3 +142,27 @@ def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
     assert main(["bench", "ruler", "--model", "tiny-random", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
+
+
+def test_the_misses_table_tells_a_cull_from_a_misreading():
+    """Hand-worked: of three samples a cell answered, one right (its answer wholly held),
+    one wrong with half its answer's tokens culled, one wrong with all of them held: two
+    misses, one a cull's; held 2.5 / 3 on average. Rows without the measure say "–"."""
+    cfg = _cfg(protocols=("compress",))
+    res = ruler.RulerResult(benchmark="ruler", command="", model="m", quick=False,
+                            machine=None, config=cfg, dtype="float32", max_positions=1,
+                            base={})
+    res.samples = [ruler.SampleRow("niah_single_1", 1024, i, 10, 8, [], ["1"], ["1", o],
+                                   [1.0, score], [None, 4], [None, 4], [0.0, 0.0], held)
+                   for i, (o, score, held) in enumerate((("1", 1.0, [None, 1.0]),
+                                                         ("2", 0.0, [None, 0.5]),
+                                                         ("3", 0.0, [None, 1.0])))]
+    res.rows = ruler.rows(res, ruler.cells(cfg))
+    cell = res.rows[1]
+    assert (cell.misses, cell.misses_culled, cell.answer_held) == (2, 1, 2.5 / 3)
+    table = ruler.misses_table(cfg, res.rows[1:], ["h2o"])
+    assert table.rows == (("compress", "h2o", "0.125", "2", "1", "0.833"),)
+    for s in res.samples:
+        s.held.clear()  # a run from before the measure
+    old = ruler.rows(res, ruler.cells(cfg))[1]
+    assert (old.misses, old.misses_culled, old.answer_held) == (2, None, None)

@@ -20,6 +20,10 @@ both and the fraction really kept (a per-head policy, ``NAME@ALLOCATION``: the m
 model's own ceiling. A sample is primed once per protocol that can share the prime, and
 each cell answers from its own deep copy. ``--capture-misses DIR`` captures every wrong
 answer, so ``inspect --html`` shows when the needle was culled and whether it came back.
+Each answer also records the share of the answer's tokens in the context (every
+occurrence that spells it) the cache still held at the question (with per-head budgets,
+the mean over the heads): a miss with all of them held is the model's reading, one
+without them a cull's doing; the report counts both.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .. import options
 from ..capture import CaptureTape, manifest
@@ -161,6 +167,7 @@ class Prompt:
     ids: list[int]
     n_context: int
     new_tokens: int
+    answer: tuple[int, ...] = ()  # the context's tokens that spell an answer (``spelling``)
 
     @classmethod
     def of(cls, policy: TokenPolicy, sample, new_tokens: int | None = None) -> "Prompt":
@@ -169,7 +176,8 @@ class Prompt:
         n = next((i for i, (a, b) in enumerate(zip(ids, ctx)) if a != b), min(len(ids), len(ctx)))
         require(1 < n < len(ids), f"sample {sample.task}/{sample.index}: no context before the "
                 "question")
-        return cls(ids, n, new_tokens or ruler_tasks.TASKS[sample.task].tokens_to_generate)
+        return cls(ids, n, new_tokens or ruler_tasks.TASKS[sample.task].tokens_to_generate,
+                   spelling(policy, ids[:n], sample.answers))
 
     def budget(self, ratio: float, params: CacheParams) -> int:
         """The cell's budget: the context's tokens ``ratio`` leaves, but at least the
@@ -178,6 +186,37 @@ class Prompt:
 
     def segment(self, lo: int, hi: int) -> list[Segment]:
         return [Segment(tuple(self.ids[lo:hi]), "user")]
+
+
+def spelling(policy: TokenPolicy, context: list[int], answers) -> tuple[int, ...]:
+    """The indices of ``context``'s tokens that spell one of ``answers`` (every occurrence,
+    as the answer's own ids, or where those occur nowhere, as its ids after a space): what a
+    cache must still hold at the question for the model to read the answer there."""
+    out: set[int] = set()
+    for a in answers:
+        for want in (policy.encode(a), policy.encode(" " + a)):
+            w = len(want)
+            found = {i + j for i in range(len(context) - w + 1) if w and context[i:i + w] == want
+                     for j in range(w)}
+            if found:
+                out |= found
+                break
+    return tuple(sorted(out))
+
+
+def answer_held(state, answer: tuple[int, ...]) -> float | None:
+    """The share of ``answer`` (context indices, which are the tokens' uids: each token of a
+    sample's text takes the next uid) that ``state`` still holds; with per-head budgets, the
+    mean over the (layer, KV head)s. None where no context token spells an answer."""
+    if not answer:
+        return None
+    uid = state.ledger.live("uid")
+    want = uid.new_tensor(answer)
+    if state.heads is None:
+        return float(torch.isin(want, uid).double().mean())
+    rows = state.heads.row[:, :, :state.arena.n]
+    held = torch.isin(torch.where(rows >= 0, uid[rows.clamp_min(0)], -1), want)
+    return float(held.sum(-1).double().mean()) / len(answer)
 
 
 def _answer(session: Session, prompt: Prompt) -> list[int]:
@@ -217,9 +256,10 @@ def cell_cache(cfg: RulerConfig, cell: Cell, prompt: Prompt) -> CacheParams:
 
 def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
                 prompt: Prompt, cache: CacheParams, primed=None, tape=None,
-                scorer=None) -> tuple[list[int], int, int, str]:
+                scorer=None) -> tuple[list[int], int, float, float | None, str]:
     """One cell's answer to one sample under its ``cache`` (``cell_cache``): (answer ids,
-    budget, tokens kept at the question, why the answer stopped).
+    budget, tokens kept at the question, the share of the answer's tokens in the context
+    held then (``answer_held``), why the answer stopped).
     ``primed``: (the state primed with the whole context, its prompt statistics), which a
     ``compress`` cell answers from (a deep copy); ``scorer``: ``cache``'s scorer, built
     already (None: the session builds it)."""
@@ -242,8 +282,8 @@ def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
                       head_capacity(model, cache) + room
                       + (cfg.chunk if cell.protocol == "chunked" else 1))
         _stream_context(session, prompt, 1 if cell.protocol == "online" else cfg.chunk)
-    kept = kept_tokens(session.state)  # at the question
-    return _answer(session, prompt), budget, kept, session.stop_reason
+    kept, held = kept_tokens(session.state), answer_held(session.state, prompt.answer)
+    return _answer(session, prompt), budget, kept, held, session.stop_reason
 
 
 def kept_tokens(state) -> float:
@@ -271,6 +311,7 @@ class SampleRow:
     budgets: list[int | None]
     kept: list[float | None]  # ``kept_tokens``
     seconds: list[float]
+    held: list[float | None] = field(default_factory=list)  # ``answer_held``; [] read as None
 
 
 def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
@@ -288,16 +329,18 @@ def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
                        stats=bool(seeded), total=any(reads_total(s) for s in seeded))
     primed = (copy.deepcopy(full.state), stats) if any(s is not None for s in scorers) else None
     full.step(force=prompt.ids[prompt.n_context])
-    answers, budgets, kept = [_answer(full, prompt)], [None], [None]
+    answers, budgets, kept, held = [_answer(full, prompt)], [None], [None], [None]
     seconds = [time.perf_counter() - t0]
     if tick:
         tick()
     for cell, cache, scorer in zip(grid, caches, scorers):
         t1 = time.perf_counter()
-        ids, b, k, _ = answer_cell(model, policy, cell, cfg, prompt, cache, primed, scorer=scorer)
+        ids, b, k, h, _ = answer_cell(model, policy, cell, cfg, prompt, cache, primed,
+                                      scorer=scorer)
         answers.append(ids)
         budgets.append(b)
         kept.append(k)
+        held.append(h)
         seconds.append(time.perf_counter() - t1)
         if tick:
             tick()
@@ -307,7 +350,7 @@ def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
         _capture_misses(model, policy, cfg, sample, prompt, zip(grid, caches, scores[1:]))
     return SampleRow(sample.task, sample.length, sample.index, sample.n_tokens, prompt.n_context,
                      list(sample.depth), list(sample.answers), texts, scores, budgets, kept,
-                     seconds)
+                     seconds, held)
 
 
 def _capture_misses(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample, prompt: Prompt,
@@ -324,7 +367,7 @@ def _capture_misses(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
             model, SamplerParams(greedy=True), cache, prompt.ids, "bench ruler",
             {"sample": dataclasses.asdict(sample), "cell": dataclasses.asdict(cell)}))
         try:
-            stop = answer_cell(model, policy, cell, cfg, prompt, cache, tape=tape)[3]
+            stop = answer_cell(model, policy, cell, cfg, prompt, cache, tape=tape)[-1]
         except BaseException as e:
             tape.close(type(e).__name__, complete=False)
             raise
@@ -387,6 +430,10 @@ class Row:
     score_vs_full: float | None
     seconds: float
     samples: int
+    answer_held: float | None = None  # the answer's context tokens held at the question (mean)
+    misses: int = 0  # samples scored below 1
+    misses_culled: int | None = None  # of them, those whose answer's context tokens were
+    # not all held (None: not known, no missed sample spells its answer in the context)
 
 
 @dataclass(kw_only=True)
@@ -454,10 +501,15 @@ def rows(res: RulerResult, grid: list[Cell]) -> list[Row]:
 def _row(res: RulerResult, task: str, n: int, method: str, ratio, protocol,
          ss: list[SampleRow], i: int, full: float) -> Row:
     score = 100 * _mean(s.scores[i] for s in ss)
+    held = [s.held[i] if s.held else None for s in ss]
+    missed = [h for s, h in zip(ss, held) if s.scores[i] < 1]
     return Row("ruler", str(n), res.model, method, ratio or 0.0, score, task, protocol,
                _mean(s.budgets[i] for s in ss), method.endswith("+recall"),
                _mean(s.kept[i] / s.n_context for s in ss if s.kept[i] is not None),
-               full, score / full if full else None, sum(s.seconds[i] for s in ss), len(ss))
+               full, score / full if full else None, sum(s.seconds[i] for s in ss), len(ss),
+               _mean(held), len(missed),
+               sum(h < 1 for h in missed if h is not None) if any(
+                   h is not None for h in missed) else None)
 
 
 def mean_scores(rs: list[Row], key) -> dict:
@@ -523,6 +575,7 @@ def tables(res: RulerResult) -> list[Table]:
             tuple((m, *(fmt(avg.get((protocol, m, r)), 1) for r in cfg.ratios))
                   for m in methods)))
     kept = [r for r in res.rows if r.protocol]
+    out.append(misses_table(cfg, kept, methods))
     out.append(Table(
         "Budgets: tokens kept of the context (mean), by ratio",
         ("ratio", "budget (mean)", "fraction kept at the question (mean)"),
@@ -530,6 +583,26 @@ def tables(res: RulerResult) -> list[Table]:
                fmt(_mean(r.kept_fraction for r in kept if r.compression_ratio == ratio), 3))
               for ratio in cfg.ratios)))
     return out
+
+
+def misses_table(cfg: RulerConfig, cells_rows: list[Row], methods: list[str]) -> Table:
+    """Why the cells missed, per protocol, method and ratio (``Row.misses_culled``)."""
+    out = []
+    for pr in cfg.protocols:
+        for m in methods:
+            for ratio in cfg.ratios:
+                rs = [r for r in cells_rows if (r.protocol, r.method, r.compression_ratio)
+                      == (pr, m, ratio)]
+                known = [r.misses_culled for r in rs if r.misses_culled is not None]
+                if rs:
+                    out.append((pr, m, str(ratio), str(sum(r.misses for r in rs)),
+                                fmt(sum(known) if known else None, 0),
+                                fmt(_mean(r.answer_held for r in rs), 3)))
+    return Table("Why the cells missed: answers scored below 1, and of them those whose "
+                 "answer's tokens in the context the cache no longer wholly held at the "
+                 "question (culled: not there to be read); the share of those tokens held, "
+                 "over every sample", ("protocol", "method", "ratio", "misses",
+                                       "of them culled", "answer tokens held"), tuple(out))
 
 
 def plots(res: RulerResult, out: Path) -> list[str]:
