@@ -33,7 +33,8 @@ run: install
 
 # The suite in one worker process per core, at most four (pytest-xdist; each worker on one
 # thread: conftest.py), a test file to a worker.
-TEST_JOBS ?= $(shell $(PY) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
+TEST_JOBS ?= $(shell $(PY) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)) \
+    if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1)))")
 
 test: install browser
 	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile $(ARGS)

@@ -170,9 +170,7 @@ def compose(model: Model, parts: list[Part]) -> Session:
     specs = {}  # every part's scorer columns (a later part's declaration of a name wins)
     for part in parts:
         specs |= part.ledger_fields["specs"]
-    per_head = any(p.heads is not None for p in parts)  # then every part is, as it goes on
-    require(not per_head or all(p.layers is None for p in parts), "a partial part composes "
-            "with whole-token parts only (a per-head part's heads hold other tokens)")
+    per_head = _per_head(parts)
     for i, part in enumerate(parts):
         keep_uids = i == 0 and part.layers is None
         if keep_uids:
@@ -188,7 +186,8 @@ def compose(model: Model, parts: list[Part]) -> Session:
                 dropped += part.cold["k"].shape[2]
         for out, k, v, log_mass, cols in rows:
             n = cols["uid"].shape[0]
-            cols = _every_column(cols, specs, (s.n_layers, s.n_kv_heads) if per_head else ())
+            cols = _every_column(cols, specs, (s.n_layers, s.n_kv_heads)
+                                 if per_head and out is hot else ())
             cols["origin"], cols["origin_uid"] = origins.columns(part, cols)
             if not keep_uids:
                 cols["uid"] = torch.arange(next_uid, next_uid + n, device=cols["uid"].device)
@@ -237,6 +236,18 @@ def compose(model: Model, parts: list[Part]) -> Session:
                       generated_ids=list(source.generated_ids))
     session.generator.set_state(source.generator.get_state())
     return session
+
+
+def _per_head(parts: list[Part]) -> bool:
+    """Whether the composition is a per-head cache: a part is one (then every part is made
+    one, and the last part's parameters, which it goes on with, must be per-head too)."""
+    per_head = any(p.heads is not None for p in parts)
+    require(not per_head or parts[-1].session.cache_params.allocation.per_head, "a part is "
+            "a per-head cache, so the composition is one: the last part, whose parameters it "
+            "goes on with, must be per-head too")
+    require(not per_head or all(p.layers is None for p in parts), "a partial part composes "
+            "with whole-token parts only (a per-head part's heads hold other tokens)")
+    return per_head
 
 
 def _every_column(cols: dict[str, torch.Tensor], specs: dict, heads: tuple[int, ...]) -> dict:

@@ -9,7 +9,7 @@ from positronic_brain.bench import ruler, ruler_tasks
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
 from positronic_brain.replay import replay
-from positronic_brain.types import CacheParams, SamplerParams, Segment
+from positronic_brain.types import CacheParams, SamplerParams, Segment, UserError
 
 
 def _cfg(**kw) -> ruler.RulerConfig:
@@ -51,7 +51,11 @@ def test_the_answer_held_is_the_share_of_its_spelling_the_cache_holds(real_model
     s = Session(real_model, real_policy, SamplerParams(greedy=True), CacheParams())
     s.prime([Segment(tuple(ids), "user")])
     assert ruler.answer_held(s.state, answer) == 1.0 and ruler.answer_held(s.state, ()) is None
-    s.state.ledger.col("uid")[answer[0]] = 10 ** 6  # as if culled (the uid no longer there)
+    m = s.state.ledger
+    m.col("uid")[4:m.n] += 1  # as if a merge had taken uid 4: each later token's uid one on
+    m.merged, m.next_uid = {4: (2, 3)}, m.next_uid + 1
+    assert ruler.answer_held(s.state, answer) == 1.0
+    m.col("uid")[answer[0]] = 10 ** 6  # as if culled (the uid no longer there)
     assert ruler.answer_held(s.state, answer) == 3 / 4
 
 
@@ -65,9 +69,10 @@ def test_per_head_cells_keep_the_budget_in_each_head(real_model, real_policy, ne
     assert [(c.protocol, c.method) for c in grid] == [
         (p, m) for p in ("compress", "online") for m in ("h2o@head", "tova@adaptive")]
     row = ruler.run_sample(real_model, real_policy, cfg, needle, grid)
-    budget = ruler.Prompt.of(real_policy, needle).budget(0.03, ruler.cell_cache(
+    budget = ruler.Prompt.of(real_policy, needle).budget(ruler.Size(0.03), ruler.cell_cache(
         cfg, grid[0], ruler.Prompt.of(real_policy, needle)))
     assert row.budgets[1:] == [budget] * 4 and row.kept[1:] == [budget] * 4
+    assert all(0 < h <= 1 for h in row.held[1:])  # 3% culled: most of the needle held
     assert all(0 <= s <= 1 for s in row.scores)
 
 
@@ -100,17 +105,23 @@ def test_the_full_cache_answers_hand_checked_samples(real_model, real_policy):
 def test_json_rows_have_the_leaderboard_columns(real_model, capsys):
     code = main(["bench", "ruler", "--tasks", "niah_single_1", "--lengths", "1024",
                  "--samples", "1", "--policies", "h2o,streaming", "--ratios", "0.5",
-                 "--new-tokens", "8", "--protocols", "compress", "--jobs", "1", "--json"])
+                 "--budgets", "200", "--new-tokens", "8", "--protocols", "compress",
+                 "--jobs", "1", "--json"])
     assert code == 0
     res = json.loads(capsys.readouterr().out)
     rows = res["rows"]
-    assert len(rows) == 1 + 2  # the full cache + a cell per policy
+    assert len(rows) == 1 + 2 * 2  # the full cache + a cell per policy and size
+    assert [r["size"] for r in rows] == [None] + ["ratio 0.5", "budget 200"] * 2
+    n_context = res["samples"][0]["n_context"]
+    for r in rows[2::2]:  # a budget in tokens: its ratio the sample's
+        assert r["budget"] == 200 and r["compression_ratio"] == 1 - 200 / n_context
+        assert r["kept_fraction"] == 200 / n_context
     for r in rows:
         assert {"dataset", "data_dir", "model", "method", "compression_ratio", "score",
                 "protocol", "budget", "recall", "full_cache_score", "score_vs_full", "seconds",
                 "samples", "answer_held", "misses", "misses_culled"} <= set(r)
         assert r["dataset"] == "ruler" and r["data_dir"] == "1024" and 0 <= r["score"] <= 100
-    assert [r["protocol"] for r in rows] == [None, "compress", "compress"]
+    assert [r["protocol"] for r in rows] == [None] + ["compress"] * 4
     assert rows[0]["method"] == "full cache" and rows[0]["score"] == 100
     assert "bench ruler" in res["command"] and res["targets"] is not None
 
@@ -137,6 +148,8 @@ def test_write_data_writes_the_samples_and_measures_nothing(real_model, capsys, 
     (["--trials", "3"], "unrecognized arguments: --trials"),
     (["--lengths", "1024,1024"], "--lengths repeats a value"),
     (["--params", "allocation=turns"], "NAME@ALLOCATION"),
+    (["--budgets", "0"], "--budgets takes comma-separated token counts >= 1"),
+    (["--policies", "h2o@turns"], "--allocation turns do not apply"),
 ])
 def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
     assert main(["bench", "ruler", "--model", "tiny-random", *argv]) == 2
@@ -161,8 +174,15 @@ def test_the_misses_table_tells_a_cull_from_a_misreading():
     cell = res.rows[1]
     assert (cell.misses, cell.misses_culled, cell.answer_held) == (2, 1, 2.5 / 3)
     table = ruler.misses_table(cfg, res.rows[1:], ["h2o"])
-    assert table.rows == (("compress", "h2o", "0.125", "2", "1", "0.833"),)
+    assert table.rows == (("compress", "h2o", "ratio 0.125", "2", "1", "0.833"),)
     for s in res.samples:
         s.held.clear()  # a run from before the measure
     old = ruler.rows(res, ruler.cells(cfg))[1]
     assert (old.misses, old.misses_culled, old.answer_held) == (2, None, None)
+
+
+def test_cells_need_a_size():
+    with pytest.raises(UserError, match="the cells need --ratios or --budgets"):
+        _cfg(ratios=())
+    assert [c.size.label for c in ruler.cells(_cfg(ratios=(), budgets=(64, 8)))] == \
+        ["budget 64", "budget 8"] * len(ruler.PROTOCOLS)

@@ -148,8 +148,13 @@ def test_per_head_sessions_compose_and_read_as_hf_does_per_head(tiny_model, tiny
         three.step()
         state.check_valid()
     assert int(state.heads.n.max()) == heads.budget
-    with pytest.raises(UserError, match="per-head cache"):
+    with pytest.raises(UserError, match="the last part, .* must be per-head too"):
         compose(tiny_model, [Part.of(a, "a.pbs"), Part.of(b, "b.pbs")])
+    recalling = _session(tiny_model, tiny_policy, TEXTS[1], steps=8,
+                         params=CacheParams(budget=6, sinks=1, recent=1, recall=True))
+    assert recalling.state.cold.n > 0
+    with pytest.raises(UserError, match="the last part, .* must be per-head too"):
+        compose(tiny_model, [Part.of(a, "a.pbs"), Part.of(recalling, "r.pbs")])
     for name, s in zip("abc", (a, b, c)):
         save_session(s, tmp_path / f"{name}.pbs")
     save_partial(b, tmp_path / "p.pbs", layers=(0,))

@@ -6,6 +6,7 @@ weight matrix. Each runs twice on a CPU with AVX-512F: built for it, and built w
 AVX-512 loops (``native.kernels(scalar=True)``), as a CPU without it runs them. The bounds
 are the error model's (tests/tolerance.py): the kernels and the plain operators may add each
 sum in another order."""
+import fcntl
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from positronic_brain import native
+from positronic_brain.threads import running
 from positronic_brain.forward import INT8_INPUTS, linear
 from positronic_brain.model import cpu_flags, quantize
 from tests.tolerance import dot, step, sum_bound, unit
@@ -119,13 +121,10 @@ def test_attend_sums_in_the_same_order_on_any_number_of_threads(nat, dtype):
     def run():
         p = torch.empty(H, n + 1)
         return (*nat.attend(qkv, cos, sin, kt, v, torch.empty(0), p, H, KVH, True), p)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with running(1):
         one = run()
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(run(), one))
+    with running(2):  # two at least, whatever the suite's own threads
+        assert all(torch.equal(a, b) for a, b in zip(run(), one))
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
@@ -198,16 +197,13 @@ def test_linear_equals_the_plain_product(nat, out, inp, bias):
 
 def test_linear_sums_in_the_same_order_on_any_number_of_threads(nat):
     gen = torch.Generator().manual_seed(3)
-    threads = torch.get_num_threads()
     for name, dtype, _, w, scale in _weights(576, 1536, gen):
         x = torch.randn(1, 1536, generator=gen).to(dtype)
         scale = torch.empty(0) if scale is None else scale
-        try:
-            torch.set_num_threads(1)
+        with running(1):
             one = nat.linear(x, w, scale, torch.empty(0))
-        finally:
-            torch.set_num_threads(threads)
-        assert torch.equal(nat.linear(x, w, scale, torch.empty(0)), one), name
+        with running(2):  # two at least, whatever the suite's own threads
+            assert torch.equal(nat.linear(x, w, scale, torch.empty(0)), one), name
 
 
 def test_linear_refuses_what_it_cannot_multiply(nat):
@@ -244,14 +240,11 @@ def test_cold_max_is_the_scan_s_maximum(nat, dtype, c, layers, weighted, D):
     rq = RecallQuery(query=q, lse=lse, layers=layers, signal="attention", aggregate="max-max")
     want = cold_logits(cold, rq, group_max=True)[:, :, 0]  # (l, KVH, c)
     want = (want if log_w is None else want + log_w).amax((0, 1))
-    got = native.cold_max(cold, rq, log_w)
+    with running(2):  # two at least, whatever the suite's own threads
+        got = native.cold_max(cold, rq, log_w)
     assert got.shape == (c,) and got.dtype == torch.float32
-    threads = torch.get_num_threads()
-    try:  # blocks of keys share the threads; each key's sums are the same on one
-        torch.set_num_threads(1)
+    with running(1):  # blocks of keys share the threads; each key's sums are the same on one
         assert torch.equal(native.cold_max(cold, rq, log_w), got)
-    finally:
-        torch.set_num_threads(threads)
     # each q.k sums D terms (rounded to bfloat16 there, a step apart at most from another
     # order), then the log-sum-exp (and log weight) is taken off in float32; a maximum of
     # values each within its bound is within the largest bound
@@ -359,7 +352,9 @@ def test_a_build_killed_part_way_holds_no_later_load():
     would make every later load wait for ever; the build's own lock (let go by the system
     when its holder dies) shows it to be a leftover, and the next load removes it."""
     folder = native.cache_dir() / f"native-{native.build()}"
-    (folder / "lock").write_text("")
+    with open(folder / "build.flock", "w", encoding="utf-8") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # no load in another process is under way
+        (folder / "lock").write_text("")
     code = "from positronic_brain import native; native.kernels()"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, check=False)

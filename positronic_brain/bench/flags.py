@@ -27,7 +27,7 @@ from typing import Any
 from .. import options
 from ..model import resolve_device
 from ..scorers import user
-from ..types import UserError, option, require
+from ..types import PER_HEAD, UserError, option, require
 from . import common
 from .grid import Pool, check_address
 from .result import Journal
@@ -99,7 +99,7 @@ def cell_policy(label: str) -> dict[str, str]:
 def per_head(label: str) -> bool:
     """Whether a grid's policy label names a per-head allocation (which takes no recall
     yet: its cells with recall are left out)."""
-    return "allocation" in cell_policy(label)
+    return cell_policy(label).get("allocation") in PER_HEAD
 
 
 def scorer_names(labels) -> tuple[str, ...]:

@@ -14,16 +14,22 @@ question and the answer go on uncompressed:
 - ``chunked``: online in chunks of ``chunk`` tokens: one stage-0 extend, then the culls.
 
 A cell's budget is a compression ratio of the context (the fraction of its tokens removed;
-the budget keeps the rest, and never fewer than the protected tokens allow); the rows give
-both and the fraction really kept (a per-head policy, ``NAME@ALLOCATION``: the mean over the
-(layer, KV head)s, at the same K/V memory). Every sample is also answered with the full cache: the
-model's own ceiling. A sample is primed once per protocol that can share the prime, and
-each cell answers from its own deep copy. ``--capture-misses DIR`` captures every wrong
-answer, so ``inspect --html`` shows when the needle was culled and whether it came back.
+the budget keeps the rest, and never fewer than the protected tokens allow), or with
+``--budgets`` a number of the context's tokens kept; the rows give both (a budget's ratio
+the mean of its samples') and the fraction really kept (a per-head policy,
+``NAME@ALLOCATION``: the mean over the (layer, KV head)s, at the same K/V memory). Every
+sample is also answered with the full cache: the model's own ceiling. A sample is primed
+once per protocol that can share the prime, and each cell answers from its own deep copy.
+``--capture-misses DIR`` captures every wrong answer, so ``inspect --html`` shows when the
+needle was culled and whether it came back.
+
 Each answer also records the share of the answer's tokens in the context (every
 occurrence that spells it) the cache still held at the question (with per-head budgets,
 the mean over the heads): a miss with all of them held is the model's reading, one
-without them a cull's doing; the report counts both.
+without them a cull's doing; the report counts both. That count is strict: a miss is
+counted culled if any head lost any of those tokens, even where a whole copy of the answer
+stayed (fwe and cwe spell theirs many times), and with recall a cold token may still come
+back while the model answers.
 """
 from __future__ import annotations
 
@@ -58,7 +64,7 @@ CEILING = 0.5  # the targets hold where the full cache scores at least this
 @dataclass(frozen=True)
 class RulerConfig:
     """What to measure: every task at every length, ``samples`` samples each, answered with
-    the full cache and in every cell (protocol x policy x ratio, with recall too if
+    the full cache and in every cell (protocol x policy x size, with recall too if
     ``recall``)."""
 
     model: str = "smollm2"
@@ -79,6 +85,8 @@ class RulerConfig:
     ratios: tuple[float, ...] = option((0.5, 0.75, 0.875), "compression ratios: the "
                                        "fraction of the context's tokens removed",
                                        quick=(0.75,))
+    budgets: tuple[int, ...] = option((), "budgets in tokens kept of the context: cells of "
+                                      "their own beside the ratios'")
     protocols: tuple[str, ...] = option(
         ("compress", "online"), "comma-separated: compress, online, chunked",
         quick=("compress",), choices=PROTOCOLS)
@@ -108,25 +116,35 @@ class RulerConfig:
         require(all(n >= 64 for n in self.lengths), f"lengths must be >= 64, got {self.lengths}")
         require(all(0 <= r < 1 for r in self.ratios), "--ratios takes comma-separated fractions "
                 f"in [0, 1), got {','.join(map(str, self.ratios))}")
+        require(all(b >= 1 for b in self.budgets), "--budgets takes comma-separated token "
+                f"counts >= 1, got {','.join(map(str, self.budgets))}")
+        require(self.sizes or not self.policies, "the cells need --ratios or --budgets")
         bad = [p for p in flags.scorer_names(self.policies) if not culling(p)]
         require(not bad, f"unknown or non-culling policies {bad}; expected some of "
                 f"{', '.join(CULLING)} (or none: the full cache only)")
         require(self.qa_file or not {"qa_1", "qa_2"} & set(self.tasks),
                 "qa_1 and qa_2 need --qa-file (SQuAD- or HotpotQA-format JSON)")
         options.check_shared(dict(self.params), flags.scorer_names(self.policies) or CULLING)
-        for name in ("tasks", "lengths", "policies", "ratios"):
+        for name in ("tasks", "lengths", "policies", "ratios", "budgets"):
             values = getattr(self, name)
             require(len(set(values)) == len(values), f"--{name} repeats a value: {values}")
         for p in self.policies:  # fail early: unknown fields, options of pieces that are off
             for recall in (False, True)[:1 + (self.recall and not flags.per_head(p))]:
                 c = self.cache(p, 1 << 30, recall)  # any budget: the cells' own come later
-                require("user" not in c.pinned, "a RULER prompt is one user turn, its question "
-                        "a turn of its own: pinned user tokens do not apply")
+                require("user" not in c.pinned and c.allocation.kind != "turns", "a RULER "
+                        "prompt is one user turn, its question a turn of its own: pinned user "
+                        "tokens and --allocation turns do not apply")
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "RulerConfig":
         """The config, with each field's ``quick`` value (its metadata) for ``--quick``."""
         return flags.preset(cls, quick, **kw)
+
+    @property
+    def sizes(self) -> tuple["Size", ...]:
+        """Each cell's size: the ratios', then the budgets'."""
+        return tuple(Size(ratio=r) for r in self.ratios) + tuple(Size(tokens=b)
+                                                                 for b in self.budgets)
 
     def cache(self, policy: str, budget: int | None, recall: bool) -> CacheParams:
         given = {**dict(self.params), **flags.cell_policy(policy if budget else "none"),
@@ -136,13 +154,33 @@ class RulerConfig:
 
 
 @dataclass(frozen=True)
+class Size:
+    """A cell's budget: a compression ``ratio`` of the context (the fraction of its tokens
+    removed), or ``tokens`` of it kept."""
+
+    ratio: float | None = None
+    tokens: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"ratio {self.ratio}" if self.tokens is None else f"budget {self.tokens}"
+
+    @property
+    def name(self) -> str:
+        """As a file name's part: the ratio, or b and the tokens."""
+        return str(self.ratio) if self.tokens is None else f"b{self.tokens}"
+
+    def kept(self, n_context: int) -> int:
+        return round(n_context * (1 - self.ratio)) if self.tokens is None else self.tokens
+
+
+@dataclass(frozen=True)
 class Cell:
-    """One way to answer: ``policy`` at compression ``ratio`` under ``protocol`` (and
-    ``recall``)."""
+    """One way to answer: ``policy`` at ``size`` under ``protocol`` (and ``recall``)."""
 
     protocol: str
     policy: str
-    ratio: float
+    size: Size
     recall: bool
 
     @property
@@ -151,10 +189,11 @@ class Cell:
 
 
 def cells(cfg: RulerConfig) -> list[Cell]:
-    """Every protocol x policy x ratio, with recall too if ``recall``, but a per-head policy
-    (``NAME@ALLOCATION``) with recall, which it takes none of yet."""
-    return [Cell(pr, p, r, rc) for pr in cfg.protocols for rc in (False, True)[:1 + cfg.recall]
-            for p in cfg.policies if not (rc and flags.per_head(p)) for r in cfg.ratios]
+    """Every protocol x policy x size (the ratios', the budgets'), with recall too if
+    ``recall``, but a per-head policy (``NAME@ALLOCATION``) with recall, which it takes none
+    of yet."""
+    return [Cell(pr, p, z, rc) for pr in cfg.protocols for rc in (False, True)[:1 + cfg.recall]
+            for p in cfg.policies if not (rc and flags.per_head(p)) for z in cfg.sizes]
 
 
 # --- one sample ---------------------------------------------------------------------------
@@ -179,10 +218,10 @@ class Prompt:
         return cls(ids, n, new_tokens or ruler_tasks.TASKS[sample.task].tokens_to_generate,
                    spelling(policy, ids[:n], sample.answers))
 
-    def budget(self, ratio: float, params: CacheParams) -> int:
-        """The cell's budget: the context's tokens ``ratio`` leaves, but at least the
-        protected ones and two more."""
-        return max(round(self.n_context * (1 - ratio)), params.sinks + params.recent + 2)
+    def budget(self, size: Size, params: CacheParams) -> int:
+        """A cell's budget: the context's tokens ``size`` keeps, but at least the protected
+        ones and two more."""
+        return max(size.kept(self.n_context), params.sinks + params.recent + 2)
 
     def segment(self, lo: int, hi: int) -> list[Segment]:
         return [Segment(tuple(self.ids[lo:hi]), "user")]
@@ -205,18 +244,21 @@ def spelling(policy: TokenPolicy, context: list[int], answers) -> tuple[int, ...
 
 
 def answer_held(state, answer: tuple[int, ...]) -> float | None:
-    """The share of ``answer`` (context indices, which are the tokens' uids: each token of a
-    sample's text takes the next uid) that ``state`` still holds; with per-head budgets, the
-    mean over the (layer, KV head)s. None where no context token spells an answer."""
+    """The share of ``answer`` (context indices) that ``state`` still holds as themselves
+    (a token merged into another is not); with per-head budgets, the mean over the (layer,
+    KV head)s. The i-th token of a sample's text has the i-th uid a merge did not take.
+    None where no context token spells an answer."""
     if not answer:
         return None
-    uid = state.ledger.live("uid")
-    want = uid.new_tensor(answer)
+    m = state.ledger
+    text = [u for u in range(m.next_uid) if u not in m.merged]
+    uid = m.live("uid")
+    want = uid.new_tensor([text[i] for i in answer if i < len(text)])
     if state.heads is None:
         return float(torch.isin(want, uid).double().mean())
     rows = state.heads.row[:, :, :state.arena.n]
     held = torch.isin(torch.where(rows >= 0, uid[rows.clamp_min(0)], -1), want)
-    return float(held.sum(-1).double().mean()) / len(answer)
+    return float(held.sum(-1).double().mean()) / want.numel()
 
 
 def _answer(session: Session, prompt: Prompt) -> list[int]:
@@ -249,9 +291,9 @@ def _stream_context(session: Session, prompt: Prompt, chunk: int) -> None:
 
 
 def cell_cache(cfg: RulerConfig, cell: Cell, prompt: Prompt) -> CacheParams:
-    """The cache parameters of ``cell`` for ``prompt``: its budget from its ratio."""
+    """The cache parameters of ``cell`` for ``prompt``: its budget from its size."""
     cache = cfg.cache(cell.policy, prompt.n_context, cell.recall)
-    return replace(cache, budget=prompt.budget(cell.ratio, cache))
+    return replace(cache, budget=prompt.budget(cell.size, cache))
 
 
 def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
@@ -362,7 +404,7 @@ def _capture_misses(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
         if s >= 1:
             continue
         name = (f"{sample.task}-{sample.length}-{sample.index}-{cell.protocol}-{cell.method}-"
-                f"{cell.ratio}").replace("/", "_").replace(":", "_")
+                f"{cell.size.name}").replace("/", "_").replace(":", "_")
         tape = CaptureTape(Path(cfg.capture_misses) / name, manifest(
             model, SamplerParams(greedy=True), cache, prompt.ids, "bench ruler",
             {"sample": dataclasses.asdict(sample), "cell": dataclasses.asdict(cell)}))
@@ -411,9 +453,10 @@ def write_data(cfg: RulerConfig, policy: TokenPolicy, todo: list) -> list[str]:
 
 @dataclass(frozen=True)
 class Row:
-    """One (task, length, method, ratio, protocol): kvpress's leaderboard columns (dataset,
+    """One (task, length, method, size, protocol): kvpress's leaderboard columns (dataset,
     data_dir, model, method, compression_ratio, score: 0-100) and ours; the full cache's
-    has no protocol."""
+    has no protocol. A cell sized by a budget in tokens has the ratio its samples had
+    (their mean)."""
 
     dataset: str
     data_dir: str  # the length
@@ -434,6 +477,7 @@ class Row:
     misses: int = 0  # samples scored below 1
     misses_culled: int | None = None  # of them, those whose answer's context tokens were
     # not all held (None: not known, no missed sample spells its answer in the context)
+    size: str | None = None  # the cell's ``Size.label`` (None: the full cache)
 
 
 @dataclass(kw_only=True)
@@ -485,7 +529,7 @@ def _mean(xs) -> float | None:
 
 
 def rows(res: RulerResult, grid: list[Cell]) -> list[Row]:
-    """One row per (task, length, method, ratio, protocol): the full cache's, then each
+    """One row per (task, length, method, size, protocol): the full cache's, then each
     cell's."""
     out = []
     for task in res.config.tasks:
@@ -494,13 +538,15 @@ def rows(res: RulerResult, grid: list[Cell]) -> list[Row]:
             full = 100 * _mean(s.scores[0] for s in ss)
             out.append(_row(res, task, n, "full cache", None, None, ss, 0, full))
             for i, c in enumerate(grid, 1):
-                out.append(_row(res, task, n, c.method, c.ratio, c.protocol, ss, i, full))
+                out.append(_row(res, task, n, c.method, c.size, c.protocol, ss, i, full))
     return out
 
 
-def _row(res: RulerResult, task: str, n: int, method: str, ratio, protocol,
+def _row(res: RulerResult, task: str, n: int, method: str, size: Size | None, protocol,
          ss: list[SampleRow], i: int, full: float) -> Row:
     score = 100 * _mean(s.scores[i] for s in ss)
+    ratio = None if size is None else size.ratio if size.tokens is None else _mean(
+        1 - min(size.tokens, s.n_context) / s.n_context for s in ss)
     held = [s.held[i] if s.held else None for s in ss]
     missed = [h for s, h in zip(ss, held) if s.scores[i] < 1]
     return Row("ruler", str(n), res.model, method, ratio or 0.0, score, task, protocol,
@@ -509,7 +555,7 @@ def _row(res: RulerResult, task: str, n: int, method: str, ratio, protocol,
                full, score / full if full else None, sum(s.seconds[i] for s in ss), len(ss),
                _mean(held), len(missed),
                sum(h < 1 for h in missed if h is not None) if any(
-                   h is not None for h in missed) else None)
+                   h is not None for h in missed) else None, size and size.label)
 
 
 def mean_scores(rs: list[Row], key) -> dict:
@@ -521,8 +567,8 @@ def mean_scores(rs: list[Row], key) -> dict:
 
 
 def averages(res: RulerResult) -> dict[tuple, float]:
-    """Each (protocol, method, ratio)'s mean score over the tasks and lengths."""
-    return mean_scores(res.rows, lambda r: (r.protocol, r.method, r.compression_ratio))
+    """Each (protocol, method, size label)'s mean score over the tasks and lengths."""
+    return mean_scores(res.rows, lambda r: (r.protocol, r.method, r.size))
 
 
 def targets(res: RulerResult) -> list[Target]:
@@ -533,21 +579,21 @@ def targets(res: RulerResult) -> list[Target]:
     for protocol in cfg.protocols:
         for ratio, want in TARGETS:
             rs = [r for r in res.rows if r.protocol == protocol and r.method == DEFAULT_POLICY
-                  and r.compression_ratio == ratio and r.full_cache_score >= 100 * CEILING]
+                  and r.size == Size(ratio).label and r.full_cache_score >= 100 * CEILING]
             if rs:
                 worst = min(rs, key=lambda r: r.score_vs_full)
                 out.append(Target(f"{protocol}, ratio {ratio}: {DEFAULT_POLICY} / the full "
                                   f"cache, the worst of {len(rs)} task-lengths ({worst.task}, "
                                   f"{worst.data_dir})", worst.score_vs_full, f">= {want:.2f}",
                                   worst.score_vs_full >= want))
-        for ratio in cfg.ratios:
-            mine = avg.get((protocol, DEFAULT_POLICY, ratio))
-            others = {m: avg.get((protocol, m, ratio)) for m in dict.fromkeys(
+        for size in (z.label for z in cfg.sizes):
+            mine = avg.get((protocol, DEFAULT_POLICY, size))
+            others = {m: avg.get((protocol, m, size)) for m in dict.fromkeys(
                 r.method for r in res.rows if r.protocol == protocol)
                 if m.split("+")[0] != DEFAULT_POLICY}
             if mine is not None and others:
                 best = max(others, key=lambda m: others[m])
-                out.append(Target(f"{protocol}, ratio {ratio}: {DEFAULT_POLICY}'s average - "
+                out.append(Target(f"{protocol}, {size}: {DEFAULT_POLICY}'s average - "
                                   f"the best other's ({best})", mine - others[best], ">= 0",
                                   mine >= others[best]))
     return out
@@ -569,44 +615,46 @@ def tables(res: RulerResult) -> list[Table]:
     methods = list(dict.fromkeys(r.method for r in res.rows if r.protocol))
     for protocol in cfg.protocols:
         out.append(Table(
-            f"{protocol}: mean score over tasks and lengths by compression ratio "
+            f"{protocol}: mean score over tasks and lengths by compression ratio or budget "
             f"(full cache {fmt(_mean(r.score for r in full), 1)})",
-            ("method", *(f"ratio {r}" for r in cfg.ratios)),
-            tuple((m, *(fmt(avg.get((protocol, m, r)), 1) for r in cfg.ratios))
+            ("method", *(z.label for z in cfg.sizes)),
+            tuple((m, *(fmt(avg.get((protocol, m, z.label)), 1) for z in cfg.sizes))
                   for m in methods)))
     kept = [r for r in res.rows if r.protocol]
     out.append(misses_table(cfg, kept, methods))
     out.append(Table(
-        "Budgets: tokens kept of the context (mean), by ratio",
-        ("ratio", "budget (mean)", "fraction kept at the question (mean)"),
-        tuple((str(ratio), fmt(_mean(r.budget for r in kept if r.compression_ratio == ratio), 0),
-               fmt(_mean(r.kept_fraction for r in kept if r.compression_ratio == ratio), 3))
-              for ratio in cfg.ratios)))
+        "Budgets: tokens kept of the context (mean), by ratio or budget",
+        ("size", "budget (mean)", "compression ratio (mean)",
+         "fraction kept at the question (mean)"),
+        tuple((z, fmt(_mean(r.budget for r in rs), 0),
+               fmt(_mean(r.compression_ratio for r in rs), 3),
+               fmt(_mean(r.kept_fraction for r in rs), 3))
+              for z in (z.label for z in cfg.sizes)
+              for rs in [[r for r in kept if r.size == z]])))
     return out
 
 
 def misses_table(cfg: RulerConfig, cells_rows: list[Row], methods: list[str]) -> Table:
-    """Why the cells missed, per protocol, method and ratio (``Row.misses_culled``)."""
+    """Why the cells missed, per protocol, method and size (``Row.misses_culled``)."""
     out = []
     for pr in cfg.protocols:
         for m in methods:
-            for ratio in cfg.ratios:
-                rs = [r for r in cells_rows if (r.protocol, r.method, r.compression_ratio)
-                      == (pr, m, ratio)]
+            for z in (z.label for z in cfg.sizes):
+                rs = [r for r in cells_rows if (r.protocol, r.method, r.size) == (pr, m, z)]
                 known = [r.misses_culled for r in rs if r.misses_culled is not None]
                 if rs:
-                    out.append((pr, m, str(ratio), str(sum(r.misses for r in rs)),
+                    out.append((pr, m, z, str(sum(r.misses for r in rs)),
                                 fmt(sum(known) if known else None, 0),
                                 fmt(_mean(r.answer_held for r in rs), 3)))
     return Table("Why the cells missed: answers scored below 1, and of them those whose "
                  "answer's tokens in the context the cache no longer wholly held at the "
                  "question (culled: not there to be read); the share of those tokens held, "
-                 "over every sample", ("protocol", "method", "ratio", "misses",
+                 "over every sample", ("protocol", "method", "size", "misses",
                                        "of them culled", "answer tokens held"), tuple(out))
 
 
 def plots(res: RulerResult, out: Path) -> list[str]:
-    """A heatmap of task x method at each ratio and protocol (matplotlib)."""
+    """A heatmap of task x method at each size and protocol (matplotlib)."""
     if not [r for r in res.rows if r.protocol]:
         return []
     import matplotlib
@@ -615,10 +663,10 @@ def plots(res: RulerResult, out: Path) -> list[str]:
 
     cfg, names = res.config, []
     methods = list(dict.fromkeys(r.method for r in res.rows if r.protocol))
-    by = mean_scores(res.rows, lambda r: (r.task, r.method, r.protocol, r.compression_ratio))
+    by = mean_scores(res.rows, lambda r: (r.task, r.method, r.protocol, r.size))
     for protocol in cfg.protocols:
-        for ratio in cfg.ratios:
-            heat = [[by.get((t, m, protocol, ratio)) for m in methods] for t in cfg.tasks]
+        for size in cfg.sizes:
+            heat = [[by.get((t, m, protocol, size.label)) for m in methods] for t in cfg.tasks]
             fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(methods), 1 + 0.4 * len(cfg.tasks)))
             ax.imshow(heat, vmin=0, vmax=100, cmap="viridis", aspect="auto")
             ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
@@ -626,9 +674,9 @@ def plots(res: RulerResult, out: Path) -> list[str]:
             for i, row in enumerate(heat):
                 for j, v in enumerate(row):
                     ax.text(j, i, fmt(v, 0), ha="center", va="center", color="white")
-            ax.set_title(f"RULER score, {protocol}, ratio {ratio}, {res.model}")
+            ax.set_title(f"RULER score, {protocol}, {size.label}, {res.model}")
             fig.tight_layout()
-            name = f"ruler_{protocol}_{ratio}.png"
+            name = f"ruler_{protocol}_{size.name}.png"
             fig.savefig(out / name, dpi=100)
             plt.close(fig)
             names.append(name)
