@@ -12,7 +12,9 @@ prompt takes its place (continuous batching). Stage 0 primes each row alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from .capture import NO_TAPE, BatchTape
 from .loop import Report, Session, arena_capacity
@@ -39,6 +41,66 @@ def step_rows(model: Model, sessions: Sequence[Session],
             for s, view, gen, force in zip(sessions, views, gens, forces)]
 
 
+Program = Generator[tuple[Session, "int | None"], StepRecord, Any]  # ``run_programs``'
+
+
+def run_programs(model: Model, programs: Iterable[tuple[int, Program]], batch: int,
+                 on_done: Callable[[int, Any], None] | None = None,
+                 on_batch: Callable[[list[int]], None] | None = None) -> None:
+    """Run ``programs`` (index, program) ``batch`` at a time. A program is a generator over
+    one session (``Session.steps`` is one): it does its own work between steps (stage 0's
+    prime and extends, a change of its cache parameters), yields (its session, the step's
+    forced token or None) for each step it takes, is sent the step's record, and returns a
+    value, ``on_done(index, value)``'s. Each batch step runs stage 1 once for every
+    program's step (``step_rows`` over ``for_rows`` of ``model``; a batch of 1 steps through
+    ``Session.step``), in the order the programs came in; ``on_batch(indices)`` is told of
+    the rows each step steps together (before it). A program is taken from ``programs``
+    only as a place frees, so the state it makes is made when it can step."""
+    require(batch >= 1, f"batch must be >= 1, got {batch}")
+    stage1 = for_rows(model, batch) if batch > 1 else None
+    programs, active = iter(programs), []
+
+    def advance(index: int, program: Program, rec: StepRecord | None) -> None:
+        try:
+            want = next(program) if rec is None else program.send(rec)
+        except StopIteration as stop:
+            if on_done is not None:
+                on_done(index, stop.value)
+            return
+        active.append((index, program, want))
+
+    left = True
+    while True:
+        while left and len(active) < batch:
+            nxt = next(programs, None)
+            if nxt is None:
+                left = False
+            else:
+                advance(*nxt, None)
+        if not active:
+            return
+        if on_batch is not None:
+            on_batch([i for i, _, _ in active])
+        sessions, forces = [w[0] for _, _, w in active], [w[1] for _, _, w in active]
+        records = ([sessions[0].step(forces[0])] if stage1 is None
+                   else step_rows(stage1, sessions, forces))
+        stepped, active[:] = list(active), []
+        for (index, program, _), rec in zip(stepped, records):
+            advance(index, program, rec)
+
+
+def watched(steps: Program, on_record: Callable[[StepRecord], None]) -> Program:
+    """``steps``, with ``on_record(record)`` told of each of its steps' records first."""
+    try:
+        want = next(steps)
+        while True:
+            rec = yield want
+            on_record(rec)
+            want = steps.send(rec)
+    except StopIteration as stop:
+        return stop.value
+
+
 def drive_rows(model: Model, rows: Iterator[tuple[int, Session]], batch: int,
                max_new_tokens: int, ignore_eos: bool = False,
                on_done: Callable[[int, Report], None] | None = None,
@@ -54,49 +116,45 @@ def drive_rows(model: Model, rows: Iterator[tuple[int, Session]], batch: int,
     k)``: the token row ``index``'s step ``k`` is given (teacher forcing); ``on_step(index,
     record)`` is told of every step, ``on_batch(indices)`` of the rows each step steps
     together (before it)."""
-    require(batch >= 1, f"batch must be >= 1, got {batch}")
     require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
-    stage1 = for_rows(model, batch) if batch > 1 else None
-    rows, active = iter(rows), []
-    left = True
+    reports: dict[int, Report] = {}  # the rows in flight
 
-    def finish(row: tuple[int, Report]) -> None:
-        active.remove(row)
-        row[1].session.tape.close(row[1].session.stop_reason)
-        if on_done is not None:
-            on_done(*row)
+    def program(index: int, session: Session) -> Program:
+        report = reports[index] = Report(session, ignore_eos)
+
+        def seen(rec: StepRecord) -> None:
+            report.add(rec)
+            if on_step is not None:
+                on_step(index, rec)
+
+        forced = None if force is None else _Forced(lambda k: force(index, k), max_new_tokens)
+        yield from watched(session.steps(max_new_tokens, ignore_eos, forced), seen)
+        del reports[index]
+        session.tape.close(session.stop_reason)
+        return report
 
     try:
-        while left or active:
-            while left and len(active) < batch:
-                nxt = next(rows, None)
-                if nxt is None:
-                    left = False
-                    break
-                nxt[1].stop_reason = "max_new_tokens"
-                active.append((nxt[0], Report(nxt[1], ignore_eos)))
-            for row in [r for r in active if len(r[1].steps) >= max_new_tokens
-                        or r[1].session.full()]:
-                finish(row)
-            if not active or (left and len(active) < batch):
-                continue  # a finished row's place goes to the next one first
-            sessions = [r[1].session for r in active]
-            forces = [force(i, len(r.steps)) if force else None for i, r in active]
-            if on_batch is not None:
-                on_batch([i for i, _ in active])
-            records = ([sessions[0].step(forces[0])] if stage1 is None
-                       else step_rows(stage1, sessions, forces))
-            for row, rec in zip(list(active), records):
-                row[1].add(rec)
-                if on_step is not None:
-                    on_step(row[0], rec)
-                if not ignore_eos and row[1].session.policy.is_eos(rec.token_id):
-                    row[1].session.stop_reason = "eos"
-                    finish(row)
+        run_programs(model, ((i, program(i, s)) for i, s in rows), batch,
+                     None if on_done is None else on_done, on_batch)
     except BaseException as e:  # each row in flight keeps what it recorded, marked unfinished
-        for _, report in active:
+        for report in reports.values():
             report.session.tape.close(type(e).__name__, complete=False)
         raise
+
+
+@dataclass(frozen=True)
+class _Forced(Sequence):
+    """A row's forced tokens as ``Session.steps`` reads them: step ``k``'s is ``at(k)``,
+    asked for only when the step comes."""
+
+    at: Callable[[int], int]
+    n: int
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k):
+        return self.at(k)
 
 
 def run_rows(model: Model, policy: TokenPolicy, prompts: Sequence[list[Segment]],

@@ -13,7 +13,7 @@ it. Stages don't know the tape exists.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import InitVar, asdict, dataclass, field, replace
 
 from . import graph, threads
@@ -209,6 +209,22 @@ class Session:
         """Step until ``max_new_tokens``, EOS (kept as the last generated token, as with
         Hugging Face ``generate``) or a full arena. With ``force`` (teacher forcing), step
         i's next pending token is ``force[i]`` rather than a sampled one."""
+        steps = self.steps(max_new_tokens, ignore_eos, force)
+        try:
+            want = next(steps)
+            while True:
+                rec = self.step(want[1])
+                yield rec
+                want = steps.send(rec)
+        except StopIteration:
+            return
+
+    def steps(self, max_new_tokens: int, ignore_eos: bool = False,
+              force: Sequence[int] | None = None) -> Generator[tuple["Session", int | None],
+                                                                StepRecord, None]:
+        """``stream``'s steps as a program (``batch.run_programs``): yields (this session,
+        the step's forced token or None) for each step it takes and is sent the step's
+        record; it stops as ``stream`` does."""
         require(self.state is not None, "prime the session before streaming")
         require(max_new_tokens >= 0, f"max-new-tokens must be >= 0, got {max_new_tokens}")
         require(force is None or len(force) >= max_new_tokens,
@@ -217,12 +233,10 @@ class Session:
         for i in range(max_new_tokens):
             if self.full():
                 return
-            rec = self.step(None if force is None else force[i])
-            yield rec
+            rec = yield self, (None if force is None else force[i])
             if not ignore_eos and self.policy.is_eos(rec.token_id):
                 self.stop_reason = "eos"
                 return
-
 
 def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: SamplerParams,
         max_new_tokens: int = 64, ignore_eos: bool = False, capacity: int | None = None,

@@ -524,9 +524,11 @@ class State:
 
     def kv_memory(self) -> dict:
         """What the live cache costs: the K/V pairs every (layer, KV head) holds in all, their
-        bytes (keys and values in the arena's dtypes) and their share of the full cache's:
-        every token that entered the cache (each uid issued, less the new token of each
-        merge, which stands for a pair already counted) in every head."""
+        bytes (keys and values in the arena's dtypes), the ``tokens`` they are a head (the
+        mean over the (layer, KV head)s; the live tokens of a whole-token cache) and their
+        share of the full cache's: every token that entered the cache (each uid issued, less
+        the new token of each merge, which stands for a pair already counted) in every
+        head."""
         full_tokens = self.ledger.next_uid - len(self.ledger.merged)
         blocks = self.arena.blocks
         heads = sum(b.kt.shape[0] * b.kt.shape[1] for b in blocks)
@@ -534,8 +536,8 @@ class State:
         b = blocks[0]
         per_pair = b.kt.shape[2] * (b.kt.element_size() + b.v.element_size())
         full = full_tokens * heads
-        return {"pairs": pairs, "bytes": pairs * per_pair, "full_pairs": full,
-                "fraction": pairs / full if full else 1.0}
+        return {"pairs": pairs, "bytes": pairs * per_pair, "tokens": pairs / heads,
+                "full_pairs": full, "fraction": pairs / full if full else 1.0}
 
     def check_valid(self) -> None:
         if self.heads is None:

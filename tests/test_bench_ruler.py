@@ -2,6 +2,7 @@
 cache answers hand-checked RULER samples on SmolLM2, a miss's capture replays, and the
 CLI's rows, data files and one-line errors."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -39,6 +40,41 @@ def test_every_protocol_compresses_the_context_to_the_budget(real_model, real_po
     # the needle's number, spelt by context tokens, is held or not at the question
     assert real_policy.decode([prompt.ids[i] for i in prompt.answer]).strip() == needle.answers[0]
     assert row.held[0] is None and all(0 <= h <= 1 for h in row.held[1:])
+
+
+def test_query_aware_compresses_the_question_with_the_context(real_model, real_policy,
+                                                             needle):
+    """``query_aware`` (kvpress's): the question goes through the protocol with the context,
+    its tokens part of what the ratio counts and the budget keeps; only the answer prefix
+    follows uncompressed."""
+    cfg = _cfg(query_aware=True, protocols=("compress", "online"))
+    plain, aware = (ruler.Prompt.of(real_policy, needle, query_aware=q) for q in (False, True))
+    assert plain.ids == aware.ids and aware.answer == plain.answer
+    assert real_policy.decode(aware.ids[plain.n_context:aware.n_context]).strip() == \
+        needle.question.strip()
+    assert real_policy.decode(aware.ids[aware.n_context:]).strip() == needle.answer_prefix.strip()
+    row = ruler.run_sample(real_model, real_policy, cfg, needle, ruler.cells(cfg))
+    assert row.n_context == aware.n_context
+    assert row.budgets[1:] == row.kept[1:] == [round(aware.n_context * 0.875)] * 2
+    assert row.scores[0] == 1.0  # the full cache still finds the needle
+
+
+def test_a_sample_s_answers_as_a_batch_s_rows_are_its_answers_one_at_a_time(
+        real_model, real_policy, needle):
+    """``--batch``: the full cache and the cells answer 3 rows at a time (the later ones
+    taking the places of those that finish), each row its own protocol's program (compress
+    from the shared prime, online primed and streamed through its budget, recall and per
+    head among them): the same answers, tokens kept and answer tokens held as one at a time
+    (greedy; no tie that rounding tips here, as the comparison checks)."""
+    cfg = _cfg(policies=("h2o", "tova@head"), ratios=(0.06,), recall=True,
+               protocols=("compress", "online"))
+    grid = ruler.cells(cfg)
+    assert len(grid) == 6
+    alone = ruler.run_sample(real_model, real_policy, cfg, needle, grid)
+    rows = ruler.run_sample(real_model, real_policy, replace(cfg, batch=3), needle, grid)
+    assert rows.outputs == alone.outputs and rows.scores == alone.scores
+    assert rows.kept == alone.kept and rows.held == alone.held
+    assert rows.budgets == alone.budgets and len(rows.seconds) == 7
 
 
 def test_the_answer_held_is_the_share_of_its_spelling_the_cache_holds(real_model, real_policy):
@@ -119,7 +155,7 @@ def test_json_rows_have_the_leaderboard_columns(real_model, capsys):
     for r in rows:
         assert {"dataset", "data_dir", "model", "method", "compression_ratio", "score",
                 "protocol", "budget", "recall", "full_cache_score", "score_vs_full", "seconds",
-                "samples", "answer_held", "misses", "misses_culled"} <= set(r)
+                "samples", "answer_held", "misses", "misses_culled", "query_aware"} <= set(r)
         assert r["dataset"] == "ruler" and r["data_dir"] == "1024" and 0 <= r["score"] <= 100
     assert [r["protocol"] for r in rows] == [None] + ["compress"] * 4
     assert rows[0]["method"] == "full cache" and rows[0]["score"] == 100
@@ -144,6 +180,7 @@ def test_write_data_writes_the_samples_and_measures_nothing(real_model, capsys, 
     (["--ratios", "1.5"], "--ratios takes comma-separated fractions"),
     (["--tasks", "qa_1"], "need --qa-file"),
     (["--samples", "0"], "samples must be >= 1"),
+    (["--batch", "0"], "batch must be >= 1, got 0"),
     (["--policies", "bogus"], "bogus"),
     (["--trials", "3"], "unrecognized arguments: --trials"),
     (["--lengths", "1024,1024"], "--lengths repeats a value"),

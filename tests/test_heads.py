@@ -420,7 +420,7 @@ def test_a_per_head_run_captures_replays_forks_and_draws(tmp_path, capsys, one_t
     assert sum(s["folded"] for s in res["steps"])
     heads = 2 * 2  # tiny-random's layers x KV heads
     tokens = len(res["prompt_ids"]) + len(res["generated_ids"]) - 1
-    assert res["kv"] == {"pairs": 16 * heads, "bytes": 16 * heads * 2 * 16 * 4,
+    assert res["kv"] == {"pairs": 16 * heads, "bytes": 16 * heads * 2 * 16 * 4, "tokens": 16,
                          "full_pairs": tokens * heads, "fraction": 16 / tokens}
     files = CaptureRun(res["capture"]).step(5)
     assert files.view["heads"]["row"].shape[:2] == files.view["heads"]["n"].shape

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from positronic_brain import options, threads
+from positronic_brain import options
 from positronic_brain import Session
 from positronic_brain.cli import main
 from positronic_brain.scorers import columns_of
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.types import CacheParams, Column, SamplerParams, UserError
+from tests import tolerance
 
 EMA = f"{Path(__file__).parent / 'scorers' / 'ema.py'}:Ema"
 PROMPT = "a scorer with a column of its own keeps an average of what each token was paid"
@@ -151,9 +152,13 @@ def test_a_format_5_session_loads_with_both_old_columns_and_continues_bit_exact(
     s = load_session(tiny_model, data / f"{name}.pbs")
     assert sorted(s.state.ledger.specs) == ["attn_sum", "brightness"]
     assert s.state.ledger.specs["brightness"].high == 255.0
-    with threads.running(2):  # as they were saved: float32 sums split by the threads
-        assert [s.step().token_id for _ in range(10)] == want["next_ids"]
+    assert [s.step().token_id for _ in range(10)] == want["next_ids"]
     for ledger, cols in ((s.state.ledger, want["ledger"]),
                          (s.state.cold and s.state.cold.ledger, want["cold"])):
         if cols is not None:
-            assert {c: ledger.live(c).tolist() for c in cols} == cols
+            assert ledger.live("uid").tolist() == cols["uid"]
+            for c in set(cols) - {"uid"}:  # saved on one CPU: another's kernels (AVX-512 or
+                # AVX2, the thread count) add the attention in another order
+                saved = torch.tensor(cols[c], dtype=torch.float32)
+                bound = tolerance.apart(tiny_model, float(saved.abs().max()), ledger.n)
+                torch.testing.assert_close(ledger.live(c).float(), saved, rtol=0, atol=bound)

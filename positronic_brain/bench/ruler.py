@@ -13,6 +13,12 @@ question and the answer go on uncompressed:
   fixed cache reads it (decode-time eviction; with recall, culled tokens can come back);
 - ``chunked``: online in chunks of ``chunk`` tokens: one stage-0 extend, then the culls.
 
+With ``--query-aware`` (kvpress's ``query_aware``) the question is part of what is
+compressed: the context and the question go through the protocol together (their tokens
+are the "context" of the ratio, the budget and the rows) and only the answer prefix goes on
+uncompressed, so a scorer that reads the prompt's last queries (prefill scores' observation
+window: SnapKV's) sees what will be asked before it chooses.
+
 A cell's budget is a compression ratio of the context (the fraction of its tokens removed;
 the budget keeps the rest, and never fewer than the protected tokens allow), or with
 ``--budgets`` a number of the context's tokens kept; the rows give both (a budget's ratio
@@ -38,12 +44,14 @@ import dataclasses
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .. import options
 from ..capture import CaptureTape, manifest
+from ..batch import Program, run_programs, watched
 from ..loop import Session, head_capacity
 from ..model import DTYPES, Model, load_model
 from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
@@ -94,6 +102,11 @@ class RulerConfig:
     new_tokens: int | None = option(None, "the most new tokens of an answer (default: the "
                                     "task's own, as RULER's)")
     recall: bool = option(False, "each cell also with recall (as run --recall)")
+    batch: int = option(1, "a sample's answers (the full cache's and each cell's) B at a "
+                        "time, as the rows of a batch (one stage-1 forward a step for all; "
+                        "1: one at a time)", metavar="B")
+    query_aware: bool = option(False, "the question is compressed with the context (kvpress's "
+                               "query_aware): only the answer prefix goes on uncompressed")
     params: tuple[tuple[str, Any], ...] = option(
         (), "cache parameters of every cell, e.g. sinks=4,recent=16", metavar="K=V,...",
         read=flags.cache_options, repeat="param")
@@ -111,6 +124,7 @@ class RulerConfig:
     def __post_init__(self) -> None:
         require(self.samples >= 1, f"samples must be >= 1, got {self.samples}")
         require(self.chunk >= 1, f"chunk must be >= 1, got {self.chunk}")
+        require(self.batch >= 1, f"batch must be >= 1, got {self.batch}")
         require(self.new_tokens is None or self.new_tokens >= 1,
                 f"new tokens must be >= 1, got {self.new_tokens}")
         require(all(n >= 64 for n in self.lengths), f"lengths must be >= 64, got {self.lengths}")
@@ -200,7 +214,8 @@ def cells(cfg: RulerConfig) -> list[Cell]:
 
 @dataclass
 class Prompt:
-    """A sample's input as ids: the context's ``n_context`` first, then the question and
+    """A sample's input as ids: the ``n_context`` a protocol compresses first (the context,
+    or with ``query_aware`` the context and the question), then the rest (the question and)
     the answer prefix."""
 
     ids: list[int]
@@ -209,12 +224,14 @@ class Prompt:
     answer: tuple[int, ...] = ()  # the context's tokens that spell an answer (``spelling``)
 
     @classmethod
-    def of(cls, policy: TokenPolicy, sample, new_tokens: int | None = None) -> "Prompt":
+    def of(cls, policy: TokenPolicy, sample, new_tokens: int | None = None,
+           query_aware: bool = False) -> "Prompt":
         bos = [policy.bos_id] if policy.add_bos else []  # as the family wants
-        ids, ctx = bos + policy.encode(sample.input()), bos + policy.encode(sample.context)
+        ids = bos + policy.encode(sample.input())
+        ctx = bos + policy.encode(sample.context + (sample.question if query_aware else ""))
         n = next((i for i, (a, b) in enumerate(zip(ids, ctx)) if a != b), min(len(ids), len(ctx)))
         require(1 < n < len(ids), f"sample {sample.task}/{sample.index}: no context before the "
-                "question")
+                + ("answer prefix" if query_aware else "question"))
         return cls(ids, n, new_tokens or ruler_tasks.TASKS[sample.task].tokens_to_generate,
                    spelling(policy, ids[:n], sample.answers))
 
@@ -261,11 +278,32 @@ def answer_held(state, answer: tuple[int, ...]) -> float | None:
     return float(held.sum(-1).double().mean()) / want.numel()
 
 
-def _answer(session: Session, prompt: Prompt) -> list[int]:
-    """After the context phase (pending: the question's first token), the rest of the
-    question and the answer prefix uncompressed (one stage-0 extend), then up to the task's
-    new tokens, greedy, with no cull: from here the budget (if any) holds them all."""
+def answer_steps(session: Session, prompt: Prompt, protocol: str | None, chunk: int,
+                 prime: int | None = None) -> Program:
+    """One answer as a program of steps (``batch.run_programs``): ``prime`` (the online
+    and chunked protocols': the cell's arena capacity) the context's first budget tokens
+    first; the context phase (``compress`` or None, the full cache: the one step after the
+    primed context, which culls to the budget; ``online``/``chunked``: the context after
+    the prime through the budget, ``chunk`` tokens an extend, up to the question's first
+    token, then pending); then the rest of the question and the answer prefix uncompressed
+    (one stage-0 extend) and up to the task's new tokens, greedy, with no cull: from there
+    the budget (if any) holds them all. Returns (answer ids, tokens kept at the question,
+    the share of the answer's tokens in the context held then, why the answer stopped)."""
     p = session.cache_params
+    if prime is not None:
+        session.prime(prompt.segment(0, min(p.budget, prompt.n_context)), prime)
+    i, end = session.state.next_position + 1, prompt.n_context + 1
+    if protocol in (None, "compress"):
+        i = end
+        yield session, prompt.ids[prompt.n_context]
+    while i < end:
+        j = min(i + (1 if protocol == "online" else chunk), end)
+        if j - i > 1:
+            session.extend(prompt.segment(i, j - 1))
+        yield session, prompt.ids[j - 1]
+        i = j
+    kept = session.state.kv_memory()["tokens"]  # per head: the mean, the same memory
+    held = answer_held(session.state, prompt.answer)
     if p.budget is not None:  # and recall's swaps spare them: they are the recent tokens
         rest = len(prompt.ids) - prompt.n_context + prompt.new_tokens + 1
         recent = max(p.recent, rest)
@@ -273,21 +311,10 @@ def _answer(session: Session, prompt: Prompt) -> list[int]:
             p.budget, session.state.arena.n + rest, p.sinks + recent + 1))
     if len(prompt.ids) > prompt.n_context + 1:
         session.extend(prompt.segment(prompt.n_context + 1, len(prompt.ids)))
-    ids = [r.token_id for r in session.stream(prompt.new_tokens)]
+    ids: list[int] = []
+    yield from watched(session.steps(prompt.new_tokens), lambda rec: ids.append(rec.token_id))
     session.state.check_valid()
-    return ids
-
-
-def _stream_context(session: Session, prompt: Prompt, chunk: int) -> None:
-    """Online (``chunk`` 1) or chunked: the context after the prime goes through the budget,
-    up to the question's first token (then pending), ``chunk`` tokens an extend."""
-    i, end = session.state.next_position + 1, prompt.n_context + 1
-    while i < end:
-        j = min(i + chunk, end)
-        if j - i > 1:
-            session.extend(prompt.segment(i, j - 1))
-        session.step(force=prompt.ids[j - 1])
-        i = j
+    return ids, kept, held, session.stop_reason
 
 
 def cell_cache(cfg: RulerConfig, cell: Cell, prompt: Prompt) -> CacheParams:
@@ -296,43 +323,40 @@ def cell_cache(cfg: RulerConfig, cell: Cell, prompt: Prompt) -> CacheParams:
     return replace(cache, budget=prompt.budget(cell.size, cache))
 
 
-def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
-                prompt: Prompt, cache: CacheParams, primed=None, tape=None,
-                scorer=None) -> tuple[list[int], int, float, float | None, str]:
-    """One cell's answer to one sample under its ``cache`` (``cell_cache``): (answer ids,
-    budget, tokens kept at the question, the share of the answer's tokens in the context
-    held then (``answer_held``), why the answer stopped).
-    ``primed``: (the state primed with the whole context, its prompt statistics), which a
-    ``compress`` cell answers from (a deep copy); ``scorer``: ``cache``'s scorer, built
-    already (None: the session builds it)."""
-    budget = cache.budget
+def cell_steps(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
+               prompt: Prompt, cache: CacheParams, primed=None, tape=None,
+               scorer=None) -> Program:
+    """One cell's answer to one sample under its ``cache`` (``cell_cache``), as a program
+    (``answer_steps``'s). ``primed``: (the state primed with the whole context, its prompt
+    statistics), which a ``compress`` cell answers from (a deep copy, made when the program
+    starts); ``scorer``: ``cache``'s scorer, built already (None: the session builds it)."""
     sampler = SamplerParams(greedy=True)
     room = len(prompt.ids) - prompt.n_context + prompt.new_tokens + 2
     kw = {"scorer": scorer, **({"tape": tape} if tape is not None else {})}
-    if cell.protocol == "compress":
-        if primed is not None and tape is None:
-            session = Session(model, policy, sampler, cache, state=copy.deepcopy(primed[0]), **kw)
-            if primed[1] is not None:
-                session.seed(primed[1])  # the cell's scorer columns, as its own prime's
-        else:
-            session = Session(model, policy, sampler, cache, **kw)
-            session.prime(prompt.segment(0, prompt.n_context), prompt.n_context + room)
-        session.step(force=prompt.ids[prompt.n_context])  # the one compression
+    if cell.protocol != "compress":
+        session = Session(model, policy, sampler, cache, **kw)
+        capacity = head_capacity(model, cache) + room + (
+            cfg.chunk if cell.protocol == "chunked" else 1)
+        return (yield from answer_steps(session, prompt, cell.protocol, cfg.chunk, capacity))
+    if primed is not None and tape is None:
+        session = Session(model, policy, sampler, cache, state=copy.deepcopy(primed[0]), **kw)
+        if primed[1] is not None:
+            session.seed(primed[1])  # the cell's scorer columns, as its own prime's
     else:
         session = Session(model, policy, sampler, cache, **kw)
-        session.prime(prompt.segment(0, min(budget, prompt.n_context)),
-                      head_capacity(model, cache) + room
-                      + (cfg.chunk if cell.protocol == "chunked" else 1))
-        _stream_context(session, prompt, 1 if cell.protocol == "online" else cfg.chunk)
-    kept, held = kept_tokens(session.state), answer_held(session.state, prompt.answer)
-    return _answer(session, prompt), budget, kept, held, session.stop_reason
+        session.prime(prompt.segment(0, prompt.n_context), prompt.n_context + room)
+    return (yield from answer_steps(session, prompt, cell.protocol, cfg.chunk))
 
 
-def kept_tokens(state) -> float:
-    """The tokens ``state`` holds, as the K/V memory they cost: with per-head budgets, the
-    mean over the (layer, KV head)s of what each holds."""
-    heads = state.heads
-    return state.arena.n if heads is None else float(heads.n.double().mean())
+def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
+                prompt: Prompt, cache: CacheParams, primed=None, tape=None,
+                scorer=None) -> tuple[list[int], float, float | None, str]:
+    """``cell_steps`` run alone: (answer ids, tokens kept at the question, the answer's
+    share held then, why the answer stopped)."""
+    out = []
+    run_programs(model, [(0, cell_steps(model, policy, cell, cfg, prompt, cache, primed, tape,
+                                        scorer))], 1, lambda _, value: out.append(value))
+    return out[0]
 
 
 @dataclass(frozen=True)
@@ -351,16 +375,17 @@ class SampleRow:
     outputs: list[str]
     scores: list[float]
     budgets: list[int | None]
-    kept: list[float | None]  # ``kept_tokens``
+    kept: list[float | None]  # ``State.kv_memory``'s tokens: a head's, on average
     seconds: list[float]
     held: list[float | None] = field(default_factory=list)  # ``answer_held``; [] read as None
 
 
 def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
                grid: list[Cell], tick=None) -> SampleRow:
-    """One sample answered with the full cache and in every cell: its row (the sample's
-    facts, each answer, its score, the cell's budget and kept tokens, seconds)."""
-    prompt = Prompt.of(policy, sample, cfg.new_tokens)
+    """One sample answered with the full cache and in every cell, ``cfg.batch`` answers at
+    a time: its row (the sample's facts, each answer, its score, the cell's budget and kept
+    tokens, seconds: each answer's from its start to its end, which with a batch overlap)."""
+    prompt = Prompt.of(policy, sample, cfg.new_tokens, cfg.query_aware)
     t0 = time.perf_counter()
     full = Session(model, policy, SamplerParams(greedy=True), cfg.cache("none", None, False))
     caches = [cell_cache(cfg, c, prompt) for c in grid]
@@ -370,22 +395,31 @@ def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
     stats = full.prime(prompt.segment(0, prompt.n_context), len(prompt.ids) + prompt.new_tokens + 2,
                        stats=bool(seeded), total=any(reads_total(s) for s in seeded))
     primed = (copy.deepcopy(full.state), stats) if any(s is not None for s in scorers) else None
-    full.step(force=prompt.ids[prompt.n_context])
-    answers, budgets, kept, held = [_answer(full, prompt)], [None], [None], [None]
-    seconds = [time.perf_counter() - t0]
-    if tick:
-        tick()
-    for cell, cache, scorer in zip(grid, caches, scorers):
-        t1 = time.perf_counter()
-        ids, b, k, h, _ = answer_cell(model, policy, cell, cfg, prompt, cache, primed,
-                                      scorer=scorer)
-        answers.append(ids)
-        budgets.append(b)
-        kept.append(k)
-        held.append(h)
-        seconds.append(time.perf_counter() - t1)
+    n = 1 + len(grid)
+    answers, budgets, kept, held = [None] * n, [None] + [c.budget for c in caches], [None] * n, \
+        [None] * n
+    seconds = [0.0] * n
+
+    def timed(i: int, steps: Program, start: float | None = None) -> Program:
+        start = time.perf_counter() if start is None else start
+        value = yield from steps
+        seconds[i] = time.perf_counter() - start
+        return value
+
+    def programs() -> Iterator[tuple[int, Program]]:
+        yield 0, timed(0, answer_steps(full, prompt, None, cfg.chunk), t0)
+        for i, (cell, cache, scorer) in enumerate(zip(grid, caches, scorers), 1):
+            yield i, timed(i, cell_steps(model, policy, cell, cfg, prompt, cache, primed,
+                                         scorer=scorer))
+
+    def done(i: int, value) -> None:
+        answers[i], k, h, _ = value
+        if i:  # the full cache keeps everything
+            kept[i], held[i] = k, h
         if tick:
             tick()
+
+    run_programs(model, programs(), cfg.batch, done)
     texts = [policy.decode(a) for a in answers]
     scores = [ruler_tasks.score(sample.task, t, sample.answers) for t in texts]
     if cfg.capture_misses:
@@ -478,6 +512,7 @@ class Row:
     misses_culled: int | None = None  # of them, those whose answer's context tokens were
     # not all held (None: not known, no missed sample spells its answer in the context)
     size: str | None = None  # the cell's ``Size.label`` (None: the full cache)
+    query_aware: bool = False  # the question compressed with the context (``query_aware``)
 
 
 @dataclass(kw_only=True)
@@ -555,7 +590,8 @@ def _row(res: RulerResult, task: str, n: int, method: str, size: Size | None, pr
                full, score / full if full else None, sum(s.seconds[i] for s in ss), len(ss),
                _mean(held), len(missed),
                sum(h < 1 for h in missed if h is not None) if any(
-                   h is not None for h in missed) else None, size and size.label)
+                   h is not None for h in missed) else None, size and size.label,
+               res.config.query_aware)
 
 
 def mean_scores(rs: list[Row], key) -> dict:
@@ -690,6 +726,8 @@ def report_md(res: RulerResult, images: list[str], image_dir: str, level: int = 
              f"{model_facts(res)}; tasks "
              f"{', '.join(cfg.tasks)}; lengths {', '.join(map(str, cfg.lengths))} tokens; "
              f"{cfg.samples} samples each (seed {cfg.seed}); "
+             + ("query-aware (the question compressed with the context); "
+                if cfg.query_aware else "") +
              f"{res.machine.facts(res.workers == 1 and res.ray is None)}"
              + grid.where("samples", res) + ".", ""]
     for tb in tables(res):
