@@ -157,12 +157,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto sizes = gate_up.sizes().vec();
   sizes.back() = n;
   auto out = torch::empty(sizes, gate_up.options());
-  for (int64_t r = 0; r < gate_up.numel() / (2 * n); r++) {
-    if (gate_up.scalar_type() == at::kFloat)
-      silu_mul_row<float>(ptr<float>(gate_up) + 2 * r * n, ptr<float>(out) + r * n, n);
-    else
-      silu_mul_row<bf16>(ptr<bf16>(gate_up) + 2 * r * n, ptr<bf16>(out) + r * n, n);
-  }
+  const int64_t rows = gate_up.numel() / (2 * n);
+  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {  // a batch's rows over the threads
+    for (int64_t r = lo; r < hi; r++) {
+      if (gate_up.scalar_type() == at::kFloat)
+        silu_mul_row<float>(ptr<float>(gate_up) + 2 * r * n, ptr<float>(out) + r * n, n);
+      else
+        silu_mul_row<bf16>(ptr<bf16>(gate_up) + 2 * r * n, ptr<bf16>(out) + r * n, n);
+    }
+  });
   return out;
 }
 
@@ -650,58 +653,119 @@ void cols_product(const float* w, int64_t out, int64_t in, const float* x, float
   }
 }
 
-// x (1, in) float32 or bfloat16 times w (out, in), plus ``b`` (out) if given; (1, out) in
-// x's dtype. An int8 w's sums are times ``scale`` (out, bfloat16) and rounded before the
-// bias is added, as forward.linear adds it to torch's int8 product
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor b) {
-  check_row(x, "x");
-  const int64_t in = x.numel(), out = w.size(0);
-  TORCH_CHECK(w.dim() == 2 && w.size(1) == in && w.is_cpu(), "w must be a CPU (", out, ", ",
-              in, ") matrix");
-  const bool input_major = w.stride(0) == 1 && w.stride(1) == out && in > 1;
-  TORCH_CHECK(w.is_contiguous() || (input_major && w.scalar_type() == at::kFloat),
-              "w must be row-major (float32 also input-major)");
-  const bool int8 = w.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 ? scale.numel() == out && scale.scalar_type() == at::kBFloat16
-                   : scale.numel() == 0, "an int8 w takes a bfloat16 scale per output");
-  TORCH_CHECK(int8 || w.scalar_type() == x.scalar_type(), "dtypes differ");
-  TORCH_CHECK(b.numel() == 0 || (b.numel() == out && b.scalar_type() == x.scalar_type()),
-              "b must be (out,) in x's dtype");
-  std::vector<float> xf(in), sums(out);
-  for (int64_t i = 0; i < in; i++)
-    xf[i] = x.scalar_type() == at::kFloat ? ptr<float>(x)[i] : from_bf16(ptr<bf16>(x)[i]);
-  if (int8)
-    rows_product(ptr<int8_t>(w), out, in, xf.data(), sums.data());
-  else if (w.scalar_type() == at::kBFloat16)
-    rows_product(ptr<bf16>(w), out, in, xf.data(), sums.data());
-  else if (input_major)
-    cols_product<4>(ptr<float>(w), out, in, xf.data(), sums.data());
-  else
-    rows_product(ptr<float>(w), out, in, xf.data(), sums.data());
-  auto y = torch::empty({1, out}, x.options());
-  for (int64_t o = 0; o < out; o++) {
-    float s = sums[o];
-    if (int8) s = round_to<bf16>(s * from_bf16(ptr<bf16>(scale)[o]));  // then + b, rounded
-    if (b.numel()) s += x.scalar_type() == at::kFloat ? ptr<float>(b)[o] : from_bf16(ptr<bf16>(b)[o]);
-    if (x.scalar_type() == at::kFloat)
-      ptr<float>(y)[o] = s;
-    else
-      ptr<bf16>(y)[o] = to_bf16(s);
+// ---- B rows times a weight matrix: each weight read once for all of them ---------------
+// The same sums as one row's (dot_rows, cols_tile): each output of each row summed in the
+// same order, so a row of a batch gets the bits it gets alone. A row-major W's rows are
+// converted to floats once and dotted with up to kBatch inputs held in registers; an
+// input-major W's 16-output tiles are read once for them all.
+constexpr int64_t kBatch = 8;  // inputs taken at once
+
+// ys[b * ld] = w . xs[b * in] for NB inputs, each as dot_rows<1> sums it
+template <int64_t NB, typename W>
+inline void dot_row_b(const W* w, int64_t in, const float* xs, float* ys, int64_t ld) {
+  int64_t k = 0;
+  float y[NB];
+#ifdef __AVX512F__
+  __m512 a[NB][2];
+  for (int64_t b = 0; b < NB; b++) a[b][0] = a[b][1] = _mm512_setzero_ps();
+  for (; k + 32 <= in; k += 32) {
+    const __m512 w0 = load16(w + k), w1 = load16(w + k + 16);
+    for (int64_t b = 0; b < NB; b++) {
+      a[b][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs + b * in + k), a[b][0]);
+      a[b][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs + b * in + k + 16), a[b][1]);
+    }
   }
-  return y;
+  for (int64_t b = 0; b < NB; b++) y[b] = _mm512_reduce_add_ps(_mm512_add_ps(a[b][0], a[b][1]));
+#else
+  for (int64_t b = 0; b < NB; b++) y[b] = 0.f;
+#endif
+  for (int64_t b = 0; b < NB; b++) {
+    for (int64_t j = k; j < in; j++) y[b] = std::fma(load<W>(w, j), xs[b * in + j], y[b]);
+    ys[b * ld] = y[b];
+  }
 }
 
-// ---- recall's scan of the cold keys ----------------------------------------------------
-// For every cold key j: the max over the recall layers, the KV heads and each head's group
-// of query heads of round(q . k_j) - lse (+ log_w[layer, head, j] if given), float32: what
-// stages/score.py's cold_logits with group_max and its max over layers and heads give, the
-// products summed in another order. The keys go in blocks of 16 over the threads; each
-// block's rows are read once per layer and head for all of a group's queries, and its 16
-// dot products per query are summed lane-wise, then folded into one vector by a tree of
-// shuffles. A max is exact and a block's sums do not depend on how the blocks are shared,
-// so the result does not depend on the threads.
-constexpr int64_t kColdBlock = 16;
-constexpr int64_t kColdAhead = 4 * kColdBlock;  // keys read ahead
+// one weight row's outputs for ``B`` inputs, kBatch at a time
+template <typename W>
+inline void dot_row_all(const W* w, int64_t in, const float* x, int64_t B, float* y,
+                        int64_t out) {
+  int64_t b = 0;
+  for (; b + kBatch <= B; b += kBatch) dot_row_b<kBatch>(w, in, x + b * in, y + b * out, out);
+  switch (B - b) {
+    case 7: dot_row_b<7>(w, in, x + b * in, y + b * out, out); break;
+    case 6: dot_row_b<6>(w, in, x + b * in, y + b * out, out); break;
+    case 5: dot_row_b<5>(w, in, x + b * in, y + b * out, out); break;
+    case 4: dot_row_b<4>(w, in, x + b * in, y + b * out, out); break;
+    case 3: dot_row_b<3>(w, in, x + b * in, y + b * out, out); break;
+    case 2: dot_row_b<2>(w, in, x + b * in, y + b * out, out); break;
+    case 1: dot_row_b<1>(w, in, x + b * in, y + b * out, out); break;
+    default: break;
+  }
+}
+
+// x (B, in) floats times a row-major W: y (B, out), the weight rows shared over the threads
+// in blocks of kRows, the next block prefetched
+template <typename W>
+void rows_product_b(const W* w, int64_t out, int64_t in, const float* x, int64_t B, float* y) {
+  const int64_t blocks = (out + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; r++) {
+      const int64_t o0 = r * kRows, o1 = std::min(out, o0 + kRows);
+#ifdef __AVX512F__
+      if (o1 < out) {
+        const char* next = reinterpret_cast<const char*>(w + o1 * in);
+        const int64_t bytes = (std::min(out, o1 + kRows) - o1) * in * static_cast<int64_t>(sizeof(W));
+        for (int64_t f = 0; f < bytes; f += 64) _mm_prefetch(next + f, _MM_HINT_T1);
+      }
+#endif
+      for (int64_t o = o0; o < o1; o++) dot_row_all(w + o * in, in, x, B, y + o, out);
+    }
+  });
+}
+
+// the 16 outputs from ``c`` of an input-major float32 W for NB inputs, each as cols_tile sums
+template <int64_t NB>
+inline void cols_tile_b(const float* w, int64_t out, int64_t in, const float* xs, float* ys,
+                        int64_t c) {
+#ifdef __AVX512F__
+  __m512 a[NB];
+  for (auto& v : a) v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < in; i++) {
+    const float* wi = w + i * out + c;
+    if (i + 8 < in) _mm_prefetch(reinterpret_cast<const char*>(wi + 8 * out), _MM_HINT_T0);
+    const __m512 wv = _mm512_loadu_ps(wi);
+    for (int64_t b = 0; b < NB; b++)
+      a[b] = _mm512_fmadd_ps(_mm512_set1_ps(xs[b * in + i]), wv, a[b]);
+  }
+  for (int64_t b = 0; b < NB; b++) _mm512_storeu_ps(ys + b * out + c, a[b]);
+#else
+  for (int64_t b = 0; b < NB; b++)
+    for (int64_t q = 0; q < 16; q++) {
+      float s = 0.f;
+      for (int64_t i = 0; i < in; i++) s = std::fma(xs[b * in + i], w[i * out + c + q], s);
+      ys[b * out + c + q] = s;
+    }
+#endif
+}
+
+void cols_product_b(const float* w, int64_t out, int64_t in, const float* x, int64_t B,
+                    float* y) {
+  const int64_t groups = out / 16;
+  at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t g = lo; g < hi; g++) {
+      int64_t b = 0;
+      for (; b + kBatch <= B; b += kBatch)
+        cols_tile_b<kBatch>(w, out, in, x + b * in, y + b * out, g * 16);
+      for (; b < B; b++) cols_tile_b<1>(w, out, in, x + b * in, y + b * out, g * 16);
+    }
+  });
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t c = groups * 16; c < out; c++) {
+      float s = 0.f;
+      for (int64_t i = 0; i < in; i++) s = std::fma(x[b * in + i], w[i * out + c], s);
+      y[b * out + c] = s;
+    }
+}
 
 #ifdef __AVX512F__
 // one vector whose lane j is the sum of the 16 lanes of v[j]
@@ -720,6 +784,172 @@ inline __m512 sum16x16(__m512* v) {
                        _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
 #endif
+
+// ---- bfloat16 rows times a bfloat16 matrix, with AVX512_BF16's pair products ----------
+// Where the CPU has them (vdpbf16ps: 32 products of bfloat16 pairs a instruction, exact in
+// float32, added into 16 float32 lanes), a bfloat16 row's sums take them: each output's lane
+// j adds the products of inputs 32 s + 2 j and 32 s + 2 j + 1 at each step s, in order, then
+// the lanes are added (``sum16x16``'s tree), then the inputs past the last whole step one by
+// one. One row or B,
+// each row of each output is summed so (``dot_bf16``), whatever R and NB.
+#ifdef __AVX512BF16__
+template <int64_t R, int64_t NB>
+inline void dot_bf16(const bf16* w, int64_t in, const bf16* xs, float* ys, int64_t ld) {
+  __m512 a[R][NB];
+  for (int64_t q = 0; q < R; q++)
+    for (int64_t b = 0; b < NB; b++) a[q][b] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= in; k += 32) {
+    __m512bh xv[NB];
+    for (int64_t b = 0; b < NB; b++)
+      xv[b] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xs + b * in + k));
+    for (int64_t q = 0; q < R; q++) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + q * in + k));
+      for (int64_t b = 0; b < NB; b++) a[q][b] = _mm512_dpbf16_ps(a[q][b], wv, xv[b]);
+    }
+  }
+  static_assert(R * NB <= 16, "one sum16x16 for all of them");
+  __m512 v[16];
+  for (int64_t i = 0; i < 16; i++) v[i] = i < R * NB ? a[i / NB][i % NB] : _mm512_setzero_ps();
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum16x16(v));  // each accumulator's lanes in one fixed order
+  for (int64_t q = 0; q < R; q++)
+    for (int64_t b = 0; b < NB; b++) {
+      float y = lanes[q * NB + b];
+      for (int64_t j = k; j < in; j++)
+        y = std::fma(from_bf16(w[q * in + j]), from_bf16(xs[b * in + j]), y);
+      ys[b * ld + q] = y;
+    }
+}
+
+// R weight rows for B inputs, kBatch at a time
+template <int64_t R>
+inline void dot_bf16_all(const bf16* w, int64_t in, const bf16* x, int64_t B, float* y,
+                         int64_t out) {
+  int64_t b = 0;
+  for (; b + 4 <= B; b += 4) dot_bf16<R, 4>(w, in, x + b * in, y + b * out, out);
+  switch (B - b) {
+    case 3: dot_bf16<R, 3>(w, in, x + b * in, y + b * out, out); break;
+    case 2: dot_bf16<R, 2>(w, in, x + b * in, y + b * out, out); break;
+    case 1: dot_bf16<R, 1>(w, in, x + b * in, y + b * out, out); break;
+    default: break;
+  }
+}
+
+// x (B, in) bfloat16 times a row-major bfloat16 W: y (B, out) float32 sums, the weight rows
+// shared over the threads in blocks of kRows, the next block prefetched
+void bf16_product(const bf16* w, int64_t out, int64_t in, const bf16* x, int64_t B, float* y) {
+  const int64_t blocks = (out + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; r++) {
+      const int64_t o0 = r * kRows, o1 = std::min(out, o0 + kRows);
+      if (o1 < out) {
+        const char* next = reinterpret_cast<const char*>(w + o1 * in);
+        const int64_t bytes = (std::min(out, o1 + kRows) - o1) * in * 2;
+        for (int64_t f = 0; f < bytes; f += 64) _mm_prefetch(next + f, _MM_HINT_T0);
+      }
+      int64_t o = o0;
+      if (B == 1) {
+        for (; o + kRows <= o1; o += kRows) dot_bf16<kRows, 1>(w + o * in, in, x, y + o, out);
+      } else {
+        for (; o + 4 <= o1; o += 4) dot_bf16_all<4>(w + o * in, in, x, B, y + o, out);
+      }
+      for (; o < o1; o++) dot_bf16_all<1>(w + o * in, in, x, B, y + o, out);
+    }
+  });
+}
+#endif
+
+// x (B, in) float32 or bfloat16 times w (out, in), plus ``b`` (out) if given; (B, out) in
+// x's dtype (B = 1: also x (in) or (1, in)). An int8 w's sums are times ``scale`` (out,
+// bfloat16) and rounded before the bias is added, as forward.linear adds it to torch's int8
+// product. Each row's outputs are the bits that row gets alone.
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor b) {
+  check_row(x, "x");
+  const int64_t B = x.dim() == 2 ? x.size(0) : 1, in = x.numel() / std::max<int64_t>(B, 1);
+  const int64_t out = w.size(0);
+  TORCH_CHECK(B >= 1, "x must hold a row");
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == in && w.is_cpu(), "w must be a CPU (", out, ", ",
+              in, ") matrix");
+  const bool input_major = w.stride(0) == 1 && w.stride(1) == out && in > 1;
+  TORCH_CHECK(w.is_contiguous() || (input_major && w.scalar_type() == at::kFloat),
+              "w must be row-major (float32 also input-major)");
+  const bool int8 = w.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 ? scale.numel() == out && scale.scalar_type() == at::kBFloat16
+                   : scale.numel() == 0, "an int8 w takes a bfloat16 scale per output");
+  TORCH_CHECK(int8 || w.scalar_type() == x.scalar_type(), "dtypes differ");
+  TORCH_CHECK(b.numel() == 0 || (b.numel() == out && b.scalar_type() == x.scalar_type()),
+              "b must be (out,) in x's dtype");
+  std::vector<float> xf, sums(B * out);
+  const bool pairs =  // bfloat16 by bfloat16: the pair products where the CPU has them
+#ifdef __AVX512BF16__
+      w.scalar_type() == at::kBFloat16;
+#else
+      false;
+#endif
+  if (!pairs) {
+    xf.resize(B * in);
+    for (int64_t i = 0; i < B * in; i++)
+      xf[i] = x.scalar_type() == at::kFloat ? ptr<float>(x)[i] : from_bf16(ptr<bf16>(x)[i]);
+  }
+  if (pairs) {
+#ifdef __AVX512BF16__
+    bf16_product(ptr<bf16>(w), out, in, ptr<bf16>(x), B, sums.data());
+#endif
+  } else if (B == 1) {
+    if (int8)
+      rows_product(ptr<int8_t>(w), out, in, xf.data(), sums.data());
+    else if (w.scalar_type() == at::kBFloat16)
+      rows_product(ptr<bf16>(w), out, in, xf.data(), sums.data());
+    else if (input_major)
+      cols_product<4>(ptr<float>(w), out, in, xf.data(), sums.data());
+    else
+      rows_product(ptr<float>(w), out, in, xf.data(), sums.data());
+  } else if (int8) {
+    rows_product_b(ptr<int8_t>(w), out, in, xf.data(), B, sums.data());
+  } else if (w.scalar_type() == at::kBFloat16) {
+    rows_product_b(ptr<bf16>(w), out, in, xf.data(), B, sums.data());
+  } else if (input_major) {
+    cols_product_b(ptr<float>(w), out, in, xf.data(), B, sums.data());
+  } else {
+    rows_product_b(ptr<float>(w), out, in, xf.data(), B, sums.data());
+  }
+  float* sp = sums.data();
+  if (int8) {  // the sum times the row's scale, rounded; then + b, rounded
+    std::vector<float> sc(out);
+    for (int64_t o = 0; o < out; o++) sc[o] = from_bf16(ptr<bf16>(scale)[o]);
+    for (int64_t r = 0; r < B; r++)
+      for (int64_t o = 0; o < out; o++) sp[r * out + o] = round_to<bf16>(sp[r * out + o] * sc[o]);
+  }
+  if (b.numel()) {
+    std::vector<float> bias(out);
+    for (int64_t o = 0; o < out; o++)
+      bias[o] = x.scalar_type() == at::kFloat ? ptr<float>(b)[o] : from_bf16(ptr<bf16>(b)[o]);
+    for (int64_t r = 0; r < B; r++)
+      for (int64_t o = 0; o < out; o++) sp[r * out + o] += bias[o];
+  }
+  auto y = torch::empty({B, out}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    std::copy(sp, sp + B * out, ptr<float>(y));
+  } else {
+    bf16* yp = ptr<bf16>(y);
+    for (int64_t i = 0; i < B * out; i++) yp[i] = to_bf16(sp[i]);
+  }
+  return y;
+}
+
+// ---- recall's scan of the cold keys ----------------------------------------------------
+// For every cold key j: the max over the recall layers, the KV heads and each head's group
+// of query heads of round(q . k_j) - lse (+ log_w[layer, head, j] if given), float32: what
+// stages/score.py's cold_logits with group_max and its max over layers and heads give, the
+// products summed in another order. The keys go in blocks of 16 over the threads; each
+// block's rows are read once per layer and head for all of a group's queries, and its 16
+// dot products per query are summed lane-wise, then folded into one vector by a tree of
+// shuffles. A max is exact and a block's sums do not depend on how the blocks are shared,
+// so the result does not depend on the threads.
+constexpr int64_t kColdBlock = 16;
+constexpr int64_t kColdAhead = 4 * kColdBlock;  // keys read ahead
+
 
 #ifdef __AVX512F__
 template <typename T> inline __m512 round16(__m512 x);  // round_to<T> of 16 floats
@@ -890,7 +1120,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += y in place, then w * rms_norm(x)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
   m.def("attend", &attend, "one new token's attention in one layer");
-  m.def("linear", &linear, "one row times a weight matrix, plus a bias");
+  m.def("linear", &linear, "rows times a weight matrix, plus a bias");
   m.def("cold_max", &cold_max, "recall's scan: each cold key's largest logit");
   m.def("fold_into", &fold_into, "fold's targets: each culled key's most alike live key");
 }

@@ -6,12 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from positronic_brain import options
+from positronic_brain import native, options
 from positronic_brain.bench import speed, throughput
 from positronic_brain.bench.result import Machine, Result
 from positronic_brain.cli import main
 from positronic_brain.model import hf_forward, packable
-from positronic_brain.types import CacheParams
 from tests.tolerance import products
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -79,8 +78,11 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     # a batch's throughput: stage 1 at the longest context that fits, the loop at the budget
     assert res["config"]["batches"] == [1, 4, 8] and res["config"]["batch_contexts"] == [256]
     whats = ["stage 1", "loop none", "loop fold", "loop none + recall"]
-    assert [(r["dtype"], r["batch"], r["what"]) for r in res["batch"]] == \
-        [(d, b, w) for d in dtypes for b in (1, 4, 8) for w in whats]
+    # the plain path's rows, then the native kernels' where they pay on this CPU
+    stage1s = {d: ["plain"] + (["native"] if native.slower(["cpu"], d) is None
+                               and native.unavailable() is None else []) for d in dtypes}
+    assert [(r["dtype"], r["stage1"], r["batch"], r["what"]) for r in res["batch"]] == \
+        [(d, s, b, w) for d in dtypes for s in stage1s[d] for b in (1, 4, 8) for w in whats]
     for r in res["batch"]:
         assert r["ms"] > 0 and r["tokens_s"] == pytest.approx(r["batch"] / r["ms"] * 1e3)
         assert r["speedup"] > 0 and (r["batch"] > 1 or r["speedup"] == 1.0)

@@ -206,6 +206,58 @@ def test_linear_sums_in_the_same_order_on_any_number_of_threads(nat):
             assert torch.equal(nat.linear(x, w, scale, torch.empty(0)), one), name
 
 
+@pytest.mark.parametrize("out,inp", [(96, 576), (37, 70)])
+def test_linear_of_rows_gives_each_row_its_own_bits(nat, out, inp):
+    """B rows at once (a batch's products: each weight read once for all of them) give each
+    row the bits it gets alone, for every kind of weight, B up to past the kernels' groups."""
+    gen = torch.Generator().manual_seed(out + inp)
+    for name, dtype, _, w, scale in _weights(out, inp, gen):
+        scale = torch.empty(0) if scale is None else scale
+        b = torch.randn(out, generator=gen).to(dtype)
+        for B in (2, 5, 9, 17):
+            x = torch.randn(B, inp, generator=gen).to(dtype)
+            rows = nat.linear(x, w, scale, b)
+            assert rows.shape == (B, out) and rows.dtype == dtype, name
+            for r in range(B):
+                assert torch.equal(rows[r:r + 1], nat.linear(x[r:r + 1], w, scale, b)), \
+                    (name, B, r)
+
+
+@pytest.mark.parametrize("name,dtype", [("tiny-random", "float32"), ("tiny-random", "bfloat16"),
+                                        ("tiny-random", "int8"),
+                                        ("tiny-random-llama3", "bfloat16")])
+def test_a_batch_s_native_rows_are_their_own_native_steps(nat, name, dtype):
+    """``native.decode_rows`` (a native model's batch stage 1): rows of different lengths,
+    one with a folded slot's log-mass and one with recall's query, each give exactly what
+    the native ``decode`` gives that row alone: logits, new K/V, attention, query and
+    log-sum-exp."""
+    from positronic_brain.model import load_model
+    from positronic_brain.special_tokens import TokenPolicy
+    from positronic_brain.stages.apply import prime
+    model = load_model(name, dtype, compile="native")
+    policy, gen = TokenPolicy(model.tokenizer), torch.Generator().manual_seed(5)
+    views = [prime(model, policy.raw_prompt(text), capacity=64)[0].view()
+             for text in ("a row", "a longer row of the batch", "one more", "and the last")]
+    pasts = [(v.k, v.v, v.log_mass) for v in views]
+    s = model.spec
+    pasts[1] = (pasts[1][0], pasts[1][1], torch.rand(s.n_layers, s.n_kv_heads, views[1].n,
+                                                     generator=gen))
+    ids = torch.tensor([v.pending_token for v in views])
+    positions = torch.tensor([v.next_position for v in views])
+    queries = [False, True, False, True]
+    assert native.rows_apply(model, pasts)
+    rows = native.decode_rows(model, pasts, ids, positions, queries)
+    for b, (got, (k, v, mass), want_query) in enumerate(zip(rows, pasts, queries)):
+        alone = native.decode(model, k, v, ids[b:b + 1], positions[b:b + 1], True, mass,
+                              want_query)
+        for field in ("logits", "k", "v", "attention", "query", "lse"):
+            a, w = getattr(got, field), getattr(alone, field)
+            assert (a is None and w is None) or (torch.equal(a, w) and a.stride() == w.stride()
+                                                 and a.is_contiguous() == w.is_contiguous()), \
+                (b, field)
+        assert (got.query is not None) == want_query
+
+
 def test_linear_refuses_what_it_cannot_multiply(nat):
     x, none = torch.randn(1, 8), torch.empty(0)
     with pytest.raises(RuntimeError, match="dtypes differ"):

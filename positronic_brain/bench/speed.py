@@ -45,7 +45,7 @@ from ..state import State, View
 from ..types import (Actions, CacheParams, FoldRepair, Prefill, Recall, SamplerParams, Segment,
                      option, require)
 from . import common, flags, llamacpp, throughput
-from .. import options
+from .. import native, options
 from .common import Table, fmt, fmt_bytes
 from .result import Machine, Result, Target, target_table
 from .throughput import BatchRow
@@ -769,15 +769,16 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float,
     model = load_model(cfg.model, dtype, cfg.device)
     cfg = cfg.fitted(model.spec.max_positions)
     rows = measure_stage(model, cfg, task) if "stage" in cfg.parts else {}
-    loop = []
+    loop, others = [], rows.pop("compiled", [])
     if "loop" in cfg.parts:
         loop = measure_loop(model, cfg, task)
-        for other in rows.pop("compiled", ()):  # the same loop over stage 1 native or graph
+        for other in others:  # the same loop over stage 1 native or graph
             loop += measure_loop(other, cfg, task)
-    rows.pop("compiled", None)
     wb, kvb = weight_bytes(model), kv_bytes_per_token(model)
-    batch = (throughput.measure(model, cfg, task, random_prompt, wb, kvb)
-             if "batch" in cfg.parts else [])
+    batch = []
+    if "batch" in cfg.parts:  # the plain path's rows, then the native kernels' where they run
+        for rows_model in [model] + native_models(cfg, dtype, others):
+            batch += throughput.measure(rows_model, cfg, task, random_prompt, wb, kvb)
     # the physical floor: weights + live K/V read once per token
     rows["decode"] = [dataclasses.replace(r, floor_ms=(wb + r.context * kvb) /
                                           (bandwidth * 1e9) * 1e3) for r in rows.get("decode", ())]
@@ -785,6 +786,15 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float,
                        next((r.cold_bytes_per_token for r in loop if r.cold), None))
     return cfg, {"prefill": [], "alloc": [], "edits": [], "ops": [], "compile": [],
                  "llamacpp": [], **rows, "memory": [memory], "loop": loop, "batch": batch}
+
+
+def native_models(cfg: SpeedConfig, dtype: str, others: list[Model]) -> list[Model]:
+    """The native model of ``others`` (the stage part's), else one loaded here; none where
+    the native kernels do not pay or do not build on this machine (``native.slower``)."""
+    if native.slower([cfg.device], dtype) is not None or native.unavailable() is not None:
+        return []
+    have = [m for m in others if m.compiled == NATIVE]
+    return have or [load_model(cfg.model, dtype, cfg.device, compile=NATIVE)]
 
 
 def measure_stage(model: Model, cfg: SpeedConfig, task) -> dict[str, list]:

@@ -41,6 +41,7 @@ class BatchRow:
     what: str
     context: int
     batch: int
+    stage1: str = "plain"  # how stage 1 runs: plain, or the model's ``compiled`` mode
     ms: float
     tokens_s: float
     speedup: float | None = None
@@ -74,7 +75,7 @@ def measure(model: Model, cfg, task, random_prompt, weight_bytes: int,
     each of ``REPAIRS``, each row a copy of one primed session at its budget.
     ``random_prompt(model, n, seed)`` gives the primes' tokens; ``weight_bytes`` and
     ``kv_bytes_per_token`` (what a token reads) each row's ``ceiling``."""
-    dt, out, most = model.precision, [], max(cfg.batches)
+    dt, out, most, how = model.precision, [], max(cfg.batches), model.compiled or "plain"
     primed = {}  # context -> the prime's state, copied for every row
     for c in cfg.batch_contexts:  # a prime of c cached tokens and the pending one
         ids = random_prompt(model, c + 1, seed=3)
@@ -100,7 +101,7 @@ def measure(model: Model, cfg, task, random_prompt, weight_bytes: int,
                                       cfg.batch_reps, warmup=1, tick=tick)
             ms = common.median(t["stage 1"])
             out.append(BatchRow(dtype=dt, what="stage 1", context=c, batch=b, ms=ms,
-                                tokens_s=b / ms * 1e3))
+                                tokens_s=b / ms * 1e3, stage1=how))
         for what, first in sessions.items():
             out.append(_loop_row(model, rows_model, first, b, what, cfg, task))
     return [dataclasses.replace(r, ceiling=ceiling(r.batch, r.context, weight_bytes,
@@ -133,14 +134,17 @@ def _loop_row(model: Model, rows_model: Model, first: Session, b: int, what: str
     step, one = common.median(t["step"]) / every, common.median(t["stage 1"])
     return BatchRow(dtype=model.precision, what=what, context=first.cache_params.budget,
                     batch=b, ms=step, tokens_s=b / step * 1e3, stage1_ms=one,
-                    overhead=step / one, row_ms=(step - one) / b)
+                    overhead=step / one, row_ms=(step - one) / b,
+                    stage1=model.compiled or "plain")
 
 
 def _with_speedups(rows: list[BatchRow]) -> list[BatchRow]:
-    """Each row's tokens/s over B = 1's of its dtype, what and context."""
-    one = {(r.dtype, r.what, r.context): r.tokens_s for r in rows if r.batch == 1}
-    return [dataclasses.replace(r, speedup=r.tokens_s / one[(r.dtype, r.what, r.context)])
-            if (r.dtype, r.what, r.context) in one else r for r in rows]
+    """Each row's tokens/s over B = 1's of its dtype, stage 1, what and context."""
+    def key(r: BatchRow) -> tuple:
+        return r.dtype, r.stage1, r.what, r.context
+    one = {key(r): r.tokens_s for r in rows if r.batch == 1}
+    return [dataclasses.replace(r, speedup=r.tokens_s / one[key(r)]) if key(r) in one else r
+            for r in rows]
 
 
 def targets(rows: list[BatchRow]) -> list[Target]:
@@ -151,12 +155,13 @@ def targets(rows: list[BatchRow]) -> list[Target]:
         if r.batch != SPEEDUP_BATCH:
             continue
         if r.speedup is not None:
-            out.append(Target(f"{r.what} tokens/s, {r.batch} rows / 1 at {r.context} "
+            out.append(Target(f"{r.stage1} {r.what} tokens/s, {r.batch} rows / 1 at {r.context} "
                               f"(the bytes read allow {r.ceiling:.2f})",
                               r.speedup, f">= {SPEEDUP_TARGET}", r.speedup >= SPEEDUP_TARGET,
                               r.dtype, context=r.context))
         if r.overhead is not None:
-            out.append(Target(f"{r.what} step / stage 1, {r.batch} rows at budget {r.context}",
+            out.append(Target(f"{r.stage1} {r.what} step / stage 1, {r.batch} rows at budget "
+                              f"{r.context}",
                               r.overhead, f"<= {OVERHEAD_TARGET}",
                               r.overhead <= OVERHEAD_TARGET, r.dtype))
     return out
@@ -165,13 +170,15 @@ def targets(rows: list[BatchRow]) -> list[Target]:
 def table(rows: list[BatchRow]) -> Table:
     return Table(
         "Throughput of a batch: B rows a step (`run --prompts --batch B`)",
-        ("dtype", "what", "context", "rows", "ms a step", "tokens/s", "x B = 1", "ceiling x",
-         "stage 1 ms", "step / stage 1", "stages 2-4 ms a row"),
-        tuple((r.dtype, r.what, str(r.context), str(r.batch), fmt(r.ms, 1),
+        ("dtype", "stage 1", "what", "context", "rows", "ms a step", "tokens/s", "x B = 1",
+         "ceiling x", "stage 1 ms", "step / stage 1", "stages 2-4 ms a row"),
+        tuple((r.dtype, r.stage1, r.what, str(r.context), str(r.batch), fmt(r.ms, 1),
                fmt(r.tokens_s, 1), fmt(r.speedup, 2), fmt(r.ceiling, 2), fmt(r.stage1_ms, 1),
                fmt(r.overhead, 2), fmt(r.row_ms, 2)) for r in rows),
         "Stage 1: one forward of every row's pending token, each row over its own copy of a "
-        "prime's K/V at the context (B = 1: the solo `generate`). Loop: the whole step of "
+        "prime's K/V at the context (B = 1: the solo `generate`); native: the native "
+        "kernels' (`--compile native`; B rows: `native.decode_rows`, each weight read once "
+        "for all of them). Loop: the whole step of "
         "every row (`batch.step_rows`; B = 1: `Session.step`) at the budget, the brightness "
         "scorer, each row a copy of one primed session; with recall, over "
         f"{RECALL_COLD} cold tokens a row (fewer where the positions hold fewer), the mean step of a round of its scans; its stage 1 "

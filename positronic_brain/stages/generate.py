@@ -46,15 +46,17 @@ def generate_rows(model: Model, views: Sequence[View], params: Sequence[SamplerP
                   forces: Sequence[int | None]) -> list[GenerateOut]:
     """``generate`` for each row of a batch at once: one forward over every row's pending
     token (``forward.decode_rows``: the plain path, each row over its own live slots), then
-    each row's sampler with its own ``params``, generator and ``force``."""
+    each row's sampler with its own ``params``, generator and ``force``. A native model's
+    rows run the native kernels (``native.decode_rows``: each row the bits of its own step)."""
     for force in forces:
         require(force is None or 0 <= force < model.spec.vocab,
                 f"forced token {force} outside the model's vocabulary of {model.spec.vocab}")
     first = views[0]
     ids = first.token_id.new_tensor([v.pending_token for v in views])
     positions = first.position.new_tensor([v.next_position for v in views])
-    outs = decode_rows(model, [(v.k, v.v, v.log_mass) for v in views], ids, positions,
-                       [v.cold is not None for v in views])
+    pasts, queries = [(v.k, v.v, v.log_mass) for v in views], [v.cold is not None for v in views]
+    outs = (native.decode_rows if native.rows_apply(model, pasts) else decode_rows)(
+        model, pasts, ids, positions, queries)
     return [_sampled(v, out, p, g, f, ids[b:b + 1])
             for b, (v, out, p, g, f) in enumerate(zip(views, outs, params, generators, forces))]
 
