@@ -93,12 +93,15 @@ def watched(steps: Program, on_record: Callable[[StepRecord], None]) -> Program:
     """``steps``, with ``on_record(record)`` told of each of its steps' records first."""
     try:
         want = next(steps)
-        while True:
-            rec = yield want
-            on_record(rec)
-            want = steps.send(rec)
     except StopIteration as stop:
         return stop.value
+    while True:
+        rec = yield want
+        on_record(rec)  # outside the try: a StopIteration of its own is not a return
+        try:
+            want = steps.send(rec)
+        except StopIteration as stop:
+            return stop.value
 
 
 def drive_rows(model: Model, rows: Iterator[tuple[int, Session]], batch: int,

@@ -171,6 +171,7 @@ def compose(model: Model, parts: list[Part]) -> Session:
     for part in parts:
         specs |= part.ledger_fields["specs"]
     per_head = _per_head(parts)
+    maps = [p.head_map() for p in parts] if per_head else []
     for i, part in enumerate(parts):
         keep_uids = i == 0 and part.layers is None
         if keep_uids:
@@ -195,7 +196,7 @@ def compose(model: Model, parts: list[Part]) -> Session:
             old = cols["position"]
             cols["position"] = old + offset
             if per_head and out is hot:  # each slot by its row's move
-                k = _rerotated_slots(model, k, part.head_map()[0], old, cols["position"])
+                k = _rerotated_slots(model, k, maps[i][0], old, cols["position"])
             else:
                 k = rerotate(model, k, old, cols["position"])
             if part.layers is not None and len(part.layers) < s.n_layers:  # layers missing
@@ -208,7 +209,7 @@ def compose(model: Model, parts: list[Part]) -> Session:
             f"{s.max_positions}")
     heads = None
     if per_head:
-        k, v, log_mass, heads = _joined_heads(model, hot, [p.head_map() for p in parts])
+        k, v, log_mass, heads = _joined_heads(model, hot, maps)
     else:
         k, v, log_mass = _joined(model, hot)
     names = Ledger.COLUMNS + tuple(specs)

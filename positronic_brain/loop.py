@@ -210,14 +210,11 @@ class Session:
         Hugging Face ``generate``) or a full arena. With ``force`` (teacher forcing), step
         i's next pending token is ``force[i]`` rather than a sampled one."""
         steps = self.steps(max_new_tokens, ignore_eos, force)
-        try:
-            want = next(steps)
-            while True:
-                rec = self.step(want[1])
-                yield rec
-                want = steps.send(rec)
-        except StopIteration:
-            return
+        want = next(steps, None)
+        while want is not None:
+            rec = self.step(want[1])
+            yield rec
+            want = _sent(steps, rec)
 
     def steps(self, max_new_tokens: int, ignore_eos: bool = False,
               force: Sequence[int] | None = None) -> Generator[tuple["Session", int | None],
@@ -237,6 +234,16 @@ class Session:
             if not ignore_eos and self.policy.is_eos(rec.token_id):
                 self.stop_reason = "eos"
                 return
+
+
+def _sent(steps: Generator, value):
+    """``steps.send(value)``: its next yield, or None where it returned (a StopIteration
+    raised anywhere else is not caught)."""
+    try:
+        return steps.send(value)
+    except StopIteration:
+        return None
+
 
 def run(model: Model, policy: TokenPolicy, segments: list[Segment], sampler: SamplerParams,
         max_new_tokens: int = 64, ignore_eos: bool = False, capacity: int | None = None,

@@ -770,6 +770,7 @@ def for_rows(model: Model, rows: int) -> Model:
     for that many rows (``PackedWeight``, beside the plain ones: twice the weights' memory),
     since torch's product of a few float32 rows by an input-major weight takes several times
     one row's time and oneDNN's little more than it (docs/DESIGN.md, the batch), kept with
+    the model until another number of rows is asked for (``Model.rows``: one copy at a
     time); else ``model`` itself (a native model's rows take the native kernels' products,
     ``native.decode_rows``, which read the plain weights)."""
     if (model.dtype != torch.float32 or model.device.type != "cpu" or model.split

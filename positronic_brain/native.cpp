@@ -6,7 +6,8 @@
 // native model's stages 2-3: recall's scan of the cold keys and fold's target search.
 // Each rounds where the plain path's operators round (bfloat16: every elementwise result;
 // a product accumulates in float32 and rounds once); only the order of a sum may differ
-// from the plain path's kernels, so results agree to float rounding.
+// from the plain path's kernels (and AVX512_BF16's pair products flush denormals to zero),
+// so results agree to float rounding.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -552,7 +553,7 @@ torch::Tensor fold_into(torch::Tensor kt, torch::Tensor knorm, torch::Tensor cul
   return into;
 }
 
-// ---- one row times a weight matrix -----------------------------------------------------
+// ---- one row times a weight matrix (B rows: below) --------------------------------------
 // y = x W^T (+ b) for one row x, W (out, in) stored row-major (each output's weights one
 // run: bfloat16, float32, or int8 with a scale per output) or, float32 only, input-major
 // (strides (1, out): each input's weights one run, as load_model stores float32 matrices).
@@ -685,7 +686,7 @@ inline void dot_row_b(const W* w, int64_t in, const float* xs, float* ys, int64_
   }
 }
 
-// one weight row's outputs for ``B`` inputs, kBatch at a time
+// one weight row's outputs for ``B`` inputs, kBatch at a time (the rest at once)
 template <typename W>
 inline void dot_row_all(const W* w, int64_t in, const float* x, int64_t B, float* y,
                         int64_t out) {
@@ -756,7 +757,18 @@ void cols_product_b(const float* w, int64_t out, int64_t in, const float* x, int
       int64_t b = 0;
       for (; b + kBatch <= B; b += kBatch)
         cols_tile_b<kBatch>(w, out, in, x + b * in, y + b * out, g * 16);
-      for (; b < B; b++) cols_tile_b<1>(w, out, in, x + b * in, y + b * out, g * 16);
+      const float* xb = x + b * in;
+      float* yb = y + b * out;
+      switch (B - b) {  // the rest at once too: each tile read once for every row
+        case 7: cols_tile_b<7>(w, out, in, xb, yb, g * 16); break;
+        case 6: cols_tile_b<6>(w, out, in, xb, yb, g * 16); break;
+        case 5: cols_tile_b<5>(w, out, in, xb, yb, g * 16); break;
+        case 4: cols_tile_b<4>(w, out, in, xb, yb, g * 16); break;
+        case 3: cols_tile_b<3>(w, out, in, xb, yb, g * 16); break;
+        case 2: cols_tile_b<2>(w, out, in, xb, yb, g * 16); break;
+        case 1: cols_tile_b<1>(w, out, in, xb, yb, g * 16); break;
+        default: break;
+      }
     }
   });
   for (int64_t b = 0; b < B; b++)
@@ -787,19 +799,23 @@ inline __m512 sum16x16(__m512* v) {
 
 // ---- bfloat16 rows times a bfloat16 matrix, with AVX512_BF16's pair products ----------
 // Where the CPU has them (vdpbf16ps: 32 products of bfloat16 pairs a instruction, exact in
-// float32, added into 16 float32 lanes), a bfloat16 row's sums take them: each output's lane
-// j adds the products of inputs 32 s + 2 j and 32 s + 2 j + 1 at each step s, in order, then
-// the lanes are added (``sum16x16``'s tree), then the inputs past the last whole step one by
-// one. One row or B,
+// float32, added into 16 float32 lanes, denormals flushed to zero), a bfloat16 row's sums
+// take them: each output's lane j adds the products of inputs 32 s + 2 j + 1 and 32 s + 2 j
+// at each step s (the instruction's own order), then the lanes are added (``sum16x16``'s
+// tree), then the inputs past the last whole step one by one. One row or B,
 // each row of each output is summed so (``dot_bf16``), whatever R and NB.
 #ifdef __AVX512BF16__
 template <int64_t R, int64_t NB>
-inline void dot_bf16(const bf16* w, int64_t in, const bf16* xs, float* ys, int64_t ld) {
+inline void dot_bf16(const bf16* w, int64_t in, const bf16* xs, float* ys, int64_t ld,
+                     const char* next = nullptr, int64_t next_bytes = 0) {
   __m512 a[R][NB];
   for (int64_t q = 0; q < R; q++)
     for (int64_t b = 0; b < NB; b++) a[q][b] = _mm512_setzero_ps();
-  int64_t k = 0;
+  const int64_t steps = in / 32, lines = steps ? (next_bytes / 64 + steps) / steps : 0;
+  int64_t k = 0, fetched = 0;
   for (; k + 32 <= in; k += 32) {
+    for (int64_t l = 0; l < lines && fetched < next_bytes; l++, fetched += 64)
+      _mm_prefetch(next + fetched, _MM_HINT_T0);
     __m512bh xv[NB];
     for (int64_t b = 0; b < NB; b++)
       xv[b] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xs + b * in + k));
@@ -822,7 +838,7 @@ inline void dot_bf16(const bf16* w, int64_t in, const bf16* xs, float* ys, int64
     }
 }
 
-// R weight rows for B inputs, kBatch at a time
+// R weight rows for B inputs, 4 at a time (R x 4 accumulators: one sum16x16)
 template <int64_t R>
 inline void dot_bf16_all(const bf16* w, int64_t in, const bf16* x, int64_t B, float* y,
                          int64_t out) {
@@ -843,15 +859,14 @@ void bf16_product(const bf16* w, int64_t out, int64_t in, const bf16* x, int64_t
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; r++) {
       const int64_t o0 = r * kRows, o1 = std::min(out, o0 + kRows);
-      if (o1 < out) {
-        const char* next = reinterpret_cast<const char*>(w + o1 * in);
-        const int64_t bytes = (std::min(out, o1 + kRows) - o1) * in * 2;
-        for (int64_t f = 0; f < bytes; f += 64) _mm_prefetch(next + f, _MM_HINT_T0);
-      }
+      const char* next = reinterpret_cast<const char*>(w + o1 * in);  // the next block's rows
+      const int64_t bytes = (std::min(out, o1 + kRows) - o1) * in * 2;  // spread over the loop
       int64_t o = o0;
       if (B == 1) {
-        for (; o + kRows <= o1; o += kRows) dot_bf16<kRows, 1>(w + o * in, in, x, y + o, out);
+        for (; o + kRows <= o1; o += kRows)
+          dot_bf16<kRows, 1>(w + o * in, in, x, y + o, out, next, bytes);
       } else {
+        for (int64_t f = 0; f < bytes; f += 64) _mm_prefetch(next + f, _MM_HINT_T1);
         for (; o + 4 <= o1; o += 4) dot_bf16_all<4>(w + o * in, in, x, B, y + o, out);
       }
       for (; o < o1; o++) dot_bf16_all<1>(w + o * in, in, x, B, y + o, out);

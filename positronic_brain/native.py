@@ -7,10 +7,12 @@ the next operator needs. ``native.cpp`` does all of a layer's work between its
 products in four loops over raw rows (RMSNorm, the residual, RoPE, attention with the
 softmax rows the scorers read, SiLU times up), and the products themselves (``linear``:
 rows times the matrix's plain values, reading the next rows ahead; a batch's B rows in one
-pass, ``decode_rows``), compiled for this machine at first use (``kernels``). Two more serve a native model's stages 2-3: recall's
-scan of the cold keys (``cold_max``) and fold's target search (``fold_into``).
+pass, ``decode_rows``), compiled for this machine at first use (``kernels``). Two more
+serve a native model's stages 2-3: recall's scan of the cold keys (``cold_max``) and
+fold's target search (``fold_into``).
 
-Each kernel rounds where the plain path's operators do, so only the order of a sum differs:
+Each kernel rounds where the plain path's operators do, so only the order of a sum differs
+(and, with AVX512_BF16's pair products, a bfloat16 product's denormals, flushed to zero):
 stage 1 agrees with the plain one to float rounding (not bit for bit), like a compiled one.
 Anything else, a prefill, several devices, a GPU or a masked past, runs ``forward``.
 """
@@ -84,20 +86,22 @@ def for_model(model: Model) -> str | None:
 
 # compiles the AVX-512 loops out: the scalar ones, as a CPU without AVX-512F runs them
 SCALAR_FLAGS = ["-mno-avx512f"]
+# compiles AVX512_BF16's pair products out: the loops a CPU with AVX-512F but not them runs
+NO_PAIRS_FLAGS = ["-mno-avx512bf16"]
 
 
 @functools.cache
-def kernels(scalar: bool = False):
+def kernels(scalar: bool = False, pairs: bool = True):
     """The compiled kernels, built once per ``build`` (tens of seconds the first time; then
     loaded from the build folder named by it). ``scalar`` builds them without their AVX-512
-    loops (``SCALAR_FLAGS``), so that the loops a CPU without AVX-512F runs can be tested
-    on one that has it."""
+    loops (``SCALAR_FLAGS``), ``pairs`` False without AVX512_BF16's (``NO_PAIRS_FLAGS``),
+    so that the loops a CPU without them runs can be tested on one that has them."""
     check_compile([torch.device("cpu")], NATIVE)  # a compiler, and ninja
     if shutil.which("ninja") is None:  # torch runs ninja from the PATH: the package's own
         import ninja  # pylint: disable=import-outside-toplevel
         os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
     from torch.utils.cpp_extension import load  # pylint: disable=import-outside-toplevel
-    key = build() + ("_scalar" if scalar else "")
+    key = build() + ("_scalar" if scalar else "") + ("" if pairs else "_nopairs")
     folder = cache_dir() / f"native-{key}"
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "build.flock", "w", encoding="utf-8") as held:
@@ -110,7 +114,8 @@ def kernels(scalar: bool = False):
         return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
                     extra_cflags=["-O3", "-march=native", "-ffp-contract=off",
                                   "-fno-math-errno", "-fopenmp",
-                                  *(SCALAR_FLAGS if scalar else [])],
+                                  *(SCALAR_FLAGS if scalar else []),
+                                  *([] if pairs else NO_PAIRS_FLAGS)],
                     extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 

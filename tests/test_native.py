@@ -2,8 +2,9 @@
 head sizes, where their vector loops run (the tiny models' 16-wide heads take the scalar
 ones): one layer's attention over strided views of an arena, with and without a folded
 slot's log-mass, RMSNorm with the residual, SiLU times up, and one row times each kind of
-weight matrix. Each runs twice on a CPU with AVX-512F: built for it, and built without the
-AVX-512 loops (``native.kernels(scalar=True)``), as a CPU without it runs them. The bounds
+weight matrix. Each runs on a CPU with AVX-512F built for it, built without AVX512_BF16's
+pair products (``native.kernels(pairs=False)``, where the CPU has them) and built without
+the AVX-512 loops (``native.kernels(scalar=True)``), as a CPU without them runs them. The bounds
 are the error model's (tests/tolerance.py): the kernels and the plain operators may add each
 sum in another order."""
 import fcntl
@@ -23,17 +24,21 @@ from tests.tolerance import dot, step, sum_bound, unit
 F32, B16 = torch.float32, torch.bfloat16
 
 
-@pytest.fixture(scope="module", params=["native", "scalar"])
+@pytest.fixture(scope="module", params=["native", "nopairs", "scalar"])
 def nat(request):
-    """The kernels as built for this CPU, then without their AVX-512 loops; native.cold_max
-    and native.fold_into call the same build."""
-    scalar = request.param == "scalar"
-    if scalar and "avx512f" not in cpu_flags().split():
+    """The kernels as built for this CPU, then without AVX512_BF16's pair products (as a CPU
+    with AVX-512F but not them runs bfloat16 products), then without their AVX-512 loops;
+    native.cold_max, native.fold_into and native.decode_rows call the same build."""
+    scalar, pairs, flags = request.param == "scalar", request.param != "nopairs", cpu_flags()
+    if scalar and "avx512f" not in flags.split():
         pytest.skip("this CPU has no AVX-512F: its native build already runs the scalar loops")
+    if not pairs and "avx512_bf16" not in flags.split():
+        pytest.skip("this CPU has no AVX512_BF16: its native build already runs without the "
+                    "pair products")
     built = native.kernels  # cached per build
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native, "kernels", lambda: built(scalar))
-        yield built(scalar)
+        mp.setattr(native, "kernels", lambda: built(scalar, pairs))
+        yield built(scalar, pairs)
 
 
 def reference(qkv, cos, sin, kt, v, log_mass, H, KVH):

@@ -119,7 +119,9 @@ class RulerConfig:
                                     "file per task and length) and measure nothing",
                                     metavar="DIR")
     capture_misses: str | None = option(None, "capture every wrong answer into this folder "
-                                        "(inspect --html shows it)", metavar="DIR")
+                                        "(inspect --html shows it; each answers again alone, "
+                                        "so under --batch its answer may differ by rounding)",
+                                        metavar="DIR")
 
     def __post_init__(self) -> None:
         require(self.samples >= 1, f"samples must be >= 1, got {self.samples}")
@@ -228,12 +230,17 @@ class Prompt:
            query_aware: bool = False) -> "Prompt":
         bos = [policy.bos_id] if policy.add_bos else []  # as the family wants
         ids = bos + policy.encode(sample.input())
-        ctx = bos + policy.encode(sample.context + (sample.question if query_aware else ""))
-        n = next((i for i, (a, b) in enumerate(zip(ids, ctx)) if a != b), min(len(ids), len(ctx)))
+
+        def split(text: str) -> int:  # where ids stop spelling ``text``'s own ids
+            ctx = bos + policy.encode(text)
+            return next((i for i, (a, b) in enumerate(zip(ids, ctx)) if a != b),
+                        min(len(ids), len(ctx)))
+        context = split(sample.context)  # the answer is spelt in the context alone
+        n = split(sample.context + sample.question) if query_aware else context
         require(1 < n < len(ids), f"sample {sample.task}/{sample.index}: no context before the "
                 + ("answer prefix" if query_aware else "question"))
         return cls(ids, n, new_tokens or ruler_tasks.TASKS[sample.task].tokens_to_generate,
-                   spelling(policy, ids[:n], sample.answers))
+                   spelling(policy, ids[:context], sample.answers))
 
     def budget(self, size: Size, params: CacheParams) -> int:
         """A cell's budget: the context's tokens ``size`` keeps, but at least the protected
@@ -289,9 +296,10 @@ def answer_steps(session: Session, prompt: Prompt, protocol: str | None, chunk: 
     (one stage-0 extend) and up to the task's new tokens, greedy, with no cull: from there
     the budget (if any) holds them all. Returns (answer ids, tokens kept at the question,
     the share of the answer's tokens in the context held then, why the answer stopped)."""
-    p = session.cache_params
     if prime is not None:
-        session.prime(prompt.segment(0, min(p.budget, prompt.n_context)), prime)
+        session.prime(prompt.segment(0, min(session.cache_params.budget, prompt.n_context)),
+                      prime)
+    p = session.cache_params  # as the prime resolved it
     i, end = session.state.next_position + 1, prompt.n_context + 1
     if protocol in (None, "compress"):
         i = end
