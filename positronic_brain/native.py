@@ -18,6 +18,7 @@ Anything else, a prefill, several devices, a GPU or a masked past, runs ``forwar
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -177,35 +178,10 @@ def decode(model: Model, past_k: torch.Tensor, past_v: torch.Tensor, ids: torch.
            positions: torch.Tensor, want_attention: bool, past_log_mass: torch.Tensor | None,
            want_query: bool) -> ForwardOut:
     """One token through the model (``forward``'s outputs for T = 1): per layer its three
-    products and the kernels between them, all native."""
-    nat, s = kernels(), model.spec
-    H, KVH, D, eps = s.n_heads, s.n_kv_heads, s.head_dim, s.rms_eps
-    n = past_k.shape[2]
-    cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, 1, D)
-    kts, vs = past_k.transpose(2, 3).unbind(0), past_v.unbind(0)
-    masses = past_log_mass.unbind(0) if past_log_mass is not None else (_NONE,) * s.n_layers
-    rows = torch.empty(s.n_layers, H, n + 1, dtype=torch.float32)  # softmax rows, in place
-    ks, news, queries, lses = [], [], [], []
-    x = F.embedding(ids, model.embed)  # (1, hidden): a fresh row, updated in place
-    h = nat.rms_norm(x, model.layers[0].ln1, eps)
-    for i, w in enumerate(model.layers):
-        qkv = nat.linear(h, *_product(w.qkv_w, w.qkv_b))  # (1, (H + 2 KVH) D)
-        out, qk, lse = nat.attend(qkv, cos_qk, sin_qk, kts[i], vs[i], masses[i], rows[i], H,
-                                  KVH, want_query)
-        ks.append(qk[H:])
-        news.append(qkv[0, (H + KVH) * D:].view(KVH, 1, D))
-        queries.append(qk[:H, 0])
-        lses.append(lse)
-        x, h = nat.add_rms_norm(x, nat.linear(out, *_product(w.o_w, w.o_b)), w.ln2, eps)
-        a = nat.silu_mul(nat.linear(h, *_product(w.gate_up_w, w.gate_up_b)))
-        last = i + 1 == len(model.layers)
-        x, h = nat.add_rms_norm(x, nat.linear(a, *_product(w.down_w, w.down_b)),
-                                model.final_norm if last else model.layers[i + 1].ln1, eps)
-    logits = nat.linear(h, *_product(model.lm_head, None)).float()
-    attention = rows[..., :n] if want_attention else None
-    query, lse = (torch.stack(queries), torch.stack(lses)) if want_query else (None, None)
-    return ForwardOut(logits=logits, k=torch.stack(ks), v=torch.stack(news),
-                      attention=attention, query=query, lse=lse)
+    products and the kernels between them, all native; ``decode_rows`` of one row."""
+    out = decode_rows(model, [(past_k, past_v, past_log_mass)], ids, positions,
+                      [want_query])[0]
+    return out if want_attention else dataclasses.replace(out, attention=None)
 
 
 def rows_apply(model: Model, pasts) -> bool:
