@@ -81,7 +81,8 @@ def arena_version(state) -> int:
     if cold is not None:
         c = cold.arena
         tensors += (c.kt, c.v, c.knorm, c.vnorm, cold.entered) + tuple(
-            cold.ledger.col(c) for c in cold.ledger.names)
+            cold.ledger.col(c) for c in cold.ledger.names) + (
+            () if cold.heads is None else (cold.heads.row, cold.heads.n))
         counts += (cold.n, cold.next_entry, id(c.kt))  # id: a grown store is new storage
     return hash((tuple(t._version for t in tensors), counts)) & (2 ** 62 - 1)
 

@@ -50,7 +50,9 @@ from .scorers.h2o import H2O
 from .state import LEDGER_TENSORS, STATE_PARTS, Ledger, State, key_norms, restore_args
 from .types import SOURCES, UserError, inconsistent, require
 
-FORMAT = "positronic-brain-session/8"
+FORMAT = "positronic-brain-session/9"
+# Format 8 held no per-head cold store (``cold.heads.row``, ``cold.heads.n``); it reads as 9.
+FORMAT_8 = "positronic-brain-session/8"
 # Format 7 held no per-head cache (``heads.row``, ``heads.n``); it reads as 8 without them.
 FORMAT_7 = "positronic-brain-session/7"
 # Format 6 held CacheParams' 30 flat fields (``_flat_params``).
@@ -102,7 +104,8 @@ def session_tensors(session: Session, rows: torch.Tensor | None = None,
                "generator": session.generator.get_state()}
     if cold is not None:
         tensors |= {"cold.k": cold["k"], "cold.v": cold["v"], "cold.entered": cold["entered"],
-                    **{f"cold.{c}": t for c, t in cold["columns"].items()}}
+                    **{f"cold.{c}": t for c, t in cold["columns"].items()},
+                    **{f"cold.heads.{x}": t for x, t in (cold["heads"] or {}).items()}}
     if saved["heads"] is not None:
         tensors |= {f"heads.{x}": t for x, t in saved["heads"].items()}
     return {k: t.to("cpu").contiguous() for k, t in tensors.items()}
@@ -192,7 +195,8 @@ def load_saved(model: Model, path: str | os.PathLike) -> tuple[Session, dict | N
     holds of its state, as ``compose.Part`` takes it: ``k``, ``v`` (layers held, kv_heads,
     n, head_dim), ``log_mass``, ``columns``, ``capacity``, ``state_fields``,
     ``ledger_fields`` and ``layers`` (the layers held, ascending)."""
-    meta, tensors = load_signed(path, (FORMAT, FORMAT_7, FORMAT_6, FORMAT_5, FORMAT_4),
+    meta, tensors = load_signed(path, (FORMAT, FORMAT_8, FORMAT_7, FORMAT_6, FORMAT_5,
+                                             FORMAT_4),
                                 "session file")
     if meta["format"] == FORMAT_4:
         tensors |= _made_here(tensors)
@@ -330,15 +334,18 @@ def _saved_cold(model: Model, tensors: dict[str, torch.Tensor], body: dict | Non
                 for x in ("capacity", "next_entry")),
             f"cold store {body!r:.60}: its capacity and next entry must be counts")
     k, v, entered = tensors["cold.k"], tensors["cold.v"], tensors["cold.entered"]
-    n = _check_kv(model, k, v, "cold ")[2]
-    require(0 <= n <= body["capacity"] and entered.shape == (n,)
-            and entered.dtype == torch.int64, f"{n} cold rows in a capacity of {body['capacity']}")
+    shape = _check_kv(model, k, v, "cold ")
+    heads = _saved_heads(tensors, "cold.heads.")
     columns = {c.removeprefix("cold."): t for c, t in tensors.items()
-               if c.startswith("cold.") and c not in ("cold.k", "cold.v", "cold.entered")}
-    _check_columns(columns, n, ledger)
+               if c.startswith("cold.") and not c.startswith("cold.heads.")
+               and c not in ("cold.k", "cold.v", "cold.entered")}
+    n = shape[2] if heads is None else _check_heads(heads, shape, columns)
+    require(0 <= shape[2] <= body["capacity"] and entered.shape == (n,)
+            and entered.dtype == torch.int64, f"{n} cold rows in a capacity of {body['capacity']}")
+    _check_columns(columns, n, ledger, () if heads is None else shape[:2])
     require(bool(((columns["token_id"] >= 0) & (columns["token_id"] < s.vocab)).all()),
             "a saved cold token id is outside the vocabulary")
-    return {"k": k, "v": v, "columns": columns, "entered": entered, **body}
+    return {"k": k, "v": v, "columns": columns, "entered": entered, "heads": heads, **body}
 
 
 def _check_kv(model: Model, k: torch.Tensor, v: torch.Tensor, what: str = "",
@@ -378,9 +385,12 @@ def _check_columns(columns: dict[str, torch.Tensor], n: int, ledger: dict,
             "origin uid does not fit it")
 
 
-def _saved_heads(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """A per-head cache's saved map, ``row`` and ``n`` (None: a whole-token file)."""
-    return {x: tensors[f"heads.{x}"] for x in ("row", "n")} if "heads.n" in tensors else None
+def _saved_heads(tensors: dict[str, torch.Tensor],
+                 prefix: str = "heads.") -> dict[str, torch.Tensor] | None:
+    """A per-head cache's saved map, ``row`` and ``n`` (None: a whole-token file; with
+    ``prefix`` ``cold.heads.``, its cold store's)."""
+    return ({x: tensors[f"{prefix}{x}"] for x in ("row", "n")} if f"{prefix}n" in tensors
+            else None)
 
 
 def _check_heads(heads: dict[str, torch.Tensor], shape: tuple,

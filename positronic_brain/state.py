@@ -348,8 +348,12 @@ class Cold:
     arena: Arena
     ledger: Ledger
     entered: torch.Tensor  # (rows,) int64, order of entry
-    capacity: int  # the most tokens it may hold (Recall.cold_capacity)
+    capacity: int  # the most tokens it may hold (Recall.cold_capacity); per head: a head's
     next_entry: int = 0
+    # a per-head cache's cold store (``stages.apply.cold_heads``): which cold ledger row each
+    # (layer, KV head, cold slot) holds, as ``State.heads`` maps the arena; its ledger holds
+    # every token some head holds cold (one row a token, ``entered`` when the row was made)
+    heads: Heads | None = None
 
     @property
     def n(self) -> int:
@@ -365,22 +369,35 @@ class Cold:
         return sum(t.untyped_storage().nbytes() for t in tensors) / self.entered.shape[0]
 
     def view(self) -> "ColdView":
-        n, m = self.n, self.ledger
+        m, h = self.ledger, self.heads
+        n = self.n if h is None else self.arena.n
         return ColdView(k=self.arena.k[:, :, :n], v=self.arena.v[:, :, :n],
                         vnorm=self.arena.vnorm[:, :, :n], uid=m.live("uid"),
                         position=m.live("position"), source=m.live("source"),
-                        born_step=m.live("born_step"))
+                        born_step=m.live("born_step"),
+                        heads=None if h is None else Heads(row=h.row[:, :, :n], n=h.n))
 
     def check_valid(self, hot: Ledger, next_position: int) -> None:
         """Assert the cold rows' invariants next to the ``hot`` ledger's."""
         a, m, n = self.arena, self.ledger, self.n
-        assert a.n == n <= self.capacity, f"cold store: {a.n} K/V rows, {n} ledger rows"
-        assert n <= m.uid.shape[0] == a.capacity == self.entered.shape[0], "cold store shapes"
         uid, pos = m.live("uid"), m.live("position")
         assert torch.unique(uid).numel() == n and (n == 0 or int(uid.max()) < hot.next_uid), \
             "cold uids are not unique issued uids"
-        assert not bool(torch.isin(uid, hot.live("uid")).any()), "a uid is both hot and cold"
-        both = torch.cat((pos, hot.live("position")))
+        if self.heads is None:
+            assert a.n == n <= self.capacity, f"cold store: {a.n} K/V rows, {n} ledger rows"
+            assert n <= m.uid.shape[0] == a.capacity == self.entered.shape[0], "cold store shapes"
+            assert not bool(torch.isin(uid, hot.live("uid")).any()), "a uid is both hot and cold"
+            both = torch.cat((pos, hot.live("position")))
+        else:  # a token may be hot in some heads and cold in others, at one position
+            assert n <= m.uid.shape[0] == self.entered.shape[0], "cold store shapes"
+            assert int(self.heads.n.max()) <= self.capacity, "a head holds more cold than it may"
+            self.heads.check_valid(m, a.n, a.capacity)
+            hot_uid, hot_pos = hot.live("uid"), hot.live("position")
+            shared = torch.isin(uid, hot_uid)
+            order = torch.argsort(hot_uid)
+            at = order[torch.searchsorted(hot_uid[order], uid[shared])]
+            assert torch.equal(hot_pos[at], pos[shared]), "a token hot and cold at two positions"
+            both = torch.cat((pos[~shared], hot_pos))
         assert torch.unique(both).numel() == both.numel(), "a cold position is not unique"
         assert n == 0 or 0 <= int(pos.min()) <= int(pos.max()) < next_position, \
             "a cold position outside [0, next position)"
@@ -388,9 +405,10 @@ class Cold:
             n == 0 or int(self.entered[:n].max()) < self.next_entry), "cold entry order"
         assert m.specs == hot.specs, "the cold store's scorer columns are not the hot ones'"
         m.check_rows(hot.origins)
-        assert torch.allclose(a.knorm[:, :, :n], a.k[:, :, :n].float().norm(dim=-1),
+        w = a.n
+        assert torch.allclose(a.knorm[:, :, :w], a.k[:, :, :w].float().norm(dim=-1),
                               rtol=1e-5, atol=1e-6), "the cold key norms do not match the keys"
-        assert torch.equal(a.vnorm[:, :, :n], value_norms(a.v[:, :, :n])), "cold value norms"
+        assert torch.equal(a.vnorm[:, :, :w], value_norms(a.v[:, :, :w])), "cold value norms"
 
 
 @dataclass(frozen=True)
@@ -404,6 +422,9 @@ class ColdView:
     position: torch.Tensor  # (c,)
     source: torch.Tensor  # (c,)
     born_step: torch.Tensor  # (c,)
+    # a per-head cold store's map over the k/v slots (rows (L, kv_heads, slots) of the
+    # columns above); None: slot i holds row i
+    heads: "Heads | None" = None
 
     @property
     def n(self) -> int:
@@ -565,10 +586,12 @@ class State:
         away = {u for pair in m.merged.values() for u in pair}
         live = set(m.live("uid").tolist())
         if self.cold is not None:
-            live |= set(self.cold.ledger.live("uid").tolist())
+            cold_uids = set(self.cold.ledger.live("uid").tolist())
+            cold -= len(live & cold_uids)  # per head: hot in some heads, cold in others
+            live |= cold_uids
         assert not away & live, "a merged-away uid is still hot or cold"
         assert m.n + cold + m.dropped + len(away) == m.next_uid, (
-            f"uids unaccounted for: {m.n} hot + {cold} cold + {m.dropped} dropped + "
+            f"uids unaccounted for: {m.n} hot + {cold} cold alone + {m.dropped} dropped + "
             f"{len(away)} merged away != {m.next_uid} issued")
 
 
@@ -582,8 +605,8 @@ def restore_args(state: State) -> dict:
     order, every ledger column (``columns``), the arena's ``capacity``, the ledger's other
     fields (``ledger_fields``: next uid, merge history, dropped, the scorer columns' specs, origins), the state's
     (``state_fields``: pending token, its source and position, step, pinned) and the cold
-    store's live rows (``cold``: k, v, columns, entered, capacity, next entry; None without
-    one). The scorer's columns are among ``columns``, declared in the ledger fields' ``specs``. Views, not copies (of a split arena, K/V and log-mass gathered onto its main device).
+    store's live rows (``cold``: k, v, columns, entered, capacity, next entry, and a per-head
+    one's map ``heads`` over its live slots as ``heads`` below; None without one). The scorer's columns are among ``columns``, declared in the ledger fields' ``specs``. Views, not copies (of a split arena, K/V and log-mass gathered onto its main device).
     A per-head cache's ``heads``: its map over the live slots (``row`` (L, kv_heads, n), the
     ledger row each slot holds or -1, and each head's count ``n`` (L, kv_heads)); its ledger's
     rows (every token some head holds) are not its slots then (None: whole tokens)."""
@@ -598,7 +621,9 @@ def restore_args(state: State) -> dict:
                          if f.name not in STATE_PARTS},
         "log_mass": gathered(a, "log_mass", a.n),
         "cold": None if cold is None else {
-            "k": cold.arena.k[:, :, :cold.n], "v": cold.arena.v[:, :, :cold.n],
+            "k": cold.arena.k[:, :, :cold.arena.n], "v": cold.arena.v[:, :, :cold.arena.n],
             "columns": {c: cold.ledger.live(c) for c in cold.ledger.names},
             "entered": cold.entered[:cold.n], "capacity": cold.capacity,
-            "next_entry": cold.next_entry}}
+            "next_entry": cold.next_entry,
+            "heads": None if cold.heads is None else {
+                "row": cold.heads.row[:, :, :cold.arena.n], "n": cold.heads.n}}}

@@ -364,8 +364,8 @@ class Recall:
         require(params.budget is not None, "recall brings back culled tokens; it needs a budget")
         require(not isinstance(params.repair, FoldRepair), "recall keeps culled tokens whole; it "
                 "takes no fold repair")
-        require(params.allocation.kind == "token", "recall swaps single tokens; it takes no "
-                f"--allocation {params.allocation.kind}")
+        require(params.allocation.kind != "turns", "recall swaps single tokens; it takes no "
+                "--allocation turns")
 
 
 @dataclass(frozen=True)
@@ -569,6 +569,11 @@ class Actions:
     # per-head fold repair: (L, kv_heads, n) the slot of its head each culled slot folds
     # into (-1: none; it is only dropped)
     head_folds: torch.Tensor | None = None
+    # per-head recall: (k, 4) int64 rows (layer, KV head, hot slot, cold slot), each head's
+    # hot slot trading places with its cold one, and the recalled entries' scorer columns
+    # that take new values there (name -> (k,) float32; ``Column.recall``)
+    head_swaps: torch.Tensor | None = None
+    head_recalled: dict[str, torch.Tensor] | None = None
 
 
 NO_ACTIONS = Actions()
@@ -605,6 +610,8 @@ class Patch:
     rebuilt: bool = False  # a failure part-way rebuilt the arena from the ledger
     head_culls: torch.Tensor | None = None  # per-head caches: (L, kv_heads, n) slots culled
     head_folds: torch.Tensor | None = None  # and the slots they folded into (Actions')
+    head_swaps: torch.Tensor | None = None  # per-head recalls (Actions'), before the culls
+    head_recalled_uids: tuple[int, ...] = ()  # the token each of them brought back
 
 
 @dataclass(frozen=True)
@@ -652,7 +659,7 @@ class StepRecord:
     merged: tuple[tuple[tuple[int, int], int, int], ...] = ()  # ((old uids), token_id, new uid)
     folded: int = 0  # culled tokens whose K/V were folded into survivors (per head: slots)
     reindexed: bool = False
-    recalled: tuple[int, ...] = ()  # uids brought back from the cold store
+    recalled: tuple[int, ...] = ()  # uids brought back from the cold store (per head: a head's)
 
     @classmethod
     def of(cls, state, gen: GenerateOut, patch: Patch, ms: float) -> "StepRecord":
@@ -665,7 +672,7 @@ class StepRecord:
                                 for r, u in zip(patch.merges, patch.merged_uids)),
                    folded=len(patch.folds) if patch.head_folds is None
                    else int((patch.head_folds >= 0).sum()), reindexed=patch.reindex_to is not None,
-                   recalled=tuple(s.cold_uid for s in patch.swaps))
+                   recalled=tuple(s.cold_uid for s in patch.swaps) + patch.head_recalled_uids)
 
     def as_json(self) -> dict:
         """The ``--json`` step object."""

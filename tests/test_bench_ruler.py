@@ -69,12 +69,12 @@ def test_a_sample_s_answers_as_a_batch_s_rows_are_its_answers_one_at_a_time(
     cfg = _cfg(policies=("h2o", "tova@head"), ratios=(0.06,), recall=True,
                protocols=("compress", "online"))
     grid = ruler.cells(cfg)
-    assert len(grid) == 6
+    assert len(grid) == 8 and any(c.recall and "@" in c.policy for c in grid)
     alone = ruler.run_sample(real_model, real_policy, cfg, needle, grid)
     rows = ruler.run_sample(real_model, real_policy, replace(cfg, batch=3), needle, grid)
     assert rows.outputs == alone.outputs and rows.scores == alone.scores
     assert rows.kept == alone.kept and rows.held == alone.held
-    assert rows.budgets == alone.budgets and len(rows.seconds) == 7
+    assert rows.budgets == alone.budgets and len(rows.seconds) == 9
 
 
 def test_the_answer_held_is_the_share_of_its_spelling_the_cache_holds(real_model, real_policy):
@@ -98,16 +98,17 @@ def test_the_answer_held_is_the_share_of_its_spelling_the_cache_holds(real_model
 def test_per_head_cells_keep_the_budget_in_each_head(real_model, real_policy, needle):
     """A per-head policy (``NAME@ALLOCATION``) compresses the context at the same K/V memory:
     at the question its (layer, KV head)s hold the budget on average (``head``: each
-    exactly); its recall variant is left out, as recall takes no per-head cache yet."""
+    exactly), with recall too (each head's own cold store)."""
     cfg = _cfg(policies=("h2o@head", "tova@adaptive"), ratios=(0.03,), recall=True,
                protocols=("compress", "online"))
     grid = ruler.cells(cfg)
     assert [(c.protocol, c.method) for c in grid] == [
-        (p, m) for p in ("compress", "online") for m in ("h2o@head", "tova@adaptive")]
+        (p, m + r) for p in ("compress", "online") for r in ("", "+recall")
+        for m in ("h2o@head", "tova@adaptive")]
     row = ruler.run_sample(real_model, real_policy, cfg, needle, grid)
     budget = ruler.Prompt.of(real_policy, needle).budget(ruler.Size(0.03), ruler.cell_cache(
         cfg, grid[0], ruler.Prompt.of(real_policy, needle)))
-    assert row.budgets[1:] == [budget] * 4 and row.kept[1:] == [budget] * 4
+    assert row.budgets[1:] == [budget] * 8 and row.kept[1:] == [budget] * 8
     assert all(0 < h <= 1 for h in row.held[1:])  # 3% culled: most of the needle held
     assert all(0 <= s <= 1 for s in row.scores)
 

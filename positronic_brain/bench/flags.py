@@ -27,7 +27,7 @@ from typing import Any
 from .. import options
 from ..model import resolve_device
 from ..scorers import user
-from ..types import PER_HEAD, UserError, option, require
+from ..types import UserError, option, require
 from . import common
 from .grid import Pool, check_address
 from .result import Journal
@@ -94,12 +94,6 @@ def cell_policy(label: str) -> dict[str, str]:
     (layer, KV head) keeping its own tokens, at the same K/V memory), as cache options."""
     name, _, kind = label.partition("@")
     return {"policy": name} | ({"allocation": kind} if kind else {})
-
-
-def per_head(label: str) -> bool:
-    """Whether a grid's policy label names a per-head allocation (which takes no recall
-    yet: its cells with recall are left out)."""
-    return cell_policy(label).get("allocation") in PER_HEAD
 
 
 def scorer_names(labels) -> tuple[str, ...]:

@@ -207,7 +207,7 @@ class PasskeyConfig:
                     f"variant {v!r}: pinned, seeds and prefill window are fixed by the "
                     "shared prime")
             for b in self.budgets:  # fail early: unknown fields, too small for the protections
-                for p in [p for p in self.policies or CULLING[:1] if takes(p, v)][:1]:
+                for p in (self.policies or CULLING)[:1]:
                     self.cache(b, p, v)
 
     @classmethod
@@ -256,15 +256,9 @@ class Cell:
 
 
 def cells(cfg: PasskeyConfig) -> list[Cell]:
-    """Every variant x budget x policy, but a per-head policy (``NAME@ALLOCATION``) under a
-    variant with recall, which it takes none of yet (its row shows "–")."""
+    """Every variant x budget x policy."""
     return [Cell(p, b, v, cfg.cache(b, p, v))
-            for v in cfg.variants for b in cfg.budgets for p in cfg.policies if takes(p, v)]
-
-
-def takes(policy: str, variant: dict) -> bool:
-    """Whether ``policy`` runs under ``variant``: not a per-head one with recall."""
-    return not (variant.get("recall") and flags.per_head(policy))
+            for v in cfg.variants for b in cfg.budgets for p in cfg.policies]
 
 
 @dataclass(frozen=True)

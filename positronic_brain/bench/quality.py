@@ -145,8 +145,8 @@ class QualityConfig:
             self.cache(self.budgets[0], p)
         for r in self.repairs:  # each piece with the options given for it
             self.cache(self.budgets[-1], self.policies[0], r)
-        if self.recall_rows:
-            self.cache(self.budgets[-1], DEFAULT.scorer.name, DEFAULT.repair_name, recall=True)
+        for p in self.recall_policies:
+            self.cache(self.budgets[-1], p, DEFAULT.repair_name, recall=True)
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "QualityConfig":
@@ -160,9 +160,11 @@ class QualityConfig:
         return self.budgets[-1] + 1
 
     @property
-    def recall_rows(self) -> bool:
-        """Whether the grid has the default policy with recall (it does with that policy)."""
-        return DEFAULT.scorer.name in self.policies
+    def recall_policies(self) -> tuple[str, ...]:
+        """The grid's policies that run with recall too: those of the default scorer, whole
+        tokens or per head (``brightness``, ``brightness@head``)."""
+        return tuple(p for p in self.policies
+                     if flags.cell_policy(p)["policy"] == DEFAULT.scorer.name)
 
     def fitted(self, max_positions: int) -> "QualityConfig":
         """What the model's positions allow: budgets below half of them, grid windows (and
@@ -412,11 +414,10 @@ def plan(cfg: QualityConfig, limit: int, room: range) -> list[Job]:
     jobs = [grid("reference", "full cache", cfg.cache(None, "none"), record=True)]
     jobs += [grid("grid", f"{p} budget {b}, {r} repair", cfg.cache(b, p, r))
              for b in cfg.budgets for p in cfg.policies for r in cfg.repairs]
-    if cfg.recall_rows:
-        name, repair = DEFAULT.scorer.name, DEFAULT.repair_name
-        jobs += [grid("grid", f"{name} with recall budget {b}, {repair} repair",
-                      cfg.cache(b, name, repair, recall=True))
-                 for b in cfg.budgets]
+    repair = DEFAULT.repair_name
+    jobs += [grid("grid", f"{p} with recall budget {b}, {repair} repair",
+                  cfg.cache(b, p, repair, recall=True))
+             for p in cfg.recall_policies for b in cfg.budgets]
     jobs += [grid("oracle", f"oracle budget {b}", cfg.cache(b, ORACLE)) for b in cfg.budgets]
     return jobs + long_plan(cfg, limit, room)
 
@@ -769,8 +770,9 @@ def best(runs: list[Run], budget: int, policies) -> Run | None:
 
 
 def with_recall(res: QualityResult, budget: int) -> Run | None:
-    """The grid's run of the default policy with recall at ``budget``, if any."""
-    return next((r for r in res.runs if r.recall and r.budget == budget), None)
+    """The grid's run of the default policy (whole tokens) with recall at ``budget``, if any."""
+    return next((r for r in res.runs if r.recall and r.budget == budget
+                 and r.policy == DEFAULT.scorer.name), None)
 
 
 def _label(r: Tally) -> str:

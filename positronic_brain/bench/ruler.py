@@ -145,7 +145,7 @@ class RulerConfig:
             values = getattr(self, name)
             require(len(set(values)) == len(values), f"--{name} repeats a value: {values}")
         for p in self.policies:  # fail early: unknown fields, options of pieces that are off
-            for recall in (False, True)[:1 + (self.recall and not flags.per_head(p))]:
+            for recall in (False, True)[:1 + self.recall]:
                 c = self.cache(p, 1 << 30, recall)  # any budget: the cells' own come later
                 require("user" not in c.pinned and c.allocation.kind != "turns", "a RULER "
                         "prompt is one user turn, its question a turn of its own: pinned user "
@@ -206,10 +206,9 @@ class Cell:
 
 def cells(cfg: RulerConfig) -> list[Cell]:
     """Every protocol x policy x size (the ratios', the budgets'), with recall too if
-    ``recall``, but a per-head policy (``NAME@ALLOCATION``) with recall, which it takes none
-    of yet."""
+    ``recall``."""
     return [Cell(pr, p, z, rc) for pr in cfg.protocols for rc in (False, True)[:1 + cfg.recall]
-            for p in cfg.policies if not (rc and flags.per_head(p)) for z in cfg.sizes]
+            for p in cfg.policies for z in cfg.sizes]
 
 
 # --- one sample ---------------------------------------------------------------------------

@@ -18,9 +18,10 @@ from ...forward import apply_rope, rerotation
 from ...model import Model
 from ...state import FLAG_PROTECTED, Ledger, State, key_norms
 from ...types import SOURCES, Actions, GenerateOut, Patch, require
+from . import cold_heads
 from .fold import fold_heads
 from .restore import rebuild_from_ledger
-from .rows import append_heads, arena, column_ranges, in_range
+from .rows import append_heads, arena, column_ranges, drop_unheld, in_range
 
 
 def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> torch.Tensor:
@@ -32,7 +33,8 @@ def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> to
     assert gen.k.shape == (spec.n_layers, spec.n_kv_heads, 1, spec.head_dim), \
         f"new K has shape {tuple(gen.k.shape)}"
     assert not (actions.cull_slots or actions.merges or actions.folds or actions.swaps), \
-        "a per-head cache takes per-head culls and folds only"
+        "a per-head cache takes per-head culls, folds and swaps only"
+    assert actions.head_swaps is None or state.cold is not None, "per-head swaps without recall"
     culls = actions.head_culls
     if culls is None:
         culls = torch.zeros(h.row.shape[:2] + (a.n,), dtype=torch.bool, device=m.device)
@@ -46,11 +48,34 @@ def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> to
         (culls & (m.flags[rows.clamp(min=0)] & FLAG_PROTECTED != 0)).any().view(1).double(),
         (h.n - culls.sum(-1)).max().view(1).double()]).tolist()
     in_range(ranges, read[:-4])
+    _check_swaps(state, actions, culls)
     assert not read[-4], "a per-head fold of a slot not culled, or into one that goes or is free"
     assert not read[-3], "a per-head cull of a slot its head does not hold"
     require(not read[-2], "a per-head cull of a protected token")
     require(read[-1] < a.capacity, f"the arena is full ({a.capacity} slots); set a budget to cull")
     return culls
+
+
+def _check_swaps(state: State, actions: Actions, culls: torch.Tensor) -> None:
+    """Per-head swaps pair a hot slot its head holds and keeps with a cold slot it holds,
+    each at most once."""
+    swaps = actions.head_swaps
+    if swaps is None or not swaps.numel():
+        return
+    h, ch = state.heads, state.cold.heads
+    assert swaps.dim() == 2 and swaps.shape[1] == 4, f"per-head swaps {tuple(swaps.shape)}"
+    lh, hh, s, c = swaps.unbind(1)
+    L, KVH = h.n.shape
+    ok = ((lh >= 0) & (lh < L) & (hh >= 0) & (hh < KVH)).all()
+    assert bool(ok), "a per-head swap outside the heads"
+    ok = ((s >= 0) & (s < h.n[lh, hh]) & (c >= 0) & (c < ch.n[lh, hh])).all()
+    assert bool(ok) and not bool(culls[lh, hh, s].any()), \
+        "a per-head swap of a slot its head does not hold or culls"
+    key = (lh * KVH + hh) * (h.row.shape[2] + ch.row.shape[2])
+    assert torch.unique(key + s).numel() == torch.unique(key + h.row.shape[2] + c).numel() \
+        == s.numel(), "a per-head slot swapped twice"
+    for name, x in (actions.head_recalled or {}).items():
+        assert name in state.ledger.columns and x.shape == s.shape, f"recalled {name}"
 
 
 def _bad_folds(folds: torch.Tensor | None, culls: torch.Tensor,
@@ -66,11 +91,11 @@ def _bad_folds(folds: torch.Tensor | None, culls: torch.Tensor,
 
 
 def _saved(state: State) -> tuple:
-    """What a per-head step changes of the ledger and the head map, copied (the arena is
-    rebuilt from them on a failure)."""
+    """What a per-head step changes of the ledger, the head map and the cold store, copied
+    (the arena and the cold K/V are rebuilt from them on a failure)."""
     m, h = state.ledger, state.heads
     return ({c: m.live(c).clone() for c in m.names}, m.n, m.next_uid, m.dropped,
-            h.row.clone(), h.n.clone())
+            h.row.clone(), h.n.clone(), cold_heads.Saved.of(state.cold))
 
 
 def _put_back(model: Model, state: State, saved: tuple) -> None:
@@ -78,32 +103,43 @@ def _put_back(model: Model, state: State, saved: tuple) -> None:
     head's slots re-prefilled from the ledger (folds and the decode's own K/V are lost,
     as ``rebuild_from_ledger`` loses them)."""
     m, h = state.ledger, state.heads
-    cols, m.n, m.next_uid, m.dropped, row, n = saved
+    cols, m.n, m.next_uid, m.dropped, row, n, cold = saved
     for c, x in cols.items():
         m.col(c)[:m.n] = x
     h.row.copy_(row)
     h.n.copy_(n)
+    if cold is not None:
+        cold.put_back()
     _rebuild(model, state)
 
 
 def _rebuild(model: Model, state: State) -> None:
-    """Each head's slots from a fresh prefill of every ledger row (in a scratch arena)."""
-    m, a, h = state.ledger, state.arena, state.heads
-    scratch = State(arena(model, max(1, m.n)), Ledger.allocate(max(1, m.n), m.specs, m.device))
-    for c in m.names:
-        scratch.ledger.col(c)[:m.n] = m.live(c)
-    scratch.ledger.n = scratch.arena.n = m.n
-    rebuild_from_ledger(model, scratch)  # its slot j: the j-th row in text order
-    at = torch.empty(m.n, dtype=torch.long, device=m.device)
-    at[torch.argsort(m.live("position"))] = torch.arange(m.n, device=m.device)
-    live = h.live(a.n)
-    lh, hh, s = live.nonzero().unbind(1)
-    src = at[h.row[lh, hh, s]]
-    b = scratch.arena
-    a.kt[lh, hh, :, s] = b.kt[lh, hh, :, src]
-    for name in ("v", "knorm", "vnorm"):
-        getattr(a, name)[lh, hh, s] = getattr(b, name)[lh, hh, src]
+    """Each head's slots, hot and cold, from a fresh prefill of every token some head holds
+    (in a scratch arena)."""
+    m, a, h, cold = state.ledger, state.arena, state.heads, state.cold
+    sides = [(a, h, m)] + ([] if cold is None else [(cold.arena, cold.heads, cold.ledger)])
+    uid = torch.cat([x.live("uid") for _, _, x in sides])
+    position = torch.cat([x.live("position") for _, _, x in sides])
+    uids, first = cold_heads.unique_first(uid)
+    t = uids.numel()
+    scratch = State(arena(model, max(1, t)), Ledger.allocate(max(1, t), m.specs, m.device))
+    for c in ("uid", "token_id", "position", "source", "flags", "born_step"):
+        scratch.ledger.col(c)[:t] = torch.cat([x.live(c) for _, _, x in sides])[first]
+    scratch.ledger.n = scratch.arena.n = t
+    rebuild_from_ledger(model, scratch)  # its slot j: the j-th token in text order
+    order = torch.unique(position, sorted=True, return_inverse=True)[1]  # a token's text rank
+    done = 0
+    for arena_, heads_, ledger in sides:
+        at = order[done:done + ledger.n]
+        done += ledger.n
+        lh, hh, s = heads_.live(arena_.n).nonzero().unbind(1)
+        src = at[heads_.row[lh, hh, s]]
+        b = scratch.arena
+        arena_.k[lh, hh, s] = b.k[lh, hh, src]
+        for name in ("v", "knorm", "vnorm"):
+            getattr(arena_, name)[lh, hh, s] = getattr(b, name)[lh, hh, src]
     a.log_mass.zero_()
+
 
 
 def _remove(state: State, culls: torch.Tensor) -> int:
@@ -128,38 +164,23 @@ def _remove(state: State, culls: torch.Tensor) -> int:
 
 
 def _drop_rows(state: State) -> list[int]:
-    """Ledger rows that no head holds any more leave it (the last rows fill the holes, and
-    the head map follows them). Returns their uids."""
-    m, h = state.ledger, state.heads
-    rows = h.row[:, :, :state.arena.n]  # a free slot's -1: counted below row 0, left out
-    held = torch.bincount(rows.flatten() + 1, minlength=m.n + 1)[1:]
-    gone = (held[:m.n] == 0).nonzero()[:, 0]
-    if not gone.numel():
-        return []
-    uids = m.uid[gone].tolist()
-    n = m.n - gone.numel()
-    keep = torch.ones(m.n, dtype=torch.bool, device=m.device)
-    keep[gone] = False
-    src = (keep & (torch.arange(m.n, device=m.device) >= n)).nonzero()[:, 0]
-    dst = gone[gone < n]
-    for c in m.names:
-        col = m.col(c)
-        col.index_copy_(0, dst, col.index_select(0, src))
-    remap = torch.arange(m.n, device=m.device)
-    remap[src] = dst
-    rows.copy_(torch.where(rows >= 0, remap[rows.clamp(min=0)], rows))
-    m.n = n
-    m.dropped += len(uids)
-    return uids
+    """Ledger rows that no head holds any more leave it. Returns their uids."""
+    return drop_unheld(state.ledger, state.heads.row[:, :, :state.arena.n]).tolist()
 
 
 def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions become 0..n-1 in text order; each head's slots re-rotate their keys by
     their token's move, as the whole-token re-index does (``patch._rotate``)."""
-    a, m, h = state.arena, state.ledger, state.heads
+    a, m, h, cold = state.arena, state.ledger, state.heads, state.cold
     old = m.live("position").clone()
-    new = torch.empty_like(old)
-    new[torch.argsort(old)] = torch.arange(m.n, device=m.device)
+    if cold is None:
+        new = torch.empty_like(old)
+        new[torch.argsort(old)] = torch.arange(m.n, device=m.device)
+    else:  # hot and cold ranked together: a token both hot and cold has one position
+        both = torch.unique(torch.cat((old, cold.ledger.live("position"))), sorted=True,
+                            return_inverse=True)[1]
+        new = both[:m.n]
+        cold_heads.reindex_cold(model, cold, both[m.n:])
     m.position[:m.n] = new
     live = h.live(a.n)
     lh, hh, s = live.nonzero().unbind(1)
@@ -198,20 +219,27 @@ def apply_heads(model: Model, state: State, gen: GenerateOut, actions: Actions,
     """Stage 4 of a per-head cache, all or nothing: the scorer's columns, each head's
     culls, the ledger rows no head holds dropped, the re-index, the append."""
     culls = _check(model, state, gen, actions)
-    m, step = state.ledger, state.step + 1
+    m, step, cold = state.ledger, state.step + 1, state.cold
     saved = _saved(state)
     reindex_from = reindex_to = None
+    recalled = ()
     try:
         for name, t in (actions.columns or {}).items():
             m.columns[name][:m.n] = t
         if actions.head_folds is not None:
             fold_heads(state, actions.head_folds)
+        if cold is not None:
+            recalled = cold_heads.swap_heads(state, actions.head_swaps, actions.head_recalled,
+                                             step)
+            cold_heads.cool_heads(model, state, culls)
         _remove(state, culls)
-        dropped = _drop_rows(state)
+        culled = _drop_rows(state)
+        gone = _gone(state, culled, reindex and actions.cold_keep)
         position = gen.position
         if reindex:
             reindex_from, reindex_to = _reindex(model, state)
-            position = m.n
+            position = m.n if cold is None else (  # every token held, hot or cold
+                m.n + int((~torch.isin(cold.ledger.live("uid"), m.live("uid"))).sum()))
         uid = _append(state, gen, position, model, step)
     except BaseException:
         _put_back(model, state, saved)
@@ -220,8 +248,29 @@ def apply_heads(model: Model, state: State, gen: GenerateOut, actions: Actions,
     state.pending_token = gen.token_id
     state.pending_source = "assistant"
     state.next_position = position + 1
-    return Patch(step=step, columns=actions.columns, culled_uids=tuple(dropped),
-                 dropped_uids=tuple(dropped), head_culls=culls,
-                 head_folds=actions.head_folds, reindex_from=reindex_from,
-                 reindex_to=reindex_to, appended_uids=(uid,), appended_positions=(position,),
-                 appended_k=gen.k, appended_v=gen.v)
+    return Patch(step=step, columns=actions.columns, culled_uids=tuple(culled),
+                 cooled_uids=tuple(sorted(set(culled) - set(gone))) if cold else (),
+                 dropped_uids=tuple(gone), head_culls=culls,
+                 head_folds=actions.head_folds, head_swaps=actions.head_swaps,
+                 head_recalled_uids=recalled,
+                 reindex_from=reindex_from, reindex_to=reindex_to, appended_uids=(uid,),
+                 appended_positions=(position,), appended_k=gen.k, appended_v=gen.v)
+
+
+def _gone(state: State, culled: list[int], cold_keep: int | None | bool) -> list[int]:
+    """The uids that leave the cache for good this step: those no head holds hot any more
+    (``culled``) that no head holds cold either, and, with recall, the cold ones no head
+    holds after the heads' cold capacity (and a re-index's ``cold_keep``) let them go,
+    unless hot. They are counted as dropped."""
+    m, cold = state.ledger, state.cold
+    if cold is None:
+        gone = culled
+    else:
+        keep = None if cold_keep is None or cold_keep is False else int(cold_keep)
+        left = cold_heads.trim(cold, keep, m)
+        held = torch.cat((m.live("uid"), cold.ledger.live("uid")))
+        out = torch.tensor(culled, dtype=torch.long, device=m.device)
+        gone = sorted(set(out[~torch.isin(out, held)].tolist())
+                      | set(left[~torch.isin(left, m.live("uid"))].tolist()))
+    m.dropped += len(gone)
+    return gone

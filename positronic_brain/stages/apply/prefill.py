@@ -14,6 +14,7 @@ from ...model import Model
 from ...scorers import reads_total
 from ...state import FLAG_PROTECTED, Arena, Heads, Ledger, State
 from ...types import SOURCES, Column, Patch, PrefillStats, PrimeOut, ScoreOut, Segment, require
+from .cold_heads import to_heads
 from .recall import cold_store
 from .rows import append_heads, arena, check_columns, slots_of, store_layer, write, write_rows
 
@@ -193,7 +194,8 @@ def add_heads(state: State) -> None:
     scorer with columns of its own: ``add_columns`` makes them one value a token)."""
     a, m = state.arena, state.ledger
     require(isinstance(a, Arena), "per-head allocations run on one device (no device map)")
-    require(state.cold is None, "per-head allocations take no recall yet")
+    if state.cold is not None:  # every head holds every cold token too
+        to_heads(state.cold)
     L, KVH, cap = a.log_mass.shape
     if state.heads is None:
         row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)

@@ -10,6 +10,7 @@ import torch
 from ...model import Model
 from ...state import Arena, Cold, Ledger, State
 from ...types import Column, Swap, require
+from .cold_heads import to_heads
 from .rows import ROWS, put_rows, remove, take_rows
 
 
@@ -82,6 +83,8 @@ def add_cold_store(model: Model, state: State, capacity: int) -> None:
     a cache without recall that now recalls, as bench passkey's cells do)."""
     require(state.cold is None, "the state has a cold store already")
     state.cold = cold_store(model, capacity, columns=state.ledger.specs)
+    if state.heads is not None:
+        to_heads(state.cold)
 
 
 def grow(model: Model, cold: Cold, rows: int) -> None:

@@ -10,6 +10,7 @@ from ...forward import forward
 from ...model import Model
 from ...state import Cold, Heads, Ledger, State, key_norms, value_norms
 from ...types import Column, require
+from .cold_heads import room as cold_room, to_heads
 from .recall import cold_store, grow
 from .prefill import add_heads, chunks
 from .rows import arena, birth_values, per_block, put_kv, write
@@ -100,8 +101,11 @@ def restore(model: Model, k: torch.Tensor, v: torch.Tensor, columns: dict[str, t
 
 
 def _restore_cold(model: Model, saved: dict, columns: dict[str, Column]) -> Cold:
-    """A cold store holding the saved rows (with the scorer ``columns``)."""
+    """A cold store holding the saved rows (with the scorer ``columns``); a per-head one's
+    map (``heads``) over its slots."""
     cold = cold_store(model, saved["capacity"], columns=columns)
+    if saved.get("heads") is not None:
+        return _restore_cold_heads(model, cold, saved)
     n = saved["k"].shape[2]
     grow(model, cold, n)
     a, m = cold.arena, cold.ledger
@@ -113,6 +117,25 @@ def _restore_cold(model: Model, saved: dict, columns: dict[str, Column]) -> Cold
     cold.entered[:n] = saved["entered"]
     cold.next_entry = saved["next_entry"]
     a.n = m.n = n
+    return cold
+
+
+def _restore_cold_heads(model: Model, cold: Cold, saved: dict) -> Cold:
+    """``_restore_cold`` of a per-head cold store: its slots, map and ledger rows."""
+    to_heads(cold)
+    width, rows = saved["k"].shape[2], saved["entered"].shape[0]
+    cold_room(model, cold, width, rows)
+    a, m, h = cold.arena, cold.ledger, cold.heads
+    a.k[:, :, :width] = saved["k"]
+    a.v[:, :, :width] = saved["v"]
+    a.renorm(0, width)
+    for c in m.names:
+        m.col(c)[:rows] = saved["columns"][c]
+    h.row[:, :, :width] = saved["heads"]["row"]
+    h.n.copy_(saved["heads"]["n"])
+    cold.entered[:rows] = saved["entered"]
+    cold.next_entry = saved["next_entry"]
+    m.n, a.n = rows, int(h.n.max()) if h.n.numel() else 0
     return cold
 
 

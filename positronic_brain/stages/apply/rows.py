@@ -93,7 +93,7 @@ def append_heads(state: State, k: torch.Tensor, v: torch.Tensor, token_ids: torc
     a, m, h = state.arena, state.ledger, state.heads
     t = k.shape[2]
     while m.n + t > m.uid.shape[0]:
-        _grow(m)
+        grow_ledger(m)
     uids = write_rows(m, slice(m.n, m.n + t), token_ids, positions, sources, step, flags)
     L, KVH = h.n.shape
     s = h.n.unsqueeze(-1) + torch.arange(t, device=m.device)  # (L, KVH, t): each head's next
@@ -111,7 +111,30 @@ def append_heads(state: State, k: torch.Tensor, v: torch.Tensor, token_ids: torc
     return uids
 
 
-def _grow(m: Ledger) -> None:
+def drop_unheld(m: Ledger, rows: torch.Tensor, extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """A per-head cache's ledger rows that no slot of the map ``rows`` (L, kv_heads, width;
+    -1 where free) holds leave ``m``: the last rows fill the holes (and their entries of the
+    ``extra`` per-row tensors), and the map follows them. Returns the uids that left."""
+    held = torch.bincount(rows.flatten() + 1, minlength=m.n + 1)[1:m.n + 1]  # -1: left out
+    gone = (held == 0).nonzero()[:, 0]
+    if not gone.numel():
+        return gone
+    uids = m.uid[gone].clone()
+    n = m.n - gone.numel()
+    keep = torch.ones(m.n, dtype=torch.bool, device=m.device)
+    keep[gone] = False
+    src = (keep & (torch.arange(m.n, device=m.device) >= n)).nonzero()[:, 0]
+    dst = gone[gone < n]
+    for col in [m.col(c) for c in m.names] + list(extra):
+        col.index_copy_(0, dst, col.index_select(0, src))
+    remap = torch.arange(m.n, device=m.device)
+    remap[src] = dst
+    rows.copy_(torch.where(rows >= 0, remap[rows.clamp(min=0)], rows))
+    m.n = n
+    return uids
+
+
+def grow_ledger(m: Ledger) -> None:
     """Double the ledger's rows (a per-head cache's union of tokens can pass the arena's
     slots a head)."""
     rows = 2 * m.uid.shape[0]

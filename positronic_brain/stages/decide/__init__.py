@@ -64,12 +64,17 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     if view.heads is not None:  # re-indexed only where every token the heads hold fits
         reindex = reindex and view.n + 1 < limit
         L, KVH = view.heads.n.shape
+        keep = protected(view, params)
         culls = allocation.head_culls(view, scores.scores, params,
-                                      allocation.budgets(params, L, KVH), protected(view, params))
+                                      allocation.budgets(params, L, KVH), keep)
         folds = (fold.head_fold_targets(view, culls, params.repair.min_cos)
                  if isinstance(params.repair, FoldRepair) else None)
+        swapped, recalled_columns = (recall.head_swaps(view, scores, params, culls, keep)
+                                     if params.recall else (None, None))
         return Actions(columns=scores.columns, head_culls=culls, head_folds=folds,
-                       reindex=reindex)
+                       reindex=reindex, head_swaps=swapped, head_recalled=recalled_columns,
+                       cold_keep=max(0, limit - limit // 4 - view.n)
+                       if reindex and params.recall else None)
     order = torch.argsort(view.position)  # slots in text order
     keep = protected(view, params, order)
 

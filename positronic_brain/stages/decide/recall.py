@@ -5,9 +5,12 @@ dimmest hot ones left after the culls when their signal is the higher by the mar
 signals (``stages.score.recall``), stage 4 moves the tokens (``stages.apply.recall``)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...state import View
+from ..score.recall import recall_layers
 from ...types import CacheParams, ScoreOut, Swap
 
 
@@ -103,3 +106,110 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
                       columns={name: spec.births[source] if spec.recall == "birth" else total
                                for name, spec in view.specs.items() if spec.recall != "keep"})
                  for (slot, uid, row, cold_uid, source, _), total in zip(out, sums))
+
+
+def head_swaps(view: View, scores: ScoreOut, params: CacheParams, culls: torch.Tensor,
+               keep: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
+    """``swaps`` in a per-head cache, each (layer, KV head) of the recall layers on its own
+    (its hot and cold slots, its signals: ``score.head_signals``): its anchors bring back
+    the cold slots that follow them within the span, and the i-th of those takes the place
+    of the i-th dimmest of its unprotected hot slots that stay (``culls`` (L, KVH, n) not,
+    ``keep`` (n,) not), where its signal beats that slot's by the margin over the head's
+    own live count. Returns the swaps (k, 4): (layer, KV head, hot slot, cold slot), and the
+    recalled entries' new scorer column values (``Column.recall``), or (None, None)."""
+    cold = view.cold
+    if scores.hot_signal is None or cold is None or not cold.n:
+        return None, None
+    layers = torch.tensor(recall_layers(params, view.heads.n.shape[0]), device=keep.device)
+    victims, ok_victim = _victims(view, scores.scores[layers], culls[layers], keep, layers,
+                                  params.recall.swaps)
+    picks, signal = _head_picks(view, scores, params, layers, victims.shape[-1])
+    hot = scores.hot_signal.gather(-1, victims)
+    margin = params.recall.margin / view.heads.n[layers].unsqueeze(-1)
+    go = ok_victim & (picks >= 0) & (signal > hot + margin)
+    l, kvh, i = go.nonzero().unbind(1)
+    if not l.numel():
+        return None, None
+    swaps = torch.stack((layers[l], kvh, victims[l, kvh, i], picks[l, kvh, i]), 1)
+    row = cold.heads.row[layers[l], kvh, picks[l, kvh, i]]
+    signal = signal[l, kvh, i]
+    values = {}
+    for name, spec in view.specs.items():
+        if spec.recall == "birth":
+            births = torch.tensor(spec.births, dtype=torch.float32, device=row.device)
+            values[name] = births[cold.source[row].long()]
+        elif spec.recall == "signal":  # its signal x the queries since it was born
+            values[name] = (signal.double() * (view.step + 2 - cold.born_step[row])).float()
+    return swaps, values
+
+
+def _victims(view: View, scores: torch.Tensor, culls: torch.Tensor, keep: torch.Tensor,
+             layers: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each recall layer's heads' ``count`` dimmest hot slots that may go and stay this step
+    (ascending score, of equal ones the earliest position): (l, KVH, count) slots, and
+    whether each is one."""
+    h = view.heads
+    width = h.row.shape[2]
+    live = h.live(width)[layers]
+    at = h.row[layers].clamp(min=0)
+    free = live & ~keep[at] & ~culls
+    by_pos = torch.argsort(torch.where(live, view.position[at], view.next_position), dim=-1,
+                           stable=True)
+    order = by_pos.gather(-1, torch.argsort(scores.float().gather(-1, by_pos), dim=-1,
+                                            stable=True))
+    order = order.gather(-1, torch.argsort((~free).gather(-1, order).to(torch.uint8), dim=-1,
+                                           stable=True))[..., :count]
+    return order, free.gather(-1, order)
+
+
+def _head_picks(view: View, scores: ScoreOut, params: CacheParams, layers: torch.Tensor,
+                room: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``recalled`` for each recall layer's heads at once: up to ``room`` cold slots of each
+    (l, KVH, room; -1: none) in the order they would come back, and their anchors' signals.
+    The anchors of a head are its tokens, hot or cold, of the highest signal (enough for
+    ``room`` cold ones past every hot one; hot ones alone on a step without a scan)."""
+    cold, h, span = view.cold, view.heads, params.recall.span
+    ch = cold.heads
+    width, cw = h.row.shape[2], ch.row.shape[2]
+    hot_pos = view.position[h.row[layers].clamp(min=0)]
+    cold_pos = cold.position[ch.row[layers].clamp(min=0)]
+    held = h.live(width)[layers].sum(-1, keepdim=True)
+    if scores.cold_signal is None:
+        signal, position, anchors = scores.hot_signal, hot_pos, held
+    else:  # cold slots, then hot ones
+        signal = torch.cat((scores.cold_signal, scores.hot_signal), -1)
+        position = torch.cat((cold_pos, hot_pos), -1)
+        anchors = held + room
+    order = torch.argsort(signal, dim=-1, descending=True, stable=True)
+    a = min(order.shape[-1], int(anchors.max()))
+    if a == 0:
+        none = torch.full(signal.shape[:2] + (room,), -1, dtype=torch.long, device=order.device)
+        return none, torch.full(none.shape, -math.inf, device=order.device)
+    order = order[..., :a]
+    usable = torch.isfinite(signal.gather(-1, order)) & (
+        torch.arange(a, device=order.device) < anchors)
+    dev, last = order.device, view.next_position + span
+    # a table of each head's cold slot at each position (-1: none), read at the span after
+    # each anchor
+    row_at = torch.full(cold_pos.shape[:2] + (last,), -1, dtype=torch.long, device=dev)
+    cold_live = ch.live(cw)[layers]
+    row_at.scatter_(-1, torch.where(cold_live, cold_pos, last - 1),
+                    torch.where(cold_live, torch.arange(cw, device=dev), -1).expand_as(cold_pos))
+    start = torch.where(usable, position.gather(-1, order), last - span)
+    at = row_at.gather(-1, (start.unsqueeze(-1) + torch.arange(span, device=dev)).flatten(2))
+    at = at.view(*order.shape, span)
+    place = torch.arange(a, device=dev).view(1, 1, a, 1).expand_as(at)
+    ok = (at >= 0) & usable.unsqueeze(-1)
+    best = torch.full(cold_pos.shape, a, dtype=torch.long, device=dev)
+    best.scatter_reduce_(-1, torch.where(ok, at, 0).flatten(2),
+                         torch.where(ok, place, a).flatten(2), reduce="amin")
+    key = torch.where(best < a, best * last + cold_pos, torch.iinfo(torch.long).max)
+    k = min(room, cw)
+    first = torch.topk(key, k, dim=-1, largest=False, sorted=True)
+    picks = torch.where(first.values < torch.iinfo(torch.long).max, first.indices, -1)
+    signal = signal.gather(-1, order.gather(-1, best.gather(-1, first.indices).clamp(max=a - 1)))
+    if k < room:  # fewer cold slots than victims
+        pad = (0, room - k)
+        picks = torch.nn.functional.pad(picks, pad, value=-1)
+        signal = torch.nn.functional.pad(signal, pad, value=-math.inf)
+    return picks, signal

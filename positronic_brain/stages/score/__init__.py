@@ -14,7 +14,8 @@ import torch
 from ...scorers import Scorer
 from ...state import View
 from ...types import RecallQuery, ScoreOut
-from .recall import cold_logits, read_like_scorer, recall_layers, recall_query, recall_signals
+from .recall import (cold_logits, head_signals, read_like_scorer, recall_layers, recall_query,
+                     recall_signals)
 
 __all__ = ["cold_logits", "read_like_scorer", "recall_layers", "recall_query", "recall_signals",
            "score"]
@@ -33,6 +34,9 @@ def score(view: View, attention: torch.Tensor, scorer: Scorer,
         for name, t in (out.columns or {}).items():
             assert name in view.columns and t.shape == view.columns[name].shape, \
                 f"{name} has shape {tuple(t.shape)}"
+        if recall is not None:
+            hot, cold = head_signals(view, attention, recall)
+            out = dataclasses.replace(out, hot_signal=hot, cold_signal=cold)
         return out
     assert attention.shape[-1] == view.n, f"attention over {attention.shape[-1]} slots, not {view.n}"
     out = scorer.score(view, attention)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 
 from ... import native
 from ...scorers.brightness import Brightness
-from ...scorers.attention import aggregate, value_weighted, value_weights
+from ...scorers.attention import (aggregate, by_head, head_value_weights, value_weighted,
+                                  value_weights)
 from ...state import ColdView, View
 from ...types import CacheParams, GenerateOut, RecallQuery
 
@@ -28,8 +30,10 @@ def read_like_scorer(params: CacheParams, name: str):
 
 def recall_layers(params: CacheParams, n_layers: int) -> tuple[int, ...]:
     """Recall's ``layers`` layers spread evenly over those the scorer reads (all but the first
-    ``skip_layers`` fraction), or all of them (None)."""
-    return _spread(read_like_scorer(params, "skip_layers"), params.recall.layers, n_layers)
+    ``skip_layers`` fraction), or all of them (None). In a per-head cache every layer's
+    heads recall their own (as every layer scores its own heads): spread over all layers."""
+    skip = 0.0 if params.allocation.per_head else read_like_scorer(params, "skip_layers")
+    return _spread(skip, params.recall.layers, n_layers)
 
 
 @functools.lru_cache(maxsize=64)  # asked on every recall step: computed once per setting
@@ -52,7 +56,8 @@ def recall_query(view: View, gen: GenerateOut, params: CacheParams,
                        layers=recall_layers(params, gen.query.shape[0]),
                        signal=read_like_scorer(params, "signal"), aggregate=recall.aggregate,
                        scan=(view.step + 1) % recall.every == 0,
-                       native=native.chosen(compiled) and recall.aggregate == "max-max")
+                       native=native.chosen(compiled) and recall.aggregate == "max-max"
+                       and view.heads is None)
 
 
 def recall_signals(view: View, attention: torch.Tensor,
@@ -79,6 +84,33 @@ def recall_signals(view: View, attention: torch.Tensor,
         return aggregate(hot, recall.aggregate), logits.amax((0, 1, 2)).exp()
     p = logits.exp().flatten(1, 2)  # (l, H, c)
     return aggregate(hot, recall.aggregate), aggregate(p, recall.aggregate)
+
+
+def head_signals(view: View, attention: torch.Tensor,
+                 recall: RecallQuery) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A per-head cache's signals over the recall layers: what each (layer, KV head)'s query
+    heads paid each of its hot slots (l, kv_heads, n) and would have paid each of its cold
+    slots (l, kv_heads, c; None unless the step scans), their max or mean as ``aggregate``
+    ends, value-weighted by the head's own live values with the ``value`` signal; -inf at
+    the slots a head does not hold."""
+    layers = _index(recall.layers)
+    h, KVH = view.heads, view.heads.n.shape[1]
+    hot = by_head(attention[layers], KVH, recall.aggregate)
+    weights = head_value_weights(view)[layers] if recall.signal == "value" else None
+    if weights is not None:
+        hot = hot * weights
+    hot = hot.masked_fill(~h.live(hot.shape[-1])[layers], -math.inf)
+    if not recall.scan:
+        return hot, None
+    cold = view.cold
+    most = recall.aggregate.endswith("-max")
+    logits = cold_logits(cold, recall, most)  # (l, KVH, G or 1, c)
+    p = logits[:, :, 0].exp() if most else logits.exp().mean(2)
+    if weights is not None:  # relative to the head's own live values
+        live = h.live(view.vnorm.shape[-1])[layers]
+        mean = (view.vnorm[layers] * live).sum(-1, keepdim=True) / live.sum(-1, keepdim=True)
+        p = p * (cold.vnorm[layers] / mean.clamp_min(torch.finfo(torch.float32).tiny))
+    return hot, p.masked_fill(~cold.heads.live(p.shape[-1])[layers], -math.inf)
 
 
 def cold_logits(cold: ColdView, recall: RecallQuery, group_max: bool = False) -> torch.Tensor:

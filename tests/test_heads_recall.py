@@ -1,0 +1,206 @@
+"""Recall in a per-head cache (``stages.apply.cold_heads``): each (layer, KV head) sends what
+it culls to a cold store of its own and swaps it back by its own signals. Stage 1 equals the
+per-head oracle after swaps and re-indexes; every entry keeps its token's key wherever it
+goes; every (layer, head, slot), hot and cold, is accounted for; the choice per head is the
+whole-token rule's over that head's tokens; a failure part-way changes nothing; captures
+replay and sessions go on bit for bit."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from positronic_brain.cli import main
+from positronic_brain.forward import apply_rope, rerotation
+from positronic_brain.loop import Session
+from positronic_brain.options import params
+from positronic_brain.sampler import make_generator
+from positronic_brain.session_io import load_session, save_session
+from positronic_brain.stages.decide import recall as decide_recall
+from positronic_brain.stages.decide import recalled
+from positronic_brain.stages.generate import generate
+from positronic_brain.scorers import make_scorer
+from positronic_brain.stages.score import recall_layers, recall_query, score
+from positronic_brain.types import SamplerParams, Segment
+from tests.oracle import assert_close, per_head_state_logits
+from tests.test_heads import fail_at_append
+from tests.tolerance import ORACLE, rotation_bound
+
+TEXT = "the quick brown fox jumps over the lazy dog and runs far away " * 4
+
+
+def _session(model, tokens, **cache) -> Session:
+    cache = {"budget": 24, "sinks": 2, "recent": 4, "policy": "tova", "allocation": "head",
+             "recall": True, "recall_every": 2, "cold_capacity": 30} | cache
+    s = Session(model, tokens, SamplerParams(greedy=True), params(**cache))
+    s.prime([Segment(tuple(tokens.encode(TEXT))[:40], "user")])
+    return s
+
+
+def _entries(state) -> dict:
+    """(layer, KV head, uid) -> the key that (layer, head) holds of it, hot or cold, with
+    its position."""
+    out = {}
+    for side in ("hot", "cold"):
+        if side == "hot":
+            a, h, m = state.arena, state.heads, state.ledger
+        else:
+            a, h, m = state.cold.arena, state.cold.heads, state.cold.ledger
+        for layer, head, slot in h.live(a.n).nonzero().tolist():
+            row = int(h.row[layer, head, slot])
+            key = (layer, head, int(m.uid[row]))
+            assert key not in out, f"{key} held twice"
+            out[key] = (a.k[layer, head, slot].clone(), int(m.position[row]))
+    return out
+
+
+@pytest.mark.parametrize("kind,policy", [("head", "tova"), ("head", "h2o"),
+                                         ("adaptive", "brightness"), ("pyramid", "h2o")])
+def test_stage1_equals_the_per_head_oracle_after_swaps_and_reindexes(tiny_model, tiny_policy,
+                                                                   one_thread, kind, policy):
+    """... with every head at its budget, no head holding more cold entries than the
+    capacity, and each entry keeping its token's key wherever it goes (moved bit for bit;
+    re-rotated by a re-index)."""
+    s = _session(tiny_model, tiny_policy, allocation=kind, policy=policy, reindex_at=60)
+    recalls = reindexed = 0
+    seen = {}
+    for _ in range(50):
+        gen = generate(tiny_model, s.state.view(), s.sampler, make_generator(0, "cpu"))
+        assert_close(gen.logits, per_head_state_logits(tiny_model, s.state), ORACLE,
+                     f"{kind} step {s.state.step}")
+        rec = s.step()
+        s.state.check_valid()
+        recalls += len(rec.recalled)
+        reindexed += rec.reindexed
+        assert int(s.state.cold.heads.n.max()) <= 30
+        now = _entries(s.state)
+        for key, (k, pos) in now.items():
+            if key not in seen:
+                continue
+            k0, pos0 = seen[key]
+            if pos == pos0:
+                assert torch.equal(k, k0), f"{key} changed its key"
+            else:  # re-indexed: the same key rotated by the move
+                cos, sin = rerotation(tiny_model, torch.tensor([pos0]), torch.tensor([pos]))
+                moved = apply_rope(k0.float().view(1, -1), cos, sin).view(-1)
+                assert_close(k, moved, rotation_bound(k0, 3, 1), f"{key} re-rotated")
+        seen = {**seen, **now}
+    assert recalls > 0 and reindexed > 0
+    if kind == "head":
+        assert bool((s.state.heads.n == 24).all())
+
+
+def test_each_head_recalls_what_the_whole_token_rule_would_from_its_own_tokens(
+        tiny_model, tiny_policy, one_thread):
+    """Stage 3's per-head picks, all heads at once, against ``decide.recalled`` run on each
+    head alone (its hot and cold slots as a whole-token view's), on scan and other steps."""
+    s = _session(tiny_model, tiny_policy, policy="h2o")
+    checked = 0
+    p = s.cache_params
+    for _ in range(30):
+        view = s.state.view()
+        gen = generate(tiny_model, view, s.sampler, make_generator(0, "cpu"))
+        scores = score(view, gen.attention, make_scorer(p), recall_query(view, gen, p))
+        if scores.hot_signal is None:  # an empty cold store
+            s.step()
+            continue
+        layers = torch.tensor(recall_layers(p, view.heads.n.shape[0]))
+        room = p.recall.swaps
+        picks, _ = decide_recall._head_picks(view, scores, p, layers, room)
+        h, ch = view.heads, view.cold.heads
+        for i, layer in enumerate(layers.tolist()):
+            for head in range(h.n.shape[1]):
+                n, c = int(h.n[layer, head]), int(ch.n[layer, head])
+                if not c:
+                    continue
+                one = SimpleNamespace(
+                    position=view.position[h.row[layer, head, :n]], next_position=view.next_position,
+                    cold=SimpleNamespace(n=c, position=view.cold.position[ch.row[layer, head, :c]]))
+                sig = SimpleNamespace(
+                    hot_signal=scores.hot_signal[i, head, :n],
+                    cold_signal=None if scores.cold_signal is None
+                    else scores.cold_signal[i, head, :c])
+                want = [r for r, _ in recalled(one, sig, p, room)]
+                got = [x for x in picks[i, head].tolist() if x >= 0]
+                assert got == want, (layer, head, s.state.step)
+                checked += 1
+        s.step()
+    assert checked > 30
+
+
+def test_a_failure_part_way_changes_nothing(tiny_model, tiny_policy, one_thread, monkeypatch):
+    """A step that fails after its swaps and cold writes puts the hot and cold ledgers and
+    maps back; the K/V are re-prefilled; the run goes on."""
+    s = _session(tiny_model, tiny_policy)
+    while not s.state.cold.n:
+        s.step()
+    for _ in range(3):
+        s.step()
+    state = s.state
+    cold = state.cold
+    before = ({c: state.ledger.live(c).clone() for c in state.ledger.names},
+              {c: cold.ledger.live(c).clone() for c in cold.ledger.names},
+              state.heads.row.clone(), cold.heads.row[:, :, :cold.arena.n].clone(),
+              cold.heads.n.clone(), state.step, state.ledger.dropped)
+    fail_at_append(monkeypatch, s)
+    hot, cold_cols, row, cold_row, cold_n, step, dropped = before
+    assert all(torch.equal(state.ledger.live(c), x) for c, x in hot.items())
+    assert all(torch.equal(state.cold.ledger.live(c), x) for c, x in cold_cols.items())
+    assert torch.equal(state.heads.row, row) and torch.equal(state.cold.heads.n, cold_n)
+    assert torch.equal(state.cold.heads.row[:, :, :state.cold.arena.n], cold_row)
+    assert state.step == step and state.ledger.dropped == dropped
+    state.check_valid()
+    s.step()
+    state.check_valid()
+
+
+def test_a_session_saves_loads_and_goes_on(tiny_model, tiny_policy, one_thread, tmp_path):
+    s = _session(tiny_model, tiny_policy, policy="h2o", reindex_at=60)
+    records = [s.step() for _ in range(25)]
+    assert any(r.recalled for r in records) and any(r.reindexed for r in records)
+    loaded = load_session(tiny_model, save_session(s, tmp_path / "h.pbs"))
+    assert loaded.state.cold.heads is not None
+    ours = [loaded.step() for _ in range(15)]
+    theirs = [s.step() for _ in range(15)]
+    assert [(r.token_id, r.logprob, r.recalled) for r in ours] == \
+        [(r.token_id, r.logprob, r.recalled) for r in theirs]
+    a, b = loaded.state, s.state
+    assert a.ledger.rows() == b.ledger.rows() and a.cold.ledger.rows() == b.cold.ledger.rows()
+    assert torch.equal(a.cold.heads.n, b.cold.heads.n)
+    assert torch.equal(a.cold.view().k, b.cold.view().k)
+
+
+def test_a_per_head_recall_run_captures_replays_and_forks(tmp_path, capsys, one_thread):
+    """``run --allocation head --recall`` captured at level full replays bit for bit; a fork
+    of it goes on per head with recall and replays too; a whole-token recall run forked to a
+    per-head allocation gives every head its cold store."""
+    run = ["run", "--model", "tiny-random", "--prompt", TEXT, "--max-new-tokens", "30",
+           "--ignore-eos", "--budget", "16", "--sinks", "1", "--recent", "2",
+           "--recall", "--recall-every", "2", "--reindex-at", "60", "--json",
+           "--compile", "none"]
+    assert main([*run, "--allocation", "head", "--policy", "h2o",
+                 "--capture", str(tmp_path / "c"), "--capture-level", "full"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert sum(len(s["recalled"]) for s in res["steps"]) and any(s["reindexed"] for s in res["steps"])
+    assert main(["replay", res["capture"]]) == 0
+    assert "all bit-exact" in capsys.readouterr().err
+    assert main(["fork", res["capture"], "--step", "12", "--policy", "tova", "--json",
+                 "--capture", str(tmp_path / "f")]) == 0
+    fk = json.loads(capsys.readouterr().out)
+    assert main(["replay", fk["capture"]]) == 0
+    assert "all bit-exact" in capsys.readouterr().err
+    assert main([*run, "--capture", str(tmp_path / "w")]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main(["fork", whole["capture"], "--step", "12", "--allocation", "head", "--json",
+                 "--capture", str(tmp_path / "g")]) == 0
+    fk = json.loads(capsys.readouterr().out)
+    assert sum(len(s["recalled"]) for s in fk["steps"])
+    assert main(["replay", fk["capture"]]) == 0
+    assert "all bit-exact" in capsys.readouterr().err
+
+
+def test_turns_take_no_recall(capsys):
+    assert main(["run", "--model", "tiny-random", "--prompt", "hi", "--budget", "64",
+                 "--allocation", "turns", "--recall"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--allocation turns" in err[0], err
