@@ -241,13 +241,18 @@ def compose(model: Model, parts: list[Part]) -> Session:
 
 def _per_head(parts: list[Part]) -> bool:
     """Whether the composition is a per-head cache: a part is one (then every part is made
-    one, and the last part's parameters, which it goes on with, must be per-head too)."""
+    one, and the last part's parameters, which it goes on with, must be per-head too; no
+    cold store goes into one)."""
     per_head = any(p.heads is not None for p in parts)
     require(not per_head or parts[-1].session.cache_params.allocation.per_head, "a part is "
             "a per-head cache, so the composition is one: the last part, whose parameters it "
             "goes on with, must be per-head too")
     require(not per_head or all(p.layers is None for p in parts), "a partial part composes "
             "with whole-token parts only (a per-head part's heads hold other tokens)")
+    recall = parts[-1].session.cache_params.recall
+    require(not any(p.cold is not None and ((per_head and recall) or p.cold.get("heads")
+                                            is not None) for p in parts),
+            "cold stores (recall) do not compose per head yet")
     return per_head
 
 

@@ -228,6 +228,8 @@ def restore_session(model: Model, tensors: dict[str, torch.Tensor], body: dict) 
     state carries over from the same device type only."""
     columns, fields, ledger = _checked(model, tensors, body, model.spec.n_layers)
     cold = _saved_cold(model, tensors, body["cold"], ledger)
+    require(cold is None or (cold["heads"] is None) == ("heads.n" not in tensors),
+            "a per-head cold store beside a whole-token cache, or the other way")
     state = restore(model, tensors["arena.k"], tensors["arena.v"], columns, body["capacity"],
                     ledger, fields, tensors["arena.log_mass"], cold, _saved_heads(tensors))
     return _session(model, tensors, body, state)

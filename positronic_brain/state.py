@@ -583,6 +583,8 @@ class State:
         if self.cold is not None:
             self.cold.check_valid(m, self.next_position)
             cold = self.cold.n
+            if self.cold.heads is not None:
+                self._check_either()
         away = {u for pair in m.merged.values() for u in pair}
         live = set(m.live("uid").tolist())
         if self.cold is not None:
@@ -593,6 +595,19 @@ class State:
         assert m.n + cold + m.dropped + len(away) == m.next_uid, (
             f"uids unaccounted for: {m.n} hot + {cold} cold alone + {m.dropped} dropped + "
             f"{len(away)} merged away != {m.next_uid} issued")
+
+
+    def _check_either(self) -> None:
+        """In a per-head cache with recall, a (layer, KV head) holds a token hot or cold,
+        not both."""
+        def held(a, h: Heads, m: Ledger) -> torch.Tensor:
+            lh, hh, s = h.live(a.n).nonzero().unbind(1)
+            return (m.uid[h.row[lh, hh, s]] * h.n.numel() + lh * h.n.shape[1] + hh)
+
+        assert self.heads is not None, "a per-head cold store beside a whole-token arena"
+        hot = held(self.arena, self.heads, self.ledger)
+        cold = held(self.cold.arena, self.cold.heads, self.cold.ledger)
+        assert not bool(torch.isin(cold, hot).any()), "a head holds a token hot and cold"
 
 
 LEDGER_TENSORS = Ledger.COLUMNS + ("columns", "n")  # what a ledger holds besides its fields

@@ -341,11 +341,13 @@ class Recall:
 
     PREFIX: ClassVar[str] = "recall"
     cold_capacity: int = option(16384, "recall: the most cold tokens kept (the oldest dropped "
-                                "past it)", flag="cold_capacity")
+                                "past it; per head: a head's, the earliest in the text "
+                                "dropped)", flag="cold_capacity")
     every: int = option(4, "recall: score the cold store every K steps", metavar="K")
-    swaps: int = option(4, "recall: the most tokens swapped in per step", flag="recall_max")
+    swaps: int = option(4, "recall: the most tokens swapped in per step (per head: a head's)",
+                        flag="recall_max")
     layers: int | None = option(None, "recall: how many layers score the cold keys (default: "
-                                "every layer the scorer reads)")
+                                "every layer the scorer reads; per head: every layer)")
     span: int = option(8, "recall: a recalled token comes back with the cold tokens that "
                        "follow it within this many positions")
     aggregate: str = option("max-max", "recall: attention over layers-heads, hot and cold "

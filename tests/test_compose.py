@@ -155,6 +155,12 @@ def test_per_head_sessions_compose_and_read_as_hf_does_per_head(tiny_model, tiny
     assert recalling.state.cold.n > 0
     with pytest.raises(UserError, match="the last part, .* must be per-head too"):
         compose(tiny_model, [Part.of(a, "a.pbs"), Part.of(recalling, "r.pbs")])
+    cold_heads = _session(tiny_model, tiny_policy, TEXTS[1], steps=8, params=CacheParams(
+        budget=6, sinks=1, recent=1, scorer="tova", allocation="head", recall=True))
+    assert cold_heads.state.cold.n > 0
+    for parts in ([a, cold_heads], [recalling, cold_heads], [cold_heads]):
+        with pytest.raises(UserError, match="cold stores .* do not compose per head yet"):
+            compose(tiny_model, [Part.of(p, "p.pbs") for p in parts])
     for name, s in zip("abc", (a, b, c)):
         save_session(s, tmp_path / f"{name}.pbs")
     save_partial(b, tmp_path / "p.pbs", layers=(0,))

@@ -204,3 +204,40 @@ def test_turns_take_no_recall(capsys):
                  "--allocation", "turns", "--recall"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--allocation turns" in err[0], err
+
+
+def _taken_over(model, tokens, state, **cache) -> Session:
+    cache = {"budget": 24, "sinks": 2, "recent": 4, "policy": "tova", "allocation": "head",
+             "recall": True, "recall_every": 2} | cache
+    return Session(model, tokens, SamplerParams(greedy=True), params(**cache), state=state)
+
+
+@pytest.mark.parametrize("case", ["loaded full", "whole-token full", "new column"])
+def test_a_cold_store_goes_on_from_what_a_state_brings(tiny_model, tiny_policy, one_thread,
+                                                      tmp_path, case):
+    """A per-head cold store whose ledger is exactly full (a loaded session's; a whole-token
+    store at its capacity taken on per head), or that gains a scorer column (tova's run
+    taken on by h2o), goes on: its entry order grows with its ledger, the new column holds a
+    value a head. A head's cold slots grow past the capacity by one step's culls at most."""
+    if case == "loaded full":
+        s = _session(tiny_model, tiny_policy, cold_capacity=29)
+        s.step()
+        s = load_session(tiny_model, save_session(s, tmp_path / "s.pbs"))
+        assert s.state.cold.n == s.state.cold.ledger.uid.shape[0] == 29
+    elif case == "whole-token full":
+        w = _session(tiny_model, tiny_policy, allocation="token", cold_capacity=8)
+        for _ in range(12):
+            w.step()
+        assert w.state.cold.n == 8
+        s = _taken_over(tiny_model, tiny_policy, w.state, cold_capacity=8)
+    else:
+        t = _session(tiny_model, tiny_policy)
+        for _ in range(10):
+            t.step()
+        s = _taken_over(tiny_model, tiny_policy, t.state, policy="h2o", cold_capacity=30)
+        assert s.state.cold.ledger.columns["attn_sum"].dim() == 3
+    records = [s.step() for _ in range(30)]
+    s.state.check_valid()
+    assert any(r.recalled for r in records)
+    cold = s.state.cold
+    assert cold.arena.capacity <= cold.capacity + int(s.state.heads.n.max())

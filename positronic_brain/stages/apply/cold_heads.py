@@ -30,15 +30,16 @@ KV = ("v", "knorm", "vnorm")  # a slot's per-(layer, head) rows besides its key
 def to_heads(cold: Cold) -> None:
     """Stage 0: a whole-token cold store becomes a per-head one in which every head holds
     every cold token (slot i of each head holding row i, as it did), its scorer columns one
-    value a (layer, KV head) (``prefill.add_heads`` does this for the arena)."""
-    if cold.heads is not None:
-        return
+    value a (layer, KV head) (``prefill.add_heads`` does this for the arena; so are the
+    columns a per-head store gained since, ``add_columns``' one value a token)."""
     a, m = cold.arena, cold.ledger
     L, KVH, cap = a.vnorm.shape
-    row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
-    row[:, :, :m.n] = torch.arange(m.n, device=m.device)
-    cold.heads = Heads(row=row, n=torch.full((L, KVH), m.n, dtype=torch.long, device=m.device))
-    for name, col in m.columns.items():
+    if cold.heads is None:
+        row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
+        row[:, :, :m.n] = torch.arange(m.n, device=m.device)
+        cold.heads = Heads(row=row, n=torch.full((L, KVH), m.n, dtype=torch.long,
+                                                 device=m.device))
+    for name, col in m.columns.items():  # a column added since: one value a head too
         if col.dim() == 1:
             m.columns[name] = col.view(-1, 1, 1).expand(-1, L, KVH).clone()
 
@@ -46,17 +47,13 @@ def to_heads(cold: Cold) -> None:
 def room(model: Model, cold: Cold, slots: int, rows: int) -> None:
     """Storage for ``slots`` cold slots a head and ``rows`` cold ledger rows: each doubled
     (or more) as needed, the live part copied."""
-    m = cold.ledger
-    while rows > m.uid.shape[0]:
-        grow_ledger(m)
-        entered = cold.entered.new_zeros(m.uid.shape[0])
-        entered[:cold.entered.shape[0]] = cold.entered
-        cold.entered = entered
+    ledger_rows(cold, rows)
     a, h = cold.arena, cold.heads
     if slots <= a.capacity:
         return
-    new = Arena.allocate(model.spec, max(slots, 2 * a.capacity), model.dtype, a.device,
-                         key_rows=True)
+    # doubled up to the capacity; past it (a step's culls before its trim) only what is asked
+    size = max(slots, min(2 * a.capacity, cold.capacity))
+    new = Arena.allocate(model.spec, size, model.dtype, a.device, key_rows=True)
     w = a.n
     new.k[:, :, :w] = a.k[:, :, :w]
     for name in KV:
@@ -65,6 +62,16 @@ def room(model: Model, cold: Cold, slots: int, rows: int) -> None:
     row = h.row.new_full(h.row.shape[:2] + (new.capacity,), -1)
     row[:, :, :w] = h.row[:, :, :w]
     cold.arena, cold.heads = new, Heads(row=row, n=h.n)
+
+
+def ledger_rows(cold: Cold, rows: int) -> None:
+    """Room for ``rows`` cold ledger rows and their entry order, doubled as needed."""
+    m = cold.ledger
+    while rows > m.uid.shape[0]:
+        grow_ledger(m)
+        entered = cold.entered.new_zeros(m.uid.shape[0])
+        entered[:cold.entered.shape[0]] = cold.entered
+        cold.entered = entered
 
 
 def find_or_add(dst: Ledger, src: Ledger, rows: torch.Tensor,
@@ -80,6 +87,8 @@ def find_or_add(dst: Ledger, src: Ledger, rows: torch.Tensor,
     out = torch.where(found, order[at] if dst.n else at, -1)
     new, first = unique_first(uids[~found])
     if new.numel():
+        if cold is not None:
+            ledger_rows(cold, dst.n + new.numel())
         while dst.n + new.numel() > dst.uid.shape[0]:
             grow_ledger(dst)
         at_new = torch.arange(dst.n, dst.n + new.numel(), device=dst.device)
@@ -187,20 +196,25 @@ def _compact(a: Arena, h: Heads, gone: torch.Tensor) -> None:
     a.n = int(h.n.max())
 
 
-def trim(cold: Cold, keep_tokens: int | None = None, hot: Ledger | None = None) -> torch.Tensor:
+def trim(cold: Cold, keep_tokens: int | None = None, hot: Ledger | None = None,
+         swapped: bool = True) -> torch.Tensor:
     """Each head keeps at most the store's capacity of cold entries, letting go of those
     earliest in the text; with ``keep_tokens`` (a re-index's ``cold_keep``), only the
     ``keep_tokens`` latest of the tokens held cold alone (in no head hot: ``hot``'s) stay.
-    Then the cold ledger rows no head holds leave it. Returns their uids."""
+    Then the cold ledger rows no head holds leave it (only a trim, or a step that
+    ``swapped``, can leave one so). Returns their uids."""
     a, h, m = cold.arena, cold.heads, cold.ledger
     width = a.n
     live = h.live(width)
-    pos = torch.where(live, m.position[h.row[:, :, :width].clamp(min=0)],
-                      torch.iinfo(torch.int64).max)
-    rank = torch.empty_like(h.row[:, :, :width])
-    rank.scatter_(-1, torch.argsort(pos, dim=-1, stable=True),
-                  torch.arange(width, device=m.device).expand_as(rank))
-    gone = live & (rank < (h.n - cold.capacity).clamp(min=0).unsqueeze(-1))
+    over = (h.n - cold.capacity).clamp(min=0)
+    gone = torch.zeros_like(live)
+    if int(over.max()) > 0:  # the capacity's: each head's earliest in the text
+        pos = torch.where(live, m.position[h.row[:, :, :width].clamp(min=0)],
+                          torch.iinfo(torch.int64).max)
+        rank = torch.empty_like(h.row[:, :, :width])
+        rank.scatter_(-1, torch.argsort(pos, dim=-1, stable=True),
+                      torch.arange(width, device=m.device).expand_as(rank))
+        gone = live & (rank < over.unsqueeze(-1))
     if keep_tokens is not None and m.n:
         alone = ~torch.isin(m.live("uid"), hot.live("uid"))
         order = torch.argsort(m.live("position"), descending=True)
@@ -208,8 +222,11 @@ def trim(cold: Cold, keep_tokens: int | None = None, hot: Ledger | None = None) 
         stays = ~alone
         stays[newest] = True
         gone |= live & ~stays[h.row[:, :, :width].clamp(min=0)]
-    if bool(gone.any()):
+    trimmed = bool(gone.any())
+    if trimmed:
         _compact(a, h, gone)
+    if not (trimmed or swapped):
+        return m.uid[:0]
     return drop_unheld(m, h.row[:, :, :a.n], (cold.entered,))
 
 

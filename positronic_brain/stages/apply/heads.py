@@ -108,6 +108,7 @@ def _put_back(model: Model, state: State, saved: tuple) -> None:
         m.col(c)[:m.n] = x
     h.row.copy_(row)
     h.n.copy_(n)
+    state.arena.n = int(n.max())
     if cold is not None:
         cold.put_back()
     _rebuild(model, state)
@@ -234,7 +235,10 @@ def apply_heads(model: Model, state: State, gen: GenerateOut, actions: Actions,
             cold_heads.cool_heads(model, state, culls)
         _remove(state, culls)
         culled = _drop_rows(state)
-        gone = _gone(state, culled, reindex and actions.cold_keep)
+        keep = actions.cold_keep if reindex and actions.cold_keep is not None else None
+        if keep is not None:  # less what this step's recalls added to the hot tokens
+            keep = max(0, keep - max(0, m.n - saved[1]))
+        gone = _gone(state, culled, keep, bool(recalled))
         position = gen.position
         if reindex:
             reindex_from, reindex_to = _reindex(model, state)
@@ -257,17 +261,17 @@ def apply_heads(model: Model, state: State, gen: GenerateOut, actions: Actions,
                  appended_positions=(position,), appended_k=gen.k, appended_v=gen.v)
 
 
-def _gone(state: State, culled: list[int], cold_keep: int | None | bool) -> list[int]:
+def _gone(state: State, culled: list[int], cold_keep: int | None, swapped: bool) -> list[int]:
     """The uids that leave the cache for good this step: those no head holds hot any more
     (``culled``) that no head holds cold either, and, with recall, the cold ones no head
-    holds after the heads' cold capacity (and a re-index's ``cold_keep``) let them go,
-    unless hot. They are counted as dropped."""
+    holds after the heads' cold capacity (and a re-index's ``cold_keep``) let them go or
+    a swap (``swapped``) took their last cold entry back, unless hot. They are counted as
+    dropped."""
     m, cold = state.ledger, state.cold
     if cold is None:
         gone = culled
     else:
-        keep = None if cold_keep is None or cold_keep is False else int(cold_keep)
-        left = cold_heads.trim(cold, keep, m)
+        left = cold_heads.trim(cold, cold_keep, m, swapped)
         held = torch.cat((m.live("uid"), cold.ledger.live("uid")))
         out = torch.tensor(culled, dtype=torch.long, device=m.device)
         gone = sorted(set(out[~torch.isin(out, held)].tolist())
