@@ -362,11 +362,14 @@ class Cold:
     @property
     def bytes_per_token(self) -> float:
         """Memory per row of the store, from its tensors' storage: K/V, their norms and
-        log-mass, the ledger row and the entry order."""
+        log-mass, the ledger row and the entry order (per head: the K/V, norms and map of
+        one slot in every head, beside one ledger row)."""
         a = self.arena
-        tensors = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm, self.entered) + tuple(
-            self.ledger.col(c) for c in self.ledger.names)
-        return sum(t.untyped_storage().nbytes() for t in tensors) / self.entered.shape[0]
+        slots = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm) + (
+            () if self.heads is None else (self.heads.row,))
+        rows = (self.entered,) + tuple(self.ledger.col(c) for c in self.ledger.names)
+        size = lambda ts: sum(t.untyped_storage().nbytes() for t in ts)  # noqa: E731
+        return size(slots) / a.capacity + size(rows) / self.entered.shape[0]
 
     def view(self) -> "ColdView":
         m, h = self.ledger, self.heads

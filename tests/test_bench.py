@@ -111,12 +111,13 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
 
     # the loop runs at its budget (half the tiny model's positions); edits at every context
     # ... with the plain stage 1, then with the native copy's
-    # (and with the plain one, h2o with whole tokens and per head)
+    # (and with the plain one, h2o with whole tokens and per head, without and with recall)
     bright = [("brightness", m) for m in ("none", "merge", "fold", "none + recall")]
+    h2o = [(p, m) for m in ("none", "none + recall") for p in ("h2o", "h2o@head")]
     assert [(r["dtype"], r["stage1"], r["policy"], r["repair"], r["context"])
             for r in res["loop"]] == \
         [(d, s, p, m, 256) for d in dtypes for s in ("plain", "native")
-         for p, m in bright + [("h2o", "none"), ("h2o@head", "none")] * (s == "plain")]
+         for p, m in bright + h2o * (s == "plain")]
     recall = [r["repair"] == "none + recall" for r in res["loop"]]
     # with recall, over the prompt's culled tokens
     assert [r["cold"] > res["config"]["recall_cold"] // 2 for r in res["loop"]] == recall

@@ -5,6 +5,7 @@ goes; every (layer, head, slot), hot and cold, is accounted for; the choice per 
 whole-token rule's over that head's tokens; a failure part-way changes nothing; captures
 replay and sessions go on bit for bit."""
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -241,3 +242,16 @@ def test_a_cold_store_goes_on_from_what_a_state_brings(tiny_model, tiny_policy, 
     assert any(r.recalled for r in records)
     cold = s.state.cold
     assert cold.arena.capacity <= cold.capacity + int(s.state.heads.n.max())
+
+
+def test_each_heads_best_are_a_stable_sorts_first():
+    """``_best_rows`` (the anchors of every head at once, without sorting whole rows) is
+    ``argsort(descending, stable)[..., :k]``: ties in index order, -inf last."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        m = int(torch.randint(5, 300, (1,), generator=g))
+        k = int(torch.randint(1, m, (1,), generator=g))
+        x = torch.randint(0, 6, (3, 4, m), generator=g).float()  # many ties
+        x[torch.rand(x.shape, generator=g) < 0.3] = -math.inf
+        want = torch.argsort(x, dim=-1, descending=True, stable=True)[..., :k]
+        assert torch.equal(decide_recall._best_rows(x, k), want), (m, k)

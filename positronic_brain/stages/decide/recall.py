@@ -162,6 +162,21 @@ def _victims(view: View, scores: torch.Tensor, culls: torch.Tensor, keep: torch.
     return order, free.gather(-1, order)
 
 
+def _best_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``_best`` along the last dimension of ``x`` (..., m; no NaN): each row's ``k``
+    largest, largest first, ties in index order, as ``argsort(x, descending=True,
+    stable=True)[..., :k]`` gives them, without sorting whole rows (a scan step's thousands
+    of cold slots a head)."""
+    if 4 * k >= x.shape[-1]:
+        return torch.argsort(x, dim=-1, descending=True, stable=True)[..., :k]
+    kth = torch.topk(x, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above, tied = x > kth, x == kth
+    room = k - above.sum(-1, keepdim=True)  # the first this many tied ones, in index order
+    picked = above | (tied & (torch.cumsum(tied, -1) <= room))
+    at = picked.nonzero()[:, -1].view(*x.shape[:-1], k)  # index order, k a row
+    return at.gather(-1, torch.argsort(x.gather(-1, at), dim=-1, descending=True, stable=True))
+
+
 def _head_picks(view: View, scores: ScoreOut, params: CacheParams, layers: torch.Tensor,
                 room: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``recalled`` for each recall layer's heads at once: up to ``room`` cold slots of each
@@ -180,12 +195,11 @@ def _head_picks(view: View, scores: ScoreOut, params: CacheParams, layers: torch
         signal = torch.cat((scores.cold_signal, scores.hot_signal), -1)
         position = torch.cat((cold_pos, hot_pos), -1)
         anchors = held + room
-    order = torch.argsort(signal, dim=-1, descending=True, stable=True)
-    a = min(order.shape[-1], int(anchors.max()))
+    a = min(signal.shape[-1], int(anchors.max()))
     if a == 0:
-        none = torch.full(signal.shape[:2] + (room,), -1, dtype=torch.long, device=order.device)
-        return none, torch.full(none.shape, -math.inf, device=order.device)
-    order = order[..., :a]
+        none = torch.full(signal.shape[:2] + (room,), -1, dtype=torch.long, device=signal.device)
+        return none, torch.full(none.shape, -math.inf, device=signal.device)
+    order = _best_rows(signal, a)
     usable = torch.isfinite(signal.gather(-1, order)) & (
         torch.arange(a, device=order.device) < anchors)
     dev, last = order.device, view.next_position + span
