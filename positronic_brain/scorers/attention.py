@@ -80,11 +80,12 @@ def value_weights(norms: torch.Tensor, live: torch.Tensor | None = None) -> torc
     return norms / live.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def head_value_weights(view) -> torch.Tensor:
+def head_value_weights(view, others: torch.Tensor | None = None) -> torch.Tensor:
     """A per-head view's value norms (L, kv_heads, n) relative to the mean norm of each
-    head's own live slots (a free slot's weight 0)."""
+    head's own live slots (a free slot's weight 0); with ``others`` (L, kv_heads, c), those
+    norms instead (a head's cold slots), relative to the same mean."""
     h = view.heads
     live = h.live(view.vnorm.shape[-1])
     norms = view.vnorm * live
     mean = norms.sum(-1, keepdim=True) / h.n.unsqueeze(-1).clamp(min=1)
-    return norms / mean.clamp_min(torch.finfo(torch.float32).tiny)
+    return (norms if others is None else others) / mean.clamp_min(torch.finfo(torch.float32).tiny)

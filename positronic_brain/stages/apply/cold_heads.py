@@ -22,7 +22,7 @@ import torch
 from ...forward import apply_rope, rerotation
 from ...model import Model
 from ...state import Arena, Cold, Heads, Ledger, State, key_norms
-from .rows import drop_unheld, grow_ledger
+from .rows import drop_unheld, every_head, grow_ledger
 
 KV = ("v", "knorm", "vnorm")  # a slot's per-(layer, head) rows besides its key
 
@@ -32,16 +32,7 @@ def to_heads(cold: Cold) -> None:
     every cold token (slot i of each head holding row i, as it did), its scorer columns one
     value a (layer, KV head) (``prefill.add_heads`` does this for the arena; so are the
     columns a per-head store gained since, ``add_columns``' one value a token)."""
-    a, m = cold.arena, cold.ledger
-    L, KVH, cap = a.vnorm.shape
-    if cold.heads is None:
-        row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
-        row[:, :, :m.n] = torch.arange(m.n, device=m.device)
-        cold.heads = Heads(row=row, n=torch.full((L, KVH), m.n, dtype=torch.long,
-                                                 device=m.device))
-    for name, col in m.columns.items():  # a column added since: one value a head too
-        if col.dim() == 1:
-            m.columns[name] = col.view(-1, 1, 1).expand(-1, L, KVH).clone()
+    cold.heads = every_head(cold.arena, cold.ledger, cold.heads, cold.n)
 
 
 def room(model: Model, cold: Cold, slots: int, rows: int) -> None:

@@ -142,7 +142,6 @@ def _rebuild(model: Model, state: State) -> None:
     a.log_mass.zero_()
 
 
-
 def _remove(state: State, culls: torch.Tensor) -> int:
     """Each head's culled slots go; its last survivors fill the holes below its new count
     (per head as ``rows.remove`` does for the whole arena). Returns the slots moved."""
@@ -169,18 +168,19 @@ def _drop_rows(state: State) -> list[int]:
     return drop_unheld(state.ledger, state.heads.row[:, :, :state.arena.n]).tolist()
 
 
-def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions become 0..n-1 in text order; each head's slots re-rotate their keys by
-    their token's move, as the whole-token re-index does (``patch._rotate``)."""
+def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Positions become 0..n-1 in text order, n the tokens held hot or cold; each head's
+    slots re-rotate their keys by their token's move, as the whole-token re-index does
+    (``patch._rotate``). Returns the hot rows' old and new positions, and n."""
     a, m, h, cold = state.arena, state.ledger, state.heads, state.cold
     old = m.live("position").clone()
     if cold is None:
-        new = torch.empty_like(old)
+        new, held = torch.empty_like(old), m.n
         new[torch.argsort(old)] = torch.arange(m.n, device=m.device)
     else:  # hot and cold ranked together: a token both hot and cold has one position
-        both = torch.unique(torch.cat((old, cold.ledger.live("position"))), sorted=True,
-                            return_inverse=True)[1]
-        new = both[:m.n]
+        ranks, both = torch.unique(torch.cat((old, cold.ledger.live("position"))),
+                                   sorted=True, return_inverse=True)
+        new, held = both[:m.n], ranks.numel()
         cold_heads.reindex_cold(model, cold, both[m.n:])
     m.position[:m.n] = new
     live = h.live(a.n)
@@ -193,7 +193,7 @@ def _reindex(model: Model, state: State) -> tuple[torch.Tensor, torch.Tensor]:
         x = a.kt[lh, hh, :, s].float()
         a.kt[lh, hh, :, s] = apply_rope(x, cos, sin).to(a.kt.dtype)
         a.knorm[lh, hh, s] = key_norms(a.kt[lh, hh, :, s])
-    return old, new
+    return old, new, held
 
 
 def _append(state: State, gen: GenerateOut, position: int, model: Model, step: int) -> int:
@@ -221,7 +221,7 @@ def apply_heads(model: Model, state: State, gen: GenerateOut, actions: Actions,
     culls, the ledger rows no head holds dropped, the re-index, the append."""
     culls = _check(model, state, gen, actions)
     m, step, cold = state.ledger, state.step + 1, state.cold
-    saved = _saved(state)
+    saved, hot_before = _saved(state), m.n
     reindex_from = reindex_to = None
     recalled = ()
     try:
@@ -237,13 +237,11 @@ def apply_heads(model: Model, state: State, gen: GenerateOut, actions: Actions,
         culled = _drop_rows(state)
         keep = actions.cold_keep if reindex and actions.cold_keep is not None else None
         if keep is not None:  # less what this step's recalls added to the hot tokens
-            keep = max(0, keep - max(0, m.n - saved[1]))
+            keep = max(0, keep - max(0, m.n - hot_before))
         gone = _gone(state, culled, keep, bool(recalled))
         position = gen.position
         if reindex:
-            reindex_from, reindex_to = _reindex(model, state)
-            position = m.n if cold is None else (  # every token held, hot or cold
-                m.n + int((~torch.isin(cold.ledger.live("uid"), m.live("uid"))).sum()))
+            reindex_from, reindex_to, position = _reindex(model, state)
         uid = _append(state, gen, position, model, step)
     except BaseException:
         _put_back(model, state, saved)

@@ -12,11 +12,12 @@ import torch
 from ...forward import builds_scores, forward
 from ...model import Model
 from ...scorers import reads_total
-from ...state import FLAG_PROTECTED, Arena, Heads, Ledger, State
+from ...state import FLAG_PROTECTED, Arena, Ledger, State
 from ...types import SOURCES, Column, Patch, PrefillStats, PrimeOut, ScoreOut, Segment, require
 from .cold_heads import to_heads
 from .recall import cold_store
-from .rows import append_heads, arena, check_columns, slots_of, store_layer, write, write_rows
+from .rows import (append_heads, arena, check_columns, every_head, slots_of, store_layer, write,
+                   write_rows)
 
 
 PREFILL_CHUNK = 256  # tokens per prefill chunk on the CPU (longer ones measured slower there)
@@ -196,15 +197,7 @@ def add_heads(state: State) -> None:
     require(isinstance(a, Arena), "per-head allocations run on one device (no device map)")
     if state.cold is not None:  # every head holds every cold token too
         to_heads(state.cold)
-    L, KVH, cap = a.log_mass.shape
-    if state.heads is None:
-        row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
-        row[:, :, :a.n] = torch.arange(a.n, device=m.device)
-        state.heads = Heads(row=row, n=torch.full((L, KVH), a.n, dtype=torch.long,
-                                                  device=m.device))
-    for name, col in m.columns.items():
-        if col.dim() == 1:
-            m.columns[name] = col.view(-1, 1, 1).expand(-1, L, KVH).clone()
+    state.heads = every_head(a, m, state.heads, a.n)
 
 
 @torch.no_grad()

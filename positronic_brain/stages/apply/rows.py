@@ -8,7 +8,7 @@ import math
 import torch
 
 from ...model import Model
-from ...state import Arena, Ledger, SplitArena, State, key_norms, value_norms
+from ...state import Arena, Heads, Ledger, SplitArena, State, key_norms, value_norms
 from ...types import Column
 
 
@@ -109,6 +109,22 @@ def append_heads(state: State, k: torch.Tensor, v: torch.Tensor, token_ids: torc
     h.n += t
     a.n = int(h.n.max())
     return uids
+
+
+def every_head(a: Arena, m: Ledger, heads: Heads | None, n: int) -> Heads:
+    """Stage 0: ``heads``, or (None) a map over ``a`` in which every (layer, KV head) holds
+    ledger rows 0..n-1 in its slots 0..n-1; and ``m``'s scorer columns one value a (layer,
+    KV head) of each token (a column of one value a token widened, every head's that
+    value)."""
+    L, KVH, cap = a.vnorm.shape
+    if heads is None:
+        row = torch.full((L, KVH, cap), -1, dtype=torch.long, device=m.device)
+        row[:, :, :n] = torch.arange(n, device=m.device)
+        heads = Heads(row=row, n=torch.full((L, KVH), n, dtype=torch.long, device=m.device))
+    for name, col in m.columns.items():
+        if col.dim() == 1:
+            m.columns[name] = col.view(-1, 1, 1).expand(-1, L, KVH).clone()
+    return heads
 
 
 def drop_unheld(m: Ledger, rows: torch.Tensor, extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:

@@ -107,9 +107,7 @@ def head_signals(view: View, attention: torch.Tensor,
     logits = cold_logits(cold, recall, most)  # (l, KVH, G or 1, c)
     p = logits[:, :, 0].exp() if most else logits.exp().mean(2)
     if weights is not None:  # relative to the head's own live values
-        live = h.live(view.vnorm.shape[-1])[layers]
-        mean = (view.vnorm[layers] * live).sum(-1, keepdim=True) / live.sum(-1, keepdim=True)
-        p = p * (cold.vnorm[layers] / mean.clamp_min(torch.finfo(torch.float32).tiny))
+        p = p * head_value_weights(view, cold.vnorm)[layers]
     return hot, p.masked_fill(~cold.heads.live(p.shape[-1])[layers], -math.inf)
 
 
