@@ -224,34 +224,35 @@ def test_resume_measures_nothing_again(capsys, tmp_path, one_thread, monkeypatch
     out = tmp_path / "q"
     args = ["bench", "quality", "--quick", "--model", "tiny-random", "--budgets", "24",
             "--policies", "brightness,h2o", "--repairs", "none", "--windows", "1",
-            "--tokens", "16", "--jobs", "1", "--json", "--out", str(out)]
-    measured, real = [], quality.Job.run
+            "--tokens", "16", "--jobs", "1", "--batch", "1", "--json", "--out", str(out)]
+    # --batch 1: a re-measured job's bits do not depend on which jobs share its batch
+    measured, real = [], quality.run_jobs
 
-    def spy(job, *a, **k):
-        measured.append(job.kind)
-        return real(job, *a, **k)
+    def spy(model, policy, ids, jobs, *a, **k):
+        measured.extend(j.kind for j in jobs)
+        return real(model, policy, ids, jobs, *a, **k)
 
     def results() -> dict:
         assert capsys.readouterr().out  # the --json object
         res = json.loads((out / "results.json").read_text())
         return {k: v for k, v in res.items() if k not in ("machine", "elapsed_s")}
 
-    monkeypatch.setattr(quality.Job, "run", spy)
+    monkeypatch.setattr(quality, "run_jobs", spy)
     assert main(args) == 0
     first = results()
     assert measured == ["reference", "grid", "grid", "grid", "oracle"]
 
-    def refuse(job, *a, **k):
-        raise AssertionError(f"{job.label} measured again")
+    def refuse(model, policy, ids, jobs, *a, **k):
+        raise AssertionError(f"{[j.label for j in jobs]} measured again")
 
-    monkeypatch.setattr(quality.Job, "run", refuse)
+    monkeypatch.setattr(quality, "run_jobs", refuse)
     assert main([*args, "--resume"]) == 0
     assert results() == first
 
     lines = (out / "items.jsonl").read_text().splitlines()
     (out / "items.jsonl").write_text("".join(f"{x}\n" for x in lines[:-1]))  # the oracle's
     measured.clear()
-    monkeypatch.setattr(quality.Job, "run", spy)
+    monkeypatch.setattr(quality, "run_jobs", spy)
     assert main([*args, "--resume"]) == 0
     again = results()
     assert measured == ["reference", "oracle"]
@@ -383,13 +384,49 @@ def test_batched_windows_give_what_one_at_a_time_gives(tiny_model, tiny_policy):
         o = oracles if job.kind == "oracle" else None
         alone = job.run(tiny_model, tiny_policy, ids, oracles=o)
         batched = job.run(tiny_model, tiny_policy, ids, oracles=o, batch=cfg.batch)
-        assert len(batched) == len(starts)
-        for a, b in zip(alone, batched):
-            assert (a.totals.culled, a.totals.merged, a.totals.folded, a.stop_reason) == \
-                (b.totals.culled, b.totals.merged, b.totals.folded, b.stop_reason)
-            assert len(a.nll) == len(b.nll) == 35
-            assert max(abs(x - y) for x, y in zip(a.nll, b.nll)) <= tol
+        _as_alone(alone, batched, len(starts), tol)
     assert sum(s.totals.culled for s in alone) > 0
+
+
+def _as_alone(alone, batched, windows: int, tol: float) -> None:
+    """Each window's batched run has its solo run's culls, merges, folds and stop, and its
+    35 scored NLLs within ``tol``."""
+    assert len(alone) == len(batched) == windows
+    for a, b in zip(alone, batched):
+        assert (a.totals.culled, a.totals.merged, a.totals.folded, a.stop_reason) == \
+            (b.totals.culled, b.totals.merged, b.totals.folded, b.stop_reason)
+        assert len(a.nll) == len(b.nll) == 35
+        assert max(abs(x - y) for x, y in zip(a.nll, b.nll)) <= tol
+
+
+def test_cells_step_together_as_one_batch_s_rows(tiny_model, tiny_policy):
+    """Jobs of one length and warm-up run as one batch (``packs``: their windows together at
+    most ``--batch`` rows, each row with its own cache): each window's NLLs as when its job
+    runs alone, to float rounding, with the same culls; the oracle jobs wait for the full
+    cache's recording and run as a pack of their own."""
+    cfg = quality.QualityConfig(model="tiny-random", budgets=(24,), tokens=40, batch=7)
+    ids = tiny_policy.encode(quality.default_text())[:200]
+    starts = (0, 50, 100)
+    job = lambda kind, cache, record=False: quality.Job(  # noqa: E731
+        kind, kind, cache, 40, 40, starts, 5, record)
+    jobs = [job("reference", cfg.cache(None, "none"), record=True),
+            job("grid", cfg.cache(24, "h2o")), job("grid", cfg.cache(24, "tova", "merge")),
+            job("grid", cfg.cache(24, "brightness", "fold")),
+            job("oracle", cfg.cache(24, quality.ORACLE)),
+            job("oracle", cfg.cache(24, quality.ORACLE, "fold"))]
+    odd = quality.Job("grid", "h2o, longer", cfg.cache(24, "h2o"), 44, 44, (0,), 5)
+    assert quality.packs(jobs[:4] + [odd], 7) == [[0, 1], [2, 3], [4]]
+    assert quality.packs(jobs[:4], 2) == [[0], [1], [2], [3]]  # 3 starts: a job alone
+    assert quality._phases(cfg, jobs) == ([[0, 1], [2, 3]], [[4, 5]])
+    together = quality.execute(cfg, jobs, ids, Pool(jobs=1))
+    oracles = tuple(s.oracle for s in together[0])
+    tol = nll_bound(tiny_model, 45)
+    for j, batched in zip(jobs, together):
+        alone = j.run(tiny_model, tiny_policy, ids,
+                      oracles=oracles if j.kind == "oracle" else None)
+        _as_alone(alone, batched, len(starts), tol)
+    assert all(sum(s.totals.culled + s.totals.merged for s in runs) > 0 for runs in together[1:])
+    assert sum(s.totals.merged for s in together[2]) > 0
 
 
 def test_params_take_true_and_false_for_yes_no_fields():

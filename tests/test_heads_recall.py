@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from positronic_brain.cli import main
 from positronic_brain.forward import apply_rope, rerotation
@@ -89,6 +91,42 @@ def test_stage1_equals_the_per_head_oracle_after_swaps_and_reindexes(tiny_model,
     assert recalls > 0 and reindexed > 0
     if kind == "head":
         assert bool((s.state.heads.n == 24).all())
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(["head", "pyramid", "adaptive"]),
+       policy=st.sampled_from(["random", "tova", "h2o", "brightness"]),
+       budget=st.integers(8, 20), capacity=st.integers(1, 12), most=st.integers(1, 4),
+       every=st.integers(1, 3), steps=st.integers(1, 25), reindex=st.booleans())
+def test_per_head_recall_never_loses_an_entry_a_head_still_holds(
+        tiny_model, tiny_policy, kind, policy, budget, capacity, most, every, steps, reindex):
+    """After every step ``check_valid`` holds (every (layer, head, slot), hot and cold, is a
+    live row of its ledger, no head holds a token both ways, every uid held or dropped once),
+    and an entry a head held before the step, hot or cold, is still that head's, hot or
+    cold, unless its cold store let it go as the earliest in the text: full, or at a
+    re-index (which keeps as many cold tokens as the positions leave room for)."""
+    torch.set_num_threads(1)
+    s = _session(tiny_model, tiny_policy, allocation=kind, policy=policy, budget=budget,
+                 sinks=1, recent=2, cold_capacity=capacity, recall_max=most,
+                 recall_every=every, reindex_at=max(budget, 40) + 8 if reindex else None)
+    for _ in range(steps):
+        before = _entries(s.state)
+        rec = s.step()
+        s.state.check_valid()
+        after, ch = _entries(s.state), s.state.cold.heads
+        for (layer, head, uid) in before.keys() - after.keys():
+            assert rec.reindexed or int(ch.n[layer, head]) == capacity, \
+                (layer, head, uid, "let go, neither full nor at a re-index")
+            cold = [before[k][1] for k in after if k[:2] == (layer, head) and k in before
+                    and _is_cold(s.state, *k)]
+            assert all(before[(layer, head, uid)][1] < p for p in cold), \
+                (layer, head, uid, "let go before an earlier one")
+
+
+def _is_cold(state, layer: int, head: int, uid: int) -> bool:
+    h, m = state.cold.heads, state.cold.ledger
+    rows = h.row[layer, head, :int(h.n[layer, head])]
+    return bool((m.uid[rows] == uid).any())
 
 
 def test_each_head_recalls_what_the_whole_token_rule_would_from_its_own_tokens(

@@ -56,6 +56,11 @@ class Pool:
             return 1
         return min(self.jobs or 0, left)
 
+    def threads(self, items: int) -> int:
+        """The torch threads each process that measures a grid of ``items`` items steps
+        with: one in a worker (or an actor), this process's own where it measures them."""
+        return 1 if self.ray is not None or self.workers(items) > 1 else torch.get_num_threads()
+
     def rows(self, label: str, todo: list, cells_each: int, here: Callable,
              there: Callable, cfg, cells: Callable) -> list:
         """Each of ``todo`` measured in every cell of a grid, with a progress bar of
@@ -92,12 +97,14 @@ class Pool:
 def where(what: str, res) -> str:
     """Where a result's items were measured, as its report says it (``what``: the items,
     e.g. ``trials``; ``res``: a result with ``workers`` and ``ray``): `` on the Ray cluster
-    at ...``, `` in 2 single-thread processes``, or nothing (here)."""
+    at ...``, `` in 2 single-thread processes``, or nothing (here); then the rows a step,
+    where they were chosen by measurement (``batch_choice``)."""
     workers = res.workers or 0
+    rows = f"; {res.batch_choice}" if res.batch_choice else ""
     if res.ray is not None:
         return f"; {what} on the Ray cluster at {res.ray}" + (
-            f" ({workers} single-CPU actors)" if workers else "")
-    return f"; {what} in {workers} single-thread processes" if workers > 1 else ""
+            f" ({workers} single-CPU actors)" if workers else "") + rows
+    return (f"; {what} in {workers} single-thread processes" if workers > 1 else "") + rows
 
 
 def _on_processes(jobs: int, items: list[tuple[int, Any]], there: Callable, cfg,

@@ -42,7 +42,7 @@ from ..model import DTYPES, Model, load_model
 from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, UserError, option, require
-from . import common, flags, grid
+from . import batch_size, common, flags, grid
 from .common import Table, fmt
 from .grid import Pool
 from .result import KVCost, Machine, Result, Target, model_facts, target_table
@@ -174,9 +174,10 @@ class PasskeyConfig:
     framing: str = "raw"  # SmolLM2's full-cache accuracy: raw 50/50, chat 30/50 (METHOD)
     max_new_tokens: int = 8
     seed: int = 0
-    batch: int = option(1, "a trial's answers (the full cache's and each cell's) B at a time, "
-                        "as the rows of a batch (one stage-1 forward a step for all; 1: one "
-                        "after another)", metavar="B")
+    batch: int | None = option(None, "a trial's answers (the full cache's and each cell's) "
+                               "B at a time, as the rows of a batch (one stage-1 forward a "
+                               "step for all; 1: one after another; " + batch_size.HELP + ")",
+                               metavar="B")
     # cache options of every cell (flat name -> value): sinks, recent, scorer fields (each
     # cell's scorer takes those it has)
     params: tuple[tuple[str, Any], ...] = option(
@@ -197,7 +198,7 @@ class PasskeyConfig:
         require(self.framing in FRAMINGS,
                 f"framing must be one of {', '.join(FRAMINGS)}, got {self.framing!r}")
         require(self.max_new_tokens >= 5, "the answer needs at least 5 new tokens")
-        require(self.batch >= 1, f"batch must be >= 1, got {self.batch}")
+        require(self.batch is None or self.batch >= 1, f"batch must be >= 1, got {self.batch}")
         require(len(self.variants) > 0, "variants must hold at least one entry ({} = plain)")
         options.check_shared(dict(self.params), flags.scorer_names(self.policies) or CULLING)
         for v in self.variants:
@@ -319,7 +320,7 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
         if tick:
             tick()
 
-    drive_rows(model, sessions(), cfg.batch, cfg.max_new_tokens, on_done=done)
+    drive_rows(model, sessions(), cfg.batch or 1, cfg.max_new_tokens, on_done=done)
     texts = [policy.decode(a) for a in answers]
     return TrialRow(**dataclasses.asdict(trial), tokens=n, sentences=sentences, answers=texts,
                     hits=[correct(trial.key, t) for t in texts], prime_s=t1 - t0,
@@ -396,6 +397,7 @@ def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
     for n in cfg.lengths:  # fail before the progress bar: each length holds the task
         fit(policy, 10000, 0.5, n, cfg.framing)
     todo = trials(cfg.seed, cfg.trials, cfg.lengths)
+    cfg, choice = batch_size.resolve(cfg, model, pool.threads(len(todo)))
     workers = pool.workers(len(todo))
     rows = run_trials(cfg, model, policy, todo, pool)
     ref = _cell_row(rows, 0, "none", None, {})
@@ -403,7 +405,7 @@ def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
         benchmark="passkey", command=command, model=cfg.model, quick=cfg.quick,
         machine=machine, config=cfg, base=options.settings(dict(cfg.params)), dtype=cfg.dtype,
         max_positions=model.spec.max_positions, workers=workers, kv=KVCost.of(model),
-        ray=pool.ray,
+        ray=pool.ray, batch_choice=choice,
         trials=rows, reference=ref,
         runs=[_cell_row(rows, i, c.policy, c.budget, c.variant, ref)
               for i, c in enumerate(cells(cfg), 1)],

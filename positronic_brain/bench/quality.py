@@ -52,7 +52,7 @@ from ..scorers import BASELINES, CULLING, culling
 from ..scorers.oracle import NAME as ORACLE, AttentionRecorder, Oracle
 from ..types import (CacheParams, SamplerParams, ScorerSpec, Segment, Totals, UserError, option,
                      require)
-from . import common, flags, grid
+from . import batch_size, common, flags, grid
 from .common import Table, fmt
 from .grid import Pool
 from .result import KVCost, Machine, Result, Target, model_facts, target_table
@@ -103,8 +103,10 @@ class QualityConfig:
         (), "cache parameters of every run, e.g. decay=1,gain=200,sinks=4", metavar="K=V,...",
         read=flags.cache_options, repeat="param")
     windows: int = option(4, "grid windows spread over the slice", quick=2)
-    batch: int = option(1, "a cell's windows stepped B at a time, as the rows of a batch (one "
-                        "stage-1 forward a step for all; 1: one after another)", metavar="B")
+    batch: int | None = option(None, "windows stepped B at a time as the rows of a batch, "
+                               "a cell's and other cells' together (one stage-1 forward a step "
+                               "for all; 1: one after another; " + batch_size.HELP + ")",
+                               metavar="B")
     tokens: int = option(512, "scored tokens per grid window", quick=64)
     long: int = option(10240, "scored tokens of the run past the model's positions (0 = none)",
                        quick=0)
@@ -134,7 +136,7 @@ class QualityConfig:
         require(all(r in REPAIRS for r in self.repairs + (self.long_repair,)),
                 f"repairs must be among {REPAIRS}")
         require(self.windows >= 1, f"windows must be >= 1, got {self.windows}")
-        require(self.batch >= 1, f"batch must be >= 1, got {self.batch}")
+        require(self.batch is None or self.batch >= 1, f"batch must be >= 1, got {self.batch}")
         require(self.tokens >= 2, f"tokens must be >= 2, got {self.tokens}")
         require(self.long >= 0 and self.long_window >= 1,
                 "long must be >= 0 and long_window >= 1")
@@ -324,34 +326,47 @@ def streaming_nll(model: Model, policy: TokenPolicy, ids: list[int], cache: Cach
     stops at the model's positions. ``record`` (full cache only): the first ``record``
     queries' attention becomes ``Streamed.oracle``; ``oracle``: the scorer of a run with
     scorer ``oracle``, from such a run over the same ``ids``."""
-    return streaming_rows(model, policy, [ids], cache, tick, record, (oracle,), skip)[0]
+    return streaming_rows(model, policy, [Stream(ids, cache, oracle, record, tick)], skip)[0]
 
 
-def streaming_rows(model: Model, policy: TokenPolicy, texts: list[list[int]],
-                   cache: CacheParams, tick=None, record: int = 0,
-                   oracles: tuple[Oracle | None, ...] | None = None, skip: int = 0,
+@dataclass(frozen=True)
+class Stream:
+    """One row of ``streaming_rows``: its text, cache, oracle and recording
+    (``streaming_nll``'s), and ``tick``, told of each of its steps."""
+
+    ids: list[int]
+    cache: CacheParams
+    oracle: Oracle | None = None
+    record: int = 0
+    tick: Any = None
+
+
+def streaming_rows(model: Model, policy: TokenPolicy, streams: list[Stream], skip: int = 0,
                    batch: int = 1) -> list[Streamed]:
-    """``streaming_nll`` of each of ``texts`` (as long as each other), ``batch`` at a time as
-    the rows of a batch (``batch.drive_rows``; one text steps alone); ``oracles``: one a
-    text."""
-    require(all(len(ids) >= skip + 2 for ids in texts),
+    """``streaming_nll`` of each of ``streams`` (texts as long as each other, each with a
+    cache of its own), ``batch`` at a time as the rows of a batch (``batch.drive_rows``;
+    one stream steps alone)."""
+    require(all(len(r.ids) == len(streams[0].ids) for r in streams),
+            "the rows of a batch stream texts of one length")
+    require(len(streams[0].ids) >= skip + 2,
             "streaming perplexity needs at least 2 tokens past the warm-up")
-    require(not record or cache.budget is None, "only a full-cache run records the oracle")
-    oracles = oracles or (None,) * len(texts)
-    require(all((o is not None) == (cache.scorer.name == ORACLE) for o in oracles),
-            "an oracle run needs the full-cache run's oracle, and only it takes one")
-    recorders = [AttentionRecorder(record, read_like_scorer(cache, "aggregate"), ids)
-                 if record else None for ids in texts]
-    nll, totals, warm = ([[] for _ in texts], [Totals() for _ in texts],
-                         [Totals() for _ in texts])
-    sessions: list[Session | None] = [None] * len(texts)
+    for r in streams:
+        require(not r.record or r.cache.budget is None, "only a full-cache run records the "
+                "oracle")
+        require((r.oracle is not None) == (r.cache.scorer.name == ORACLE),
+                "an oracle run needs the full-cache run's oracle, and only it takes one")
+    recorders = [AttentionRecorder(r.record, read_like_scorer(r.cache, "aggregate"), r.ids)
+                 if r.record else None for r in streams]
+    nll, totals, warm = ([[] for _ in streams], [Totals() for _ in streams],
+                         [Totals() for _ in streams])
+    sessions: list[Session | None] = [None] * len(streams)
 
     def primed():  # each text's session, made as its place frees
-        for b, (ids, r, o) in enumerate(zip(texts, recorders, oracles)):
-            sessions[b] = Session(model, policy, SamplerParams(greedy=True), cache,
-                                  scorer=r or o)
-            sessions[b].prime([Segment((ids[0],), "user")],
-                              arena_capacity(model, cache, 1, len(ids) - 1))
+        for b, (r, recorder) in enumerate(zip(streams, recorders)):
+            sessions[b] = Session(model, policy, SamplerParams(greedy=True), r.cache,
+                                  scorer=recorder or r.oracle)
+            sessions[b].prime([Segment((r.ids[0],), "user")],
+                              arena_capacity(model, r.cache, 1, len(r.ids) - 1))
             yield b, sessions[b]
 
     def stepped(b: int, rec) -> None:
@@ -360,16 +375,17 @@ def streaming_rows(model: Model, policy: TokenPolicy, texts: list[list[int]],
         else:
             nll[b].append(-rec.logprob)
             totals[b].add(rec)
-        if tick:
-            tick()
+        if streams[b].tick:
+            streams[b].tick()
 
-    drive_rows(model, primed(), batch if len(texts) > 1 else 1, len(texts[0]) - 1,
-               ignore_eos=True, force=lambda b, k: texts[b][k + 1], on_step=stepped)
+    drive_rows(model, primed(), batch if len(streams) > 1 else 1, len(streams[0].ids) - 1,
+               ignore_eos=True, force=lambda b, k: streams[b].ids[k + 1], on_step=stepped)
     out = []
     for b, (s, recorder) in enumerate(zip(sessions, recorders)):
         s.state.check_valid()
-        require(not recorder or warm[b].steps + len(nll[b]) >= record, f"the full cache "
-                f"ran {warm[b].steps + len(nll[b])} steps, the oracle needs {record}")
+        require(not recorder or warm[b].steps + len(nll[b]) >= streams[b].record,
+                f"the full cache ran {warm[b].steps + len(nll[b])} steps, the oracle needs "
+                f"{streams[b].record}")
         out.append(Streamed(tuple(nll[b]), s.stop_reason, totals[b], warm[b],
                             recorder.oracle() if recorder else None))
     return out
@@ -391,13 +407,45 @@ class Job:
     skip: int = 0
     record: bool = False
 
+    def streams(self, ids: list[int], tick=None,
+                oracles: tuple[Oracle, ...] | None = None) -> list[Stream]:
+        """One row a start; ``oracles``: the recording job's, one a start."""
+        oracles = oracles or (None,) * len(self.starts)
+        return [Stream(ids[s:s + self.tokens + 1], self.cache, o,
+                       self.tokens if self.record else 0, tick)
+                for s, o in zip(self.starts, oracles)]
+
     def run(self, model: Model, policy: TokenPolicy, ids: list[int], tick=None,
             oracles: tuple[Oracle, ...] | None = None, batch: int = 1) -> list[Streamed]:
         """One ``Streamed`` per start; ``oracles``: the recording job's, one per start;
         ``batch``: the starts run that many at a time as a batch's rows."""
-        return streaming_rows(model, policy, [ids[s:s + self.tokens + 1] for s in self.starts],
-                              self.cache, tick, self.tokens if self.record else 0, oracles,
-                              self.skip, batch)
+        return run_jobs(model, policy, ids, [self], [tick], oracles, batch)[0]
+
+
+def run_jobs(model: Model, policy: TokenPolicy, ids: list[int], jobs: list[Job], ticks: list,
+             oracles: tuple[Oracle, ...] | None = None, batch: int = 1) -> list[list[Streamed]]:
+    """Every start of each of ``jobs`` (one ``pack``: the same length and warm-up) as the
+    rows of one batch, ``batch`` at a time; ``ticks``: one a job; ``oracles`` for the
+    oracle jobs among them. Each job's ``Streamed``s, one a start."""
+    streams = [r for j, t in zip(jobs, ticks)
+               for r in j.streams(ids, t, oracles if j.kind == "oracle" else None)]
+    runs = iter(streaming_rows(model, policy, streams, jobs[0].skip, batch))
+    return [[next(runs) for _ in j.starts] for j in jobs]
+
+
+def packs(jobs: list[Job], batch: int) -> list[list[int]]:
+    """``jobs`` (their indices, in order) in groups each run as one batch (``run_jobs``):
+    jobs of one length and warm-up, their starts together at most ``batch`` rows (a job
+    with more starts is a group of its own and runs ``batch`` of them at a time)."""
+    out: list[list[int]] = []
+    filling: dict[tuple[int, int], list[int]] = {}
+    for i, j in enumerate(jobs):
+        key, group = (j.tokens, j.skip), filling.get((j.tokens, j.skip))
+        if group is None or sum(len(jobs[k].starts) for k in group) + len(j.starts) > batch:
+            group = filling[key] = []
+            out.append(group)
+        group.append(i)
+    return out
 
 
 def plan(cfg: QualityConfig, limit: int, room: range) -> list[Job]:
@@ -459,15 +507,21 @@ def _init_worker(model: str, dtype: str, device: str, ids: list[int], queue,
                    batch=batch)
 
 
-def _run_job(i: int, job: Job, oracles: tuple[Oracle, ...] | None = None) -> list[Streamed]:
-    w, count = _WORKER, [0]
+def _run_pack(pack: list[int], jobs: list[Job],
+              oracles: tuple[Oracle, ...] | None = None) -> list[list[Streamed]]:
+    w = _WORKER
 
-    def tick() -> None:  # every 16 tokens: the queue is shared by every worker
-        count[0] += 1
-        if count[0] % 16 == 0:
-            w["queue"].put((i, 16))
+    def ticker(i: int):
+        count = [0]
 
-    return job.run(w["model"], w["policy"], w["ids"], tick, oracles, w["batch"])
+        def tick() -> None:  # every 16 tokens: the queue is shared by every worker
+            count[0] += 1
+            if count[0] % 16 == 0:
+                w["queue"].put((i, 16))
+        return tick
+
+    return run_jobs(w["model"], w["policy"], w["ids"], jobs, [ticker(i) for i in pack],
+                    oracles, w["batch"])
 
 
 def _oracles(runs: list[Streamed]) -> tuple[Oracle, ...]:
@@ -481,82 +535,124 @@ def _given_ids(ids: list[int], _cfg: QualityConfig) -> list[int]:
     return ids
 
 
-def _ray_job(item: tuple[Job, tuple[Oracle, ...] | None]) -> list[Streamed]:
+def _ray_pack(item: tuple[list[Job], tuple[Oracle, ...] | None]) -> list[list[Streamed]]:
     w = grid.WORKER
-    return item[0].run(w["model"], w["policy"], w["grid"], None, item[1], w["cfg"].batch)
+    return run_jobs(w["model"], w["policy"], w["grid"], item[0], [None] * len(item[0]),
+                    item[1], w["cfg"].batch or 1)
+
+
+def _phases(cfg: QualityConfig, jobs: list[Job]) -> tuple[list[list[int]], list[list[int]]]:
+    """``jobs``' packs (``packs``, each a list of job indices): those that run first, then
+    the oracle jobs', which wait for the full cache that records their oracles."""
+    first = [i for i, j in enumerate(jobs) if j.kind != "oracle"]
+    later = [i for i, j in enumerate(jobs) if j.kind == "oracle"]
+    group = lambda idx: [[idx[k] for k in p] for p in packs([jobs[i] for i in idx],  # noqa: E731
+                                                             cfg.batch or 1)]
+    return group(first), group(later)
 
 
 def _on_ray(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool, ticks: list,
             finished) -> list[list[Streamed]]:
     """``execute`` on the Ray cluster of ``pool``: the oracle jobs after the rest."""
     results: list = [None] * len(jobs)
+    first, later = _phases(cfg, jobs)
 
-    def done(i: int, runs: list[Streamed]) -> None:
-        results[i] = runs
-        finished(i, runs)
-        for _ in range(jobs[i].steps * len(jobs[i].starts)):
-            ticks[i]()
+    def done(pack: list[int], runs: list[list[Streamed]]) -> None:
+        for i, r in zip(pack, runs):
+            results[i] = r
+            finished(i, r)
+            for _ in range(jobs[i].steps * len(jobs[i].starts)):
+                ticks[i]()
 
-    first = [i for i, j in enumerate(jobs) if j.kind != "oracle"]
     given = functools.partial(_given_ids, ids)
-    grid.on_ray(pool.ray, pool.jobs, [(i, (jobs[i], None)) for i in first], _ray_job, cfg,
-                given, done)
-    if len(first) < len(jobs):
-        oracles = _oracles(next(results[i] for i in first if jobs[i].record))
-        grid.on_ray(pool.ray, pool.jobs, [(i, (j, oracles)) for i, j in enumerate(jobs)
-                                          if j.kind == "oracle"], _ray_job, cfg, given, done)
+
+    def phase(groups: list[list[int]], oracles) -> None:
+        grid.on_ray(pool.ray, pool.jobs, [(k, ([jobs[i] for i in p], oracles))
+                                          for k, p in enumerate(groups)],
+                    _ray_pack, cfg, given, lambda k, runs: done(groups[k], runs))
+
+    phase(first, None)
+    if later:
+        phase(later, _oracles(next(results[i] for p in first for i in p if jobs[i].record)))
     return results
 
 
 def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool,
             finished=None) -> list[list[Streamed]]:
-    """Run ``jobs`` (over the text ``ids``) with a progress bar each: here (``pool.jobs``
-    = 1), in that many single-thread processes (each loads the model once) or on the Ray
-    cluster of ``pool``. Oracle jobs start once the full cache that records their oracles
-    is done. ``finished(i, runs)``: job ``i``'s runs, as it finishes."""
-    first = [i for i, j in enumerate(jobs) if j.kind != "oracle"]
-    later = [i for i, j in enumerate(jobs) if j.kind == "oracle"]
-    (rec,) = [i for i in first if jobs[i].record] if later else [None]
+    """Run ``jobs`` (over the text ``ids``) with a progress bar each, ``cfg.batch`` rows (a
+    job's starts, and the jobs of one ``pack`` together; None, as ``run`` has not chosen
+    one: 1) a step: here (``pool.jobs`` = 1),
+    in that many single-thread processes (each loads the model once) or on the Ray cluster
+    of ``pool``. Oracle jobs start once the full cache that records their oracles is done.
+    ``finished(i, runs)``: job ``i``'s runs, as it finishes."""
+    first, later = _phases(cfg, jobs)
+    rec = next((i for p in first for i in p if jobs[i].record), None) if later else None
+    require(not later or rec is not None, "the oracle runs need the full cache's recording")
     results: list = [None] * len(jobs)
     finished = finished or (lambda i, runs: None)
-    workers = dataclasses.replace(pool, journal=None).workers(len(jobs))  # these jobs
+    workers = dataclasses.replace(pool, journal=None).workers(len(first) + len(later))
     with common.progress() as task:
         ticks = [task(j.label, j.steps * len(j.starts)) for j in jobs]
         if pool.ray is not None:
             return _on_ray(cfg, jobs, ids, pool, ticks, finished)
+
+        def done(pack: list[int], runs: list[list[Streamed]]) -> None:
+            for i, r in zip(pack, runs):
+                results[i] = r
+                finished(i, r)
+
         if workers == 1:
             model = load_model(cfg.model, cfg.dtype, cfg.device)
             policy = TokenPolicy(model.tokenizer)
-            for i in first + later:
-                results[i] = jobs[i].run(model, policy, ids, ticks[i],
-                                         _oracles(results[rec]) if i in later else None,
-                                         cfg.batch)
-                finished(i, results[i])
+            for k, p in enumerate(first + later):
+                done(p, run_jobs(model, policy, ids, [jobs[i] for i in p],
+                                 [ticks[i] for i in p],
+                                 _oracles(results[rec]) if k >= len(first) else None,
+                                 cfg.batch or 1))
             return results
-        import multiprocessing as mp
-        import queue as queue_mod
-        from concurrent.futures import ProcessPoolExecutor
+        return _on_processes(cfg, jobs, ids, workers, (first, later, rec), ticks, done)
 
-        ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
-        q = ctx.Queue()
-        with ProcessPoolExecutor(workers, ctx, _init_worker,
-                                 (cfg.model, cfg.dtype, cfg.device, ids, q, cfg.batch)) as pool:
-            futures = {i: pool.submit(_run_job, i, jobs[i]) for i in first}
-            while any(r is None for r in results):
-                for i, f in futures.items():
-                    if results[i] is None and f.done():
-                        results[i] = f.result()  # a worker's error now, not at the end
-                        finished(i, results[i])
-                if len(futures) < len(jobs) and results[rec] is not None:
-                    oracles = _oracles(results[rec])
-                    futures.update({i: pool.submit(_run_job, i, jobs[i], oracles) for i in later})
-                try:
-                    i, n = q.get(timeout=0.2)
-                except queue_mod.Empty:
-                    continue
-                for _ in range(n):
-                    ticks[i]()
-            return results
+
+def _on_processes(cfg: QualityConfig, jobs: list[Job], ids: list[int], workers: int,
+                  phases: tuple, ticks: list, done) -> list[list[Streamed]]:
+    """``execute`` in ``workers`` local processes: the first packs, then (once the
+    recording job ``rec`` is done) the oracle jobs' packs."""
+    import multiprocessing as mp
+    import queue as queue_mod
+    from concurrent.futures import ProcessPoolExecutor
+
+    first, later, rec = phases
+    results: list = [None] * len(jobs)
+
+    def landed(p: list[int], runs: list[list[Streamed]]) -> None:
+        for i, r in zip(p, runs):
+            results[i] = r
+        done(p, runs)
+
+    ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
+    q = ctx.Queue()
+    with ProcessPoolExecutor(workers, ctx, _init_worker,
+                             (cfg.model, cfg.dtype, cfg.device, ids, q, cfg.batch or 1)) as pool:
+        futures = {k: pool.submit(_run_pack, p, [jobs[i] for i in p])
+                   for k, p in enumerate(first)}
+        groups, got = first + later, set()
+        while len(got) < len(groups):
+            for k, f in list(futures.items()):
+                if k not in got and f.done():
+                    got.add(k)
+                    landed(groups[k], f.result())  # a worker's error now, not at the end
+            if len(futures) < len(groups) and rec is not None and results[rec] is not None:
+                oracles = _oracles(results[rec])
+                futures.update({len(first) + k: pool.submit(_run_pack, p,
+                                                            [jobs[i] for i in p], oracles)
+                                for k, p in enumerate(later)})
+            try:
+                i, n = q.get(timeout=0.2)
+            except queue_mod.Empty:
+                continue
+            for _ in range(n):
+                ticks[i]()
+    return results
 
 
 def measure(cfg: QualityConfig, jobs: list[Job], ids: list[int],
@@ -734,10 +830,12 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
     cfg = cfg.fitted(limit)
     all_ids = TokenPolicy(model.tokenizer).encode(text)
     kv = KVCost.of(model)
-    del model
     room = slice_range(len(all_ids), cfg.slice, cfg.at)
     jobs = plan(cfg, limit, room)
-    workers = pool.workers(len(jobs))
+    cfg, choice = batch_size.resolve(cfg, model, pool.threads(len(jobs)))
+    del model
+    workers = pool.workers(len(jobs))  # at most one a pack of jobs here
+    workers = workers if pool.ray is not None else min(workers, sum(map(len, _phases(cfg, jobs))))
     done = list(zip(jobs, measure(cfg, jobs, all_ids, pool)))
     rows = {kind: [_run(j, m) for j, m in done if j.kind == kind]
             for kind in ("reference", "grid", "oracle")}
@@ -745,7 +843,7 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
         benchmark="quality", command=command, model=cfg.model, quick=cfg.quick,
         machine=machine, config=cfg, base=options.settings(dict(cfg.params)),
         warmup=cfg.warmup, dtype=cfg.dtype, max_positions=limit,
-        workers=workers, kv=kv, ray=pool.ray,
+        workers=workers, kv=kv, ray=pool.ray, batch_choice=choice,
         text=Text(cfg.text, TEXTS.get(cfg.text, "a file"), len(text), len(all_ids),
                   hashlib.sha256(text.encode()).hexdigest()[:16], cfg.slice, room.start,
                   room.stop, jobs[0].starts),
@@ -970,8 +1068,10 @@ def _gap_table(res: QualityResult) -> Table:
 
 def _cost_table(res: QualityResult) -> Table:
     return Table(
-        "Per run: ms per token (whole loop step), culls (and how many folded), merges, "
-        "recalls, over the scored steps",
+        "Per run: ms per token (whole loop step"
+        + (f"; with {res.config.batch} rows a step, the batch's stage 1 and the row's stages "
+           "2-4" if (res.config.batch or 1) > 1 else "")
+        + "), culls (and how many folded), merges, recalls, over the scored steps",
         ("policy", "repair", "budget", "ms/token", "culled", "folded", "merged", "recalled",
          "stop"),
         tuple((_name(r), r.repair, str(r.budget), fmt(r.ms_per_token, 1), str(r.culled),

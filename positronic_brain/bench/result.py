@@ -103,6 +103,7 @@ class Result:
     machine: Machine
     targets: list[Target] = field(default_factory=list)
     elapsed_s: float = 0.0
+    batch_choice: str = ""  # a grid's rows a step, where chosen by measurement (batch_size)
 
     def to_json(self) -> dict:
         """The result as JSON: every field, nested dataclasses as objects."""

@@ -58,7 +58,7 @@ from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, require
 from ..types import option
-from . import common, flags, grid, ruler_tasks
+from . import batch_size, common, flags, grid, ruler_tasks
 from .common import Table, fmt
 from .grid import Pool
 from .result import Machine, Result, Target, model_facts, target_table
@@ -102,9 +102,10 @@ class RulerConfig:
     new_tokens: int | None = option(None, "the most new tokens of an answer (default: the "
                                     "task's own, as RULER's)")
     recall: bool = option(False, "each cell also with recall (as run --recall)")
-    batch: int = option(1, "a sample's answers (the full cache's and each cell's) B at a "
-                        "time, as the rows of a batch (one stage-1 forward a step for all; "
-                        "1: one at a time)", metavar="B")
+    batch: int | None = option(None, "a sample's answers (the full cache's and each cell's) "
+                               "B at a time, as the rows of a batch (one stage-1 forward a "
+                               "step for all; 1: one at a time; " + batch_size.HELP + ")",
+                               metavar="B")
     query_aware: bool = option(False, "the question is compressed with the context (kvpress's "
                                "query_aware): only the answer prefix goes on uncompressed")
     params: tuple[tuple[str, Any], ...] = option(
@@ -126,7 +127,7 @@ class RulerConfig:
     def __post_init__(self) -> None:
         require(self.samples >= 1, f"samples must be >= 1, got {self.samples}")
         require(self.chunk >= 1, f"chunk must be >= 1, got {self.chunk}")
-        require(self.batch >= 1, f"batch must be >= 1, got {self.batch}")
+        require(self.batch is None or self.batch >= 1, f"batch must be >= 1, got {self.batch}")
         require(self.new_tokens is None or self.new_tokens >= 1,
                 f"new tokens must be >= 1, got {self.new_tokens}")
         require(all(n >= 64 for n in self.lengths), f"lengths must be >= 64, got {self.lengths}")
@@ -426,7 +427,7 @@ def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
         if tick:
             tick()
 
-    run_programs(model, programs(), cfg.batch, done)
+    run_programs(model, programs(), cfg.batch or 1, done)
     texts = [policy.decode(a) for a in answers]
     scores = [ruler_tasks.score(sample.task, t, sample.answers) for t in texts]
     if cfg.capture_misses:
@@ -554,7 +555,8 @@ def run(cfg: RulerConfig, command: str, pool: Pool = Pool()) -> RulerResult:
     if cfg.write_data:
         res.data = write_data(cfg, policy, todo)
     else:
-        res.workers, res.ray = pool.workers(len(todo)), pool.ray
+        cfg, res.batch_choice = batch_size.resolve(cfg, model, pool.threads(len(todo)))
+        res.config, res.workers, res.ray = cfg, pool.workers(len(todo)), pool.ray
         res.samples = run_samples(cfg, model, policy, todo, pool)
         res.rows = rows(res, cells(cfg))
         res.targets = targets(res)

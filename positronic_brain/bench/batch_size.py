@@ -1,0 +1,137 @@
+"""How many rows a grid benchmark steps together when ``--batch`` is not given: chosen by
+measurement on this machine, once, and kept.
+
+A batch's step reads the weights once for all its rows (docs/DESIGN.md, the batch), so B
+rows cost less than B steps; how much less depends on the CPU (or GPU), the model, its
+dtype and stage 1's path, and the threads a process runs. ``chosen`` times stage 1 of B
+rows, each over its own copy of a prime of ``CONTEXT`` tokens, for B = 1, 2, 4, ... up to
+``MOST``, and chooses the fewest rows whose tokens a second come within ``GAIN`` of the
+most measured: past them, more rows only lengthen a grid's tail (and the rate need not
+grow with B at every step: oneDNN's products of 2 rows can be slower than of 1). The choice is kept in
+``cache_dir()/batch.json`` under what decides it (``device_kind``, torch's and this
+package's versions, the model, its dtype and path, the threads), so every later run on the
+machine takes the same B without measuring again.
+
+A grid's numbers do not depend on B beyond rounding: each row is the session it would be
+alone, and only a batch's products may add in another order (on the native path not even
+that: docs/DESIGN.md, the batch).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..model import Model, cache_dir, device_kind, for_rows
+from ..sampler import make_generator
+from ..stages.apply import prime
+from ..stages.generate import generate, generate_rows
+from ..types import SamplerParams, Segment
+from ..version import __version__
+
+MOST = 32  # the most rows ``measure`` tries
+BATCHES = tuple(2 ** k for k in range(MOST.bit_length()))  # 1, 2, 4, ... MOST
+GAIN = 1.10  # the fewest rows whose tokens a second are within this of the most measured
+CONTEXT = 256  # live slots a row while it is timed
+REPS = 5  # timed steps of each B (their median), after one untimed
+GREEDY = SamplerParams(greedy=True)
+HELP = ("default: the fewest that run near the most tokens a second, measured once on this "
+        "machine and kept")  # ``--batch``'s default, in each grid benchmark's help
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The rows a step (``batch``), each B's stage-1 tokens a second as measured, and
+    whether they came from the cache (measured by an earlier run on this machine)."""
+
+    batch: int
+    tokens_s: dict[int, float]
+    kept: bool = False
+
+    def describe(self) -> str:
+        """One line for a report: the choice and what it rests on."""
+        rates = ", ".join(f"{b}: {t:,.1f}" for b, t in sorted(self.tokens_s.items()))
+        return (f"{self.batch} rows a step, chosen by measurement on this machine (stage 1's "
+                f"tokens a second by rows at {CONTEXT} live slots: {rates})")
+
+
+def key(model: Model, threads: int) -> str:
+    """What decides the choice: the machine, the versions, the model and how it runs."""
+    return " | ".join((device_kind(model.device), f"torch {torch.__version__}",
+                       f"positronic-brain {__version__}", model.name, model.precision,
+                       model.compiled or "plain", f"{threads} threads"))
+
+
+def _tokens_s(model: Model, rows: int, states: list) -> float:
+    """Stage 1's tokens a second over ``rows`` copies of a prime's state."""
+    rows_model = for_rows(model, rows) if rows > 1 else model
+    views = [s.view() for s in states[:rows]]
+    gens = [make_generator(i, model.device) for i in range(rows)]
+    if rows == 1:
+        step = lambda: generate(model, views[0], GREEDY, gens[0])  # noqa: E731
+    else:
+        step = lambda: generate_rows(rows_model, views, [GREEDY] * rows, gens,  # noqa: E731
+                                     [None] * rows)
+    step()
+    times = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return rows / sorted(times)[REPS // 2]
+
+
+def measure(model: Model, threads: int) -> Choice:
+    """Time stage 1 of 1, 2, 4, ... ``MOST`` rows (``threads`` torch threads) and choose the
+    fewest rows whose tokens a second come within ``GAIN`` of the most measured."""
+    ids = [(7 + 31 * i) % model.spec.vocab for i in range(CONTEXT + 1)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        first = prime(model, [Segment(tuple(ids), "user")], capacity=CONTEXT + 8)[0]
+        states = [first] + [copy.deepcopy(first) for _ in range(MOST - 1)]
+        rates = {b: _tokens_s(model, b, states) for b in BATCHES}
+    finally:
+        torch.set_num_threads(before)
+        model.rows.clear()  # let the packed copy go
+    best = max(rates.values())
+    return Choice(min(b for b, t in rates.items() if t * GAIN >= best), rates)
+
+
+def chosen(model: Model, threads: int) -> Choice:
+    """The kept choice for ``model`` at ``threads`` threads on this machine, measured (and
+    kept) if there is none."""
+    path, k = cache_dir() / "batch.json", key(model, threads)
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        kept = {}
+    if isinstance(kept, dict) and isinstance(kept.get(k), dict):
+        try:
+            c = kept[k]
+            return Choice(int(c["batch"]), {int(b): float(t) for b, t in c["tokens_s"].items()},
+                          kept=True)
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged entry: measured again and written over
+    choice = measure(model, threads)
+    kept = kept if isinstance(kept, dict) else {}
+    kept[k] = {"batch": choice.batch, "tokens_s": asdict(choice)["tokens_s"]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
+    tmp.write_text(json.dumps(kept, indent=1, sort_keys=True), encoding="utf-8")
+    tmp.replace(path)
+    return choice
+
+
+def resolve(cfg, model: Model, threads: int):
+    """``cfg`` (a grid benchmark's config) with its ``batch`` as given (``--batch``) or, where
+    none was, ``chosen``'s for ``model`` at ``threads`` threads (the threads each of the
+    run's processes steps with); and the report's line on the choice (empty where given)."""
+    if cfg.batch is not None:
+        return cfg, ""
+    choice = chosen(model, threads)
+    return dataclasses.replace(cfg, batch=choice.batch), choice.describe()

@@ -1,0 +1,97 @@
+"""A grid benchmark's rows a step when ``--batch`` is not given: measured once on the
+machine (``bench.batch_size``), kept, and said in the report."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from positronic_brain.bench import batch_size
+from positronic_brain.bench.quality import QualityConfig
+from positronic_brain.cli import main
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSITRONIC_BRAIN_CACHE", str(tmp_path))
+    return tmp_path / "batch.json"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_fewest_rows_near_the_most_tokens_a_second_are_chosen(tiny_model, monkeypatch):
+    """Every B of 1, 2, 4, ... 32 is timed (a dip at 2 rows does not stop the search) and
+    the fewest rows within ``GAIN`` of the best rate win."""
+    rates = {1: 10.0, 2: 9.0, 4: 30.0, 8: 33.0, 16: 34.0, 32: 35.0}
+    seen = []
+
+    def timed(model, rows, states):
+        seen.append(rows)
+        assert len(states) >= rows and len({id(s) for s in states}) == len(states)
+        return rates[rows]
+
+    monkeypatch.setattr(batch_size, "_tokens_s", timed)
+    choice = batch_size.measure(tiny_model, 1)
+    assert seen == list(batch_size.BATCHES) == [1, 2, 4, 8, 16, 32]
+    assert choice.batch == 8 and choice.tokens_s == rates  # 33 * 1.1 >= 35 > 30 * 1.1
+    assert "8 rows a step, chosen by measurement" in choice.describe()
+    rates.update({8: 31.0})
+    assert batch_size.measure(tiny_model, 1).batch == 16
+    assert not tiny_model.rows  # the packed copy let go
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_real_measurement_gives_a_rate_for_every_batch(tiny_model):
+    choice = batch_size.measure(tiny_model, 1)
+    assert set(choice.tokens_s) == set(batch_size.BATCHES)
+    assert all(t > 0 for t in choice.tokens_s.values())
+    assert choice.batch in batch_size.BATCHES
+    assert choice.tokens_s[choice.batch] * batch_size.GAIN >= max(choice.tokens_s.values())
+
+
+def test_the_choice_is_measured_once_and_kept(tiny_model, cache, monkeypatch):
+    calls = []
+
+    def measure(model, threads):
+        calls.append(threads)
+        return batch_size.Choice(4 * threads, {1: 1.0, 4 * threads: 3.0})
+
+    monkeypatch.setattr(batch_size, "measure", measure)
+    first = batch_size.chosen(tiny_model, 1)
+    assert (first.batch, first.kept, calls) == (4, False, [1])
+    again = batch_size.chosen(tiny_model, 1)
+    assert (again.batch, again.tokens_s, again.kept, calls) == (4, first.tokens_s, True, [1])
+    assert batch_size.chosen(tiny_model, 2).batch == 8 and calls == [1, 2]  # its own key
+    kept = json.loads(cache.read_text())
+    assert sorted(kept) == sorted(batch_size.key(tiny_model, t) for t in (1, 2))
+    assert "tiny-random" in batch_size.key(tiny_model, 1)
+    for damaged in ("not json", json.dumps({batch_size.key(tiny_model, 1): {"batch": "x"}}),
+                    "[1, 2]"):
+        cache.write_text(damaged)
+        assert batch_size.chosen(tiny_model, 1).batch == 4  # measured again, written over
+        assert json.loads(cache.read_text())[batch_size.key(tiny_model, 1)]["batch"] == 4
+    assert calls == [1, 2, 1, 1, 1]
+
+
+def test_a_given_batch_is_kept_and_none_is_chosen(tiny_model, monkeypatch):
+    monkeypatch.setattr(batch_size, "chosen",
+                        lambda model, threads: batch_size.Choice(16, {1: 1.0, 16: 9.0}))
+    given = SimpleNamespace(batch=3)
+    assert batch_size.resolve(given, tiny_model, 1) == (given, "")
+    cfg, line = batch_size.resolve(QualityConfig(model="tiny-random", budgets=(24,)),
+                                   tiny_model, 1)
+    assert cfg.batch == 16 and line.startswith("16 rows a step, chosen by measurement")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_grid_without_batch_runs_the_chosen_rows_and_says_so(tmp_path, cache, capsys,
+                                                              monkeypatch):
+    monkeypatch.setattr(batch_size, "measure",
+                        lambda model, threads: batch_size.Choice(2, {1: 1.0, 2: 1.9}))
+    out = tmp_path / "q"
+    assert main(["bench", "quality", "--quick", "--model", "tiny-random", "--budgets", "24",
+                 "--policies", "h2o", "--repairs", "none", "--windows", "1", "--tokens", "16",
+                 "--jobs", "1", "--json", "--out", str(out)]) == 0
+    capsys.readouterr()
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["batch"] == 2 and res["batch_choice"].startswith("2 rows a step")
+    assert "2 rows a step, chosen by measurement" in (out / "report.md").read_text()
+    assert "--batch" not in res["command"]  # run again, it takes the kept choice
