@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from positronic_brain import options, threads
+from positronic_brain.bench import batch_size
 from positronic_brain.model import load_model  # the package sets the offline environment
 from positronic_brain.special_tokens import TokenPolicy
 
@@ -31,6 +32,19 @@ def idle_machine(monkeypatch):
     monkeypatch.setattr(threads, "busy_cores", lambda *_: 0.0)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def fixed_batch(request, monkeypatch):
+    """A grid benchmark a test runs without ``--batch`` steps 4 rows (not a measurement of
+    the machine, which would make its rows machine-dependent and write the user's cache);
+    tests/test_batch_size.py tests the measurement itself."""
+    if request.module.__name__.endswith("test_batch_size"):
+        yield
+        return
+    monkeypatch.setattr(batch_size, "chosen",
+                        lambda model, threads: batch_size.Choice(4, {1: 1.0, 4: 3.0}))
+    yield
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -75,6 +75,16 @@ def unavailable() -> str | None:
     return None
 
 
+def auto(devices, dtype: str) -> tuple[str, str | None]:
+    """``--compile auto``'s choice for a model of ``dtype`` on ``devices``: ``NATIVE`` where
+    these kernels pay (``slower``) and run, else the plain path (""); and, where they would
+    pay but cannot run, why (a note for stderr)."""
+    if slower(devices, dtype):
+        return "", None
+    missing = unavailable()
+    return ("", f"--compile auto: the plain stage 1 ({missing})") if missing else (NATIVE, None)
+
+
 def chosen(compiled: str) -> bool:
     """Whether a model compiled as ``compiled`` (its ``Model.compiled``) runs these kernels."""
     return compiled == NATIVE

@@ -35,7 +35,6 @@ def test_the_fewest_rows_near_the_most_tokens_a_second_are_chosen(tiny_model, mo
     assert "8 rows a step, chosen by measurement" in choice.describe()
     rates.update({8: 31.0})
     assert batch_size.measure(tiny_model, 1).batch == 16
-    assert not tiny_model.rows  # the packed copy let go
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -45,6 +44,8 @@ def test_a_real_measurement_gives_a_rate_for_every_batch(tiny_model):
     assert all(t > 0 for t in choice.tokens_s.values())
     assert choice.batch in batch_size.BATCHES
     assert choice.tokens_s[choice.batch] * batch_size.GAIN >= max(choice.tokens_s.values())
+    assert choice.context == min(batch_size.CONTEXT, tiny_model.spec.max_positions // 2)
+    assert not tiny_model.rows  # the packed copy let go
 
 
 def test_the_choice_is_measured_once_and_kept(tiny_model, cache, monkeypatch):
@@ -63,12 +64,43 @@ def test_the_choice_is_measured_once_and_kept(tiny_model, cache, monkeypatch):
     kept = json.loads(cache.read_text())
     assert sorted(kept) == sorted(batch_size.key(tiny_model, t) for t in (1, 2))
     assert "tiny-random" in batch_size.key(tiny_model, 1)
-    for damaged in ("not json", json.dumps({batch_size.key(tiny_model, 1): {"batch": "x"}}),
-                    "[1, 2]"):
-        cache.write_text(damaged)
+    k = batch_size.key(tiny_model, 1)
+    damaged = ["not json", "[1, 2]", json.dumps({k: {"batch": "x"}}),
+               json.dumps({k: {"batch": 4, "tokens_s": [1, 2]}}),
+               json.dumps({k: {"batch": 0, "tokens_s": {"0": 1.0}}}),
+               json.dumps({k: {"batch": 8, "tokens_s": {"1": 1.0}}})]
+    for text in damaged:
+        cache.write_text(text)
         assert batch_size.chosen(tiny_model, 1).batch == 4  # measured again, written over
-        assert json.loads(cache.read_text())[batch_size.key(tiny_model, 1)]["batch"] == 4
-    assert calls == [1, 2, 1, 1, 1]
+        assert json.loads(cache.read_text())[k]["batch"] == 4
+    assert calls == [1, 2] + [1] * len(damaged)
+
+
+def test_a_cache_folder_that_takes_nothing_measures_each_time(tiny_model, tmp_path,
+                                                             monkeypatch):
+    monkeypatch.setenv("POSITRONIC_BRAIN_CACHE", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("a file where the folder would be")
+    monkeypatch.setattr(batch_size, "measure",
+                        lambda model, threads: batch_size.Choice(2, {1: 1.0, 2: 1.9}))
+    assert batch_size.chosen(tiny_model, 1).batch == 2
+    assert batch_size.chosen(tiny_model, 1).kept is False
+
+
+def test_the_rows_fit_in_half_the_free_memory(tiny_model, monkeypatch):
+    monkeypatch.setattr(batch_size, "chosen",
+                        lambda model, threads: batch_size.Choice(32, {1: 1.0, 32: 9.0}))
+    cfg = QualityConfig(model="tiny-random", budgets=(24,))
+    monkeypatch.setattr(batch_size, "available_bytes", lambda: 10 * 2**30)
+    assert batch_size.resolve(cfg, tiny_model, 1, 2**30, 1)[0].batch == 5
+    got, line = batch_size.resolve(cfg, tiny_model, 1, 2**30, 2)
+    assert got.batch == 2 and "2 rows, as many as 50% of the free memory" in line
+    assert batch_size.resolve(cfg, tiny_model, 1, 2**20, 2)[0].batch == 32  # room for all
+    assert batch_size.resolve(cfg, tiny_model, 1, 2**40, 2)[0].batch == 1  # one at least
+    monkeypatch.setattr(batch_size, "available_bytes", lambda: None)
+    assert batch_size.resolve(cfg, tiny_model, 1, 2**40, 2)[0].batch == 32
+    monkeypatch.undo()  # the real one reads /proc/meminfo
+    free = batch_size.available_bytes()
+    assert free is None or free > 0
 
 
 def test_a_given_batch_is_kept_and_none_is_chosen(tiny_model, monkeypatch):
@@ -94,4 +126,8 @@ def test_a_grid_without_batch_runs_the_chosen_rows_and_says_so(tmp_path, cache, 
     res = json.loads((out / "results.json").read_text())
     assert res["config"]["batch"] == 2 and res["batch_choice"].startswith("2 rows a step")
     assert "2 rows a step, chosen by measurement" in (out / "report.md").read_text()
-    assert "--batch" not in res["command"]  # run again, it takes the kept choice
+    monkeypatch.setattr(batch_size, "measure", None)  # run again: the kept choice
+    assert main(["bench", "quality", "--quick", "--model", "tiny-random", "--budgets", "24",
+                 "--policies", "h2o", "--repairs", "none", "--windows", "1", "--tokens", "16",
+                 "--jobs", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["batch"] == 2

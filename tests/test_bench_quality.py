@@ -1,5 +1,6 @@
 """`bench quality`: streaming perplexity through the real loop with teacher forcing, checked
 against Hugging Face's own full-context forward; the CLI's JSON, report and plots."""
+import dataclasses
 import gzip
 import json
 import math
@@ -8,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from positronic_brain import options
-from positronic_brain.bench import quality
+from positronic_brain import native, options
+from positronic_brain.bench import grid, quality
 from positronic_brain.bench.grid import Pool
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
@@ -418,6 +419,12 @@ def test_cells_step_together_as_one_batch_s_rows(tiny_model, tiny_policy):
     assert quality.packs(jobs[:4] + [odd], 7) == [[0, 1], [2, 3], [4]]
     assert quality.packs(jobs[:4], 2) == [[0], [1], [2], [3]]  # 3 starts: a job alone
     assert quality._phases(cfg, jobs) == ([[0, 1], [2, 3]], [[4, 5]])
+    # spread over 2 processes: at most half of a length's rows a pack, so both are busy
+    assert quality.packs(jobs[:4], 32, workers=2) == [[0, 1], [2, 3]]
+    assert quality.packs(jobs[:4], 32, workers=1) == [[0, 1, 2, 3]]
+    long = [dataclasses.replace(odd, starts=(k,)) for k in range(5)]
+    assert quality.packs(long, 32, workers=2) == [[0, 1, 2], [3, 4]]
+    assert quality._phases(cfg, jobs, Pool(jobs=2)) == ([[0, 1], [2, 3]], [[4], [5]])
     together = quality.execute(cfg, jobs, ids, Pool(jobs=1))
     oracles = tuple(s.oracle for s in together[0])
     tol = nll_bound(tiny_model, 45)
@@ -427,6 +434,25 @@ def test_cells_step_together_as_one_batch_s_rows(tiny_model, tiny_policy):
         _as_alone(alone, batched, len(starts), tol)
     assert all(sum(s.totals.culled + s.totals.merged for s in runs) > 0 for runs in together[1:])
     assert sum(s.totals.merged for s in together[2]) > 0
+
+
+def test_on_the_native_path_no_number_depends_on_the_batch(tiny_policy, one_thread):
+    """Where the grid's stage 1 is native (``grid.load``), a window's NLLs and counts are
+    the same bits whether it steps alone or with other cells' windows."""
+    if native.slower([torch.device("cpu")], "float32") or native.unavailable():
+        pytest.skip("the grid's stage 1 is plain here: "
+                    f"{native.slower([torch.device('cpu')], 'float32') or native.unavailable()}")
+    assert grid.load("tiny-random", "float32", "cpu").compiled == "native"
+    cfg = quality.QualityConfig(model="tiny-random", budgets=(24,), tokens=40)
+    ids = tiny_policy.encode(quality.default_text())[:200]
+    jobs = [quality.Job("grid", p, cfg.cache(24, p, r), 40, 40, (0, 50, 100), 5)
+            for p, r in (("h2o", "none"), ("tova", "merge"), ("brightness", "fold"))]
+    alone = quality.execute(dataclasses.replace(cfg, batch=1), jobs, ids, Pool(jobs=1))
+    together = quality.execute(dataclasses.replace(cfg, batch=9), jobs, ids, Pool(jobs=1))
+    facts = lambda runs: [[(s.nll, s.stop_reason, s.totals.culled, s.totals.merged,  # noqa: E731
+                            s.totals.folded) for s in r] for r in runs]
+    assert facts(alone) == facts(together)
+    assert sum(s.totals.folded for s in alone[2]) > 0
 
 
 def test_params_take_true_and_false_for_yes_no_fields():

@@ -4,7 +4,8 @@ measurement on this machine, once, and kept.
 A batch's step reads the weights once for all its rows (docs/DESIGN.md, the batch), so B
 rows cost less than B steps; how much less depends on the CPU (or GPU), the model, its
 dtype and stage 1's path, and the threads a process runs. ``chosen`` times stage 1 of B
-rows, each over its own copy of a prime of ``CONTEXT`` tokens, for B = 1, 2, 4, ... up to
+rows, each over its own copy of a prime of ``CONTEXT`` tokens (at most half the model's
+positions), for B = 1, 2, 4, ... up to
 ``MOST``, and chooses the fewest rows whose tokens a second come within ``GAIN`` of the
 most measured: past them, more rows only lengthen a grid's tail (and the rate need not
 grow with B at every step: oneDNN's products of 2 rows can be slower than of 1). The choice is kept in
@@ -21,8 +22,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,8 +39,9 @@ from ..version import __version__
 MOST = 32  # the most rows ``measure`` tries
 BATCHES = tuple(2 ** k for k in range(MOST.bit_length()))  # 1, 2, 4, ... MOST
 GAIN = 1.10  # the fewest rows whose tokens a second are within this of the most measured
-CONTEXT = 256  # live slots a row while it is timed
+CONTEXT = 256  # live slots a row while it is timed (at most half the model's positions)
 REPS = 5  # timed steps of each B (their median), after one untimed
+MEMORY_SHARE = 0.5  # the rows a process holds at once fill at most this of the free memory
 GREEDY = SamplerParams(greedy=True)
 HELP = ("default: the fewest that run near the most tokens a second, measured once on this "
         "machine and kept")  # ``--batch``'s default, in each grid benchmark's help
@@ -51,12 +55,13 @@ class Choice:
     batch: int
     tokens_s: dict[int, float]
     kept: bool = False
+    context: int = CONTEXT  # the live slots a row while timed
 
     def describe(self) -> str:
         """One line for a report: the choice and what it rests on."""
         rates = ", ".join(f"{b}: {t:,.1f}" for b, t in sorted(self.tokens_s.items()))
         return (f"{self.batch} rows a step, chosen by measurement on this machine (stage 1's "
-                f"tokens a second by rows at {CONTEXT} live slots: {rates})")
+                f"tokens a second by rows at {self.context} live slots: {rates})")
 
 
 def key(model: Model, threads: int) -> str:
@@ -88,50 +93,83 @@ def _tokens_s(model: Model, rows: int, states: list) -> float:
 def measure(model: Model, threads: int) -> Choice:
     """Time stage 1 of 1, 2, 4, ... ``MOST`` rows (``threads`` torch threads) and choose the
     fewest rows whose tokens a second come within ``GAIN`` of the most measured."""
-    ids = [(7 + 31 * i) % model.spec.vocab for i in range(CONTEXT + 1)]
+    context = min(CONTEXT, model.spec.max_positions // 2)
+    ids = [(7 + 31 * i) % model.spec.vocab for i in range(context + 1)]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        first = prime(model, [Segment(tuple(ids), "user")], capacity=CONTEXT + 8)[0]
+        first = prime(model, [Segment(tuple(ids), "user")], capacity=context + 8)[0]
         states = [first] + [copy.deepcopy(first) for _ in range(MOST - 1)]
         rates = {b: _tokens_s(model, b, states) for b in BATCHES}
     finally:
         torch.set_num_threads(before)
         model.rows.clear()  # let the packed copy go
     best = max(rates.values())
-    return Choice(min(b for b, t in rates.items() if t * GAIN >= best), rates)
+    return Choice(min(b for b, t in rates.items() if t * GAIN >= best), rates, context=context)
+
+
+def _kept(entry) -> Choice | None:
+    """A kept entry of ``batch.json`` as a choice, or None where it is not one (damaged)."""
+    try:
+        rates = {int(b): float(t) for b, t in entry["tokens_s"].items()}
+        batch, context = int(entry["batch"]), int(entry.get("context", CONTEXT))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return Choice(batch, rates, True, context) if batch >= 1 and batch in rates else None
 
 
 def chosen(model: Model, threads: int) -> Choice:
     """The kept choice for ``model`` at ``threads`` threads on this machine, measured (and
-    kept) if there is none."""
+    kept, where the cache folder takes it) if there is none or it is damaged."""
     path, k = cache_dir() / "batch.json", key(model, threads)
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         kept = {}
-    if isinstance(kept, dict) and isinstance(kept.get(k), dict):
-        try:
-            c = kept[k]
-            return Choice(int(c["batch"]), {int(b): float(t) for b, t in c["tokens_s"].items()},
-                          kept=True)
-        except (KeyError, TypeError, ValueError):
-            pass  # a damaged entry: measured again and written over
-    choice = measure(model, threads)
     kept = kept if isinstance(kept, dict) else {}
-    kept[k] = {"batch": choice.batch, "tokens_s": asdict(choice)["tokens_s"]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
-    tmp.write_text(json.dumps(kept, indent=1, sort_keys=True), encoding="utf-8")
-    tmp.replace(path)
+    choice = _kept(kept.get(k))
+    if choice is not None:
+        return choice
+    choice = measure(model, threads)
+    kept[k] = {"batch": choice.batch, "tokens_s": asdict(choice)["tokens_s"],
+               "context": choice.context}
+    tmp = path.with_suffix(f".{os.getpid()}.{time.monotonic_ns()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(kept, indent=1, sort_keys=True), encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        pass  # a cache folder that takes nothing: the next run measures again
     return choice
 
 
-def resolve(cfg, model: Model, threads: int):
+def available_bytes() -> int | None:
+    """The memory the machine has free for new work (/proc/meminfo's MemAvailable), or
+    None where it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def resolve(cfg, model: Model, threads: int, row_bytes: int = 0, processes: int = 1):
     """``cfg`` (a grid benchmark's config) with its ``batch`` as given (``--batch``) or, where
     none was, ``chosen``'s for ``model`` at ``threads`` threads (the threads each of the
-    run's processes steps with); and the report's line on the choice (empty where given)."""
+    run's ``processes`` steps with), at most as many rows as ``MEMORY_SHARE`` of the free
+    memory holds at ``row_bytes`` a row (a row's K/V at its longest) in every process; and
+    the report's line on the choice (empty where given)."""
     if cfg.batch is not None:
         return cfg, ""
-    choice = chosen(model, threads)
-    return dataclasses.replace(cfg, batch=choice.batch), choice.describe()
+    choice, free = chosen(model, threads), available_bytes()
+    line, batch = choice.describe(), choice.batch
+    if row_bytes > 0 and free is not None:
+        room = max(1, int(MEMORY_SHARE * free / (row_bytes * max(processes, 1))))
+        if room < batch:
+            batch = room
+            line += (f"; {room} rows, as many as {MEMORY_SHARE:.0%} of the free memory "
+                     f"({free / 2**30:.1f} GiB) holds at {row_bytes / 2**20:,.0f} MiB a row in "
+                     f"each of {processes} process(es)")
+    return dataclasses.replace(cfg, batch=batch), line

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -19,20 +20,32 @@ from typing import Any
 
 import torch
 
-from ..model import load_model
+from .. import native
+from ..model import Model, load_model, resolve_device
 from ..special_tokens import TokenPolicy
 from ..types import UserError, require
-from . import common
-from .result import Journal
+from . import batch_size, common
+from .result import Journal, KVCost
 
 WORKER: dict = {}  # a worker's model, policy, config and grid (``Pool.rows``)
+
+
+def load(model: str, dtype: str, device: str, note: bool = False) -> Model:
+    """A grid benchmark's model, its stage 1 on the path ``run``'s ``--compile auto`` takes
+    (``native.auto``: the native kernels where they pay and build, whose rows of a batch get
+    the bits of their solo steps, so that no number depends on ``--batch`` there);
+    ``note``: say on stderr where they would pay but cannot run."""
+    compiled, why = native.auto([resolve_device(device)], dtype)
+    if note and why:
+        print(f"positronic-brain: {why}", file=sys.stderr)
+    return load_model(model, dtype, device, compile=compiled)
 
 
 def _init_worker(cfg, cells: Callable) -> None:
     """A worker's ``WORKER``: ``cfg``'s model and its token policy, ``cfg``, then
     ``cells(cfg)`` (which may read the model and policy there)."""
     torch.set_num_threads(1)  # one thread per worker: parallel items, not parallel matmuls
-    m = load_model(cfg.model, cfg.dtype, cfg.device)
+    m = load(cfg.model, cfg.dtype, cfg.device)
     WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), cfg=cfg)
     WORKER["grid"] = cells(cfg)
 
@@ -60,6 +73,14 @@ class Pool:
         """The torch threads each process that measures a grid of ``items`` items steps
         with: one in a worker (or an actor), this process's own where it measures them."""
         return 1 if self.ray is not None or self.workers(items) > 1 else torch.get_num_threads()
+
+    def batch(self, cfg, model: Model, items: int, row_tokens: int):
+        """``batch_size.resolve`` for a grid of ``items`` items measured by this pool, whose
+        rows hold at most ``row_tokens`` tokens of ``model``'s K/V each."""
+        kv = KVCost.of(model)
+        return batch_size.resolve(cfg, model, self.threads(items),
+                                  kv.heads * kv.pair_bytes * row_tokens,
+                                  max(self.workers(items), 1))
 
     def rows(self, label: str, todo: list, cells_each: int, here: Callable,
              there: Callable, cfg, cells: Callable) -> list:

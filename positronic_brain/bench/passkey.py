@@ -38,7 +38,7 @@ from typing import Any
 from .. import options
 from ..batch import drive_rows
 from ..loop import Session, arena_capacity
-from ..model import DTYPES, Model, load_model
+from ..model import DTYPES, Model
 from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, UserError, option, require
@@ -391,13 +391,13 @@ def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
     """Every measurement, the trials measured by ``pool``."""
     t0 = time.perf_counter()
     machine = Machine.now()
-    model = load_model(cfg.model, cfg.dtype, cfg.device)
+    model = grid.load(cfg.model, cfg.dtype, cfg.device, note=True)
     cfg = cfg.fitted(model.spec.max_positions)
     policy = TokenPolicy(model.tokenizer)
     for n in cfg.lengths:  # fail before the progress bar: each length holds the task
         fit(policy, 10000, 0.5, n, cfg.framing)
     todo = trials(cfg.seed, cfg.trials, cfg.lengths)
-    cfg, choice = batch_size.resolve(cfg, model, pool.threads(len(todo)))
+    cfg, choice = pool.batch(cfg, model, len(todo), max(cfg.lengths) + cfg.max_new_tokens)
     workers = pool.workers(len(todo))
     rows = run_trials(cfg, model, policy, todo, pool)
     ref = _cell_row(rows, 0, "none", None, {})
@@ -405,7 +405,7 @@ def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
         benchmark="passkey", command=command, model=cfg.model, quick=cfg.quick,
         machine=machine, config=cfg, base=options.settings(dict(cfg.params)), dtype=cfg.dtype,
         max_positions=model.spec.max_positions, workers=workers, kv=KVCost.of(model),
-        ray=pool.ray, batch_choice=choice,
+        ray=pool.ray, batch_choice=choice, stage1=model.compiled or "plain",
         trials=rows, reference=ref,
         runs=[_cell_row(rows, i, c.policy, c.budget, c.variant, ref)
               for i, c in enumerate(cells(cfg), 1)],

@@ -45,7 +45,7 @@ from typing import Any
 from .. import options
 from ..batch import drive_rows
 from ..loop import Session, arena_capacity
-from ..model import DTYPES, Model, load_model
+from ..model import DTYPES, Model
 from ..special_tokens import TokenPolicy
 from ..stages.score import read_like_scorer
 from ..scorers import BASELINES, CULLING, culling
@@ -433,16 +433,23 @@ def run_jobs(model: Model, policy: TokenPolicy, ids: list[int], jobs: list[Job],
     return [[next(runs) for _ in j.starts] for j in jobs]
 
 
-def packs(jobs: list[Job], batch: int) -> list[list[int]]:
+def packs(jobs: list[Job], batch: int, workers: int = 1) -> list[list[int]]:
     """``jobs`` (their indices, in order) in groups each run as one batch (``run_jobs``):
-    jobs of one length and warm-up, their starts together at most ``batch`` rows (a job
-    with more starts is a group of its own and runs ``batch`` of them at a time)."""
+    jobs of one length and warm-up, their starts together at most ``batch`` rows, and at
+    most as many as keep ``workers`` processes busy (the rows of that length over the
+    workers, rounded up); a job with more starts is a group of its own and runs that many
+    of them at a time."""
+    key = lambda j: (j.tokens, j.skip)  # noqa: E731
+    rows: dict[tuple[int, int], int] = {}
+    for j in jobs:
+        rows[key(j)] = rows.get(key(j), 0) + len(j.starts)
+    most = {k: max(1, min(batch, -(-n // workers))) for k, n in rows.items()}
     out: list[list[int]] = []
     filling: dict[tuple[int, int], list[int]] = {}
     for i, j in enumerate(jobs):
-        key, group = (j.tokens, j.skip), filling.get((j.tokens, j.skip))
-        if group is None or sum(len(jobs[k].starts) for k in group) + len(j.starts) > batch:
-            group = filling[key] = []
+        group = filling.get(key(j))
+        if group is None or sum(len(jobs[k].starts) for k in group) + len(j.starts) > most[key(j)]:
+            group = filling[key(j)] = []
             out.append(group)
         group.append(i)
     return out
@@ -502,7 +509,7 @@ def _init_worker(model: str, dtype: str, device: str, ids: list[int], queue,
     import torch
 
     torch.set_num_threads(1)  # one thread per worker: parallel runs, not parallel matmuls
-    m = load_model(model, dtype, device)
+    m = grid.load(model, dtype, device)
     _WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), ids=ids, queue=queue,
                    batch=batch)
 
@@ -541,13 +548,16 @@ def _ray_pack(item: tuple[list[Job], tuple[Oracle, ...] | None]) -> list[list[St
                     item[1], w["cfg"].batch or 1)
 
 
-def _phases(cfg: QualityConfig, jobs: list[Job]) -> tuple[list[list[int]], list[list[int]]]:
-    """``jobs``' packs (``packs``, each a list of job indices): those that run first, then
-    the oracle jobs', which wait for the full cache that records their oracles."""
+def _phases(cfg: QualityConfig, jobs: list[Job],
+            pool: Pool = Pool()) -> tuple[list[list[int]], list[list[int]]]:
+    """``jobs``' packs (``packs``, each a list of job indices, spread over ``pool``'s
+    processes): those that run first, then the oracle jobs', which wait for the full cache
+    that records their oracles."""
+    spread = (pool.jobs or 1) if pool.ray is not None or pool.jobs != 1 else 1
     first = [i for i, j in enumerate(jobs) if j.kind != "oracle"]
     later = [i for i, j in enumerate(jobs) if j.kind == "oracle"]
-    group = lambda idx: [[idx[k] for k in p] for p in packs([jobs[i] for i in idx],  # noqa: E731
-                                                             cfg.batch or 1)]
+    group = lambda idx: [[idx[k] for k in p] for p in packs(  # noqa: E731
+        [jobs[i] for i in idx], cfg.batch or 1, spread)]
     return group(first), group(later)
 
 
@@ -555,7 +565,7 @@ def _on_ray(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool, tic
             finished) -> list[list[Streamed]]:
     """``execute`` on the Ray cluster of ``pool``: the oracle jobs after the rest."""
     results: list = [None] * len(jobs)
-    first, later = _phases(cfg, jobs)
+    first, later = _phases(cfg, jobs, pool)
 
     def done(pack: list[int], runs: list[list[Streamed]]) -> None:
         for i, r in zip(pack, runs):
@@ -585,7 +595,7 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool,
     in that many single-thread processes (each loads the model once) or on the Ray cluster
     of ``pool``. Oracle jobs start once the full cache that records their oracles is done.
     ``finished(i, runs)``: job ``i``'s runs, as it finishes."""
-    first, later = _phases(cfg, jobs)
+    first, later = _phases(cfg, jobs, pool)
     rec = next((i for p in first for i in p if jobs[i].record), None) if later else None
     require(not later or rec is not None, "the oracle runs need the full cache's recording")
     results: list = [None] * len(jobs)
@@ -602,7 +612,7 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool,
                 finished(i, r)
 
         if workers == 1:
-            model = load_model(cfg.model, cfg.dtype, cfg.device)
+            model = grid.load(cfg.model, cfg.dtype, cfg.device)
             policy = TokenPolicy(model.tokenizer)
             for k, p in enumerate(first + later):
                 done(p, run_jobs(model, policy, ids, [jobs[i] for i in p],
@@ -825,17 +835,18 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
     t0 = time.perf_counter()
     text = read_text(cfg.text)
     machine = Machine.now()
-    model = load_model(cfg.model, cfg.dtype, cfg.device)
+    model = grid.load(cfg.model, cfg.dtype, cfg.device, note=True)
     limit = model.spec.max_positions
     cfg = cfg.fitted(limit)
     all_ids = TokenPolicy(model.tokenizer).encode(text)
-    kv = KVCost.of(model)
+    kv, stage1 = KVCost.of(model), model.compiled or "plain"
     room = slice_range(len(all_ids), cfg.slice, cfg.at)
     jobs = plan(cfg, limit, room)
-    cfg, choice = batch_size.resolve(cfg, model, pool.threads(len(jobs)))
+    cfg, choice = pool.batch(cfg, model, len(jobs), max(j.tokens + 1 for j in jobs))
     del model
     workers = pool.workers(len(jobs))  # at most one a pack of jobs here
-    workers = workers if pool.ray is not None else min(workers, sum(map(len, _phases(cfg, jobs))))
+    workers = workers if pool.ray is not None else min(workers,
+                                                        sum(map(len, _phases(cfg, jobs, pool))))
     done = list(zip(jobs, measure(cfg, jobs, all_ids, pool)))
     rows = {kind: [_run(j, m) for j, m in done if j.kind == kind]
             for kind in ("reference", "grid", "oracle")}
@@ -843,7 +854,7 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
         benchmark="quality", command=command, model=cfg.model, quick=cfg.quick,
         machine=machine, config=cfg, base=options.settings(dict(cfg.params)),
         warmup=cfg.warmup, dtype=cfg.dtype, max_positions=limit,
-        workers=workers, kv=kv, ray=pool.ray, batch_choice=choice,
+        workers=workers, kv=kv, ray=pool.ray, batch_choice=choice, stage1=stage1,
         text=Text(cfg.text, TEXTS.get(cfg.text, "a file"), len(text), len(all_ids),
                   hashlib.sha256(text.encode()).hexdigest()[:16], cfg.slice, room.start,
                   room.stop, jobs[0].starts),

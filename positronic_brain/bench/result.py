@@ -104,6 +104,7 @@ class Result:
     targets: list[Target] = field(default_factory=list)
     elapsed_s: float = 0.0
     batch_choice: str = ""  # a grid's rows a step, where chosen by measurement (batch_size)
+    stage1: str = ""  # a grid's stage-1 path (``grid.load``): native or plain
 
     def to_json(self) -> dict:
         """The result as JSON: every field, nested dataclasses as objects."""
@@ -143,9 +144,11 @@ class KVCost:
 
 
 def model_facts(res) -> str:
-    """``Model `smollm2` (float32, quick), 8192 positions``: a report's first facts, from a
-    result with a ``dtype`` and ``max_positions`` beside ``Result``'s fields."""
-    return (f"Model `{res.model}` ({res.dtype}{', quick' if res.quick else ''}), "
+    """``Model `smollm2` (float32, stage 1 native, quick), 8192 positions``: a report's
+    first facts, from a result with a ``dtype`` and ``max_positions`` beside ``Result``'s
+    fields."""
+    path = f", stage 1 {res.stage1}" if res.stage1 else ""
+    return (f"Model `{res.model}` ({res.dtype}{path}{', quick' if res.quick else ''}), "
             f"{res.max_positions} positions")
 
 

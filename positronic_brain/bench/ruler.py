@@ -53,7 +53,7 @@ from .. import options
 from ..capture import CaptureTape, manifest
 from ..batch import Program, run_programs, watched
 from ..loop import Session, head_capacity
-from ..model import DTYPES, Model, load_model
+from ..model import DTYPES, Model
 from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, require
@@ -543,7 +543,7 @@ def run(cfg: RulerConfig, command: str, pool: Pool = Pool()) -> RulerResult:
     """Every measurement, the samples answered by ``pool``."""
     t0 = time.perf_counter()
     machine = Machine.now()
-    model = load_model(cfg.model, cfg.dtype, cfg.device)
+    model = grid.load(cfg.model, cfg.dtype, cfg.device, note=True)
     require(max(cfg.lengths) <= model.spec.max_positions, f"lengths {cfg.lengths}: the "
             f"model has {model.spec.max_positions} positions")
     policy = TokenPolicy(model.tokenizer)
@@ -551,11 +551,12 @@ def run(cfg: RulerConfig, command: str, pool: Pool = Pool()) -> RulerResult:
     res = RulerResult(benchmark="ruler", command=command, model=cfg.model, quick=cfg.quick,
                       machine=machine, config=cfg, dtype=cfg.dtype,
                       max_positions=model.spec.max_positions,
-                      base=options.settings(dict(cfg.params)))
+                      base=options.settings(dict(cfg.params)),
+                      stage1=model.compiled or "plain")
     if cfg.write_data:
         res.data = write_data(cfg, policy, todo)
     else:
-        cfg, res.batch_choice = batch_size.resolve(cfg, model, pool.threads(len(todo)))
+        cfg, res.batch_choice = pool.batch(cfg, model, len(todo), max(cfg.lengths))
         res.config, res.workers, res.ray = cfg, pool.workers(len(todo)), pool.ray
         res.samples = run_samples(cfg, model, policy, todo, pool)
         res.rows = rows(res, cells(cfg))

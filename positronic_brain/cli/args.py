@@ -12,7 +12,7 @@ from ..bench import flags, passkey, quality, ruler, speed
 from ..bench import transfer as transfer_bench
 from ..blend import SELECT_LAYER, check_percents
 from ..capture import NO_TAPE, BatchTape, CaptureTape, Tape, manifest
-from ..model import COMPILERS, DTYPES, NATIVE, Model, load_model, resolve_device
+from ..model import COMPILERS, DTYPES, Model, load_model, resolve_device
 from ..options import add_cache_args
 from ..transfer import INITS, KINDS, TrainParams
 from ..types import CacheParams, SamplerParams, UserError
@@ -74,13 +74,10 @@ def cli_model(args, name: str, dtype: str) -> Model:
     threads.use(args.threads)
     placement = model_placement(args)
     if args.compile == AUTO:  # the faster path: native where it pays and runs, else plain
-        placement["compile"] = ""
-        if args.device_map is None and not native.slower([resolve_device(args.device)], dtype):
-            missing = native.unavailable()  # where it would pay but cannot run: say why
-            if missing:
-                print(f"positronic-brain: --compile auto: the plain stage 1 ({missing})",
-                      file=sys.stderr)
-            placement["compile"] = "" if missing else NATIVE
+        placement["compile"], note = ("", None) if args.device_map is not None else \
+            native.auto([resolve_device(args.device)], dtype)
+        if note:  # where it would pay but cannot run: say why
+            print(f"positronic-brain: {note}", file=sys.stderr)
     return load_model(name, dtype, **placement)
 
 
