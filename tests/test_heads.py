@@ -197,7 +197,8 @@ def test_a_failure_part_way_changes_nothing(tiny_model, tiny_policy, one_thread,
     state.check_valid()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
 @given(kind=st.sampled_from(["head", "pyramid", "adaptive"]), budget=st.integers(8, 20),
        prompt=st.integers(4, 30), steps=st.integers(1, 25), reindex=st.booleans())
 def test_per_head_culls_never_lose_a_token_a_head_holds(tiny_model, tiny_policy, kind, budget,
@@ -380,7 +381,7 @@ def test_brightness_lights_each_head_by_its_own_window_and_queries(tiny_model, t
         s.state.check_valid()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(st.data())
 def test_a_step_at_the_budget_culls_what_the_sort_would(data):
     """Where each head culls one slot at most (a step at the budget), the culls found

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from positronic_brain.cli import main
@@ -93,18 +93,23 @@ def test_stage1_equals_the_per_head_oracle_after_swaps_and_reindexes(tiny_model,
         assert bool((s.state.heads.n == 24).all())
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
 @given(kind=st.sampled_from(["head", "pyramid", "adaptive"]),
        policy=st.sampled_from(["random", "tova", "h2o", "brightness"]),
        budget=st.integers(8, 20), capacity=st.integers(1, 12), most=st.integers(1, 4),
        every=st.integers(1, 3), steps=st.integers(1, 25), reindex=st.booleans())
+@example(kind="pyramid", policy="random", budget=14, capacity=4, most=1, every=2, steps=9,
+         reindex=True)  # a re-index keeps a token another head holds hot, earlier or not
 def test_per_head_recall_never_loses_an_entry_a_head_still_holds(
         tiny_model, tiny_policy, kind, policy, budget, capacity, most, every, steps, reindex):
     """After every step ``check_valid`` holds (every (layer, head, slot), hot and cold, is a
     live row of its ledger, no head holds a token both ways, every uid held or dropped once),
     and an entry a head held before the step, hot or cold, is still that head's, hot or
-    cold, unless its cold store let it go as the earliest in the text: full, or at a
-    re-index (which keeps as many cold tokens as the positions leave room for)."""
+    cold, unless its cold store let it go: full (the head's earliest in the text go), or at
+    a re-index, which keeps the latest of the tokens held cold alone, as many as the
+    positions leave room for. A token another head holds hot costs no position there, so
+    it stays, earlier or not."""
     torch.set_num_threads(1)
     s = _session(tiny_model, tiny_policy, allocation=kind, policy=policy, budget=budget,
                  sinks=1, recent=2, cold_capacity=capacity, recall_max=most,
@@ -114,13 +119,14 @@ def test_per_head_recall_never_loses_an_entry_a_head_still_holds(
         rec = s.step()
         s.state.check_valid()
         after, ch = _entries(s.state), s.state.cold.heads
+        hot = set(s.state.ledger.live("uid").tolist())
         for (layer, head, uid) in before.keys() - after.keys():
             assert rec.reindexed or int(ch.n[layer, head]) == capacity, \
                 (layer, head, uid, "let go, neither full nor at a re-index")
-            cold = [before[k][1] for k in after if k[:2] == (layer, head) and k in before
-                    and _is_cold(s.state, *k)]
-            assert all(before[(layer, head, uid)][1] < p for p in cold), \
-                (layer, head, uid, "let go before an earlier one")
+            kept = [before[k][1] for k in after.keys() & before.keys() if k[:2] == (layer, head)
+                    and _is_cold(s.state, *k) and not (rec.reindexed and k[2] in hot)]
+            assert all(before[(layer, head, uid)][1] < p for p in kept), \
+                (layer, head, uid, "let go before a later one")
 
 
 def _is_cold(state, layer: int, head: int, uid: int) -> bool:
