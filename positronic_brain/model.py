@@ -149,6 +149,11 @@ class Model:
                     self.moves[i], at = dev, dev
 
     @property
+    def stage1_path(self) -> str:
+        """How stage 1 runs, as reports name it: "plain", or the ``compiled`` mode."""
+        return self.compiled or "plain"
+
+    @property
     def fingerprint(self) -> dict:
         """The model's identity: architecture facts, rope settings, dtype, and a digest of
         the weights (two checkpoints of one architecture differ there)."""

@@ -142,10 +142,72 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return h;
 }
 
-// silu(gate) * up of a [gate | up] row, each result rounded as its operator's
+#ifdef __AVX512F__
+// 16 values of the dtype as floats
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// ``vexp`` of 16 floats at once, the same arithmetic
+inline __m512 vexp16(__m512 x) {
+  const __m512 k = _mm512_roundscale_ps(
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(2.12194440e-4f)));
+  const __m512 z = _mm512_mul_ps(r, r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, z), r), _mm512_set1_ps(1.0f));
+  const __m512 kc = _mm512_min_ps(_mm512_max_ps(k, _mm512_set1_ps(-126.f)), _mm512_set1_ps(127.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(kc), _mm512_set1_epi32(127)), 23);
+  __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ), out,
+                             _mm512_set1_ps(INFINITY));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), out);
+}
+
+template <typename T> inline __m512 round16(__m512 x);  // round_to<T> of 16 floats
+template <> inline __m512 round16<float>(__m512 x) { return x; }
+template <> inline __m512 round16<bf16>(__m512 x) {
+  __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  u = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(u),
+                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+}
+
+// 16 floats stored in the dtype (bfloat16: rounded as to_bf16)
+inline void store16(float* p, __m512 f) { _mm512_storeu_ps(p, f); }
+inline void store16(bf16* p, __m512 f) {
+  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16<bf16>(f)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
+#endif
+
+// silu(gate) * up of a [gate | up] row, each result rounded as its operator's; 16 at a
+// time where the CPU has AVX-512 (the same arithmetic: vexp16, an IEEE division, the
+// same round to nearest even)
 template <typename T>
 void silu_mul_row(const T* gu, T* out, int64_t n) {
-  for (int64_t i = 0; i < n; i++) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = load16(gu + i);
+    const __m512 e = vexp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign)));
+    const __m512 a = round16<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    store16(out + i, _mm512_mul_ps(a, load16(gu + n + i)));
+  }
+#endif
+  for (; i < n; i++) {
     float g = load<T>(gu, i);
     float a = round_to<T>(g / (1.f + vexp(-g)));
     out[i] = store<T>(a * load<T>(gu, n + i));
@@ -170,15 +232,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-#ifdef __AVX512F__
-// 16 values of the dtype as floats
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-#endif
 
 // ---- attention for one new token ------------------------------------------------------
 // The live slots are taken in chunks of kChunk: each chunk's scores, and its share of each
@@ -292,30 +345,6 @@ inline void in_parts(int64_t g, F f) {
   }
 }
 
-#ifdef __AVX512F__
-// ``vexp`` of 16 floats at once, the same arithmetic
-inline __m512 vexp16(__m512 x) {
-  const __m512 k = _mm512_roundscale_ps(
-      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_add_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(2.12194440e-4f)));
-  const __m512 z = _mm512_mul_ps(r, r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, z), r), _mm512_set1_ps(1.0f));
-  const __m512 kc = _mm512_min_ps(_mm512_max_ps(k, _mm512_set1_ps(-126.f)), _mm512_set1_ps(127.f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(kc), _mm512_set1_epi32(127)), 23);
-  __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-  out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ), out,
-                             _mm512_set1_ps(INFINITY));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), out);
-}
-#endif
 
 // the softmax of ``row`` (n) in place, in float32; returns its log-sum-exp. Its maximum
 // and sum run in 16 lanes, combined in a fixed order
@@ -357,125 +386,187 @@ inline float softmax(float* __restrict__ row, int64_t n) {
 }
 
 
-// One new token's attention in one layer. ``qkv`` (1, (H + 2 KVH) D): its q, k, v heads;
-// ``cos``/``sin`` (H + KVH, 1, D), sin signed and q's rows scaled, so that the roped heads
-// are qk * cos + roll(qk, D/2) * sin; ``kt`` (KVH, D, n) the live keys transposed, ``v``
-// (KVH, n, D) the live values (strided views of the arena); ``log_mass`` (KVH, n) float32
-// or empty. Writes the softmax rows into ``p`` (H, n + 1) float32 (a head's row: the live
-// slots, then the new token). Returns the attention output (1, H D), the roped q/k heads
-// (H + KVH, 1, D) and, with ``want_lse``, the log-sum-exp of each head's scores (H,) float32.
+// One new token's attention in one layer, for each of B rows: where a row's inputs and
+// outputs lie. ``qkv`` ((H + 2 KVH) D): its q, k, v heads; ``cos``/``sin`` its (H + KVH) x D
+// tables (``cs_r`` apart), sin signed and q's rows scaled, so that the roped heads are
+// qk * cos + roll(qk, D/2) * sin; ``kt`` (KVH, D, n) the live keys transposed, ``vv``
+// (KVH, n, D) the live values (strided views of the arena); ``lm`` (KVH, n) float32 or
+// null. Writes the softmax rows into ``p`` (H, n + 1) (a head's row: the live slots, then
+// the new token), the attention output into ``out`` (H D), the roped q/k heads into ``qk``
+// (H + KVH, D) and, where ``lse`` is not null, each head's log-sum-exp.
 template <typename T>
-void attend_kernel(const T* qkv, const T* cos, const T* sin, const T* kt, const T* vv,
-                   const float* lm, int64_t H, int64_t KVH, int64_t D, int64_t n,
-                   int64_t kt_h, int64_t kt_d, int64_t v_h, int64_t v_j, int64_t lm_h,
-                   T* out, T* qk, float* p, float* lse) {
-  const int64_t g = H / KVH, half = D / 2, chunks = std::max<int64_t>(1, (n + kChunk - 1) / kChunk);
-  // RoPE: three rounded results per element, as the plain path's three operators
-  for (int64_t r = 0; r < H + KVH; r++) {
-    const T* x = qkv + r * D;
-    for (int64_t d = 0; d < D; d++) {
-      float a = round_to<T>(load<T>(x, d) * load<T>(cos, r * D + d));
-      float b = round_to<T>(load<T>(x, (d + half) % D) * load<T>(sin, r * D + d));
-      qk[r * D + d] = store<T>(a + b);
-    }
+struct AttnRow {
+  const T *qkv, *cos, *sin, *kt, *vv;
+  const float* lm;
+  int64_t n, kt_h, kt_d, v_h, v_j, lm_h;
+  T *out, *qk;
+  float *p, *lse;
+  int64_t chunks = 1;  // of its slots (below)
+  std::vector<float> qf, part;  // q as floats; each chunk's share of the weighted values
+  std::vector<float*> row;      // each query head's softmax row
+};
+
+// The rows' attention, each phase one work list over the threads for all the rows (a row's
+// KV heads' chunks, its query heads), so B rows cost one pass, not B. A row's every result
+// is what it gets alone: the same items, each summed in the same order.
+template <typename T>
+void attend_kernel(std::vector<AttnRow<T>>& rs, int64_t H, int64_t KVH, int64_t D, int64_t cs_r) {
+  const int64_t g = H / KVH, half = D / 2, B = static_cast<int64_t>(rs.size());
+  std::vector<int64_t> first(B + 1, 0);  // row b's chunk items: [first[b], first[b + 1])
+  for (int64_t b = 0; b < B; b++) {
+    AttnRow<T>& a = rs[b];
+    a.chunks = std::max<int64_t>(1, (a.n + kChunk - 1) / kChunk);
+    first[b + 1] = first[b] + KVH * a.chunks;
   }
-  std::vector<float> qf(H * D), part(chunks * H * D);
-  for (int64_t i = 0; i < H * D; i++) qf[i] = load<T>(qk, i);
-  std::vector<float*> row(H);
-  for (int64_t hq = 0; hq < H; hq++) row[hq] = p + hq * (n + 1);
+  const auto of = [&](int64_t item) {  // the row an item is of
+    return static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), item) - first.begin()) - 1;
+  };
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; b++) {  // RoPE: three rounded results, as three operators
+      AttnRow<T>& a = rs[b];
+      for (int64_t r = 0; r < H + KVH; r++) {
+        const T* x = a.qkv + r * D;
+        for (int64_t d = 0; d < D; d++) {
+          float c = round_to<T>(load<T>(x, d) * load<T>(a.cos, r * cs_r + d));
+          float s = round_to<T>(load<T>(x, (d + half) % D) * load<T>(a.sin, r * cs_r + d));
+          a.qk[r * D + d] = store<T>(c + s);
+        }
+      }
+      a.qf.resize(H * D);
+      a.part.resize(a.chunks * H * D);
+      a.row.resize(H);
+      for (int64_t i = 0; i < H * D; i++) a.qf[i] = load<T>(a.qk, i);
+      for (int64_t hq = 0; hq < H; hq++) a.row[hq] = a.p + hq * (a.n + 1);
+    }
+  });
   // each chunk of a KV head's slots: its query heads' scores, as the product rounds them
-  at::parallel_for(0, KVH * chunks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t item = b; item < e; item++) {
-      const int64_t h = item / chunks, j0 = item % chunks * kChunk, j1 = std::min(n, j0 + kChunk);
+  at::parallel_for(0, first[B], 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; item++) {
+      AttnRow<T>& a = rs[of(item)];
+      const int64_t local = item - first[of(item)], n = a.n;
+      const int64_t h = local / a.chunks, j0 = local % a.chunks * kChunk, j1 = std::min(n, j0 + kChunk);
       in_parts(g, [&](auto q, int64_t i0) {
-        chunk_scores<decltype(q)::value, T>(qf.data() + (h * g + i0) * D, kt + h * kt_h, kt_d,
-                                            D, j0, j1, n, row.data() + h * g + i0);
+        chunk_scores<decltype(q)::value, T>(a.qf.data() + (h * g + i0) * D, a.kt + h * a.kt_h,
+                                            a.kt_d, D, j0, j1, n, a.row.data() + h * g + i0);
       });
       for (int64_t hq = h * g; hq < (h + 1) * g; hq++) {
-        float* __restrict__ r = row[hq];
+        float* __restrict__ r = a.row[hq];
 #pragma omp simd
         for (int64_t j = j0; j < j1; j++) r[j] = round_to<T>(r[j]);  // the product's output
-        if (lm != nullptr) {  // a folded slot's log-mass adds after
-          const float* __restrict__ l = lm + h * lm_h;
+        if (a.lm != nullptr) {  // a folded slot's log-mass adds after
+          const float* __restrict__ l = a.lm + h * a.lm_h;
 #pragma omp simd
           for (int64_t j = j0; j < j1; j++) r[j] += l[j];
         }
       }
     }
   });
-  const T* knew = qk + H * D;
-  at::parallel_for(0, H, 1, [&](int64_t b, int64_t e) {  // the new token's score, softmax
-    for (int64_t hq = b; hq < e; hq++) {
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {  // the new token's score, softmax
+    for (int64_t i = lo; i < hi; i++) {
+      AttnRow<T>& a = rs[i / H];
+      const int64_t hq = i % H, n = a.n;
+      const T* knew = a.qk + H * D;
       float s_new = 0.f;
-      for (int64_t d = 0; d < D; d++) s_new += qf[hq * D + d] * load<T>(knew, hq / g * D + d);
-      row[hq][n] = round_to<T>(s_new);
-      const float l = softmax(row[hq], n + 1);
-      if (lse != nullptr) lse[hq] = l;
+      for (int64_t d = 0; d < D; d++) s_new += a.qf[hq * D + d] * load<T>(knew, hq / g * D + d);
+      a.row[hq][n] = round_to<T>(s_new);
+      const float l = softmax(a.row[hq], n + 1);
+      if (a.lse != nullptr) a.lse[hq] = l;
     }
   });
-  if (n > 0)  // each chunk's share of every query head's weighted values
-    at::parallel_for(0, KVH * chunks, 1, [&](int64_t b, int64_t e) {
-      for (int64_t item = b; item < e; item++) {
-        const int64_t h = item / chunks, c = item % chunks, j0 = c * kChunk;
-        in_parts(g, [&](auto q, int64_t i0) {
-          chunk_values<decltype(q)::value, T>(row.data() + h * g + i0, vv + h * v_h, v_j, D, j0,
-                                              std::min(n, j0 + kChunk),
-                                              part.data() + (c * H + h * g + i0) * D);
-        });
-      }
-    });
-  const T* vnew = qkv + (H + KVH) * D;
-  for (int64_t hq = 0; hq < H; hq++) {
-    const int64_t h = hq / g;
-    const float wn = round_to<T>(row[hq][n]);
-    for (int64_t d = 0; d < D; d++) {
-      float acc = 0.f;
-      for (int64_t c = 0; c < (n > 0 ? chunks : 0); c++) acc += part[(c * H + hq) * D + d];
-      const float nv = round_to<T>(wn * load<T>(vnew, h * D + d));
-      out[hq * D + d] = store<T>(round_to<T>(acc) + nv);
+  at::parallel_for(0, first[B], 1, [&](int64_t lo, int64_t hi) {  // each chunk's values
+    for (int64_t item = lo; item < hi; item++) {
+      AttnRow<T>& a = rs[of(item)];
+      if (a.n == 0) continue;
+      const int64_t local = item - first[of(item)], h = local / a.chunks, c = local % a.chunks;
+      in_parts(g, [&](auto q, int64_t i0) {
+        chunk_values<decltype(q)::value, T>(a.row.data() + h * g + i0, a.vv + h * a.v_h, a.v_j,
+                                            D, c * kChunk, std::min(a.n, c * kChunk + kChunk),
+                                            a.part.data() + (c * H + h * g + i0) * D);
+      });
     }
-  }
+  });
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {  // the chunks' shares in order
+    for (int64_t b = lo; b < hi; b++) {
+      AttnRow<T>& a = rs[b];
+      const T* vnew = a.qkv + (H + KVH) * D;
+      for (int64_t hq = 0; hq < H; hq++) {
+        const int64_t h = hq / g;
+        const float wn = round_to<T>(a.row[hq][a.n]);
+        for (int64_t d = 0; d < D; d++) {
+          float acc = 0.f;
+          for (int64_t c = 0; c < (a.n > 0 ? a.chunks : 0); c++) acc += a.part[(c * H + hq) * D + d];
+          const float nv = round_to<T>(wn * load<T>(vnew, h * D + d));
+          a.out[hq * D + d] = store<T>(round_to<T>(acc) + nv);
+        }
+      }
+    }
+  });
 }
 
-std::vector<torch::Tensor> attend(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                  torch::Tensor kt, torch::Tensor v, torch::Tensor log_mass,
-                                  torch::Tensor p, int64_t H, int64_t KVH, bool want_lse) {
+// B rows' attention in one layer: ``qkv`` (B, (H + 2 KVH) D); ``cos``/``sin``
+// (H + KVH, B, D); per row ``kts[b]`` (KVH, D, n_b), ``vs[b]`` (KVH, n_b, D),
+// ``masses[b]`` (KVH, n_b) float32 or empty, ``ps[b]`` (H, n_b + 1) float32. Returns the
+// outputs (B, H D), the roped q/k heads (B, H + KVH, 1, D) and, with ``want_lse``, each
+// head's log-sum-exp (B, H) float32.
+std::vector<torch::Tensor> attend_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                       std::vector<torch::Tensor> kts,
+                                       std::vector<torch::Tensor> vs,
+                                       std::vector<torch::Tensor> masses,
+                                       std::vector<torch::Tensor> ps, int64_t H, int64_t KVH,
+                                       bool want_lse) {
   check_row(qkv, "qkv");
-  check_row(cos, "cos");
-  check_row(sin, "sin");
-  const int64_t D = cos.size(-1), n = kt.size(2);
-  TORCH_CHECK(qkv.numel() == (H + 2 * KVH) * D && cos.numel() == (H + KVH) * D,
-              "qkv or cos/sin do not match the heads");
-  TORCH_CHECK(kt.size(0) == KVH && kt.size(1) == D && kt.stride(2) == 1,
-              "kt must be (KVH, D, n) with its slots contiguous");
-  TORCH_CHECK(v.size(0) == KVH && v.size(1) == n && v.size(2) == D && v.stride(2) == 1,
-              "v must be (KVH, n, D) with its rows contiguous");
-  TORCH_CHECK(kt.scalar_type() == qkv.scalar_type() && v.scalar_type() == qkv.scalar_type() &&
-              cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
-              "dtypes differ");
-  TORCH_CHECK(p.is_contiguous() && p.scalar_type() == at::kFloat && p.dim() == 2 &&
-              p.size(0) == H && p.size(1) == n + 1, "p must be (H, n + 1) float32, contiguous");
-  const bool mass = log_mass.numel() > 0;
-  if (mass)
-    TORCH_CHECK(log_mass.scalar_type() == at::kFloat && log_mass.dim() == 2 &&
-                log_mass.size(0) == KVH && log_mass.size(1) == n &&
-                log_mass.stride(1) == 1, "log_mass must be (KVH, n) float32");
-  auto out = torch::empty({1, H * D}, qkv.options());
-  auto qk = torch::empty({H + KVH, 1, D}, qkv.options());
-  auto lse = want_lse ? torch::empty({H}, p.options()) : torch::empty({0}, p.options());
-  const float* lm = mass ? log_mass.data_ptr<float>() : nullptr;
-  const int64_t lm_h = mass ? log_mass.stride(0) : 0;
-  float* l = want_lse ? lse.data_ptr<float>() : nullptr;
-  if (qkv.scalar_type() == at::kFloat)
-    attend_kernel<float>(ptr<float>(qkv), ptr<float>(cos), ptr<float>(sin), ptr<float>(kt),
-                         ptr<float>(v), lm, H, KVH, D, n, kt.stride(0), kt.stride(1),
-                         v.stride(0), v.stride(1), lm_h, ptr<float>(out), ptr<float>(qk),
-                         p.data_ptr<float>(), l);
-  else
-    attend_kernel<bf16>(ptr<bf16>(qkv), ptr<bf16>(cos), ptr<bf16>(sin), ptr<bf16>(kt),
-                        ptr<bf16>(v), lm, H, KVH, D, n, kt.stride(0), kt.stride(1),
-                        v.stride(0), v.stride(1), lm_h, ptr<bf16>(out), ptr<bf16>(qk),
-                        p.data_ptr<float>(), l);
+  const int64_t B = static_cast<int64_t>(kts.size()), D = cos.size(-1);
+  TORCH_CHECK(B >= 1 && vs.size() == kts.size() && masses.size() == kts.size() &&
+              ps.size() == kts.size(), "kts, vs, masses and ps must name the same rows");
+  TORCH_CHECK(qkv.numel() == B * (H + 2 * KVH) * D, "qkv does not match the rows and heads");
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == H + KVH && cos.size(1) == B &&
+              cos.stride(2) == 1 && cos.strides() == sin.strides() && cos.sizes() == sin.sizes(),
+              "cos/sin must be (H + KVH, B, D) alike, each row's D contiguous");
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt, "dtypes differ");
+  auto out = torch::empty({B, H * D}, qkv.options());
+  auto qk = torch::empty({B, H + KVH, 1, D}, qkv.options());
+  auto lse = want_lse ? torch::empty({B, H}, qkv.options().dtype(at::kFloat))
+                      : torch::empty({0}, qkv.options().dtype(at::kFloat));
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<AttnRow<T>> rs(B);
+    for (int64_t b = 0; b < B; b++) {
+      const auto &kt = kts[b], &v = vs[b], &m = masses[b], &p = ps[b];
+      const int64_t n = kt.size(2);
+      TORCH_CHECK(kt.dim() == 3 && kt.size(0) == KVH && kt.size(1) == D && kt.stride(2) == 1,
+                  "kt must be (KVH, D, n) with its slots contiguous");
+      TORCH_CHECK(v.dim() == 3 && v.size(0) == KVH && v.size(1) == n && v.size(2) == D &&
+                  v.stride(2) == 1, "v must be (KVH, n, D) with its rows contiguous");
+      TORCH_CHECK(kt.scalar_type() == dt && v.scalar_type() == dt, "dtypes differ");
+      TORCH_CHECK(p.is_contiguous() && p.scalar_type() == at::kFloat && p.dim() == 2 &&
+                  p.size(0) == H && p.size(1) == n + 1, "p must be (H, n + 1) float32, contiguous");
+      const bool mass = m.numel() > 0;
+      TORCH_CHECK(!mass || (m.scalar_type() == at::kFloat && m.dim() == 2 && m.size(0) == KVH &&
+                            m.size(1) == n && m.stride(1) == 1),
+                  "log_mass must be (KVH, n) float32");
+      AttnRow<T>& a = rs[b];
+      a.qkv = ptr<T>(qkv) + b * (H + 2 * KVH) * D;
+      a.cos = ptr<T>(cos) + b * cos.stride(1);
+      a.sin = ptr<T>(sin) + b * sin.stride(1);
+      a.kt = ptr<T>(kt);
+      a.vv = ptr<T>(v);
+      a.lm = mass ? m.data_ptr<float>() : nullptr;
+      a.n = n;
+      a.kt_h = kt.stride(0);
+      a.kt_d = kt.stride(1);
+      a.v_h = v.stride(0);
+      a.v_j = v.stride(1);
+      a.lm_h = mass ? m.stride(0) : 0;
+      a.out = ptr<T>(out) + b * H * D;
+      a.qk = ptr<T>(qk) + b * (H + KVH) * D;
+      a.p = p.data_ptr<float>();
+      a.lse = want_lse ? lse.data_ptr<float>() + b * H : nullptr;
+    }
+    attend_kernel<T>(rs, H, KVH, D, cos.stride(0));
+  };
+  if (dt == at::kFloat) run(0.f);
+  else run(bf16{});
   return {out, qk, lse};
 }
 
@@ -967,17 +1058,6 @@ constexpr int64_t kColdAhead = 4 * kColdBlock;  // keys read ahead
 
 
 #ifdef __AVX512F__
-template <typename T> inline __m512 round16(__m512 x);  // round_to<T> of 16 floats
-template <> inline __m512 round16<float>(__m512 x) { return x; }
-template <> inline __m512 round16<bf16>(__m512 x) {
-  __m512i u = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-  u = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(u),
-                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
-}
-
 // dots[g * 16 + r] = q_g . k_r for a block of 16 key rows ``kf`` (floats, C x 16 each) and
 // the G queries ``qf``: each query's 16 products summed lane-wise, then folded together
 template <int C>
@@ -1134,7 +1214,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "w * rms_norm(x)");
   m.def("add_rms_norm", &add_rms_norm, "x += y in place, then w * rms_norm(x)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
-  m.def("attend", &attend, "one new token's attention in one layer");
+  m.def("attend_rows", &attend_rows, "B rows' attention of one new token each in one layer");
   m.def("linear", &linear, "rows times a weight matrix, plus a bias");
   m.def("cold_max", &cold_max, "recall's scan: each cold key's largest logit");
   m.def("fold_into", &fold_into, "fold's targets: each culled key's most alike live key");

@@ -207,57 +207,52 @@ def decode_rows(model: Model, pasts, ids: torch.Tensor, positions: torch.Tensor,
                 queries) -> list[ForwardOut]:
     """``forward.decode_rows`` natively: each product takes the B rows at once (``linear``:
     every weight read once for all of them, each row's sums as its own step sums them), and
-    each row attends over its own slots (``attend``), so every row gets the bits ``decode``
-    gives it alone."""
+    each row attends over its own slots (``attend_rows``: all the rows in one pass), so every
+    row gets the bits ``decode`` gives it alone."""
     nat, s = kernels(), model.spec
     H, KVH, D, eps, B = s.n_heads, s.n_kv_heads, s.head_dim, s.rms_eps, len(pasts)
     cos_qk, sin_qk = rope_tables(model, positions, model.dtype)  # (H + KVH, B, D)
-    tables = [(cos_qk[:, b:b + 1].contiguous(), sin_qk[:, b:b + 1].contiguous())
-              for b in range(B)]
     rows = [_Row(k, v, m, s.n_layers, H) for k, v, m in pasts]
+    want = any(queries)
     x = F.embedding(ids, model.embed)  # (B, hidden): fresh rows, updated in place
     h = nat.rms_norm(x, model.layers[0].ln1, eps)
-    qkvs = []
+    qkvs, qks, lses = [], [], []
     for i, w in enumerate(model.layers):
         qkv = nat.linear(h, *_product(w.qkv_w, w.qkv_b))  # (B, (H + 2 KVH) D)
+        out, qk, lse = nat.attend_rows(qkv, cos_qk, sin_qk, *zip(*(r.layer(i) for r in rows)),
+                                       H, KVH, want)
         qkvs.append(qkv)
-        outs = []
-        for b, (r, (cos, sin), want) in enumerate(zip(rows, tables, queries)):
-            out, qk, lse = nat.attend(qkv[b:b + 1], cos, sin, r.kts[i], r.vs[i], r.masses[i],
-                                      r.p[i], H, KVH, want)
-            r.qks.append(qk)
-            if want:
-                r.lses.append(lse)
-            outs.append(out)
-        x, h = nat.add_rms_norm(x, nat.linear(torch.cat(outs), *_product(w.o_w, w.o_b)),
-                                w.ln2, eps)
+        qks.append(qk)
+        lses.append(lse)
+        x, h = nat.add_rms_norm(x, nat.linear(out, *_product(w.o_w, w.o_b)), w.ln2, eps)
         a = nat.silu_mul(nat.linear(h, *_product(w.gate_up_w, w.gate_up_b)))
         last = i + 1 == len(model.layers)
         x, h = nat.add_rms_norm(x, nat.linear(a, *_product(w.down_w, w.down_b)),
                                 model.final_norm if last else model.layers[i + 1].ln1, eps)
     logits = nat.linear(h, *_product(model.lm_head, None)).float()
     news = torch.stack(qkvs)[:, :, (H + KVH) * D:].view(s.n_layers, B, KVH, 1, D)
-    out = []
-    for b, (r, want) in enumerate(zip(rows, queries)):
-        qk = torch.stack(r.qks)  # (L, H + KVH, 1, D)
-        out.append(ForwardOut(logits=logits[b:b + 1], k=qk[:, H:].contiguous(),
-                              v=news[:, b].contiguous(), attention=r.p[..., :r.n],
-                              query=qk[:, :H, 0].contiguous() if want else None,
-                              lse=torch.stack(r.lses) if want else None))
-    return out
+    qks = torch.stack(qks)  # (L, B, H + KVH, 1, D)
+    lses = torch.stack(lses) if want else None  # (L, B, H)
+    return [ForwardOut(logits=logits[b:b + 1], k=qks[:, b, H:].contiguous(),
+                       v=news[:, b].contiguous(), attention=r.p[..., :r.n],
+                       query=qks[:, b, :H, 0].contiguous() if q else None,
+                       lse=lses[:, b].contiguous() if q else None)
+            for b, (r, q) in enumerate(zip(rows, queries))]
 
 
 class _Row:  # pylint: disable=too-few-public-methods
-    """One row of ``decode_rows``: its past as ``attend`` reads it, its softmax rows (written
-    in place) and what each layer gives it."""
+    """One row of ``decode_rows``: its past as ``attend_rows`` reads it and its softmax rows
+    (written in place)."""
 
     def __init__(self, past_k: torch.Tensor, past_v: torch.Tensor, log_mass, L: int, H: int):
         self.n = past_k.shape[2]
         self.kts, self.vs = past_k.transpose(2, 3).unbind(0), past_v.unbind(0)
         self.masses = log_mass.unbind(0) if log_mass is not None else (_NONE,) * L
         self.p = torch.empty(L, H, self.n + 1, dtype=torch.float32)
-        self.qks: list = []  # each layer's roped q and k heads
-        self.lses: list = []
+
+    def layer(self, i: int) -> tuple:
+        """Layer ``i``'s keys transposed, values, log-masses and softmax rows."""
+        return self.kts[i], self.vs[i], self.masses[i], self.p[i]
 
 
 _NONE = torch.empty(0)  # no scale, bias or log-mass

@@ -125,7 +125,9 @@ def test_a_grid_without_batch_runs_the_chosen_rows_and_says_so(tmp_path, cache, 
     capsys.readouterr()
     res = json.loads((out / "results.json").read_text())
     assert res["config"]["batch"] == 2 and res["batch_choice"].startswith("2 rows a step")
-    assert "2 rows a step, chosen by measurement" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "2 rows a step, chosen by measurement" in report
+    assert " --batch 2` (this run took" in report  # the rerun steps the same rows
     monkeypatch.setattr(batch_size, "measure", None)  # run again: the kept choice
     assert main(["bench", "quality", "--quick", "--model", "tiny-random", "--budgets", "24",
                  "--policies", "h2o", "--repairs", "none", "--windows", "1", "--tokens", "16",

@@ -100,8 +100,9 @@ def test_attend_equals_the_plain_operators(nat, dtype, D, H, KVH, n, mass):
     v = torch.randn(KVH, cap, D, generator=gen).to(dtype)[:, :n]
     log_mass = torch.rand(KVH, cap, generator=gen)[:, :n] * 2 if mass else None
     p = torch.full((H, n + 1), float("nan"))  # written in place, every value
-    out, qk, lse = nat.attend(qkv, cos, sin, kt, v, torch.empty(0) if log_mass is None
-                              else log_mass, p, H, KVH, True)
+    out, qk, lse = nat.attend_rows(qkv, cos, sin, [kt], [v], [torch.empty(0) if log_mass is None
+                                                           else log_mass], [p], H, KVH, True)
+    qk, lse = qk[0], lse[0]
     p = p.view(KVH, H // KVH, n + 1)
     want = reference(qkv, cos, sin, kt, v, log_mass, H, KVH)
     assert qk.dtype == out.dtype == dtype and p.dtype == lse.dtype == torch.float32
@@ -125,11 +126,46 @@ def test_attend_sums_in_the_same_order_on_any_number_of_threads(nat, dtype):
 
     def run():
         p = torch.empty(H, n + 1)
-        return (*nat.attend(qkv, cos, sin, kt, v, torch.empty(0), p, H, KVH, True), p)
+        return (*nat.attend_rows(qkv, cos, sin, [kt], [v], [torch.empty(0)], [p], H, KVH, True),
+                p)
     with running(1):
         one = run()
     with running(2):  # two at least, whatever the suite's own threads
         assert all(torch.equal(a, b) for a, b in zip(run(), one))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_attend_rows_gives_each_row_its_bits_alone(nat, dtype):
+    """B rows of different lengths (none, one chunk, several; with and without log-masses)
+    in one call: each row's output, q/k heads, weights and log-sum-exps are the bits it gets
+    alone, on one thread or two."""
+    gen = torch.Generator().manual_seed(4)
+    H, KVH, D, ns = 9, 3, 64, (0, 1, 300, 1025, 77)
+    B = len(ns)
+    qkv = torch.randn(B, (H + 2 * KVH) * D, generator=gen).to(dtype)
+    cos, sin = (torch.randn(H + KVH, B, D, generator=gen).to(dtype) for _ in range(2))
+    kts = [torch.randn(KVH, D, n + 5, generator=gen).to(dtype)[..., :n] for n in ns]
+    vs = [torch.randn(KVH, n + 5, D, generator=gen).to(dtype)[:, :n] for n in ns]
+    masses = [torch.rand(KVH, n, generator=gen) if b % 2 else torch.empty(0)
+              for b, n in enumerate(ns)]
+
+    def alone(b):
+        p = torch.empty(H, ns[b] + 1)
+        out, qk, lse = nat.attend_rows(qkv[b:b + 1], cos[:, b:b + 1].contiguous(),
+                                       sin[:, b:b + 1].contiguous(), [kts[b]], [vs[b]],
+                                       [masses[b]], [p], H, KVH, True)
+        return out[0], qk[0], lse[0], p
+
+    def together():
+        ps = [torch.empty(H, n + 1) for n in ns]
+        out, qk, lse = nat.attend_rows(qkv, cos, sin, kts, vs, masses, ps, H, KVH, True)
+        return [(out[b], qk[b], lse[b], ps[b]) for b in range(B)]
+    with running(1):
+        solo = [alone(b) for b in range(B)]
+    for threads in (1, 2):
+        with running(threads):
+            for b, (row, want) in enumerate(zip(together(), solo)):
+                assert all(torch.equal(x, y) for x, y in zip(row, want)), (threads, b)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
@@ -153,6 +189,23 @@ def test_add_rms_norm_and_silu_mul_equal_the_plain_operators(nat, dtype):
     want = (F.silu(gate) * up).double()
     rel = 5 * step(F32) + (2 * step(B16) if dtype == B16 else 0.0)
     assert ((nat.silu_mul(gate_up).double() - want).abs() <= rel * want.abs()).all()
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_silu_mul_gives_the_same_bits_in_16_lanes_and_one_by_one(nat, dtype):
+    """Each value of a 31-wide row goes through the 16-lane loop in one call and the
+    one-by-one tail in the other (the row rotated by 16): the same bits, for values that
+    underflow exp, overflow it, and signed zeros."""
+    gen = torch.Generator().manual_seed(6)
+    tiny = torch.finfo(F32).tiny  # the least normal float
+    gate = torch.cat((torch.tensor([-100.0, -88.0, -87.0, 0.0, -0.0, 89.0, tiny, -tiny]),
+                      torch.randn(23, generator=gen) * 6))
+    up = torch.randn(31, generator=gen)
+    order = torch.arange(31).roll(-16)  # 16..30, 0..15: the tail's values first
+    one = nat.silu_mul(torch.cat((gate, up)).to(dtype).view(1, 62))
+    other = nat.silu_mul(torch.cat((gate[order], up[order])).to(dtype).view(1, 62))
+    assert torch.equal(one[0, order].view(torch.int32 if dtype == F32 else torch.int16),
+                       other[0].view(torch.int32 if dtype == F32 else torch.int16))
 
 
 SHAPES = [(960, 576), (576, 1536), (13, 70), (130, 33), (7, 1)]  # blocks, tails, one input

@@ -68,7 +68,7 @@ def key(model: Model, threads: int) -> str:
     """What decides the choice: the machine, the versions, the model and how it runs."""
     return " | ".join((device_kind(model.device), f"torch {torch.__version__}",
                        f"positronic-brain {__version__}", model.name, model.precision,
-                       model.compiled or "plain", f"{threads} threads"))
+                       model.stage1_path, f"{threads} threads"))
 
 
 def _tokens_s(model: Model, rows: int, states: list) -> float:

@@ -405,7 +405,7 @@ def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
         benchmark="passkey", command=command, model=cfg.model, quick=cfg.quick,
         machine=machine, config=cfg, base=options.settings(dict(cfg.params)), dtype=cfg.dtype,
         max_positions=model.spec.max_positions, workers=workers, kv=KVCost.of(model),
-        ray=pool.ray, batch_choice=choice, stage1=model.compiled or "plain",
+        ray=pool.ray, batch_choice=choice, stage1=model.stage1_path,
         trials=rows, reference=ref,
         runs=[_cell_row(rows, i, c.policy, c.budget, c.variant, ref)
               for i, c in enumerate(cells(cfg), 1)],

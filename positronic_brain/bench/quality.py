@@ -561,11 +561,12 @@ def _phases(cfg: QualityConfig, jobs: list[Job],
     return group(first), group(later)
 
 
-def _on_ray(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool, ticks: list,
-            finished) -> list[list[Streamed]]:
-    """``execute`` on the Ray cluster of ``pool``: the oracle jobs after the rest."""
+def _on_ray(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool, phases: tuple,
+            ticks: list, finished) -> list[list[Streamed]]:
+    """``execute`` on the Ray cluster of ``pool``: the ``phases``' first packs, then the
+    oracle jobs' packs."""
     results: list = [None] * len(jobs)
-    first, later = _phases(cfg, jobs, pool)
+    first, later = phases
 
     def done(pack: list[int], runs: list[list[Streamed]]) -> None:
         for i, r in zip(pack, runs):
@@ -604,7 +605,7 @@ def execute(cfg: QualityConfig, jobs: list[Job], ids: list[int], pool: Pool,
     with common.progress() as task:
         ticks = [task(j.label, j.steps * len(j.starts)) for j in jobs]
         if pool.ray is not None:
-            return _on_ray(cfg, jobs, ids, pool, ticks, finished)
+            return _on_ray(cfg, jobs, ids, pool, (first, later), ticks, finished)
 
         def done(pack: list[int], runs: list[list[Streamed]]) -> None:
             for i, r in zip(pack, runs):
@@ -839,7 +840,7 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
     limit = model.spec.max_positions
     cfg = cfg.fitted(limit)
     all_ids = TokenPolicy(model.tokenizer).encode(text)
-    kv, stage1 = KVCost.of(model), model.compiled or "plain"
+    kv, stage1 = KVCost.of(model), model.stage1_path
     room = slice_range(len(all_ids), cfg.slice, cfg.at)
     jobs = plan(cfg, limit, room)
     cfg, choice = pool.batch(cfg, model, len(jobs), max(j.tokens + 1 for j in jobs))
@@ -1080,8 +1081,8 @@ def _gap_table(res: QualityResult) -> Table:
 def _cost_table(res: QualityResult) -> Table:
     return Table(
         "Per run: ms per token (whole loop step"
-        + (f"; with {res.config.batch} rows a step, the batch's stage 1 and the row's stages "
-           "2-4" if (res.config.batch or 1) > 1 else "")
+        + (f"; with up to {res.config.batch} rows a step, the batch's stage 1 and the "
+           "row's stages 2-4" if (res.config.batch or 1) > 1 else "")
         + "), culls (and how many folded), merges, recalls, over the scored steps",
         ("policy", "repair", "budget", "ms/token", "culled", "folded", "merged", "recalled",
          "stop"),

@@ -111,10 +111,14 @@ class Result:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
     def regenerate(self, quick_version: bool = True) -> str:
-        """A report's first sentence: the command that made it, how long it took, and that
+        """A report's first sentence: the command that made it (with the rows a step a grid
+        chose by measurement, so that a rerun steps the same), how long it took, and that
         every number in it comes from that run."""
         quick = "; `make bench` runs the quick version" if quick_version else ""
-        return (f"Regenerate with `{self.command}` (this run took "
+        command, config = self.command, getattr(self, "config", None)
+        if self.batch_choice and getattr(config, "batch", None):  # the rows chosen, pinned
+            command += f" --batch {config.batch}"
+        return (f"Regenerate with `{command}` (this run took "
                 f"{duration(self.elapsed_s)}{quick}). Every number below comes from that one run.")
 
 

@@ -552,7 +552,7 @@ def run(cfg: RulerConfig, command: str, pool: Pool = Pool()) -> RulerResult:
                       machine=machine, config=cfg, dtype=cfg.dtype,
                       max_positions=model.spec.max_positions,
                       base=options.settings(dict(cfg.params)),
-                      stage1=model.compiled or "plain")
+                      stage1=model.stage1_path)
     if cfg.write_data:
         res.data = write_data(cfg, policy, todo)
     else:

@@ -553,7 +553,7 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[LoopRow]:
     and with every (layer, KV head) culling its own, each with and without recall
     (``PER_HEAD_SETTINGS``). A row's
     ``stage1`` is how the model runs stage 1: plain, or a ``Model.compiled`` mode."""
-    dt, how = model.precision, model.compiled or "plain"
+    dt, how = model.precision, model.stage1_path
     rows = []
     for policy, repair, recall in LOOP_SETTINGS + (() if model.compiled else PER_HEAD_SETTINGS):
         cold = cfg.recall_cold if recall else 0

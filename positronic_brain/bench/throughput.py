@@ -75,7 +75,7 @@ def measure(model: Model, cfg, task, random_prompt, weight_bytes: int,
     each of ``REPAIRS``, each row a copy of one primed session at its budget.
     ``random_prompt(model, n, seed)`` gives the primes' tokens; ``weight_bytes`` and
     ``kv_bytes_per_token`` (what a token reads) each row's ``ceiling``."""
-    dt, out, most, how = model.precision, [], max(cfg.batches), model.compiled or "plain"
+    dt, out, most, how = model.precision, [], max(cfg.batches), model.stage1_path
     primed = {}  # context -> the prime's state, copied for every row
     for c in cfg.batch_contexts:  # a prime of c cached tokens and the pending one
         ids = random_prompt(model, c + 1, seed=3)
@@ -135,7 +135,7 @@ def _loop_row(model: Model, rows_model: Model, first: Session, b: int, what: str
     return BatchRow(dtype=model.precision, what=what, context=first.cache_params.budget,
                     batch=b, ms=step, tokens_s=b / step * 1e3, stage1_ms=one,
                     overhead=step / one, row_ms=(step - one) / b,
-                    stage1=model.compiled or "plain")
+                    stage1=model.stage1_path)
 
 
 def _with_speedups(rows: list[BatchRow]) -> list[BatchRow]:
