@@ -519,6 +519,7 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor qkv, torch::Tensor cos, tor
   TORCH_CHECK(B >= 1 && vs.size() == kts.size() && masses.size() == kts.size() &&
               ps.size() == kts.size(), "kts, vs, masses and ps must name the same rows");
   TORCH_CHECK(qkv.numel() == B * (H + 2 * KVH) * D, "qkv does not match the rows and heads");
+  TORCH_CHECK(cos.is_cpu() && sin.is_cpu(), "cos/sin must be CPU tensors");
   TORCH_CHECK(cos.dim() == 3 && cos.size(0) == H + KVH && cos.size(1) == B &&
               cos.stride(2) == 1 && cos.strides() == sin.strides() && cos.sizes() == sin.sizes(),
               "cos/sin must be (H + KVH, B, D) alike, each row's D contiguous");
@@ -534,6 +535,8 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor qkv, torch::Tensor cos, tor
     for (int64_t b = 0; b < B; b++) {
       const auto &kt = kts[b], &v = vs[b], &m = masses[b], &p = ps[b];
       const int64_t n = kt.size(2);
+      TORCH_CHECK(kt.is_cpu() && v.is_cpu() && p.is_cpu() && m.is_cpu(),
+                  "a row's keys, values, softmax rows and log-masses must be CPU tensors");
       TORCH_CHECK(kt.dim() == 3 && kt.size(0) == KVH && kt.size(1) == D && kt.stride(2) == 1,
                   "kt must be (KVH, D, n) with its slots contiguous");
       TORCH_CHECK(v.dim() == 3 && v.size(0) == KVH && v.size(1) == n && v.size(2) == D &&
