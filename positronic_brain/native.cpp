@@ -69,7 +69,8 @@ inline float vexp(float x) {
   const float kc = k < -126.f ? -126.f : (k > 127.f ? 127.f : k);
   const int32_t e = (static_cast<int32_t>(kc) + 127) << 23;
   const float scale = __builtin_bit_cast(float, e);
-  return x < -87.3f ? 0.f : (x > 88.7f ? INFINITY : y * scale);
+  const float out = k > 127.f ? y * scale * 2.f : y * scale;  // 2^128 = 2^127 * 2
+  return x < -87.3f ? 0.f : (x > 88.7f ? INFINITY : out);
 }
 
 template <typename T> T* ptr(const torch::Tensor& t) {
@@ -168,6 +169,8 @@ inline __m512 vexp16(__m512 x) {
   const __m512 kc = _mm512_min_ps(_mm512_max_ps(k, _mm512_set1_ps(-126.f)), _mm512_set1_ps(127.f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(kc), _mm512_set1_epi32(127)), 23);
   __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  out = _mm512_mask_mul_ps(out, _mm512_cmp_ps_mask(k, _mm512_set1_ps(127.f), _CMP_GT_OQ), out,
+                           _mm512_set1_ps(2.f));  // 2^128 = 2^127 * 2
   out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ), out,
                              _mm512_set1_ps(INFINITY));
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), out);
