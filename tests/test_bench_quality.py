@@ -317,6 +317,11 @@ def test_every_grid_run_culls_before_it_scores():
     assert {(j.starts, j.skip, j.tokens) for j in jobs} == {((100, 319, 538), 41, 61)}
     assert [j.record for j in jobs].count(True) == 1 and jobs[0].kind == "reference"
     assert [j.cache.budget for j in jobs if j.cache.recall] == [24, 40]
+    chosen = dataclasses.replace(cfg, policies=("h2o", "brightness"),
+                                 recall=("h2o@head", "tova"))
+    assert [(j.cache.scorer.name, j.cache.allocation.kind, j.cache.budget)
+            for j in quality.plan(chosen, 512, range(100, 600)) if j.cache.recall] == [
+        ("h2o", "head", 24), ("h2o", "head", 40), ("tova", "token", 24), ("tova", "token", 40)]
     assert quality.QualityConfig(budgets=(128,), tokens=600).fitted(512).tokens == 512 - 129
 
 

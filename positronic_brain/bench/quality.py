@@ -11,11 +11,11 @@ token. Perplexity = exp(mean NLL) over the scored tokens. Measured:
    cache is full and has culled before the first scored token), then ``--tokens`` scored
    ones; a cell's perplexity is over every window's scored tokens. Its cells: the full
    cache (no budget, nothing culled); every scorer (brightness, streaming, h2o, tova,
-   random) at every budget, with each repair (none, merge, fold); the default policy with
-   recall (the cold store) at every budget; and the hindsight oracle
-   (``scorers.oracle``) at every budget, which culls the token the full-cache run's later
-   queries attend to least (its runs wait for the full cache, which records that
-   attention in each window);
+   random) at every budget, with each repair (none, merge, fold); the default policy (or
+   the ``--recall`` policies) with recall (the cold store) at every budget; and the
+   hindsight oracle (``scorers.oracle``) at every budget, which culls the token the
+   full-cache run's later queries attend to least (its runs wait for the full cache, which
+   records that attention in each window);
 2. a long run past the model's positions at one budget with ``--positions compact``
    (re-index before the limit) and ``keep`` (which has to stop at the limit), as
    perplexity over windows of tokens; ``keep`` runs of the long baselines and of the long
@@ -102,6 +102,9 @@ class QualityConfig:
     params: tuple[tuple[str, Any], ...] = option(
         (), "cache parameters of every run, e.g. decay=1,gain=200,sinks=4", metavar="K=V,...",
         read=flags.cache_options, repeat="param")
+    recall: tuple[str, ...] = option((), "policies that also run with recall (none given: "
+                                     "those of the default scorer among the policies)",
+                                     read=flags.scorers)
     windows: int = option(4, "grid windows spread over the slice", quick=2)
     batch: int | None = option(None, "windows stepped B at a time as the rows of a batch, "
                                "a cell's and other cells' together (one stage-1 forward a step "
@@ -128,8 +131,8 @@ class QualityConfig:
                 f"budgets must be >= 1, got {self.budgets}")
         require(tuple(sorted(set(self.budgets))) == self.budgets,
                 f"budgets must be increasing, got {self.budgets}")
-        bad = [p for p in flags.scorer_names(self.policies + (self.long_policy,
-                                                              *self.long_baselines))
+        bad = [p for p in flags.scorer_names(self.policies + self.recall + (
+                   self.long_policy, *self.long_baselines))
                if not culling(p)]
         require(not bad and len(self.policies) > 0, f"unknown or non-culling policies {bad}; "
                 f"expected some of {', '.join(SCORERS)} (the oracle runs at every budget)")
@@ -163,10 +166,11 @@ class QualityConfig:
 
     @property
     def recall_policies(self) -> tuple[str, ...]:
-        """The grid's policies that run with recall too: those of the default scorer, whole
-        tokens or per head (``brightness``, ``brightness@head``)."""
-        return tuple(p for p in self.policies
-                     if flags.cell_policy(p)["policy"] == DEFAULT.scorer.name)
+        """The grid's policies that run with recall too: ``recall``, or where none are given
+        those of the default scorer, whole tokens or per head (``brightness``,
+        ``brightness@head``)."""
+        return self.recall or tuple(p for p in self.policies
+                                    if flags.cell_policy(p)["policy"] == DEFAULT.scorer.name)
 
     def fitted(self, max_positions: int) -> "QualityConfig":
         """What the model's positions allow: budgets below half of them, grid windows (and
@@ -469,7 +473,7 @@ def plan(cfg: QualityConfig, limit: int, room: range) -> list[Job]:
     jobs = [grid("reference", "full cache", cfg.cache(None, "none"), record=True)]
     jobs += [grid("grid", f"{p} budget {b}, {r} repair", cfg.cache(b, p, r))
              for b in cfg.budgets for p in cfg.policies for r in cfg.repairs]
-    repair = DEFAULT.repair_name
+    repair = DEFAULT.repair_name  # recall keeps culled tokens whole: no fold, no merge
     jobs += [grid("grid", f"{p} with recall budget {b}, {repair} repair",
                   cfg.cache(b, p, repair, recall=True))
              for p in cfg.recall_policies for b in cfg.budgets]
