@@ -326,6 +326,22 @@ def test_every_grid_run_culls_before_it_scores():
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_recall_runs_a_policy_of_its_own_into_the_tables_and_plots(tmp_path, capsys):
+    """``--recall`` may name a policy the grid does not run without recall: its row is in
+    the report's tables, and its line in the plots."""
+    out = tmp_path / "q"
+    assert main(["bench", "quality", "--quick", "--model", "tiny-random", "--budgets", "24",
+                 "--policies", "h2o", "--repairs", "none", "--recall", "tova@head",
+                 "--windows", "1", "--tokens", "16", "--jobs", "1", "--batch", "2",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    report = (out / "report.md").read_text()
+    assert "| tova@head with recall |" in report and "| h2o |" in report
+    assert "| brightness with recall |" not in report  # the default's only where none given
+    assert (out / "ppl_vs_budget.png").exists()
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_a_warm_up_is_streamed_but_not_scored(tiny_model, tiny_policy):
     ids = tiny_policy.encode(quality.default_text())[:60]
     cache = CacheParams(budget=24, scorer="h2o", sinks=2, recent=4)

@@ -1127,7 +1127,8 @@ def plots(res: QualityResult, out: Path) -> list[str]:
     """PNG plots into ``out``; returns their file names."""
     series = {}
     budgets = res.config.budgets
-    colour = {p: f"C{i}" for i, p in enumerate(res.config.policies)}
+    colour = {p: f"C{i}" for i, p in enumerate(dict.fromkeys(res.config.policies
+                                                             + res.config.recall_policies))}
     for p, rep, rs in grid_lines(res):  # colour: policy; line: repair (dotted: recall)
         rs = [r for r in rs if r]
         if rs:
