@@ -445,8 +445,9 @@ void attend_kernel(std::vector<AttnRow<T>>& rs, int64_t H, int64_t KVH, int64_t 
   // each chunk of a KV head's slots: its query heads' scores, as the product rounds them
   at::parallel_for(0, first[B], 1, [&](int64_t lo, int64_t hi) {
     for (int64_t item = lo; item < hi; item++) {
-      AttnRow<T>& a = rs[of(item)];
-      const int64_t local = item - first[of(item)], n = a.n;
+      const int64_t b = of(item), local = item - first[b];
+      AttnRow<T>& a = rs[b];
+      const int64_t n = a.n;
       const int64_t h = local / a.chunks, j0 = local % a.chunks * kChunk, j1 = std::min(n, j0 + kChunk);
       in_parts(g, [&](auto q, int64_t i0) {
         chunk_scores<decltype(q)::value, T>(a.qf.data() + (h * g + i0) * D, a.kt + h * a.kt_h,
@@ -478,9 +479,10 @@ void attend_kernel(std::vector<AttnRow<T>>& rs, int64_t H, int64_t KVH, int64_t 
   });
   at::parallel_for(0, first[B], 1, [&](int64_t lo, int64_t hi) {  // each chunk's values
     for (int64_t item = lo; item < hi; item++) {
-      AttnRow<T>& a = rs[of(item)];
+      const int64_t b = of(item), local = item - first[b];
+      AttnRow<T>& a = rs[b];
       if (a.n == 0) continue;
-      const int64_t local = item - first[of(item)], h = local / a.chunks, c = local % a.chunks;
+      const int64_t h = local / a.chunks, c = local % a.chunks;
       in_parts(g, [&](auto q, int64_t i0) {
         chunk_values<decltype(q)::value, T>(a.row.data() + h * g + i0, a.vv + h * a.v_h, a.v_j,
                                             D, c * kChunk, std::min(a.n, c * kChunk + kChunk),
