@@ -77,6 +77,21 @@ def test_a_sample_s_answers_as_a_batch_s_rows_are_its_answers_one_at_a_time(
     assert rows.budgets == alone.budgets and len(rows.seconds) == 9
 
 
+def test_with_recall_the_question_s_steps_bring_the_needle_back(real_model, real_policy,
+                                                                needle):
+    """A recall cell steps the question a token a step (the others extend it at once), so
+    its queries can bring back what they read: compressed to a quarter, h2o has culled the
+    whole needle (a 7-digit number, at 16% of the context) by the question and misses;
+    with recall the question's steps bring every digit back before the answer starts, and
+    the answer is right."""
+    cfg = _cfg(policies=("h2o",), ratios=(0.75,), protocols=("compress",), recall=True)
+    row = ruler.run_sample(real_model, real_policy, cfg, needle, ruler.cells(cfg))
+    assert row.scores == [1.0, 0.0, 1.0]
+    assert row.held[1:] == [0.0, 0.0]  # culled by the question, with recall or without
+    assert row.held_at_answer[1:] == [0.0, 1.0]
+    assert row.outputs[2] == row.outputs[0]
+
+
 def test_the_answer_held_is_the_share_of_its_spelling_the_cache_holds(real_model, real_policy):
     """Hand-worked: "7 4 seven 74 and 74 too" spells 74 twice (SmolLM2's digits are a token
     each, so not "7 4"); a cache that culled one of those 4 tokens holds 3 of them."""
@@ -196,27 +211,64 @@ def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
 
 
 def test_the_misses_table_tells_a_cull_from_a_misreading():
-    """Hand-worked: of three samples a cell answered, one right (its answer wholly held),
-    one wrong with half its answer's tokens culled, one wrong with all of them held: two
-    misses, one a cull's; held 2.5 / 3 on average. Rows without the measure say "–"."""
+    """Hand-worked: of four samples a cell answered, one right (its answer wholly held),
+    one wrong with half its answer's tokens culled, one wrong with all of them held, one
+    wrong with half culled at the question but all back when the answer started (recall's
+    doing): three misses, one a cull's; held 3 / 4 at the question and 3.5 / 4 at the
+    answer on average. Rows without the measures say "–"; a row without the answer's
+    reads the question's in its place."""
     cfg = _cfg(protocols=("compress",))
     res = ruler.RulerResult(benchmark="ruler", command="", model="m", quick=False,
                             machine=None, config=cfg, dtype="float32", max_positions=1,
                             base={})
     res.samples = [ruler.SampleRow("niah_single_1", 1024, i, 10, 8, [], ["1"], ["1", o],
-                                   [1.0, score], [None, 4], [None, 4], [0.0, 0.0], held)
-                   for i, (o, score, held) in enumerate((("1", 1.0, [None, 1.0]),
-                                                         ("2", 0.0, [None, 0.5]),
-                                                         ("3", 0.0, [None, 1.0])))]
+                                   [1.0, score], [None, 4], [None, 4], [0.0, 0.0],
+                                   [None, held], [None, at_answer])
+                   for i, (o, score, held, at_answer) in enumerate((
+                       ("1", 1.0, 1.0, 1.0), ("2", 0.0, 0.5, 0.5), ("3", 0.0, 1.0, 1.0),
+                       ("4", 0.0, 0.5, 1.0)))]
     res.rows = ruler.rows(res, ruler.cells(cfg))
     cell = res.rows[1]
-    assert (cell.misses, cell.misses_culled, cell.answer_held) == (2, 1, 2.5 / 3)
+    assert (cell.misses, cell.misses_culled, cell.answer_held, cell.answer_held_at_answer) \
+        == (3, 1, 3 / 4, 3.5 / 4)
     table = ruler.misses_table(cfg, res.rows[1:], ["h2o"])
-    assert table.rows == (("compress", "h2o", "ratio 0.125", "2", "1", "0.833"),)
+    assert table.rows == (("compress", "h2o", "ratio 0.125", "3", "1", "0.750", "0.875"),)
     for s in res.samples:
-        s.held.clear()  # a run from before the measure
+        s.held_at_answer.clear()  # a run from before that measure: the question's
     old = ruler.rows(res, ruler.cells(cfg))[1]
-    assert (old.misses, old.misses_culled, old.answer_held) == (2, None, None)
+    assert (old.misses_culled, old.answer_held_at_answer) == (2, 3 / 4)
+    for s in res.samples:
+        s.held.clear()  # a run from before either
+    old = ruler.rows(res, ruler.cells(cfg))[1]
+    assert (old.misses, old.misses_culled, old.answer_held) == (3, None, None)
+    assert ruler.misses_table(cfg, [old], ["h2o"]).rows[0][4:] == ("–",) * 3
+
+
+def test_the_targets_read_the_default_policy_and_with_recall_its_recall_cells():
+    """Hand-worked: one sample the full cache answers; brightness misses where h2o answers,
+    and with recall the other way round. The targets hold brightness to the full cache and
+    to h2o, and brightness+recall to the full cache and to h2o+recall (like against
+    like)."""
+    cfg = _cfg(policies=("brightness", "h2o"), ratios=(0.75,), protocols=("compress",),
+               recall=True)
+    grid = ruler.cells(cfg)
+    scores = {"brightness": 0.0, "h2o": 1.0, "brightness+recall": 1.0, "h2o+recall": 0.0}
+    res = ruler.RulerResult(benchmark="ruler", command="", model="m", quick=False,
+                            machine=None, config=cfg, dtype="float32", max_positions=1,
+                            base={})
+    res.samples = [ruler.SampleRow("niah_single_1", 1024, 0, 10, 8, [], ["1"], ["1"] * 5,
+                                   [1.0, *(scores[c.method] for c in grid)], [None] + [2] * 4,
+                                   [None] + [2] * 4, [0.0] * 5)]
+    res.rows = ruler.rows(res, grid)
+    got = [(t.what, t.value, t.met) for t in ruler.targets(res)]
+    assert got == [
+        ("compress, ratio 0.75: brightness / the full cache, the worst of 1 task-lengths "
+         "(niah_single_1, 1024)", 0.0, False),
+        ("compress, ratio 0.75: brightness's average - the best other's (h2o)", -100.0, False),
+        ("compress, ratio 0.75: brightness+recall / the full cache, the worst of 1 "
+         "task-lengths (niah_single_1, 1024)", 1.0, True),
+        ("compress, ratio 0.75: brightness+recall's average - the best other's (h2o+recall)",
+         100.0, True)]
 
 
 def test_cells_need_a_size():

@@ -13,6 +13,10 @@ question and the answer go on uncompressed:
   fixed cache reads it (decode-time eviction; with recall, culled tokens can come back);
 - ``chunked``: online in chunks of ``chunk`` tokens: one stage-0 extend, then the culls.
 
+The question goes in one stage-0 extend, except in a cell with recall, where it goes a
+token a step (its tokens forced), so that its queries can bring back from the cold store
+what they read before the answer starts; in no cell does it cull.
+
 With ``--query-aware`` (kvpress's ``query_aware``) the question is part of what is
 compressed: the context and the question go through the protocol together (their tokens
 are the "context" of the ratio, the budget and the rows) and only the answer prefix goes on
@@ -34,8 +38,10 @@ occurrence that spells it) the cache still held at the question (with per-head b
 the mean over the heads): a miss with all of them held is the model's reading, one
 without them a cull's doing; the report counts both. That count is strict: a miss is
 counted culled if any head lost any of those tokens, even where a whole copy of the answer
-stayed (fwe and cwe spell theirs many times), and with recall a cold token may still come
-back while the model answers.
+stayed (fwe and cwe spell theirs many times). The share is taken again when the answer
+starts, and a miss is counted by that one: with recall the question's steps may have
+brought tokens back by then (and a cold token may still come back while the model
+answers); without, nothing changed.
 """
 from __future__ import annotations
 
@@ -285,6 +291,20 @@ def answer_held(state, answer: tuple[int, ...]) -> float | None:
     return float(held.sum(-1).double().mean()) / want.numel()
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What one answer gives: its ids, the tokens kept at the question (``State.kv_memory``'s),
+    the share of the answer's context tokens held then and when the answer starts (after
+    the question, whose steps recall may have brought some back: ``answer_held``), and why
+    it stopped."""
+
+    ids: list[int]
+    kept: float
+    held: float | None
+    held_at_answer: float | None
+    stop: str
+
+
 def answer_steps(session: Session, prompt: Prompt, protocol: str | None, chunk: int,
                  prime: int | None = None) -> Program:
     """One answer as a program of steps (``batch.run_programs``): ``prime`` (the online
@@ -294,8 +314,10 @@ def answer_steps(session: Session, prompt: Prompt, protocol: str | None, chunk: 
     the prime through the budget, ``chunk`` tokens an extend, up to the question's first
     token, then pending); then the rest of the question and the answer prefix uncompressed
     (one stage-0 extend) and up to the task's new tokens, greedy, with no cull: from there
-    the budget (if any) holds them all. Returns (answer ids, tokens kept at the question,
-    the share of the answer's tokens in the context held then, why the answer stopped)."""
+    the budget (if any) holds them all. With recall, the question goes a step a token
+    instead, so that its queries can bring back what they read, and the recent window
+    protects the tokens since the question began and no more, so that what comes back
+    takes a context token's place. Returns its ``Answer``."""
     if prime is not None:
         session.prime(prompt.segment(0, min(session.cache_params.budget, prompt.n_context)),
                       prime)
@@ -312,17 +334,32 @@ def answer_steps(session: Session, prompt: Prompt, protocol: str | None, chunk: 
         i = j
     kept = session.state.kv_memory()["tokens"]  # per head: the mean, the same memory
     held = answer_held(session.state, prompt.answer)
-    if p.budget is not None:  # and recall's swaps spare them: they are the recent tokens
-        rest = len(prompt.ids) - prompt.n_context + prompt.new_tokens + 1
+    rest = len(prompt.ids) - prompt.n_context + prompt.new_tokens + 1
+    if p.budget is not None:  # room for the rest, and recall's swaps spare it: the recent
         recent = max(p.recent, rest)
         session.cache_params = replace(p, recent=recent, budget=max(
             p.budget, session.state.arena.n + rest, p.sinks + recent + 1))
-    if len(prompt.ids) > prompt.n_context + 1:
+    q, since = session.cache_params, 0
+
+    def protect() -> None:  # with recall, the recent window covers what came since the
+        nonlocal since     # question began and no more, so that a swap sends context cold
+        if p.recall is not None:
+            session.cache_params = replace(q, recent=max(p.recent, since))
+        since += 1
+
+    if p.recall is not None:
+        protect()
+        for t in prompt.ids[prompt.n_context + 1:]:
+            yield session, t
+            protect()
+    elif len(prompt.ids) > prompt.n_context + 1:
         session.extend(prompt.segment(prompt.n_context + 1, len(prompt.ids)))
+    at_answer = answer_held(session.state, prompt.answer)
     ids: list[int] = []
-    yield from watched(session.steps(prompt.new_tokens), lambda rec: ids.append(rec.token_id))
+    yield from watched(session.steps(prompt.new_tokens),
+                       lambda rec: (ids.append(rec.token_id), protect()))
     session.state.check_valid()
-    return ids, kept, held, session.stop_reason
+    return Answer(ids, kept, held, at_answer, session.stop_reason)
 
 
 def cell_cache(cfg: RulerConfig, cell: Cell, prompt: Prompt) -> CacheParams:
@@ -358,9 +395,8 @@ def cell_steps(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
 
 def answer_cell(model: Model, policy: TokenPolicy, cell: Cell, cfg: RulerConfig,
                 prompt: Prompt, cache: CacheParams, primed=None, tape=None,
-                scorer=None) -> tuple[list[int], float, float | None, str]:
-    """``cell_steps`` run alone: (answer ids, tokens kept at the question, the answer's
-    share held then, why the answer stopped)."""
+                scorer=None) -> Answer:
+    """``cell_steps`` run alone."""
     out = []
     run_programs(model, [(0, cell_steps(model, policy, cell, cfg, prompt, cache, primed, tape,
                                         scorer))], 1, lambda _, value: out.append(value))
@@ -386,6 +422,7 @@ class SampleRow:
     kept: list[float | None]  # ``State.kv_memory``'s tokens: a head's, on average
     seconds: list[float]
     held: list[float | None] = field(default_factory=list)  # ``answer_held``; [] read as None
+    held_at_answer: list[float | None] = field(default_factory=list)  # ``Answer``'s, alike
 
 
 def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
@@ -404,8 +441,8 @@ def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
                        stats=bool(seeded), total=any(reads_total(s) for s in seeded))
     primed = (copy.deepcopy(full.state), stats) if any(s is not None for s in scorers) else None
     n = 1 + len(grid)
-    answers, budgets, kept, held = [None] * n, [None] + [c.budget for c in caches], [None] * n, \
-        [None] * n
+    answers, budgets = [None] * n, [None] + [c.budget for c in caches]
+    kept, held, at_answer = [None] * n, [None] * n, [None] * n
     seconds = [0.0] * n
 
     def timed(i: int, steps: Program, start: float | None = None) -> Program:
@@ -420,10 +457,10 @@ def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
             yield i, timed(i, cell_steps(model, policy, cell, cfg, prompt, cache, primed,
                                          scorer=scorer))
 
-    def done(i: int, value) -> None:
-        answers[i], k, h, _ = value
+    def done(i: int, a: Answer) -> None:
+        answers[i] = a.ids
         if i:  # the full cache keeps everything
-            kept[i], held[i] = k, h
+            kept[i], held[i], at_answer[i] = a.kept, a.held, a.held_at_answer
         if tick:
             tick()
 
@@ -434,7 +471,7 @@ def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
         _capture_misses(model, policy, cfg, sample, prompt, zip(grid, caches, scores[1:]))
     return SampleRow(sample.task, sample.length, sample.index, sample.n_tokens, prompt.n_context,
                      list(sample.depth), list(sample.answers), texts, scores, budgets, kept,
-                     seconds, held)
+                     seconds, held, at_answer)
 
 
 def _capture_misses(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample, prompt: Prompt,
@@ -451,7 +488,7 @@ def _capture_misses(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
             model, SamplerParams(greedy=True), cache, prompt.ids, "bench ruler",
             {"sample": dataclasses.asdict(sample), "cell": dataclasses.asdict(cell)}))
         try:
-            stop = answer_cell(model, policy, cell, cfg, prompt, cache, tape=tape)[-1]
+            stop = answer_cell(model, policy, cell, cfg, prompt, cache, tape=tape).stop
         except BaseException as e:
             tape.close(type(e).__name__, complete=False)
             raise
@@ -518,9 +555,11 @@ class Row:
     answer_held: float | None = None  # the answer's context tokens held at the question (mean)
     misses: int = 0  # samples scored below 1
     misses_culled: int | None = None  # of them, those whose answer's context tokens were
-    # not all held (None: not known, no missed sample spells its answer in the context)
+    # not all held when the answer started (None: not known, no missed sample spells its
+    # answer in the context)
     size: str | None = None  # the cell's ``Size.label`` (None: the full cache)
     query_aware: bool = False  # the question compressed with the context (``query_aware``)
+    answer_held_at_answer: float | None = None  # as ``answer_held``, when the answer started
 
 
 @dataclass(kw_only=True)
@@ -593,7 +632,8 @@ def _row(res: RulerResult, task: str, n: int, method: str, size: Size | None, pr
     ratio = None if size is None else size.ratio if size.tokens is None else _mean(
         1 - min(size.tokens, s.n_context) / s.n_context for s in ss)
     held = [s.held[i] if s.held else None for s in ss]
-    missed = [h for s, h in zip(ss, held) if s.scores[i] < 1]
+    at_answer = [s.held_at_answer[i] if s.held_at_answer else h for s, h in zip(ss, held)]
+    missed = [h for s, h in zip(ss, at_answer) if s.scores[i] < 1]
     return Row("ruler", str(n), res.model, method, ratio or 0.0, score, task, protocol,
                _mean(s.budgets[i] for s in ss), method.endswith("+recall"),
                _mean(s.kept[i] / s.n_context for s in ss if s.kept[i] is not None),
@@ -601,7 +641,7 @@ def _row(res: RulerResult, task: str, n: int, method: str, size: Size | None, pr
                _mean(held), len(missed),
                sum(h < 1 for h in missed if h is not None) if any(
                    h is not None for h in missed) else None, size and size.label,
-               res.config.query_aware)
+               res.config.query_aware, _mean(at_answer))
 
 
 def mean_scores(rs: list[Row], key) -> dict:
@@ -620,28 +660,37 @@ def averages(res: RulerResult) -> dict[tuple, float]:
 def targets(res: RulerResult) -> list[Target]:
     """Where the full cache scores >= 50%: the default policy keeps >= 90% of its score at
     ratio 0.75 and >= 75% at 0.875, per protocol; and it is at or above every other
-    built-in's average at each ratio, per protocol (its own recall variant aside)."""
+    built-in's average at each ratio, per protocol. With recall cells, the same again for
+    the default policy with recall, against the others with recall."""
     out, cfg, avg = [], res.config, averages(res)
     for protocol in cfg.protocols:
-        for ratio, want in TARGETS:
-            rs = [r for r in res.rows if r.protocol == protocol and r.method == DEFAULT_POLICY
-                  and r.size == Size(ratio).label and r.full_cache_score >= 100 * CEILING]
-            if rs:
-                worst = min(rs, key=lambda r: r.score_vs_full)
-                out.append(Target(f"{protocol}, ratio {ratio}: {DEFAULT_POLICY} / the full "
-                                  f"cache, the worst of {len(rs)} task-lengths ({worst.task}, "
-                                  f"{worst.data_dir})", worst.score_vs_full, f">= {want:.2f}",
-                                  worst.score_vs_full >= want))
-        for size in (z.label for z in cfg.sizes):
-            mine = avg.get((protocol, DEFAULT_POLICY, size))
-            others = {m: avg.get((protocol, m, size)) for m in dict.fromkeys(
-                r.method for r in res.rows if r.protocol == protocol)
-                if m.split("+")[0] != DEFAULT_POLICY}
-            if mine is not None and others:
-                best = max(others, key=lambda m: others[m])
-                out.append(Target(f"{protocol}, {size}: {DEFAULT_POLICY}'s average - "
-                                  f"the best other's ({best})", mine - others[best], ">= 0",
-                                  mine >= others[best]))
+        methods = list(dict.fromkeys(r.method for r in res.rows if r.protocol == protocol))
+        for mine in (DEFAULT_POLICY, DEFAULT_POLICY + "+recall"):
+            if mine in methods:
+                out += _targets(res, avg, protocol, mine, [
+                    m for m in methods if m.endswith("+recall") == mine.endswith("+recall")
+                    and m.split("+")[0] != DEFAULT_POLICY])
+    return out
+
+
+def _targets(res: RulerResult, avg: dict, protocol: str, mine: str,
+             others: list[str]) -> list[Target]:
+    out = []
+    for ratio, want in TARGETS:
+        rs = [r for r in res.rows if r.protocol == protocol and r.method == mine
+              and r.size == Size(ratio).label and r.full_cache_score >= 100 * CEILING]
+        if rs:
+            worst = min(rs, key=lambda r: r.score_vs_full)
+            out.append(Target(f"{protocol}, ratio {ratio}: {mine} / the full cache, the worst "
+                              f"of {len(rs)} task-lengths ({worst.task}, {worst.data_dir})",
+                              worst.score_vs_full, f">= {want:.2f}", worst.score_vs_full >= want))
+    for size in (z.label for z in res.config.sizes):
+        score = avg.get((protocol, mine, size))
+        theirs = {m: avg[k] for m in others if (k := (protocol, m, size)) in avg}
+        if score is not None and theirs:
+            best = max(theirs, key=lambda m: theirs[m])
+            out.append(Target(f"{protocol}, {size}: {mine}'s average - the best other's "
+                              f"({best})", score - theirs[best], ">= 0", score >= theirs[best]))
     return out
 
 
@@ -691,12 +740,15 @@ def misses_table(cfg: RulerConfig, cells_rows: list[Row], methods: list[str]) ->
                 if rs:
                     out.append((pr, m, z, str(sum(r.misses for r in rs)),
                                 fmt(sum(known) if known else None, 0),
-                                fmt(_mean(r.answer_held for r in rs), 3)))
+                                fmt(_mean(r.answer_held for r in rs), 3),
+                                fmt(_mean(r.answer_held_at_answer for r in rs), 3)))
     return Table("Why the cells missed: answers scored below 1, and of them those whose "
-                 "answer's tokens in the context the cache no longer wholly held at the "
-                 "question (culled: not there to be read); the share of those tokens held, "
-                 "over every sample", ("protocol", "method", "size", "misses",
-                                       "of them culled", "answer tokens held"), tuple(out))
+                 "answer's tokens in the context the cache no longer wholly held when the "
+                 "answer started (culled: not there to be read); the share of those tokens "
+                 "held at the question and when the answer started (after the question, "
+                 "whose steps recall can bring tokens back in), over every sample",
+                 ("protocol", "method", "size", "misses", "of them culled",
+                  "answer tokens held at the question", "at the answer"), tuple(out))
 
 
 def plots(res: RulerResult, out: Path) -> list[str]:
