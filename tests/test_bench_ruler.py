@@ -5,6 +5,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from positronic_brain.bench import ruler, ruler_tasks
 from positronic_brain.cli import main
@@ -74,22 +75,52 @@ def test_a_sample_s_answers_as_a_batch_s_rows_are_its_answers_one_at_a_time(
     rows = ruler.run_sample(real_model, real_policy, replace(cfg, batch=3), needle, grid)
     assert rows.outputs == alone.outputs and rows.scores == alone.scores
     assert rows.kept == alone.kept and rows.held == alone.held
+    assert rows.held_at_answer == alone.held_at_answer
     assert rows.budgets == alone.budgets and len(rows.seconds) == 9
 
 
 def test_with_recall_the_question_s_steps_bring_the_needle_back(real_model, real_policy,
                                                                 needle):
     """A recall cell steps the question a token a step (the others extend it at once), so
-    its queries can bring back what they read: compressed to a quarter, h2o has culled the
-    whole needle (a 7-digit number, at 16% of the context) by the question and misses;
-    with recall the question's steps bring every digit back before the answer starts, and
-    the answer is right."""
-    cfg = _cfg(policies=("h2o",), ratios=(0.75,), protocols=("compress",), recall=True)
+    its queries can bring back what they read: compressed to a quarter or an eighth, h2o
+    has culled the whole needle (a 7-digit number, at 16% of the context) by the question
+    and misses; with recall the question's steps bring every digit back before the answer
+    starts, and the answer is right. At an eighth the hot cache (108 tokens) is smaller
+    than the question and answer's room (164): the recent window covers only what came
+    since the question began, so a swap has context tokens to send cold."""
+    cfg = _cfg(policies=("h2o",), ratios=(0.75, 0.875), protocols=("compress",), recall=True,
+               new_tokens=None)  # the task's own 128: room for 164 tokens after the context
     row = ruler.run_sample(real_model, real_policy, cfg, needle, ruler.cells(cfg))
-    assert row.scores == [1.0, 0.0, 1.0]
-    assert row.held[1:] == [0.0, 0.0]  # culled by the question, with recall or without
-    assert row.held_at_answer[1:] == [0.0, 1.0]
-    assert row.outputs[2] == row.outputs[0]
+    assert row.budgets[1:] == [215, 108] * 2
+    assert row.scores == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert row.held[1:] == [0.0] * 4  # culled by the question, with recall or without
+    assert row.held_at_answer[1:] == [0.0, 0.0, 1.0, 1.0]
+    assert row.outputs[3] == row.outputs[4] == row.outputs[0]
+
+
+@pytest.mark.parametrize("policy", ["h2o@pyramid", "h2o@head"])
+def test_a_per_head_recall_cell_culls_nothing_while_the_question_steps(real_model, real_policy,
+                                                                       needle, policy):
+    """Every (layer, KV head) grows by the one token a step appends from the question on:
+    a pyramid cell's budgets are shares above the protected tokens, so its recent window
+    does not move (a moving one moved the budgets and culled the context); a head cell's
+    budgets do not read it, so its window moves and swaps keep each head's count."""
+    cfg = _cfg(policies=(policy,), ratios=(0.875,), protocols=("compress",), recall=True,
+               new_tokens=None)
+    cell = ruler.cells(cfg)[1]
+    prompt = ruler.Prompt.of(real_policy, needle)
+    program = ruler.cell_steps(real_model, real_policy, cell, cfg, prompt,
+                               ruler.cell_cache(cfg, cell, prompt))
+    counts, recalled, want = [], 0, next(program)
+    with pytest.raises(StopIteration):
+        while True:
+            session, force = want
+            rec = session.step(force)
+            counts.append(session.state.heads.n.clone())
+            recalled += len(rec.recalled) if len(counts) > 1 else 0
+            want = program.send(rec)
+    assert len(counts) > 40 and recalled > 0
+    assert all(torch.equal(b, a + 1) for a, b in zip(counts, counts[1:]))
 
 
 def test_the_answer_held_is_the_share_of_its_spelling_the_cache_holds(real_model, real_policy):

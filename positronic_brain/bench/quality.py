@@ -450,12 +450,14 @@ def packs(jobs: list[Job], batch: int, workers: int = 1) -> list[list[int]]:
     most = {k: max(1, min(batch, -(-n // workers))) for k, n in rows.items()}
     out: list[list[int]] = []
     filling: dict[tuple[int, int], list[int]] = {}
+    size: dict[tuple[int, int], int] = {}  # the filling group's starts
     for i, j in enumerate(jobs):
-        group = filling.get(key(j))
-        if group is None or sum(len(jobs[k].starts) for k in group) + len(j.starts) > most[key(j)]:
-            group = filling[key(j)] = []
-            out.append(group)
-        group.append(i)
+        k = key(j)
+        if k not in filling or size[k] + len(j.starts) > most[k]:
+            filling[k], size[k] = [], 0
+            out.append(filling[k])
+        filling[k].append(i)
+        size[k] += len(j.starts)
     return out
 
 

@@ -13,9 +13,17 @@ question and the answer go on uncompressed:
   fixed cache reads it (decode-time eviction; with recall, culled tokens can come back);
 - ``chunked``: online in chunks of ``chunk`` tokens: one stage-0 extend, then the culls.
 
-The question goes in one stage-0 extend, except in a cell with recall, where it goes a
-token a step (its tokens forced), so that its queries can bring back from the cold store
-what they read before the answer starts; in no cell does it cull.
+The rest of the question and the answer prefix (with ``--query-aware``, the answer prefix
+alone) go in one stage-0 extend, except in a cell with recall, where they go a token a
+step (their tokens forced), so that their queries can bring back from the cold store what
+they read before the answer starts, and the recent window protects only the tokens since
+they began, so that what comes back takes a context token's place (with ``pyramid`` and
+``duo`` allocations, whose heads' budgets are shares above the protected tokens, the
+window covers the whole rest at once, as without recall, so that a moving window does not
+move the budgets). A recall cell's culled
+tokens keep their K/V in the cold store (up to its capacity): its budget and ratio are
+those of the hot cache, the slots every step attends to, and every few steps the recall
+scan reads the cold keys too; it saves no memory.
 
 With ``--query-aware`` (kvpress's ``query_aware``) the question is part of what is
 compressed: the context and the question go through the protocol together (their tokens
@@ -313,11 +321,9 @@ def answer_steps(session: Session, prompt: Prompt, protocol: str | None, chunk: 
     primed context, which culls to the budget; ``online``/``chunked``: the context after
     the prime through the budget, ``chunk`` tokens an extend, up to the question's first
     token, then pending); then the rest of the question and the answer prefix uncompressed
-    (one stage-0 extend) and up to the task's new tokens, greedy, with no cull: from there
-    the budget (if any) holds them all. With recall, the question goes a step a token
-    instead, so that its queries can bring back what they read, and the recent window
-    protects the tokens since the question began and no more, so that what comes back
-    takes a context token's place. Returns its ``Answer``."""
+    (one stage-0 extend; with recall, a step a token: the module's docstring) and up to the
+    task's new tokens, greedy: from there the budget (if any) has room for them all.
+    Returns its ``Answer``."""
     if prime is not None:
         session.prime(prompt.segment(0, min(session.cache_params.budget, prompt.n_context)),
                       prime)
@@ -335,15 +341,16 @@ def answer_steps(session: Session, prompt: Prompt, protocol: str | None, chunk: 
     kept = session.state.kv_memory()["tokens"]  # per head: the mean, the same memory
     held = answer_held(session.state, prompt.answer)
     rest = len(prompt.ids) - prompt.n_context + prompt.new_tokens + 1
-    if p.budget is not None:  # room for the rest, and recall's swaps spare it: the recent
+    if p.budget is not None:  # room for the rest, protected: the recent window
         recent = max(p.recent, rest)
         session.cache_params = replace(p, recent=recent, budget=max(
             p.budget, session.state.arena.n + rest, p.sinks + recent + 1))
     q, since = session.cache_params, 0
+    moving = p.recall is not None and p.allocation.kind not in ("pyramid", "duo")
 
-    def protect() -> None:  # with recall, the recent window covers what came since the
-        nonlocal since     # question began and no more, so that a swap sends context cold
-        if p.recall is not None:
+    def protect() -> None:  # the recent window over what came since the rest began alone
+        nonlocal since
+        if moving:
             session.cache_params = replace(q, recent=max(p.recent, since))
         since += 1
 
