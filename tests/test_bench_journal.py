@@ -58,6 +58,38 @@ def test_another_run_s_journal_is_refused_in_one_line(tmp_path):
     assert len(path.read_text().splitlines()) == 2  # nothing lost
 
 
+def test_a_ruler_journal_from_before_its_rows_changed_is_refused(tmp_path, monkeypatch,
+                                                                   capsys):
+    """``bench ruler``'s journal names what its rows measure (``ruler.MEASURES``): one
+    written before a recall cell stepped the question, the same config otherwise, is
+    another run's, refused in one line with exit 2 and left as it was."""
+    from positronic_brain.bench import flags, ruler
+    heads = []
+
+    class Seen(Journal):
+        def __init__(self, path, head, resume, row):
+            heads.append(head)
+            super().__init__(path, head, resume, row)
+
+    def stop(*_a, **_k):
+        raise UserError("stopped")
+
+    monkeypatch.setattr(ruler, "run", stop)
+    argv = ["bench", "ruler", "--model", "tiny-random", "--quick", "--recall",
+            "--out", str(tmp_path)]
+    monkeypatch.setattr(flags, "Journal", Seen)
+    assert main(argv) == 2 and heads[0]["measures"] == ruler.MEASURES
+    monkeypatch.setattr(flags, "Journal", Journal)
+    old = {k: v for k, v in heads[0].items() if k != "measures"}
+    path = tmp_path / "items.jsonl"
+    Journal(path, old, False, Row).add(0, Row(0, [True]))
+    before = path.read_text()
+    capsys.readouterr()
+    assert main(argv + ["--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is another run's" in err and "\n" not in err and path.read_text() == before
+
+
 @pytest.mark.parametrize("kind", ["passkey", "ruler", "quality"])
 def test_resume_without_out_is_one_line_and_exit_2(kind, capsys):
     assert main(["bench", kind, "--quick", "--resume"]) == 2

@@ -251,7 +251,9 @@ def main(args, bench) -> int:
     slow part), the ``--out`` folder made, the run, then its tables (or one JSON object) and
     files (``common.emit``). ``bench`` is the benchmark's module: ``FLAGS`` (its config
     first), ``run(cfg, command[, pool])``, ``tables``, ``plots``, ``report_md``
-    and, where its report's section is not its name, ``section(cfg)``. A benchmark whose
+    and, where its report's section is not its name, ``section(cfg)``; where what a row
+    measures changed, ``MEASURES`` (in the journal's first line, so that ``--resume``
+    refuses a journal of the rows before). A benchmark whose
     flags include ``Workers`` measures a grid of items, each a ``ROW``, in a ``grid.Pool``
     (processes or a Ray cluster), kept in a journal (``result.Journal``) in the ``--out``
     folder so that ``--resume`` can go on with it."""
@@ -266,7 +268,8 @@ def main(args, bench) -> int:
         jobs = None if args.ray and args.jobs is None else common.jobs(args)
         journal = None
         if out is not None:
-            head = {"benchmark": args.kind, "config": dataclasses.asdict(cfg)}
+            head = {"benchmark": args.kind, "config": dataclasses.asdict(cfg),
+                    **({"measures": bench.MEASURES} if hasattr(bench, "MEASURES") else {})}
             journal = Journal(out / "items.jsonl", json.loads(json.dumps(head)),
                               bool(args.resume), bench.ROW)
         pool["pool"] = Pool(jobs, journal, args.ray)

@@ -810,4 +810,5 @@ def report_md(res: RulerResult, images: list[str], image_dir: str, level: int = 
 # --- the command line -----------------------------------------------------------------------
 
 FLAGS = (RulerConfig, flags.Workers)  # the dataclasses whose fields are its flags
+MEASURES = 2  # a row's meaning: since 2, a recall cell steps the question (``answer_steps``)
 ROW = SampleRow  # one item's (a sample's) row of the grid
