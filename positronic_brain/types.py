@@ -415,6 +415,13 @@ class Allocation:
         """Whether each (layer, KV head) keeps tokens of its own."""
         return self.kind in PER_HEAD
 
+    @property
+    def above_protected(self) -> bool:
+        """Whether the heads' budgets are shares above the protected tokens (the sinks, the
+        recent window, the appended token), so that a wider window moves them:
+        ``pyramid`` and ``duo`` (``stages.decide.allocation.budgets``)."""
+        return self.kind in ("pyramid", "duo")
+
     def check(self, params: "CacheParams") -> None:
         require(not self.per_head or params.budget is not None,
                 f"--allocation {self.kind} shares a budget: give --budget")

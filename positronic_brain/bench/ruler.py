@@ -345,14 +345,11 @@ def answer_steps(session: Session, prompt: Prompt, protocol: str | None, chunk: 
         recent = max(p.recent, rest)
         session.cache_params = replace(p, recent=recent, budget=max(
             p.budget, session.state.arena.n + rest, p.sinks + recent + 1))
-    q, since = session.cache_params, 0
-    moving = p.recall is not None and p.allocation.kind not in ("pyramid", "duo")
+    q, first = session.cache_params, session.state.step
 
     def protect() -> None:  # the recent window over what came since the rest began alone
-        nonlocal since
-        if moving:
-            session.cache_params = replace(q, recent=max(p.recent, since))
-        since += 1
+        if p.recall is not None and not p.allocation.above_protected:
+            session.cache_params = replace(q, recent=max(p.recent, session.state.step - first))
 
     if p.recall is not None:
         protect()
