@@ -1,11 +1,12 @@
 """A grid benchmark's journal (``bench.result.Journal``): what ``--resume`` keeps of an
 interrupted run, and what it refuses."""
+import json
 from dataclasses import dataclass
 
 import pytest
 
 from positronic_brain.bench.grid import Pool
-from positronic_brain.bench.result import Journal
+from positronic_brain.bench.result import Journal, Result
 from positronic_brain.cli import main
 from positronic_brain.types import UserError
 
@@ -39,6 +40,36 @@ def test_a_resumed_run_measures_only_what_the_journal_lacks(tmp_path):
     assert seen == [2] and again == first
     seen.clear()
     assert measure(Journal(path, HEAD, True, Row), [0, 1, 2], seen) == first and seen == []
+
+
+def test_a_resumed_run_s_time_counts_its_earlier_parts(tmp_path):
+    """Each line holds the seconds the run had taken at its item's finish, its earlier parts
+    included: a resumed run starts from the last kept item's, and its report says how much
+    of its time came before the --resume. A journal whose kept lines do not say (written
+    before they did) leaves the earlier parts unknown, and the report says so."""
+    path = tmp_path / "items.jsonl"
+    measure(Journal(path, HEAD, False, Row), [0, 1], [])
+    lines = path.read_text().splitlines()
+    first = [json.loads(line)["seconds"] for line in lines[1:]]
+    assert 0 <= first[0] <= first[1]
+    earlier = first[1] + 3600.0  # as if the first part had taken an hour
+    path.write_text("\n".join(lines[:2] + [json.dumps({**json.loads(lines[2]),
+                                                       "seconds": earlier})]) + "\n")
+    journal = Journal(path, HEAD, True, Row)
+    assert journal.earlier == earlier
+    measure(journal, [0, 1, 2], [])
+    assert json.loads(path.read_text().splitlines()[-1])["seconds"] >= earlier
+    res = Result(benchmark="demo", command="positronic-brain bench demo", model="m",
+                 quick=False, machine=None, elapsed_s=earlier + 60, earlier_s=earlier)
+    assert "(this run took 61 min, 60 min of it before it was resumed with --resume)" \
+        in res.regenerate(quick_version=False)
+    old = [json.dumps({k: v for k, v in json.loads(line).items() if k != "seconds"})
+           for line in path.read_text().splitlines()[1:]]
+    path.write_text("\n".join([lines[0]] + old) + "\n")
+    assert Journal(path, HEAD, True, Row).earlier is None
+    res.earlier_s, res.elapsed_s = None, 90.0
+    assert "(its last part took 90 s, resumed with --resume from a journal that does not " \
+        "record the parts before)" in res.regenerate(quick_version=False)
 
 
 def test_without_resume_a_run_starts_a_new_journal(tmp_path):

@@ -67,7 +67,7 @@ def test_a_sample_s_answers_as_a_batch_s_rows_are_its_answers_one_at_a_time(
     from the shared prime, online primed and streamed through its budget, recall and per
     head among them): the same answers, tokens kept and answer tokens held as one at a time
     (greedy; no tie that rounding tips here, as the comparison checks)."""
-    cfg = _cfg(policies=("h2o", "tova@head"), ratios=(0.06,), recall=True,
+    cfg = _cfg(policies=("h2o", "tova@head"), ratios=(0.06,), recall=("all",),
                protocols=("compress", "online"))
     grid = ruler.cells(cfg)
     assert len(grid) == 8 and any(c.recall and "@" in c.policy for c in grid)
@@ -88,7 +88,7 @@ def test_with_recall_the_question_s_steps_bring_the_needle_back(real_model, real
     starts, and the answer is right. At an eighth the hot cache (108 tokens) is smaller
     than the question and answer's room (164): the recent window covers only what came
     since the question began, so a swap has context tokens to send cold."""
-    cfg = _cfg(policies=("h2o",), ratios=(0.75, 0.875), protocols=("compress",), recall=True,
+    cfg = _cfg(policies=("h2o",), ratios=(0.75, 0.875), protocols=("compress",), recall=("all",),
                new_tokens=None)  # the task's own 128: room for 164 tokens after the context
     row = ruler.run_sample(real_model, real_policy, cfg, needle, ruler.cells(cfg))
     assert row.budgets[1:] == [215, 108] * 2
@@ -105,7 +105,7 @@ def test_a_per_head_recall_cell_culls_nothing_while_the_question_steps(real_mode
     a pyramid cell's budgets are shares above the protected tokens, so its recent window
     does not move (a moving one moved the budgets and culled the context); a head cell's
     budgets do not read it, so its window moves and swaps keep each head's count."""
-    cfg = _cfg(policies=(policy,), ratios=(0.875,), protocols=("compress",), recall=True,
+    cfg = _cfg(policies=(policy,), ratios=(0.875,), protocols=("compress",), recall=("all",),
                new_tokens=None)
     cell = ruler.cells(cfg)[1]
     prompt = ruler.Prompt.of(real_policy, needle)
@@ -145,7 +145,7 @@ def test_per_head_cells_keep_the_budget_in_each_head(real_model, real_policy, ne
     """A per-head policy (``NAME@ALLOCATION``) compresses the context at the same K/V memory:
     at the question its (layer, KV head)s hold the budget on average (``head``: each
     exactly), with recall too (each head's own cold store)."""
-    cfg = _cfg(policies=("h2o@head", "tova@adaptive"), ratios=(0.03,), recall=True,
+    cfg = _cfg(policies=("h2o@head", "tova@adaptive"), ratios=(0.03,), recall=("all",),
                protocols=("compress", "online"))
     grid = ruler.cells(cfg)
     assert [(c.protocol, c.method) for c in grid] == [
@@ -163,7 +163,7 @@ def test_a_miss_is_captured_and_replays(real_model, real_policy, needle, tmp_pat
     """Every cell scored below 1 answers again on a tape (here each, by a scorer of answers
     that finds none right): the capture replays bit for bit, budget change included."""
     monkeypatch.setattr(ruler_tasks, "score", lambda task, text, answers: 0.0)
-    cfg = _cfg(protocols=("compress",), recall=True, capture_misses=str(tmp_path))
+    cfg = _cfg(protocols=("compress",), recall=("all",), capture_misses=str(tmp_path))
     grid = ruler.cells(cfg)
     assert [c.method for c in grid] == ["h2o", "h2o+recall"]
     ruler.run_sample(real_model, real_policy, cfg, needle, grid[1:])
@@ -234,11 +234,39 @@ def test_write_data_writes_the_samples_and_measures_nothing(real_model, capsys, 
     (["--params", "allocation=turns"], "NAME@ALLOCATION"),
     (["--budgets", "0"], "--budgets takes comma-separated token counts >= 1"),
     (["--policies", "h2o@turns"], "--allocation turns do not apply"),
+    (["--recall", "bogus"], "bogus"),
+    (["--recall", "none"], "--recall takes comma-separated policies, or all"),
+    (["--recall", "h2o,all"], "--recall takes comma-separated policies, or all"),
+    (["--recall", "h2o,h2o"], "--recall repeats a value"),
 ])
 def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
     assert main(["bench", "ruler", "--model", "tiny-random", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
+
+
+def test_recall_names_the_policies_that_run_with_it(monkeypatch):
+    """``--recall P,...`` adds recall cells for those policies only (one not among
+    ``--policies`` runs only with recall); the flag alone, or ``all``, for every policy;
+    the command written back reproduces the cells."""
+    from positronic_brain.bench import flags
+    seen = []
+
+    def stop(cfg, command, **_k):
+        seen.append((cfg, command))
+        raise UserError("stopped")
+
+    monkeypatch.setattr(ruler, "run", stop)
+    base = ["bench", "ruler", "--model", "tiny-random", "--quick", "--policies", "h2o,tova"]
+    for extra in (["--recall", "tova,brightness@head"], ["--recall"], ["--recall", "all"]):
+        assert main(base + extra) == 2
+    (named, command), (bare, alone), (every, _) = seen
+    methods = [c.method for c in ruler.cells(named)]
+    assert methods == ["h2o", "tova", "tova+recall", "brightness@head+recall"]
+    assert [c.method for c in ruler.cells(bare)] == [c.method for c in ruler.cells(every)] \
+        == ["h2o", "tova", "h2o+recall", "tova+recall"]
+    assert command.endswith("--recall tova,brightness@head") and alone.endswith(" --recall")
+    assert flags.recall_policies(True) == bare.recall == (flags.EVERY,)
 
 
 def test_the_misses_table_tells_a_cull_from_a_misreading():
@@ -281,7 +309,7 @@ def test_the_targets_read_the_default_policy_and_with_recall_its_recall_cells():
     to h2o, and brightness+recall to the full cache and to h2o+recall (like against
     like)."""
     cfg = _cfg(policies=("brightness", "h2o"), ratios=(0.75,), protocols=("compress",),
-               recall=True)
+               recall=("all",))
     grid = ruler.cells(cfg)
     scores = {"brightness": 0.0, "h2o": 1.0, "brightness+recall": 1.0, "h2o+recall": 0.0}
     res = ruler.RulerResult(benchmark="ruler", command="", model="m", quick=False,

@@ -58,8 +58,9 @@ class Flag(options.Option):
     with its value under ``--quick``, its reader and its repeatable twin, where it has them."""
 
     quick: Any = None  # None: the default under --quick too
-    read: Any = None  # text (and the repeat flag's items) -> value
+    read: Any = None  # text (and the repeat flag's items) -> value; True: the flag alone
     repeat: str | None = None
+    bare: bool = False  # the flag may be given alone (``read`` then takes True)
 
 
 def flags_of(classes) -> list[Flag]:
@@ -105,6 +106,20 @@ def policy_label(cache) -> str:
     """The grid's label of the cache parameters ``cache``: ``cell_policy``'s inverse."""
     kind = cache.allocation.kind
     return cache.scorer.name + (f"@{kind}" if cache.allocation.per_head else "")
+
+
+EVERY = "all"  # ``recall_policies``: every policy of the grid
+
+
+def recall_policies(text: str | bool) -> tuple[str, ...]:
+    """A grid's ``--recall``: the policies that also run with recall (``NAME@ALLOCATION``
+    per head), or (the flag alone, or ``all``) every policy of the grid: ``(EVERY,)``."""
+    if text is True or text.strip() == EVERY:
+        return (EVERY,)
+    named = policies(text)
+    require(named and EVERY not in named, f"--recall takes comma-separated policies, or "
+            f"{EVERY} (or nothing) for every policy, got {text!r}")
+    return named
 
 
 def policies(text: str) -> tuple[str, ...]:
@@ -211,6 +226,8 @@ def _kind(f: Flag) -> dict:
     hint = f.hint
     if hint is bool and f.default is False:
         return {"action": "store_const", "const": True}
+    if f.bare:  # a value, or the flag alone (True: written back alone, as a switch)
+        return {"nargs": "?", "const": True}
     if typing.get_origin(hint) in (typing.Union, UnionType):  # ``int | None``: an int
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     return {"type": hint} if hint in (int, float) and f.read is None else {}
@@ -274,6 +291,10 @@ def main(args, bench) -> int:
                               bool(args.resume), bench.ROW)
         pool["pool"] = Pool(jobs, journal, args.ray)
     res = bench.run(cfg, command_line(args.kind, args, bench.FLAGS), **pool)
+    journal = pool["pool"].journal if pool else None
+    if journal is not None and journal.earlier != 0.0:  # a resumed run: its parts before
+        res.earlier_s = journal.earlier
+        res.elapsed_s += journal.earlier or 0.0
     section = bench.section(cfg) if hasattr(bench, "section") else args.kind
     common.emit(res, args, out, section, bench.plots, bench.report_md, bench.tables)
     return 0

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import platform
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,8 @@ class Result:
     quick: bool
     machine: Machine
     targets: list[Target] = field(default_factory=list)
-    elapsed_s: float = 0.0
+    elapsed_s: float = 0.0  # the whole run's, a resumed run's earlier parts included
+    earlier_s: float | None = 0.0  # of it, before a --resume (None: not recorded)
     batch_choice: str = ""  # a grid's rows a step, where chosen by measurement (batch_size)
     stage1: str = ""  # a grid's stage-1 path (``grid.load``): native or plain
 
@@ -118,8 +120,15 @@ class Result:
         command, config = self.command, getattr(self, "config", None)
         if self.batch_choice and getattr(config, "batch", None):  # the rows chosen, pinned
             command += f" --batch {config.batch}"
-        return (f"Regenerate with `{command}` (this run took "
-                f"{duration(self.elapsed_s)}{quick}). Every number below comes from that one run.")
+        if self.earlier_s is None:
+            took = (f"its last part took {duration(self.elapsed_s)}, resumed with --resume "
+                    "from a journal that does not record the parts before")
+        else:
+            took = f"this run took {duration(self.elapsed_s)}" + (
+                f", {duration(self.earlier_s)} of it before it was resumed with --resume"
+                if self.earlier_s else "")
+        return (f"Regenerate with `{command}` ({took}{quick}). Every number below comes "
+                "from that one run.")
 
 
 @dataclass(frozen=True)
@@ -161,14 +170,17 @@ def model_facts(res) -> str:
 class Journal:
     """``items.jsonl`` in a run's ``--out`` folder: a first line naming the benchmark and
     its config, then one line per finished item of its grid (the item's index in the
-    grid's list and its row), written as each finishes. A run with ``--resume`` keeps the
-    rows of a journal whose first line is its own and measures only the rest; any other
-    journal there is refused (without ``--resume`` a run starts a new one, from the first
-    item it finishes)."""
+    grid's list, its row, and the seconds the run had taken when it finished, its earlier
+    parts included), written as each finishes. A run with ``--resume`` keeps the rows of a
+    journal whose first line is its own and measures only the rest; any other journal
+    there is refused (without ``--resume`` a run starts a new one, from the first item it
+    finishes). ``earlier``: the seconds of the parts before this one (the last kept item's;
+    None where a kept line does not say, a journal from before they did)."""
 
     def __init__(self, path: Path, head: dict, resume: bool, row: type) -> None:
-        self.path, self.done = path, {}
+        self.path, self.done, self.seconds = path, {}, {}
         self.first, self.started = json.dumps(head, sort_keys=True), False
+        self.start, self.earlier = time.perf_counter(), 0.0
         if resume and path.exists():
             lines = path.read_text().splitlines()
             if lines and lines[0] != self.first:
@@ -180,16 +192,20 @@ class Journal:
                     self.done[item["index"]] = row(**item["row"])
                 except (ValueError, KeyError, TypeError):
                     break  # a line cut short when the run stopped: measured again
+                self.seconds[item["index"]] = item.get("seconds")
+            taken = list(self.seconds.values())
+            self.earlier = None if None in taken else max(taken, default=0.0)
 
-    @staticmethod
-    def _line(index: int, row: Any) -> str:
-        return json.dumps({"index": index, "row": dataclasses.asdict(row)}) + "\n"
+    def _line(self, index: int, row: Any) -> str:
+        return json.dumps({"index": index, "row": dataclasses.asdict(row),
+                           "seconds": self.seconds[index]}) + "\n"
 
     def add(self, index: int, row: Any) -> None:
         """Item ``index`` is finished: its row goes on the file at once. The first one
         writes the file anew (atomically: its first line and the rows kept), so a run that
         stops before measuring anything leaves the journal it found as it was."""
         self.done[index] = row
+        self.seconds[index] = round((self.earlier or 0.0) + time.perf_counter() - self.start, 3)
         if not self.started:
             write_text(self.path, self.first + "\n" + "".join(
                 self._line(i, r) for i, r in self.done.items()))

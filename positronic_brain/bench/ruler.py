@@ -115,7 +115,10 @@ class RulerConfig:
     chunk: int = option(128, "chunked: the context's tokens per extend")
     new_tokens: int | None = option(None, "the most new tokens of an answer (default: the "
                                     "task's own, as RULER's)")
-    recall: bool = option(False, "each cell also with recall (as run --recall)")
+    recall: tuple[str, ...] = option((), "policies whose cells also run with recall (as run "
+                                     "--recall): comma-separated, or the flag alone (or all) "
+                                     "for every policy", read=flags.recall_policies,
+                                     bare=True, metavar="LIST")
     batch: int | None = option(None, "a sample's answers (the full cache's and each cell's) "
                                "B at a time, as the rows of a batch (one stage-1 forward a "
                                "step for all; 1: one at a time; " + batch_size.HELP + ")",
@@ -150,26 +153,33 @@ class RulerConfig:
         require(all(b >= 1 for b in self.budgets), "--budgets takes comma-separated token "
                 f"counts >= 1, got {','.join(map(str, self.budgets))}")
         require(self.sizes or not self.policies, "the cells need --ratios or --budgets")
-        bad = [p for p in flags.scorer_names(self.policies) if not culling(p)]
+        bad = [p for p in flags.scorer_names(self.policies + self.recall_policies)
+               if not culling(p)]
         require(not bad, f"unknown or non-culling policies {bad}; expected some of "
                 f"{', '.join(CULLING)} (or none: the full cache only)")
         require(self.qa_file or not {"qa_1", "qa_2"} & set(self.tasks),
                 "qa_1 and qa_2 need --qa-file (SQuAD- or HotpotQA-format JSON)")
-        options.check_shared(dict(self.params), flags.scorer_names(self.policies) or CULLING)
-        for name in ("tasks", "lengths", "policies", "ratios", "budgets"):
+        options.check_shared(dict(self.params),
+                             flags.scorer_names(self.policies + self.recall_policies) or CULLING)
+        for name in ("tasks", "lengths", "policies", "recall", "ratios", "budgets"):
             values = getattr(self, name)
             require(len(set(values)) == len(values), f"--{name} repeats a value: {values}")
-        for p in self.policies:  # fail early: unknown fields, options of pieces that are off
-            for recall in (False, True)[:1 + self.recall]:
-                c = self.cache(p, 1 << 30, recall)  # any budget: the cells' own come later
-                require("user" not in c.pinned and c.allocation.kind != "turns", "a RULER "
-                        "prompt is one user turn, its question a turn of its own: pinned user "
-                        "tokens and --allocation turns do not apply")
+        runs = [(p, False) for p in self.policies] + [(p, True) for p in self.recall_policies]
+        for p, recall in runs:  # fail early: unknown fields, options of pieces that are off
+            c = self.cache(p, 1 << 30, recall)  # any budget: the cells' own come later
+            require("user" not in c.pinned and c.allocation.kind != "turns", "a RULER "
+                    "prompt is one user turn, its question a turn of its own: pinned user "
+                    "tokens and --allocation turns do not apply")
 
     @classmethod
     def preset(cls, quick: bool, **kw) -> "RulerConfig":
         """The config, with each field's ``quick`` value (its metadata) for ``--quick``."""
         return flags.preset(cls, quick, **kw)
+
+    @property
+    def recall_policies(self) -> tuple[str, ...]:
+        """The policies whose cells also run with recall: ``recall``'s, or every policy."""
+        return self.policies if self.recall == (flags.EVERY,) else self.recall
 
     @property
     def sizes(self) -> tuple["Size", ...]:
@@ -220,10 +230,11 @@ class Cell:
 
 
 def cells(cfg: RulerConfig) -> list[Cell]:
-    """Every protocol x policy x size (the ratios', the budgets'), with recall too if
-    ``recall``."""
-    return [Cell(pr, p, z, rc) for pr in cfg.protocols for rc in (False, True)[:1 + cfg.recall]
-            for p in cfg.policies for z in cfg.sizes]
+    """Every protocol x policy x size (the ratios', the budgets'), then the same with
+    recall for the ``recall_policies``."""
+    return [Cell(pr, p, z, rc) for pr in cfg.protocols
+            for rc, ps in ((False, cfg.policies), (True, cfg.recall_policies))
+            for p in ps for z in cfg.sizes]
 
 
 # --- one sample ---------------------------------------------------------------------------

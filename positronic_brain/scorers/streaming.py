@@ -1,6 +1,10 @@
 """StreamingLLM (Xiao et al., 2023): keep the first ``sinks`` tokens and the most recent.
 
 Prefill scores: none taken; it keeps by position, whatever the attention.
+
+With recall it keeps nothing it brings back: a swap replaces the hot slot ranked lowest, and a
+recalled token, which keeps its position, is older than every hot token but the sinks, so
+the next step's swap sends it cold again.
 """
 from __future__ import annotations
 
