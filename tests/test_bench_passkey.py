@@ -166,7 +166,8 @@ def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
     assert cfg["trials"] == 8 and cfg["budgets"] == [128]
     assert cfg["variants"] == [{}, {"recall": True}, {"prefill_scores": "flipped"}]
     assert cfg["lengths"] == [512 - 8 - 1]  # 1024 does not fit the tiny model's positions
-    assert len(res["trials"]) == 8 and all(len(t["hits"]) == 16 for t in res["trials"])
+    cells = 1 + 3 * len(CULLING)  # the full cache, each policy in each variant
+    assert len(res["trials"]) == 8 and all(len(t["hits"]) == cells for t in res["trials"])
     ref = res["reference"]
     assert ref["budget"] is None and ref["trials"] == 8 and 0 <= ref["accuracy"] <= 1
     assert [(r["policy"], r["budget"], r["variant_label"]) for r in res["runs"]] == \
@@ -177,7 +178,8 @@ def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
         assert r["accuracy"] == r["correct"] / 8 and r["trials"] == 8
     first = res["targets"][0]
     assert "with recall, brightness (recall=True" in first["what"]
-    assert len(res["targets"]) == 15  # each policy with recall, and drop-only beside it
+    # each policy with recall, and its two drop-only variants beside it
+    assert len(res["targets"]) == 3 * len(CULLING)
     assert res["timing"]["prime_s"] > 0 and res["elapsed_s"] > 0
     report = (out / "report.md").read_text()
     assert report.startswith("# Pass-key retrieval benchmark")

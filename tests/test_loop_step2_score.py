@@ -4,6 +4,7 @@
 prints the brightest and dimmest tokens.
 """
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -180,6 +181,17 @@ def test_baselines(tiny_model, tiny_policy):
     assert torch.equal(a, b) and not torch.equal(a, r.score(replace(view, step=11), attention).scores)
 
     assert not make_scorer(CacheParams(scorer="none")).score(view, attention).scores.any()
+
+
+def test_key_norm_keeps_the_lowest_keys_relative_to_their_head():
+    """Hand-worked: two layers of one KV head over three slots, their key norms on scales
+    32 times apart. Relative to each head's mean they are [0.5, 1.5, 1] and [1, 0.5, 1.5]:
+    slot 0 scores highest (kept first), where the raw norms' mean (32.5, 17.5, 49) would keep
+    slot 1. Per head, each head ranks its own norms."""
+    view = SimpleNamespace(knorm=torch.tensor([[[1.0, 3.0, 2.0]], [[64.0, 32.0, 96.0]]]))
+    knorm = make_scorer(CacheParams(scorer="knorm"))
+    assert torch.equal(knorm.score(view, None).scores, torch.tensor([-0.75, -1.0, -1.25]))
+    assert torch.equal(knorm.score_heads(view, None).scores, -view.knorm)
 
 
 @pytest.mark.parametrize("policy", SCORERS)

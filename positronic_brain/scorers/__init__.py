@@ -28,6 +28,7 @@ from ..state import Ledger, View
 from ..types import CacheParams, Column, ScoreOut, UserError, require
 from .brightness import Brightness
 from .h2o import H2O
+from .knorm import KeyNorm
 from .none import NoScore
 from .oracle import NAME as ORACLE, ONLY_BENCH
 from .random import RandomScore
@@ -41,7 +42,8 @@ class Scorer(Protocol):
 
 
 SCORERS: dict[str, type] = {"brightness": Brightness, "streaming": Streaming, "h2o": H2O,
-                            "tova": TOVA, "random": RandomScore, "none": NoScore}
+                            "tova": TOVA, "knorm": KeyNorm, "random": RandomScore,
+                            "none": NoScore}
 CULLING = tuple(name for name in SCORERS if name != "none")  # the scorers that take a budget
 BASELINES = tuple(name for name in CULLING if name != CacheParams().scorer.name)
 SHARED = tuple(f.name for f in dataclasses.fields(CacheParams)
