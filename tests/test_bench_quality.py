@@ -238,10 +238,14 @@ def test_resume_measures_nothing_again(capsys, tmp_path, one_thread, monkeypatch
         res = json.loads((out / "results.json").read_text())
         return {k: v for k, v in res.items() if k not in ("machine", "elapsed_s", "earlier_s")}
 
+    def times() -> tuple[float, float]:
+        res = json.loads((out / "results.json").read_text())
+        return res["elapsed_s"], res["earlier_s"]
+
     monkeypatch.setattr(quality, "run_jobs", spy)
     assert main(args) == 0
     first = results()
-    assert measured == ["reference", "grid", "grid", "grid", "oracle"]
+    assert measured == ["reference", "grid", "grid", "grid", "oracle"] and times()[1] == 0.0
 
     def refuse(model, policy, ids, jobs, *a, **k):
         raise AssertionError(f"{[j.label for j in jobs]} measured again")
@@ -249,6 +253,8 @@ def test_resume_measures_nothing_again(capsys, tmp_path, one_thread, monkeypatch
     monkeypatch.setattr(quality, "run_jobs", refuse)
     assert main([*args, "--resume"]) == 0
     assert results() == first
+    elapsed, earlier = times()  # the first part's time (its last item's), counted in
+    assert elapsed > earlier > 0
 
     lines = (out / "items.jsonl").read_text().splitlines()
     (out / "items.jsonl").write_text("".join(f"{x}\n" for x in lines[:-1]))  # the oracle's

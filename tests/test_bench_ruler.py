@@ -235,7 +235,7 @@ def test_write_data_writes_the_samples_and_measures_nothing(real_model, capsys, 
     (["--budgets", "0"], "--budgets takes comma-separated token counts >= 1"),
     (["--policies", "h2o@turns"], "--allocation turns do not apply"),
     (["--recall", "bogus"], "bogus"),
-    (["--recall", "none"], "--recall takes comma-separated policies, or all"),
+    (["--recall", "h2o,none"], "non-culling policies ['none']"),
     (["--recall", "h2o,all"], "--recall takes comma-separated policies, or all"),
     (["--recall", "h2o,h2o"], "--recall repeats a value"),
 ])

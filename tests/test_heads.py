@@ -541,7 +541,7 @@ def test_a_per_head_session_goes_on_from_the_cli_captured(tmp_path, capsys, one_
     assert len(err) == 1 and "cannot be exported in part" in err[0], err
 
 
-@pytest.mark.parametrize("scorer", ["tova", "h2o"])  # h2o: a column a head, born per head
+@pytest.mark.parametrize("scorer", ["tova", "h2o", "knorm"])  # h2o: a column a head
 def test_a_turn_per_head_is_its_tokens_stepped_one_at_a_time(tiny_model, tiny_policy,
                                                              one_thread, scorer):
     """Stage 0's extend of a per-head cache whose heads hold different tokens caches each new

@@ -13,6 +13,7 @@ from positronic_brain import options
 from positronic_brain.loop import Session
 from positronic_brain.scorers import SCORERS, columns_of, make_scorer
 from positronic_brain.stages.apply import prime
+from positronic_brain.state import Heads
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import score
 from positronic_brain.types import AGGREGATIONS, SOURCES, CacheParams, SamplerParams
@@ -187,11 +188,19 @@ def test_key_norm_keeps_the_lowest_keys_relative_to_their_head():
     """Hand-worked: two layers of one KV head over three slots, their key norms on scales
     32 times apart. Relative to each head's mean they are [0.5, 1.5, 1] and [1, 0.5, 1.5]:
     slot 0 scores highest (kept first), where the raw norms' mean (32.5, 17.5, 49) would keep
-    slot 1. Per head, each head ranks its own norms."""
+    slot 1. Per head, each norm relative to its own head's mean over the slots it holds:
+    one layer's two heads, the second holding two slots (its third free) on a scale 32
+    times the first's, score alike ([0.5, 1.5] of their means), so an allocation that
+    shares a layer's places among its heads by score shares them by the relative norms."""
     view = SimpleNamespace(knorm=torch.tensor([[[1.0, 3.0, 2.0]], [[64.0, 32.0, 96.0]]]))
     knorm = make_scorer(CacheParams(scorer="knorm"))
     assert torch.equal(knorm.score(view, None).scores, torch.tensor([-0.75, -1.0, -1.25]))
-    assert torch.equal(knorm.score_heads(view, None).scores, -view.knorm)
+    heads = Heads(row=torch.tensor([[[0, 1, 2], [0, 1, -1]]]), n=torch.tensor([[3, 2]]))
+    view = SimpleNamespace(knorm=torch.tensor([[[1.0, 3.0, 2.0], [32.0, 96.0, 7.0]]]),
+                           heads=heads)
+    scores = knorm.score_heads(view, None).scores
+    assert torch.equal(scores[0, 0], torch.tensor([-0.5, -1.5, -1.0]))
+    assert torch.equal(scores[0, 1, :2], torch.tensor([-0.5, -1.5]))
 
 
 @pytest.mark.parametrize("policy", SCORERS)

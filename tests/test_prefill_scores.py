@@ -215,7 +215,7 @@ def test_each_scorer_seeds_its_columns_as_its_file_says(tiny_model, tiny_policy)
         torch.float32)
     assert _within(s.state.ledger.live("attn_sum"), mean, relative)
     assert list(s.state.ledger.columns) == ["attn_sum"]
-    for name in ("streaming", "tova", "random"):
+    for name in ("streaming", "tova", "knorm", "random"):
         s = Session(tiny_model, tiny_policy, cache_params=dataclasses.replace(p, scorer=name))
         assert s.prime(segs) is None  # takes none, so none are gathered
         assert not s.state.ledger.columns  # and keeps no column

@@ -116,7 +116,7 @@ def recall_policies(text: str | bool) -> tuple[str, ...]:
     per head), or (the flag alone, or ``all``) every policy of the grid: ``(EVERY,)``."""
     if text is True or text.strip() == EVERY:
         return (EVERY,)
-    named = policies(text)
+    named = scorers(text)
     require(named and EVERY not in named, f"--recall takes comma-separated policies, or "
             f"{EVERY} (or nothing) for every policy, got {text!r}")
     return named

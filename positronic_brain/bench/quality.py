@@ -11,7 +11,7 @@ token. Perplexity = exp(mean NLL) over the scored tokens. Measured:
    cache is full and has culled before the first scored token), then ``--tokens`` scored
    ones; a cell's perplexity is over every window's scored tokens. Its cells: the full
    cache (no budget, nothing culled); every scorer (brightness, streaming, h2o, tova,
-   random) at every budget, with each repair (none, merge, fold); the default policy (or
+   knorm, random) at every budget, with each repair (none, merge, fold); the default policy (or
    the ``--recall`` policies) with recall (the cold store) at every budget; and the
    hindsight oracle (``scorers.oracle``) at every budget, which culls the token the
    full-cache run's later queries attend to least (its runs wait for the full cache, which

@@ -5,8 +5,10 @@ no state: the arena's key norms (``View.knorm``, written with each key) are the 
 
 Whole tokens: minus the mean over every (layer, KV head) of the token's key norm relative
 to that head's mean over its live slots, so that every head weighs alike whatever the scale
-of its keys. Per head (a per-head allocation): each (layer, KV head) keeps its own lowest
-norms, as kvpress's press does.
+of its keys. Per head (a per-head allocation): minus each slot's norm relative to its own
+head's mean, so each head keeps its own lowest norms, as kvpress's press does, and an
+allocation that shares a layer's places among its heads by score (adaptive) does not give
+them to the head whose keys are the shortest on the whole.
 
 Prefill scores: none taken; every key's norm is known from the moment it is written.
 """
@@ -24,9 +26,16 @@ from ..types import ScoreOut
 class KeyNorm:
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
         norms = view.knorm  # (L, KVH, n)
-        mean = norms.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        return ScoreOut(scores=-(norms / mean).mean((0, 1)))
+        return ScoreOut(scores=-_relative(norms, norms.mean(-1, keepdim=True)).mean((0, 1)))
 
     def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
-        """Per head: each (layer, KV head) ranks its own slots, (L, KVH, n)."""
-        return ScoreOut(scores=-view.knorm)
+        """Per head: each slot's norm relative to its head's live slots' mean, (L, KVH, n)
+        (a free slot's score is never read)."""
+        h = view.heads
+        held = view.knorm * h.live(view.knorm.shape[-1])
+        mean = held.sum(-1, keepdim=True) / h.n.unsqueeze(-1).clamp(min=1)
+        return ScoreOut(scores=-_relative(view.knorm, mean))
+
+
+def _relative(norms: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    return norms / mean.clamp_min(torch.finfo(torch.float32).tiny)

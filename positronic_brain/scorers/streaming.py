@@ -4,7 +4,7 @@ Prefill scores: none taken; it keeps by position, whatever the attention.
 
 With recall it keeps nothing it brings back: a swap replaces the hot slot ranked lowest, and a
 recalled token, which keeps its position, is older than every hot token but the sinks, so
-the next step's swap sends it cold again.
+the next step's cull or swap sends it cold again.
 """
 from __future__ import annotations
 
