@@ -1,7 +1,13 @@
 """A grid benchmark's journal (``bench.result.Journal``): what ``--resume`` keeps of an
 interrupted run, and what it refuses."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +150,55 @@ def test_a_run_that_measures_nothing_leaves_the_journal_it_found(tmp_path):
             Pool(1, Journal(path, HEAD, resume, Row)).rows("demo", [0, 1, 2], 1, fail, None,
                                                             None, None)
         assert path.read_text() == before
+
+
+SLEEPER = """
+import os, time
+from types import SimpleNamespace
+from positronic_brain.bench import grid
+
+def there(item):
+    print(os.getpid(), flush=True)
+    time.sleep(600)
+
+def cells(cfg):
+    return None
+
+if __name__ == "__main__":
+    cfg = SimpleNamespace(model="tiny-random", dtype="float32", device="cpu")
+    grid._on_processes(2, [(0, 0), (1, 1)], there, cfg, cells, lambda i, row: None)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.exists():
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_killed_run_s_worker_processes_end_with_it(tmp_path):
+    """A grid run killed by SIGTERM, which it cannot clean up after, leaves no worker
+    measuring on for no one: each sees it was handed to another parent and ends itself
+    (``grid.end_with_parent``); before, they went on until their items were done."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(run.stdout.readline()) for _ in range(2)]  # both measuring
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        run.kill()

@@ -11,8 +11,11 @@ each goes on it as it finishes, and the items it already holds are not measured 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -41,9 +44,25 @@ def load(model: str, dtype: str, device: str, note: bool = False) -> Model:
     return load_model(model, dtype, device, compile=compiled)
 
 
+def end_with_parent(poll: float = 1.0) -> None:
+    """A local worker process ends itself once the process that started it is gone, instead
+    of measuring on for no one: a parent killed by a signal it cannot clean up after
+    (SIGTERM, SIGKILL) leaves its pool's workers behind. A daemon thread looks every
+    ``poll`` seconds whether the worker has been handed to another parent."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
 def _init_worker(cfg, cells: Callable) -> None:
     """A worker's ``WORKER``: ``cfg``'s model and its token policy, ``cfg``, then
-    ``cells(cfg)`` (which may read the model and policy there)."""
+    ``cells(cfg)`` (which may read the model and policy there); it ends with its parent."""
+    end_with_parent()
     torch.set_num_threads(1)  # one thread per worker: parallel items, not parallel matmuls
     m = load(cfg.model, cfg.dtype, cfg.device)
     WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), cfg=cfg)

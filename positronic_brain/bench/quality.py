@@ -514,6 +514,7 @@ def _init_worker(model: str, dtype: str, device: str, ids: list[int], queue,
                  batch: int = 1) -> None:
     import torch
 
+    grid.end_with_parent()
     torch.set_num_threads(1)  # one thread per worker: parallel runs, not parallel matmuls
     m = grid.load(model, dtype, device)
     _WORKER.update(model=m, policy=TokenPolicy(m.tokenizer), ids=ids, queue=queue,

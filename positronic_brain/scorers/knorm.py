@@ -11,6 +11,9 @@ allocation that shares a layer's places among its heads by score (adaptive) does
 them to the head whose keys are the shortest on the whole.
 
 Prefill scores: none taken; every key's norm is known from the moment it is written.
+
+With recall it keeps little of what it brings back: a token culled for its long key comes
+back with it, is ranked low again, and the next step's cull or swap tends to send it cold.
 """
 from __future__ import annotations
 
