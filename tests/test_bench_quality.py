@@ -347,6 +347,29 @@ def test_recall_runs_a_policy_of_its_own_into_the_tables_and_plots(tmp_path, cap
     assert (out / "ppl_vs_budget.png").exists()
 
 
+def test_recall_alone_or_all_runs_every_policy_with_recall(monkeypatch, capsys):
+    """As in bench ruler: ``--recall`` alone, or ``all``, is every policy of the grid;
+    ``none`` among the named policies is refused in one line, exit 2."""
+    seen = []
+
+    def stop(cfg, command, **_k):
+        seen.append((cfg, command))
+        raise UserError("stopped")
+
+    monkeypatch.setattr(quality, "run", stop)
+    base = ["bench", "quality", "--quick", "--model", "tiny-random", "--budgets", "24",
+            "--policies", "h2o,tova@head"]
+    for extra in (["--recall"], ["--recall", "all"], []):
+        assert main(base + extra) == 2
+    (alone, command), (every, _), (default, _) = seen
+    assert alone.recall_policies == every.recall_policies == ("h2o", "tova@head")
+    assert default.recall_policies == () and command.endswith(" --recall")
+    capsys.readouterr()
+    assert main(base + ["--recall", "h2o,none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "non-culling policies ['none']" in err and "\n" not in err, err
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_a_warm_up_is_streamed_but_not_scored(tiny_model, tiny_policy):
     ids = tiny_policy.encode(quality.default_text())[:60]

@@ -102,9 +102,10 @@ class QualityConfig:
     params: tuple[tuple[str, Any], ...] = option(
         (), "cache parameters of every run, e.g. decay=1,gain=200,sinks=4", metavar="K=V,...",
         read=flags.cache_options, repeat="param")
-    recall: tuple[str, ...] = option((), "policies that also run with recall (none given: "
+    recall: tuple[str, ...] = option((), "policies that also run with recall: comma-separated, "
+                                     "or the flag alone (or all) for every policy (not given: "
                                      "those of the default scorer among the policies)",
-                                     read=flags.scorers)
+                                     read=flags.recall_policies, bare=True, metavar="LIST")
     windows: int = option(4, "grid windows spread over the slice", quick=2)
     batch: int | None = option(None, "windows stepped B at a time as the rows of a batch, "
                                "a cell's and other cells' together (one stage-1 forward a step "
@@ -131,7 +132,7 @@ class QualityConfig:
                 f"budgets must be >= 1, got {self.budgets}")
         require(tuple(sorted(set(self.budgets))) == self.budgets,
                 f"budgets must be increasing, got {self.budgets}")
-        bad = [p for p in flags.scorer_names(self.policies + self.recall + (
+        bad = [p for p in flags.scorer_names(self.policies + self.recall_policies + (
                    self.long_policy, *self.long_baselines))
                if not culling(p)]
         require(not bad and len(self.policies) > 0, f"unknown or non-culling policies {bad}; "
@@ -166,9 +167,11 @@ class QualityConfig:
 
     @property
     def recall_policies(self) -> tuple[str, ...]:
-        """The grid's policies that run with recall too: ``recall``, or where none are given
-        those of the default scorer, whole tokens or per head (``brightness``,
-        ``brightness@head``)."""
+        """The grid's policies that run with recall too: ``recall``'s, every policy (``all``),
+        or where none are given those of the default scorer, whole tokens or per head
+        (``brightness``, ``brightness@head``)."""
+        if self.recall == (flags.EVERY,):
+            return self.policies
         return self.recall or tuple(p for p in self.policies
                                     if flags.cell_policy(p)["policy"] == DEFAULT.scorer.name)
 
