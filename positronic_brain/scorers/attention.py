@@ -67,25 +67,28 @@ def value_weighted(attention: torch.Tensor, norms: torch.Tensor,
     slot whose value is small moves the attention output little, however much attention it
     gets (the attention sinks are the usual case). ``live``: the live norms the mean is
     taken over, when ``norms`` are others' (cold tokens, weighed as if they were live)."""
-    w = value_weights(norms, live)
+    w = relative_norms(norms, live)
     L, H, n = attention.shape
     kvh = norms.shape[1]  # the heads of one KV group share its values (GQA)
     return (attention.reshape(L, kvh, H // kvh, n) * w[:, :, None]).reshape(L, H, n)
 
 
-def value_weights(norms: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
-    """Value norms (L, kv_heads, n) relative to the mean ``live`` norm (default: their own)
-    of each layer and KV head: ``value_weighted``'s factors."""
+def relative_norms(norms: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    """Norms (L, kv_heads, n) relative to the mean ``live`` norm (default: their own) of
+    each layer and KV head: of values, ``value_weighted``'s factors; of keys, key norm's
+    score."""
     live = norms if live is None else live
     return norms / live.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def head_value_weights(view, others: torch.Tensor | None = None) -> torch.Tensor:
-    """A per-head view's value norms (L, kv_heads, n) relative to the mean norm of each
-    head's own live slots (a free slot's weight 0); with ``others`` (L, kv_heads, c), those
-    norms instead (a head's cold slots), relative to the same mean."""
+def head_relative_norms(view, norms: torch.Tensor,
+                        others: torch.Tensor | None = None) -> torch.Tensor:
+    """A per-head view's ``norms`` (L, kv_heads, n; ``View.vnorm``'s value weights, or
+    ``View.knorm``) relative to the mean norm of each head's own live slots (a free slot's
+    0); with ``others`` (L, kv_heads, c), those norms instead (a head's cold slots),
+    relative to the same mean."""
     h = view.heads
-    live = h.live(view.vnorm.shape[-1])
-    norms = view.vnorm * live
+    live = h.live(norms.shape[-1])
+    norms = norms * live
     mean = norms.sum(-1, keepdim=True) / h.n.unsqueeze(-1).clamp(min=1)
     return (norms if others is None else others) / mean.clamp_min(torch.finfo(torch.float32).tiny)

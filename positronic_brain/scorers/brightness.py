@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from .attention import (aggregate, aggregation, by_head, check_aggregation, head_column,
-                        head_value_weights, value_weighted)
+                        head_relative_norms, value_weighted)
 from ..state import View
 from ..types import SIGNALS, SOURCES, Column, PrefillStats, ScoreOut, option, require
 
@@ -110,7 +110,7 @@ class Brightness:
         L, H, n = attention.shape
         kvh = h.n.shape[1]
         if self.signal == "value":
-            w = head_value_weights(view)
+            w = head_relative_norms(view, view.vnorm)
             attention = (attention.view(L, kvh, H // kvh, n) * w[:, :, None]).view(L, H, n)
         return h.n.unsqueeze(-1) * by_head(attention, kvh, self.aggregate)
 

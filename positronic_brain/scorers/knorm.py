@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import head_relative_norms, relative_norms
 from ..state import View
 from ..types import ScoreOut
 
@@ -28,17 +29,9 @@ from ..types import ScoreOut
 @dataclass(frozen=True)
 class KeyNorm:
     def score(self, view: View, attention: torch.Tensor) -> ScoreOut:
-        norms = view.knorm  # (L, KVH, n)
-        return ScoreOut(scores=-_relative(norms, norms.mean(-1, keepdim=True)).mean((0, 1)))
+        return ScoreOut(scores=-relative_norms(view.knorm).mean((0, 1)))
 
     def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
         """Per head: each slot's norm relative to its head's live slots' mean, (L, KVH, n)
         (a free slot's score is never read)."""
-        h = view.heads
-        held = view.knorm * h.live(view.knorm.shape[-1])
-        mean = held.sum(-1, keepdim=True) / h.n.unsqueeze(-1).clamp(min=1)
-        return ScoreOut(scores=-_relative(view.knorm, mean))
-
-
-def _relative(norms: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    return norms / mean.clamp_min(torch.finfo(torch.float32).tiny)
+        return ScoreOut(scores=-head_relative_norms(view, view.knorm))

@@ -13,8 +13,8 @@ import torch
 
 from ... import native
 from ...scorers.brightness import Brightness
-from ...scorers.attention import (aggregate, by_head, head_value_weights, value_weighted,
-                                  value_weights)
+from ...scorers.attention import (aggregate, by_head, head_relative_norms, relative_norms,
+                                  value_weighted)
 from ...state import ColdView, View
 from ...types import CacheParams, GenerateOut, RecallQuery
 
@@ -74,7 +74,7 @@ def recall_signals(view: View, attention: torch.Tensor,
     if not recall.scan:
         return aggregate(hot, recall.aggregate), None
     most = recall.aggregate == "max-max"
-    log_w = None if live is None else value_weights(view.cold.vnorm[layers], live).log()
+    log_w = None if live is None else relative_norms(view.cold.vnorm[layers], live).log()
     if recall.native:  # max-max in one pass over the cold keys: the same maximum of sums
         return aggregate(hot, recall.aggregate), native.cold_max(view.cold, recall, log_w).exp()
     logits = cold_logits(view.cold, recall, most)  # (l, KVH, G or 1, c) float32: q.k - lse
@@ -96,7 +96,7 @@ def head_signals(view: View, attention: torch.Tensor,
     layers = _index(recall.layers)
     h, KVH = view.heads, view.heads.n.shape[1]
     hot = by_head(attention[layers], KVH, recall.aggregate)
-    weights = head_value_weights(view)[layers] if recall.signal == "value" else None
+    weights = head_relative_norms(view, view.vnorm)[layers] if recall.signal == "value" else None
     if weights is not None:
         hot = hot * weights
     hot = hot.masked_fill(~h.live(hot.shape[-1])[layers], -math.inf)
@@ -107,7 +107,7 @@ def head_signals(view: View, attention: torch.Tensor,
     logits = cold_logits(cold, recall, most)  # (l, KVH, G or 1, c)
     p = logits[:, :, 0].exp() if most else logits.exp().mean(2)
     if weights is not None:  # relative to the head's own live values
-        p = p * head_value_weights(view, cold.vnorm)[layers]
+        p = p * head_relative_norms(view, view.vnorm, cold.vnorm)[layers]
     return hot, p.masked_fill(~cold.heads.live(p.shape[-1])[layers], -math.inf)
 
 
