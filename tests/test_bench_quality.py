@@ -297,6 +297,35 @@ def test_the_recall_targets_read_the_recall_rows():
         (9.0 / 10.0, "–", None), (9.9 / 10.0, "–", None)]
 
 
+def test_the_per_head_target_takes_the_best_cell_of_each_kind():
+    """Per budget with both kinds: the best per-head cell (any allocation, repair, recall)
+    over the best whole-token one (<= 1 at budgets 128 and 256), and the windows in which
+    it is the lower; a budget with one kind only has no row."""
+    def run(policy, budget, windows, repair="none", recall=False):
+        ppl = sum(windows) / len(windows)  # stands for the windows' perplexity
+        return quality.Run(policy, repair, budget, recall, "compact", ppl, 8, "max_new_tokens",
+                           0, 0, 0, 0, 0, 0.0,
+                           tuple(quality.Window(i, i + 1, 8, w, 0) for i, w in enumerate(windows)))
+
+    res = SimpleNamespace(
+        config=quality.QualityConfig(budgets=(128, 256, 512)), warmup=513,
+        reference=run("none", None, (9.0, 9.0)), long=[], long_reference=None, control=None,
+        oracle=[], runs=[
+            run("brightness", 128, (10.0, 12.0)), run("brightness", 128, (9.0, 11.0), recall=True),
+            run("h2o@head", 128, (9.5, 10.0), repair="fold"), run("tova@adaptive", 128, (9.0, 13.0)),
+            run("brightness", 256, (8.0, 8.0), recall=True), run("brightness@head", 256, (7.0, 9.5)),
+            run("brightness", 512, (7.0, 7.0))])
+    rows = [t for t in quality.targets(res) if "per-head" in t.what]
+    assert [(t.what, t.value, t.target, t.met) for t in rows] == [
+        ("budget 128: the best per-head cell, h2o@head (fold repair, 9.750) / the best "
+         "whole-token cell, brightness with recall (none repair, 10.000); lower in 1 of 2 "
+         "windows", 9.75 / 10.0, "<= 1.00", True),
+        ("budget 256: the best per-head cell, brightness@head (none repair, 8.250) / the best "
+         "whole-token cell, brightness with recall (none repair, 8.000); lower in 1 of 2 "
+         "windows", 8.25 / 8.0, "<= 1.00", False)]
+    assert quality.per_head("tova@adaptive") and not quality.per_head("h2o")
+
+
 def test_windows_never_overlap_the_tune_slice():
     assert quality.slice_range(1000, "eval") == range(0, 500)
     assert quality.slice_range(1000, "tune") == range(500, 1000)

@@ -50,8 +50,8 @@ from ..special_tokens import TokenPolicy
 from ..stages.score import read_like_scorer
 from ..scorers import BASELINES, CULLING, culling
 from ..scorers.oracle import NAME as ORACLE, AttentionRecorder, Oracle
-from ..types import (CacheParams, SamplerParams, ScorerSpec, Segment, Totals, UserError, option,
-                     require)
+from ..types import (PER_HEAD, CacheParams, SamplerParams, ScorerSpec, Segment, Totals, UserError,
+                     option, require)
 from . import batch_size, common, flags, grid
 from .common import Table, fmt
 from .grid import Pool
@@ -69,6 +69,8 @@ GAP_TARGET = 0.5  # the default policy with recall closes this much of the basel
 RECALL_TARGET = 1.05  # the long run with recall over the first positions / the full cache
 GRID_RECALL_TARGET = 0.97  # the default policy with recall / the best drop-only baseline
 GRID_RECALL_BUDGETS = (128, 256)  # ... at these budgets
+HEADS_TARGET = 1.0  # the best per-head cell / the best whole-token cell, at equal K/V memory
+HEADS_TARGET_BUDGETS = (128, 256)  # ... at these budgets
 JARGON = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
 TEXTS = {"topics": "Python's English help topics, `pydoc_data.topics` in sorted-key order",
          "jargon": f"the Jargon File 4.4.7 as Debian's `jargon-text` ships it, `{JARGON}`"}
@@ -977,6 +979,32 @@ def _gap_target(res: QualityResult, run: Run) -> Target:
                    at_most=False)
 
 
+def per_head(policy: str) -> bool:
+    """Whether a grid's policy (``NAME@ALLOCATION``) keeps tokens per (layer, KV head)."""
+    return flags.cell_policy(policy).get("allocation", "token") in PER_HEAD
+
+
+def _head_targets(res: QualityResult) -> list[Target]:
+    """Per budget where the grid has both kinds: the best per-head cell / the best
+    whole-token cell (any repair, with recall or not; equal K/V memory at one budget), and
+    in how many of the windows the per-head cell is the lower."""
+    out = []
+    for b in res.config.budgets:
+        cells = [r for r in res.runs if r.budget == b]
+        heads = [r for r in cells if per_head(r.policy)]
+        tokens = [r for r in cells if not per_head(r.policy)]
+        if not heads or not tokens:
+            continue
+        h, t = (min(rs, key=lambda r: r.ppl) for rs in (heads, tokens))
+        lower = sum(a.ppl < c.ppl for a, c in zip(h.by_window, t.by_window))
+        out.append(_target(f"budget {b}: the best per-head cell, {_label(h)[:-1]}, "
+                           f"{h.ppl:.3f}) / the best whole-token cell, {_label(t)[:-1]}, "
+                           f"{t.ppl:.3f}); lower in {lower} of {len(h.by_window)} windows",
+                           h.ppl / t.ppl,
+                           HEADS_TARGET if b in HEADS_TARGET_BUDGETS else None))
+    return out
+
+
 def _full_target(res: QualityResult) -> list[Target]:
     ours, ref = best(res.runs, FULL_TARGET_BUDGET, ("brightness",)), res.reference
     if not ours:
@@ -1032,7 +1060,8 @@ def _position_targets(res: QualityResult) -> list[Target]:
 
 def targets(res: QualityResult) -> list[Target]:
     """Every target (``met`` None: no value or no target)."""
-    return _grid_targets(res) + _full_target(res) + _long_targets(res) + _position_targets(res)
+    return (_grid_targets(res) + _head_targets(res) + _full_target(res) + _long_targets(res)
+            + _position_targets(res))
 
 
 # --- output ---------------------------------------------------------------------------------
