@@ -300,7 +300,7 @@ def test_the_recall_targets_read_the_recall_rows():
 def test_the_per_head_target_takes_the_best_cell_of_each_kind():
     """Per budget with both kinds: the best per-head cell (any allocation, repair, recall)
     over the best whole-token one (<= 1 at budgets 128 and 256), and the windows in which
-    it is the lower; a budget with one kind only has no row."""
+    it is the lower; a budget with one kind only has no row, one past 256 no target."""
     def run(policy, budget, windows, repair="none", recall=False):
         ppl = sum(windows) / len(windows)  # stands for the windows' perplexity
         return quality.Run(policy, repair, budget, recall, "compact", ppl, 8, "max_new_tokens",
@@ -314,7 +314,7 @@ def test_the_per_head_target_takes_the_best_cell_of_each_kind():
             run("brightness", 128, (10.0, 12.0)), run("brightness", 128, (9.0, 11.0), recall=True),
             run("h2o@head", 128, (9.5, 10.0), repair="fold"), run("tova@adaptive", 128, (9.0, 13.0)),
             run("brightness", 256, (8.0, 8.0), recall=True), run("brightness@head", 256, (7.0, 9.5)),
-            run("brightness", 512, (7.0, 7.0))])
+            run("brightness", 512, (7.0, 7.0)), run("h2o@pyramid", 512, (7.0, 7.0))])
     rows = [t for t in quality.targets(res) if "per-head" in t.what]
     assert [(t.what, t.value, t.target, t.met) for t in rows] == [
         ("budget 128: the best per-head cell, h2o@head (fold repair, 9.750) / the best "
@@ -322,7 +322,10 @@ def test_the_per_head_target_takes_the_best_cell_of_each_kind():
          "windows", 9.75 / 10.0, "<= 1.00", True),
         ("budget 256: the best per-head cell, brightness@head (none repair, 8.250) / the best "
          "whole-token cell, brightness with recall (none repair, 8.000); lower in 1 of 2 "
-         "windows", 8.25 / 8.0, "<= 1.00", False)]
+         "windows", 8.25 / 8.0, "<= 1.00", False),
+        ("budget 512: the best per-head cell, h2o@pyramid (none repair, 7.000) / the best "
+         "whole-token cell, brightness (none repair, 7.000); lower in 0 of 2 windows", 1.0, "–",
+         None)]  # no target past 256
     assert quality.per_head("tova@adaptive") and not quality.per_head("h2o")
 
 

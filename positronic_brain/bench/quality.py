@@ -996,6 +996,8 @@ def _head_targets(res: QualityResult) -> list[Target]:
         if not heads or not tokens:
             continue
         h, t = (min(rs, key=lambda r: r.ppl) for rs in (heads, tokens))
+        assert [w.start for w in h.by_window] == [w.start for w in t.by_window], \
+            "a grid's cells share their windows"
         lower = sum(a.ppl < c.ppl for a, c in zip(h.by_window, t.by_window))
         out.append(_target(f"budget {b}: the best per-head cell, {_label(h)[:-1]}, "
                            f"{h.ppl:.3f}) / the best whole-token cell, {_label(t)[:-1]}, "
