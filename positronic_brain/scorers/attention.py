@@ -85,10 +85,11 @@ def head_relative_norms(view, norms: torch.Tensor,
                         others: torch.Tensor | None = None) -> torch.Tensor:
     """A per-head view's ``norms`` (L, kv_heads, n; ``View.vnorm``'s value weights, or
     ``View.knorm``) relative to the mean norm of each head's own live slots (a free slot's
-    0); with ``others`` (L, kv_heads, c), those norms instead (a head's cold slots),
-    relative to the same mean."""
+    0); with ``others`` (L, kv_heads, c; a head's cold slots), those too, relative to the
+    same mean: the pair (the mean found once)."""
     h = view.heads
     live = h.live(norms.shape[-1])
     norms = norms * live
     mean = norms.sum(-1, keepdim=True) / h.n.unsqueeze(-1).clamp(min=1)
-    return (norms if others is None else others) / mean.clamp_min(torch.finfo(torch.float32).tiny)
+    mean = mean.clamp_min(torch.finfo(torch.float32).tiny)
+    return norms / mean if others is None else (norms / mean, others / mean)

@@ -96,18 +96,19 @@ def head_signals(view: View, attention: torch.Tensor,
     layers = _index(recall.layers)
     h, KVH = view.heads, view.heads.n.shape[1]
     hot = by_head(attention[layers], KVH, recall.aggregate)
-    weights = head_relative_norms(view, view.vnorm)[layers] if recall.signal == "value" else None
-    if weights is not None:
-        hot = hot * weights
+    cold, cold_weights = view.cold, None
+    if recall.signal == "value":  # a scan's cold values too, by the same head means
+        weights = head_relative_norms(view, view.vnorm, cold.vnorm if recall.scan else None)
+        weights, cold_weights = weights if recall.scan else (weights, None)
+        hot = hot * weights[layers]
     hot = hot.masked_fill(~h.live(hot.shape[-1])[layers], -math.inf)
     if not recall.scan:
         return hot, None
-    cold = view.cold
     most = recall.aggregate.endswith("-max")
     logits = cold_logits(cold, recall, most)  # (l, KVH, G or 1, c)
     p = logits[:, :, 0].exp() if most else logits.exp().mean(2)
-    if weights is not None:  # relative to the head's own live values
-        p = p * head_relative_norms(view, view.vnorm, cold.vnorm)[layers]
+    if cold_weights is not None:
+        p = p * cold_weights[layers]
     return hot, p.masked_fill(~cold.heads.live(p.shape[-1])[layers], -math.inf)
 
 
