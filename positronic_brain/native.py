@@ -95,6 +95,15 @@ def for_model(model: Model) -> str | None:
     return build() if chosen(model.compiled) else None
 
 
+def build_folder(key: str) -> Path:
+    """Where the kernels of ``key`` (a ``build``) are built and loaded from: one folder per
+    torch installation too, since the build file names torch's include and library paths,
+    and two environments sharing one folder would each rebuild it after the other's load
+    (the same bits: ``build`` is what a capture records)."""
+    install = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()
+    return cache_dir() / f"native-{key}-{install[:8]}"
+
+
 # compiles the AVX-512 loops out: the scalar ones, as a CPU without AVX-512F runs them
 SCALAR_FLAGS = ["-mno-avx512f"]
 # compiles AVX512_BF16's pair products out: the loops a CPU with AVX-512F but not them runs
@@ -113,7 +122,7 @@ def kernels(scalar: bool = False, pairs: bool = True):
         os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
     from torch.utils.cpp_extension import load  # pylint: disable=import-outside-toplevel
     key = build() + ("_scalar" if scalar else "") + ("" if pairs else "_nopairs")
-    folder = cache_dir() / f"native-{key}"
+    folder = build_folder(key)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "build.flock", "w", encoding="utf-8") as held:
         # one build at a time, by a lock the system lets go when its process dies: torch's

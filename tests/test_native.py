@@ -466,7 +466,7 @@ def test_a_build_killed_part_way_holds_no_later_load():
     """torch's lock file in the build folder, left by a build whose process was killed,
     would make every later load wait for ever; the build's own lock (let go by the system
     when its holder dies) shows it to be a leftover, and the next load removes it."""
-    folder = native.cache_dir() / f"native-{native.build()}"
+    folder = native.build_folder(native.build())
     with open(folder / "build.flock", "w", encoding="utf-8") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # no load in another process is under way
         (folder / "lock").write_text("")
