@@ -19,12 +19,12 @@ def process(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | No
 
     ``seen`` (S,) int64: token ids the repetition penalty applies to (None: it is 1).
     """
-    x = logits.float().clone()
+    x = logits.float()  # the logits themselves where they are float32: nothing below writes x
     if params.repetition_penalty != 1.0 and seen.numel():
         # The standard sign rule: shrink positive logits, push negative ones further down.
         sel = x.gather(0, seen)
-        x.scatter_(0, seen, torch.where(sel > 0, sel / params.repetition_penalty,
-                                        sel * params.repetition_penalty))
+        x = x.scatter(0, seen, torch.where(sel > 0, sel / params.repetition_penalty,
+                                       sel * params.repetition_penalty))
     if params.is_greedy:
         return x
     x = x / params.temperature
