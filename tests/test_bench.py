@@ -90,6 +90,8 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
         assert r["ceiling"] >= 1 and (r["batch"] > 1 or r["ceiling"] == 1)
     # hand-worked: 2 rows of 10 slots, weights 100 B, 5 B of K/V a token: 2 x 150 / 200
     assert throughput.ceiling(2, 10, 100, 5) == 1.5
+    # 8 rows in 40 ms a step beside one row's 20 ms: 8 tokens / 40 ms over 1 / 20 ms
+    assert throughput.paired(8, 40.0, 20.0) == 4.0 and throughput.paired(1, 5.0, None) == 1.0
     assert all(r[f"{k}_tok_s"] > 0 for r in res["prefill"] for k in ("ours", "hf", "window", "total"))
 
     # HF's DynamicCache concatenates the past every step; stage 1 only reads it (in

@@ -32,7 +32,9 @@ class BatchRow:
     """B rows stepped together: ``what`` is "stage 1" (at ``context`` live slots a row) or
     "loop REPAIR" (the whole loop at the budget, brightness; "none + recall" with a cold
     store). ``ms``: one step of all B rows; ``tokens_s``: B tokens over it; ``speedup``:
-    over B = 1's tokens/s (the same what and context); ``ceiling``: the most it could be
+    over one row's tokens/s, that row (the same what and context) stepped alone in turn
+    with the B rows in every repetition (``paired``), so that a change of the machine's
+    pace between two cells does not show as a speedup; ``ceiling``: the most it could be
     where a step reads the weights once and each row's live K/V once (``ceiling``); a loop
     row's ``stage1_ms`` is stage 1 of its rows, ``overhead`` its step over that, ``row_ms``
     stages 2-4 a row."""
@@ -67,12 +69,19 @@ def ceiling(batch: int, context: int, weight_bytes: int, kv_bytes_per_token: int
     return batch * one / (weight_bytes + batch * context * kv_bytes_per_token)
 
 
+def paired(b: int, ms: float, one_ms: float | None) -> float:
+    """B rows' tokens/s over one row's, from the medians of a step of the B rows (``ms``)
+    and of one row's step (``one_ms``) timed in turn with it (None: B is 1)."""
+    return 1.0 if one_ms is None else b * one_ms / ms
+
+
 def measure(model: Model, cfg, task, random_prompt, weight_bytes: int,
             kv_bytes_per_token: int) -> list[BatchRow]:
     """For each B of ``cfg.batches`` (the model packed for B rows, one copy at a time):
     stage 1 of B rows at each of ``cfg.batch_contexts`` live slots, each row a copy of one
     prime's state (so each reads K/V of its own), then the whole loop at ``cfg.budget`` for
-    each of ``REPAIRS``, each row a copy of one primed session at its budget.
+    each of ``REPAIRS``, each row a copy of one primed session at its budget; beside each,
+    in every repetition, one row alone (``BatchRow.speedup``).
     ``random_prompt(model, n, seed)`` gives the primes' tokens; ``weight_bytes`` and
     ``kv_bytes_per_token`` (what a token reads) each row's ``ceiling``."""
     dt, out, most, how = model.precision, [], max(cfg.batches), model.stage1_path
@@ -97,24 +106,28 @@ def measure(model: Model, cfg, task, random_prompt, weight_bytes: int,
             views = [s.view() for s in states[:b]]
             gens = [make_generator(i, model.device) for i in range(b)]
             tick = task(f"{dt} stage 1, {b} rows at {c}", cfg.batch_reps)
-            t = common.interleaved_ms({"stage 1": _stage1(model, rows_model, views, gens)},
-                                      cfg.batch_reps, warmup=1, tick=tick)
-            ms = common.median(t["stage 1"])
+            timed = {"rows": _stage1(model, rows_model, views, gens)}
+            if b > 1:  # the first row alone, in turn with them
+                timed["one"] = _stage1(model, model, views[:1], gens[:1])
+            t = common.interleaved_ms(timed, cfg.batch_reps, warmup=1, tick=tick)
+            ms, one = common.median(t["rows"]), common.median(t["one"]) if b > 1 else None
             out.append(BatchRow(dtype=dt, what="stage 1", context=c, batch=b, ms=ms,
-                                tokens_s=b / ms * 1e3, stage1=how))
+                                tokens_s=b / ms * 1e3, stage1=how, speedup=paired(b, ms, one)))
         for what, first in sessions.items():
             out.append(_loop_row(model, rows_model, first, b, what, cfg, task))
     return [dataclasses.replace(r, ceiling=ceiling(r.batch, r.context, weight_bytes,
                                                    kv_bytes_per_token))
-            for r in _with_speedups(out)]
+            for r in out]
 
 
 def _loop_row(model: Model, rows_model: Model, first: Session, b: int, what: str, cfg,
               task) -> BatchRow:
     """The whole loop of ``b`` copies of the primed session ``first``: a step of every row
-    (the mean over a round of recall's scans) against stage 1 of the same rows."""
+    (the mean over a round of recall's scans) against stage 1 of the same rows, and (``b``
+    above 1) against one more copy stepped alone."""
     rows = [Session(model, first.policy, GREEDY, first.cache_params,
-                    state=copy.deepcopy(first.state)) for _ in range(b)]
+                    state=copy.deepcopy(first.state)) for _ in range(b + (b > 1))]
+    alone, rows = rows[b:], rows[:b]
     every = first.cache_params.recall.every if first.cache_params.recall else 1
 
     def steps():
@@ -124,27 +137,22 @@ def _loop_row(model: Model, rows_model: Model, first: Session, b: int, what: str
             else:
                 step_rows(rows_model, rows)
 
+    def one():
+        for _ in range(every):
+            alone[0].step()
+
     def stage1():  # as the loop's, without recall's query (that counts as recall's cost)
         views = [dataclasses.replace(s.state.view(), cold=None) for s in rows]
         _stage1(model, rows_model, views, [s.generator for s in rows])()
 
     tick = task(f"{model.precision} {what}, {b} rows", cfg.batch_reps)
-    t = common.interleaved_ms({"stage 1": stage1, "step": steps}, cfg.batch_reps, warmup=1,
-                              tick=tick)
-    step, one = common.median(t["step"]) / every, common.median(t["stage 1"])
+    timed = {"stage 1": stage1, "step": steps} | ({"one": one} if alone else {})
+    t = common.interleaved_ms(timed, cfg.batch_reps, warmup=1, tick=tick)
+    step, s1 = common.median(t["step"]) / every, common.median(t["stage 1"])
     return BatchRow(dtype=model.precision, what=what, context=first.cache_params.budget,
-                    batch=b, ms=step, tokens_s=b / step * 1e3, stage1_ms=one,
-                    overhead=step / one, row_ms=(step - one) / b,
-                    stage1=model.stage1_path)
-
-
-def _with_speedups(rows: list[BatchRow]) -> list[BatchRow]:
-    """Each row's tokens/s over B = 1's of its dtype, stage 1, what and context."""
-    def key(r: BatchRow) -> tuple:
-        return r.dtype, r.stage1, r.what, r.context
-    one = {key(r): r.tokens_s for r in rows if r.batch == 1}
-    return [dataclasses.replace(r, speedup=r.tokens_s / one[key(r)]) if key(r) in one else r
-            for r in rows]
+                    batch=b, ms=step, tokens_s=b / step * 1e3, stage1_ms=s1,
+                    overhead=step / s1, row_ms=(step - s1) / b, stage1=model.stage1_path,
+                    speedup=paired(b, step, common.median(t["one"]) / every if alone else None))
 
 
 def targets(rows: list[BatchRow]) -> list[Target]:
@@ -182,7 +190,9 @@ def table(rows: list[BatchRow]) -> Table:
         "every row (`batch.step_rows`; B = 1: `Session.step`) at the budget, the brightness "
         "scorer, each row a copy of one primed session; with recall, over "
         f"{RECALL_COLD} cold tokens a row (fewer where the positions hold fewer), the mean step of a round of its scans; its stage 1 "
-        "timed on the same rows without recall's query. x B = 1: tokens/s over one row's; "
+        "timed on the same rows without recall's query. x B = 1: tokens/s over one row's, "
+        "that row (a copy of the first) stepped alone in turn with the B rows in every "
+        "repetition, so the two see the same machine; "
         "ceiling: the most it could be where the bytes read bound a step (B rows read the "
         "weights once and each row's K/V: B (W + c kv) / (W + B c kv), W the weights' bytes, "
         "kv a token's K/V bytes, c the context).")
