@@ -40,7 +40,8 @@ def test_bench_speed_measures_only_the_parts_asked(capsys, one_thread):
     assert code == 0, err
     res = json.loads(stdout)
     assert res["config"]["parts"] == ["batch"] and res["config"]["batches"] == [1, 2]
-    assert not any(res[k] for k in ("decode", "prefill", "alloc", "loop", "edits", "ops"))
+    assert not any(res[k] for k in ("decode", "prefill", "alloc", "loop", "edits", "ops",
+                                    "busy"))
     assert {(r["dtype"], r["batch"]) for r in res["batch"]} == \
         {(d, b) for d in ("float32", "bfloat16", "int8") for b in (1, 2)}
     assert main(["bench", "speed", "--parts", "batch,fast"]) == 2
@@ -88,6 +89,14 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
         assert r["speedup"] > 0 and (r["batch"] > 1 or r["speedup"] == 1.0)
         assert (r["overhead"] is None) == (r["what"] == "stage 1")
         assert r["ceiling"] >= 1 and (r["batch"] > 1 or r["ceiling"] == 1)
+    # run beside one other busy process, on the threads run chooses and on torch's default,
+    # stage 1 on the path --compile auto takes
+    assert [(r["dtype"], r["threads"]) for r in res["busy"]] == \
+        [(d, t) for d in dtypes for t in ("chosen", "default")]
+    for r in res["busy"]:
+        assert r["stage1"] == ("native" if native.auto(["cpu"], r["dtype"])[0] else "plain")
+        assert r["idle_ms"] > 0 and r["ratio"] == r["busy_ms"] / r["idle_ms"]
+        assert r["idle_threads"] >= 1 and r["busy_threads"] >= 1
     # hand-worked: 2 rows of 10 slots, weights 100 B, 5 B of K/V a token: 2 x 150 / 200
     assert throughput.ceiling(2, 10, 100, 5) == 1.5
     # 8 rows in 40 ms a step beside one row's 20 ms: 8 tokens / 40 ms over 1 / 20 ms

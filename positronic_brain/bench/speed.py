@@ -44,14 +44,15 @@ from ..stages.score import recall_layers, recall_query, score
 from ..state import State, View
 from ..types import (Actions, CacheParams, FoldRepair, Prefill, Recall, SamplerParams, Segment,
                      option, require)
-from . import common, flags, llamacpp, throughput
+from . import busy, common, flags, llamacpp, throughput
 from .. import native, options
 from .common import Table, fmt, fmt_bytes
 from .result import Machine, Result, Target, target_table
+from .busy import BusyRow
 from .throughput import BatchRow
 
 GREEDY = SamplerParams(greedy=True)
-PARTS = ("stage", "loop", "batch")  # what a run measures (``SpeedConfig.parts``)
+PARTS = ("stage", "loop", "batch", "busy")  # what a run measures (``SpeedConfig.parts``)
 # Targets from the project's issues: reported, never asserted.
 DECODE_TARGETS = {1024: 0.8, 2048: 0.8, 4096: 0.6}  # stage 1 / HF ms per token, on the CPU
 GPU_DECODE_TARGET = 1.0  # on a GPU, at every context
@@ -94,12 +95,14 @@ class SpeedConfig:
     bandwidth_mb: int = 512
     parts: tuple[str, ...] = option(PARTS, "what to measure: stage (stages 0 and 1 against "
                                     "HF and llama.cpp, operators, allocations, edits), loop, "
-                                    "batch (throughput of B rows); default: all",
+                                    "batch (throughput of B rows), busy (run beside one "
+                                    "other busy process); default: all",
                                     choices=PARTS)
     batches: tuple[int, ...] = option((1, 2, 4, 8, 16), "batch: the rows a step, "
                                       "comma-separated (--quick: 1,4,8)")
     batch_contexts: tuple[int, ...] = (1024, 4096)  # its stage 1's live slots a row
     batch_reps: int = 5
+    busy_reps: int = 5  # busy: repetitions of idle and busy in turn
 
     def __post_init__(self) -> None:
         require(len(self.contexts) > 0 and all(c >= 1 for c in self.contexts),
@@ -112,7 +115,8 @@ class SpeedConfig:
         require(min(self.reps, self.prefill_reps, self.edit_reps) >= 1, "repetitions must be >= 1")
         require(self.budget >= 32, f"budget must be >= 32, got {self.budget}")
         require(all(b >= 1 for b in self.batches) and all(c >= 1 for c in self.batch_contexts)
-                and self.batch_reps >= 1, "batches, their contexts and repetitions must be >= 1")
+                and min(self.batch_reps, self.busy_reps) >= 1,
+                "batches, their contexts and repetitions must be >= 1")
         require(self.parts and set(self.parts) <= set(PARTS),
                 f"parts must be some of {', '.join(PARTS)}, got {self.parts}")
 
@@ -136,7 +140,7 @@ class SpeedConfig:
         return cls(**{**full, "quick": True, "contexts": (1024, 4096) if gpu else (128, 256, 512, 1024),
                       "prefill": (1024,), "reps": 7, "prefill_reps": 2, "edit_reps": 3,
                       "recall_cold": 1024, "batches": (1, 4, 8), "batch_contexts": (1024,),
-                      "batch_reps": 3, "bandwidth_mb": 2048 if gpu else 128})
+                      "batch_reps": 3, "busy_reps": 2, "bandwidth_mb": 2048 if gpu else 128})
 
     def fitted(self, max_positions: int) -> "SpeedConfig":
         """Drop what the model's positions cannot hold (the pending token needs one more)."""
@@ -348,6 +352,7 @@ class SpeedResult(Result):
     decode_fit: list[DecodeFit] = field(default_factory=list)
     alloc_fit: list[AllocFit] = field(default_factory=list)
     batch: list[BatchRow] = field(default_factory=list)
+    busy: list[BusyRow] = field(default_factory=list)
     peak_rss_mb: float
 
 
@@ -781,13 +786,18 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float,
     if "batch" in cfg.parts:  # the plain path's rows, then the native kernels' where they run
         for rows_model in [model] + native_models(cfg, dtype, others):
             batch += throughput.measure(rows_model, cfg, task, random_prompt, wb, kvb)
+    busy_rows = []
+    if "busy" in cfg.parts and cfg.device == "cpu":  # run on a machine doing something else
+        busy_rows = busy.measure(busy.run_model(model, cfg.device, dtype, others),
+                                 cfg.busy_reps, task, random_prompt)
     # the physical floor: weights + live K/V read once per token
     rows["decode"] = [dataclasses.replace(r, floor_ms=(wb + r.context * kvb) /
                                           (bandwidth * 1e9) * 1e3) for r in rows.get("decode", ())]
     memory = MemoryRow(dtype, wb, kvb, wb / (bandwidth * 1e9) * 1e3,
                        next((r.cold_bytes_per_token for r in loop if r.cold), None))
     return cfg, {"prefill": [], "alloc": [], "edits": [], "ops": [], "compile": [],
-                 "llamacpp": [], **rows, "memory": [memory], "loop": loop, "batch": batch}
+                 "llamacpp": [], **rows, "memory": [memory], "loop": loop, "batch": batch,
+                 "busy": busy_rows}
 
 
 def native_models(cfg: SpeedConfig, dtype: str, others: list[Model]) -> list[Model]:
@@ -985,6 +995,7 @@ def targets(res: SpeedResult) -> list[Target]:
                               r.overhead, f"<= {t}", r.overhead <= t, r.dtype))
     out += _per_head_targets(res)
     out += throughput.targets(res.batch)
+    out += busy.targets(res.busy)
     for f in res.alloc_fit:
         if f.who == "ours":  # one copy of the past would cost >= kv_bytes_per_token
             out.append(Target("stage 1 bytes allocated per context token per step: less "
@@ -1278,7 +1289,8 @@ def tables(res: SpeedResult) -> list[Table]:
         "context by the cost at the shortest (1 = flat).")
     # on a GPU no allocations are counted (the profiler's events are the host allocator's)
     return [t for t in (target, decode, *compiled, fit, ops, alloc, loop,
-                        throughput.table(res.batch), edits, prefill, memory)
+                        throughput.table(res.batch), busy.table(res.busy), edits, prefill,
+                        memory)
             if t is not None and t.rows]
 
 
@@ -1335,7 +1347,7 @@ def report_md(res: SpeedResult, images: list[str], image_dir: str, level: int = 
         f"{m.transformers}; load average {m.loadavg_start[0]} at the start, "
         f"{m.loadavg_end[0]} at the end (other processes share the cores; medians of "
         f"{res.config.reps} decode / {res.config.prefill_reps} prefill / "
-        f"{res.config.batch_reps} batch repetitions, "
+        f"{res.config.batch_reps} batch / {res.config.busy_reps} busy repetitions, "
         "contenders alternating within each repetition).",
         "",
     ]
@@ -1383,6 +1395,11 @@ METHOD = """\
   the longer arena), so there its growth is about one copy of the past.
 - **Prefill**: stage 0 `prime` (chunked, writes the arena and ledger) vs one HF forward over
   the same tokens building a `DynamicCache`, last-position logits only for both.
+- **Busy** (the CPU only): `run`'s loop with no flags (`--compile auto`'s stage 1, no
+  budget, greedy) beside one other process spinning on a core, against the machine as the
+  benchmark found it, in turn within each repetition; on the threads `run` would choose
+  when each timing starts (`threads.choose`: the cores free) and on torch's default (every
+  core, whose threads spin-wait on the one the other process holds).
 - **Floor**: the copy bandwidth of a tensor far larger than the caches (bytes read +
   written, as STREAM counts a copy) turned into the time to read every weight a decode step
   touches plus the live K/V once; `floor / stage 1` is how close decode is to it.

@@ -1,0 +1,154 @@
+"""``bench speed``'s busy machine (``busy``): ``run``'s ms a token while one other process
+keeps a core busy, against the machine idle, each repetition timing both in turn.
+
+``run`` chooses its threads when it starts from the cores it finds free (``threads.use``:
+torch's threads spin-wait for a peer, so a thread on a core another process holds makes
+every product wait for it). Here each repetition chooses as ``run`` would with the machine
+idle and steps the loop; then starts a process that spins on one core, chooses again and
+steps the loop on that choice, and on torch's default too (every core: what the choice
+avoids); then stops the spinner. The loop is ``run``'s with no flags: stage 1 on the path
+``--compile auto`` takes, no budget, greedy."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import common
+from .. import native, threads
+from ..loop import Session
+from ..model import NATIVE, Model, load_model
+from ..special_tokens import TokenPolicy
+from ..types import SamplerParams, Segment
+from .common import Table, fmt
+from .result import Target
+
+BUSY_TARGET = 2.0  # ms a token with one other busy process / idle, threads as run chooses
+STEPS = 8  # loop steps a timing
+CONTEXT = 256  # the prompt's tokens
+# spins on one core until its parent (this benchmark) is gone, even if that was killed
+SPIN = ("import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
+        "    for _ in range(200000):\n        pass\n")
+STARTED_S = 0.3  # how long the spinner runs before the threads are chosen
+
+
+@dataclass(frozen=True, kw_only=True)
+class BusyRow:
+    """``run``'s loop in ``dtype`` on ``stage1`` (plain or native), ms a token (the median
+    over the repetitions) idle and with one other busy process, on the threads ``threads``
+    gives: "chosen" (``threads.choose`` when each timing starts, as ``run`` does: the
+    counts it chose idle and busy, the most common over the repetitions) or "default"
+    (torch's default, every core, in both)."""
+
+    dtype: str
+    stage1: str
+    threads: str
+    idle_ms: float
+    busy_ms: float
+    idle_threads: int
+    busy_threads: int
+    ratio: float  # busy_ms / idle_ms
+
+
+def run_model(model: Model, device: str, dtype: str, have: Sequence[Model] = ()) -> Model:
+    """The model ``run`` steps with no flags: ``model`` (plain) or, where ``--compile
+    auto`` takes the native kernels, the native one of ``have`` or ``model`` loaded so."""
+    if native.auto([device], dtype)[0] != NATIVE:
+        return model
+    return next((m for m in have if m.compiled == NATIVE), None) or \
+        load_model(model.name, dtype, device, compile=NATIVE)
+
+
+def measure(model: Model, reps: int, task, random_prompt) -> list[BusyRow]:
+    """``reps`` repetitions, each: the loop on the threads chosen idle; then, with a spinner
+    started, on the threads chosen busy and on torch's default. ``random_prompt(model, n,
+    seed)`` gives the prompt's tokens."""
+    ms = {k: [] for k in ("idle", "busy", "default idle", "default busy")}
+    session = Session(model, TokenPolicy(model.tokenizer), SamplerParams(greedy=True))
+    session.prime([Segment(tuple(random_prompt(model, CONTEXT, seed=4)), "user")],
+                  CONTEXT + 8 + (reps + 1) * len(ms) * STEPS)
+    before = torch.get_num_threads()
+    chosen = {"idle": [], "busy": []}
+    tick = task(f"{model.precision} {model.stage1_path} busy machine", reps)
+
+    def timed(name: str, count: int) -> None:
+        torch.set_num_threads(count)
+        t0 = time.perf_counter()
+        for _ in range(STEPS):
+            session.step()
+        ms[name].append((time.perf_counter() - t0) * 1e3 / STEPS)
+
+    try:
+        for r in range(reps + 1):  # the first round warms up, untimed
+            count = threads.choose()[0]
+            chosen["idle"].append(count)
+            timed("idle", count)
+            timed("default idle", threads.DEFAULT)
+            with _spinner():
+                count = threads.choose()[0]
+                chosen["busy"].append(count)
+                timed("busy", count)
+                timed("default busy", threads.DEFAULT)
+            if r == 0:
+                for xs in (*ms.values(), *chosen.values()):
+                    xs.clear()
+            else:
+                tick()
+    finally:
+        torch.set_num_threads(before)
+    dt, how = model.precision, model.stage1_path
+    out = []
+    for kind, idle, busy, counts in (
+            ("chosen", "idle", "busy", (_mode(chosen["idle"]), _mode(chosen["busy"]))),
+            ("default", "default idle", "default busy", (threads.DEFAULT,) * 2)):
+        a, b = common.median(ms[idle]), common.median(ms[busy])
+        out.append(BusyRow(dtype=dt, stage1=how, threads=kind, idle_ms=a, busy_ms=b,
+                           idle_threads=counts[0], busy_threads=counts[1], ratio=b / a))
+    return out
+
+
+class _spinner:  # pylint: disable=invalid-name  # a context manager, used as a phrase
+    """One other process keeping a core busy while the block runs."""
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
+            [sys.executable, "-c", SPIN, str(os.getpid())])
+        time.sleep(STARTED_S)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _mode(xs: list[int]) -> int:
+    return max(set(xs), key=xs.count)
+
+
+def targets(rows: list[BusyRow]) -> list[Target]:
+    """With the threads ``run`` chooses: ms a token with one other busy process over idle."""
+    return [Target(f"{r.stage1} run with one other busy process / idle, ms a token "
+                   f"({r.busy_threads} of {r.idle_threads} threads chosen)", r.ratio,
+                   f"<= {BUSY_TARGET}", r.ratio <= BUSY_TARGET, r.dtype)
+            for r in rows if r.threads == "chosen"]
+
+
+def table(rows: list[BusyRow]) -> Table:
+    return Table(
+        "A busy machine: `run`'s ms a token with one other busy process",
+        ("dtype", "stage 1", "threads", "idle ms", "threads idle", "busy ms", "threads busy",
+         "busy / idle"),
+        tuple((r.dtype, r.stage1, r.threads, fmt(r.idle_ms, 1), str(r.idle_threads),
+               fmt(r.busy_ms, 1), str(r.busy_threads), fmt(r.ratio, 2)) for r in rows),
+        f"The loop of `run` with no flags (stage 1 on `--compile auto`'s path, no budget, "
+        f"greedy) over a {CONTEXT}-token prompt, {STEPS} steps a timing; busy: a process "
+        "spinning on one core started beside it (a Python loop). chosen: the threads "
+        "`threads.choose` gives when the timing starts, as `run` chooses them (the cores "
+        "free, at least one); default: torch's own, every core, which the choice avoids. "
+        "idle: the machine as the benchmark found it. Each repetition times idle and busy in "
+        "turn.")
