@@ -19,7 +19,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def _speed(device="cpu", bandwidth_gb_s=1.0, **rows):
     """A speed result of ``rows`` alone (every other measurement empty)."""
     return speed.SpeedResult(benchmark="speed", command="", model="tiny-random", quick=True,
-                             machine=Machine.now(), config=speed.SpeedConfig(device=device),
+                             machine=Machine.now(),
+                             config=speed.SpeedConfig(device=device,
+                                                      parts=speed.device_parts(device)),
                              bandwidth_gb_s=bandwidth_gb_s, peak_rss_mb=0.0, **rows)
 
 

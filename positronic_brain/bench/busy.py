@@ -6,15 +6,17 @@ torch's threads spin-wait for a peer, so a thread on a core another process hold
 every product wait for it). Here each repetition chooses as ``run`` would with the machine
 idle and steps the loop; then starts a process that spins on one core, chooses again and
 steps the loop on that choice, and on torch's default too (every core: what the choice
-avoids); then stops the spinner. The loop is ``run``'s with no flags: stage 1 on the path
-``--compile auto`` takes, no budget, greedy."""
+avoids); then stops the spinner; every other repetition takes the busy half first. The loop
+is ``run``'s with no flags: stage 1 on the path ``--compile auto`` takes, no budget, the
+default sampler (temperature 1)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -22,15 +24,16 @@ import torch
 from . import common
 from .. import native, threads
 from ..loop import Session
-from ..model import NATIVE, Model, load_model
+from ..model import NATIVE, Model
 from ..special_tokens import TokenPolicy
-from ..types import SamplerParams, Segment
+from ..types import SamplerParams, Segment, require
 from .common import Table, fmt
 from .result import Target
 
 BUSY_TARGET = 2.0  # ms a token with one other busy process / idle, threads as run chooses
 STEPS = 8  # loop steps a timing
-CONTEXT = 256  # the prompt's tokens
+CONTEXT = 256  # the prompt's tokens (fewer where the model's positions hold fewer)
+TIMINGS = 4  # a repetition's: idle and busy, each on the chosen threads and on every core
 # spins on one core until its parent (this benchmark) is gone, even if that was killed
 SPIN = ("import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
         "    for _ in range(200000):\n        pass\n")
@@ -55,23 +58,33 @@ class BusyRow:
     ratio: float  # busy_ms / idle_ms
 
 
-def run_model(model: Model, device: str, dtype: str, have: Sequence[Model] = ()) -> Model:
+def run_model(model: Model, device: str, dtype: str, have: Sequence[Model]) -> Model:
     """The model ``run`` steps with no flags: ``model`` (plain) or, where ``--compile
-    auto`` takes the native kernels, the native one of ``have`` or ``model`` loaded so."""
+    auto`` takes the native kernels, the native one of ``have``."""
     if native.auto([device], dtype)[0] != NATIVE:
         return model
-    return next((m for m in have if m.compiled == NATIVE), None) or \
-        load_model(model.name, dtype, device, compile=NATIVE)
+    return next(m for m in have if m.compiled == NATIVE)
+
+
+def context(reps: int, max_positions: int) -> int:
+    """The prompt's tokens: ``CONTEXT``, or fewer so that the positions hold every step of
+    ``reps`` repetitions and the warm-up."""
+    steps = (reps + 1) * TIMINGS * STEPS
+    n = min(CONTEXT, max_positions - steps - 1)
+    require(n >= 16, f"the busy part's {reps} repetitions take {steps} steps: the model's "
+            f"{max_positions} positions leave no prompt of 16 tokens")
+    return n
 
 
 def measure(model: Model, reps: int, task, random_prompt) -> list[BusyRow]:
     """``reps`` repetitions, each: the loop on the threads chosen idle; then, with a spinner
-    started, on the threads chosen busy and on torch's default. ``random_prompt(model, n,
-    seed)`` gives the prompt's tokens."""
+    started, on the threads chosen busy and on torch's default (every other repetition the
+    busy half first). ``random_prompt(model, n, seed)`` gives the prompt's tokens."""
     ms = {k: [] for k in ("idle", "busy", "default idle", "default busy")}
-    session = Session(model, TokenPolicy(model.tokenizer), SamplerParams(greedy=True))
-    session.prime([Segment(tuple(random_prompt(model, CONTEXT, seed=4)), "user")],
-                  CONTEXT + 8 + (reps + 1) * len(ms) * STEPS)
+    n = context(reps, model.spec.max_positions)
+    session = Session(model, TokenPolicy(model.tokenizer), SamplerParams())
+    session.prime([Segment(tuple(random_prompt(model, n, seed=4)), "user")],
+                  n + 8 + (reps + 1) * TIMINGS * STEPS)
     before = torch.get_num_threads()
     chosen = {"idle": [], "busy": []}
     tick = task(f"{model.precision} {model.stage1_path} busy machine", reps)
@@ -83,17 +96,21 @@ def measure(model: Model, reps: int, task, random_prompt) -> list[BusyRow]:
             session.step()
         ms[name].append((time.perf_counter() - t0) * 1e3 / STEPS)
 
+    def half(busy: bool) -> None:  # the choice, then the loop on it and on every core
+        kind = "busy" if busy else "idle"
+        count = threads.choose()[0]
+        chosen[kind].append(count)
+        timed(kind, count)
+        timed(f"default {kind}", threads.DEFAULT)
+
     try:
         for r in range(reps + 1):  # the first round warms up, untimed
-            count = threads.choose()[0]
-            chosen["idle"].append(count)
-            timed("idle", count)
-            timed("default idle", threads.DEFAULT)
-            with _spinner():
-                count = threads.choose()[0]
-                chosen["busy"].append(count)
-                timed("busy", count)
-                timed("default busy", threads.DEFAULT)
+            for busy in (False, True) if r % 2 else (True, False):
+                if busy:
+                    with _spinner():
+                        half(True)
+                else:
+                    half(False)
             if r == 0:
                 for xs in (*ms.values(), *chosen.values()):
                     xs.clear()
@@ -112,18 +129,16 @@ def measure(model: Model, reps: int, task, random_prompt) -> list[BusyRow]:
     return out
 
 
-class _spinner:  # pylint: disable=invalid-name  # a context manager, used as a phrase
-    """One other process keeping a core busy while the block runs."""
-
-    def __enter__(self):
-        self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
-            [sys.executable, "-c", SPIN, str(os.getpid())])
+@contextmanager
+def _spinner() -> Iterator[subprocess.Popen]:
+    """One other process keeping a core busy while the block runs (and its start-up)."""
+    proc = subprocess.Popen([sys.executable, "-c", SPIN, str(os.getpid())])
+    try:
         time.sleep(STARTED_S)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _mode(xs: list[int]) -> int:
@@ -146,9 +161,10 @@ def table(rows: list[BusyRow]) -> Table:
         tuple((r.dtype, r.stage1, r.threads, fmt(r.idle_ms, 1), str(r.idle_threads),
                fmt(r.busy_ms, 1), str(r.busy_threads), fmt(r.ratio, 2)) for r in rows),
         f"The loop of `run` with no flags (stage 1 on `--compile auto`'s path, no budget, "
-        f"greedy) over a {CONTEXT}-token prompt, {STEPS} steps a timing; busy: a process "
+        f"the default sampler) over a prompt of {CONTEXT} tokens (fewer where the "
+        f"positions hold fewer), {STEPS} steps a timing; busy: a process "
         "spinning on one core started beside it (a Python loop). chosen: the threads "
         "`threads.choose` gives when the timing starts, as `run` chooses them (the cores "
         "free, at least one); default: torch's own, every core, which the choice avoids. "
         "idle: the machine as the benchmark found it. Each repetition times idle and busy in "
-        "turn.")
+        "turn, every other one busy first.")

@@ -53,6 +53,7 @@ from .throughput import BatchRow
 
 GREEDY = SamplerParams(greedy=True)
 PARTS = ("stage", "loop", "batch", "busy")  # what a run measures (``SpeedConfig.parts``)
+CPU_PARTS = ("busy",)  # the parts a GPU run does not take
 # Targets from the project's issues: reported, never asserted.
 DECODE_TARGETS = {1024: 0.8, 2048: 0.8, 4096: 0.6}  # stage 1 / HF ms per token, on the CPU
 GPU_DECODE_TARGET = 1.0  # on a GPU, at every context
@@ -73,6 +74,12 @@ BANDWIDTH_TARGET = 0.60  # bfloat16 at 1024: the floor / stage 1 (the share of t
 PREFILL_TARGET = 1.0  # stage 0 / HF prefill tokens/s ...
 PREFILL_TARGET_TOKENS = (1024, 4096)  # ... at these prompt lengths ...
 PREFILL_TARGET_DTYPES = ("float32", "bfloat16")  # ... in these dtypes
+
+
+def device_parts(device: str) -> tuple[str, ...]:
+    """The parts a run on ``device`` takes unless told: every one (on a GPU, not
+    ``CPU_PARTS``)."""
+    return PARTS if device == "cpu" else tuple(p for p in PARTS if p not in CPU_PARTS)
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,9 @@ class SpeedConfig:
                 "batches, their contexts and repetitions must be >= 1")
         require(self.parts and set(self.parts) <= set(PARTS),
                 f"parts must be some of {', '.join(PARTS)}, got {self.parts}")
+        require(self.device == "cpu" or not set(self.parts) & set(CPU_PARTS),
+                f"--parts {','.join(sorted(set(self.parts) & set(CPU_PARTS)))} measures the "
+                f"CPU only, not {self.device}")
 
     @classmethod
     def preset(cls, quick: bool, model: str = "smollm2", device: str = "cpu",
@@ -133,7 +143,7 @@ class SpeedConfig:
         full = dict(model=model, device=device)
         if gpu:
             full.update(contexts=(1024, 2048, 4096, 8192, 16384, 32768), prefill=(1024, 4096),
-                        bandwidth_mb=2048,
+                        bandwidth_mb=2048, parts=device_parts(device),
                         dtypes=tuple(d for d in cls.dtypes if d not in CPU_ONLY))
         if not quick:
             return cls(**full)
@@ -782,13 +792,13 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float,
         for other in others:  # the same loop over stage 1 native or graph
             loop += measure_loop(other, cfg, task)
     wb, kvb = weight_bytes(model), kv_bytes_per_token(model)
-    batch = []
+    batch, busy_rows = [], []
+    natives = native_models(cfg, dtype, others) if {"batch", "busy"} & set(cfg.parts) else []
     if "batch" in cfg.parts:  # the plain path's rows, then the native kernels' where they run
-        for rows_model in [model] + native_models(cfg, dtype, others):
+        for rows_model in [model] + natives:
             batch += throughput.measure(rows_model, cfg, task, random_prompt, wb, kvb)
-    busy_rows = []
-    if "busy" in cfg.parts and cfg.device == "cpu":  # run on a machine doing something else
-        busy_rows = busy.measure(busy.run_model(model, cfg.device, dtype, others),
+    if "busy" in cfg.parts:  # run on a machine doing something else (the CPU only)
+        busy_rows = busy.measure(busy.run_model(model, cfg.device, dtype, natives),
                                  cfg.busy_reps, task, random_prompt)
     # the physical floor: weights + live K/V read once per token
     rows["decode"] = [dataclasses.replace(r, floor_ms=(wb + r.context * kvb) /
@@ -1347,7 +1357,9 @@ def report_md(res: SpeedResult, images: list[str], image_dir: str, level: int = 
         f"{m.transformers}; load average {m.loadavg_start[0]} at the start, "
         f"{m.loadavg_end[0]} at the end (other processes share the cores; medians of "
         f"{res.config.reps} decode / {res.config.prefill_reps} prefill / "
-        f"{res.config.batch_reps} batch / {res.config.busy_reps} busy repetitions, "
+        f"{res.config.batch_reps} batch"
+        + (f" / {res.config.busy_reps} busy" if "busy" in res.config.parts else "")
+        + " repetitions, "
         "contenders alternating within each repetition).",
         "",
     ]
