@@ -330,6 +330,22 @@ def test_the_targets_read_the_default_policy_and_with_recall_its_recall_cells():
          100.0, True)]
 
 
+def test_the_full_cache_alone_reports_its_ceiling_and_no_empty_table():
+    """``--policies none``: the report holds the ceiling, not a target table, protocol
+    tables, misses or budgets without a row."""
+    cfg = _cfg(policies=(), ratios=())
+    res = ruler.RulerResult(benchmark="ruler", command="", model="m", quick=False,
+                            machine=None, config=cfg, dtype="float32", max_positions=1,
+                            base={})
+    res.samples = [ruler.SampleRow("niah_single_1", 1024, 0, 10, 8, [], ["1"], ["1"], [1.0],
+                                   [None], [None], [0.0])]
+    res.rows = ruler.rows(res, ruler.cells(cfg))
+    res.targets = ruler.targets(res)
+    (table,) = ruler.tables(res)
+    assert table.title.startswith("The full cache's score") and \
+        table.rows == (("niah_single_1", "100"),)
+
+
 def test_cells_need_a_size():
     with pytest.raises(UserError, match="the cells need --ratios or --budgets"):
         _cfg(ratios=())

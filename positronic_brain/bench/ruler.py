@@ -723,6 +723,8 @@ def tables(res: RulerResult) -> list[Table]:
                     for n in cfg.lengths)) for t in cfg.tasks))
     out, avg = [target_table(res.targets, digits=3), ceiling], averages(res)
     methods = list(dict.fromkeys(r.method for r in res.rows if r.protocol))
+    if not methods:  # the full cache alone (--policies none): no cell, no target to show
+        return [ceiling]
     for protocol in cfg.protocols:
         out.append(Table(
             f"{protocol}: mean score over tasks and lengths by compression ratio or budget "
