@@ -66,10 +66,15 @@ def run_model(model: Model, device: str, dtype: str, have: Sequence[Model]) -> M
     return next(m for m in have if m.compiled == NATIVE)
 
 
+def _steps(reps: int) -> int:
+    """The loop steps of ``reps`` repetitions and the warm-up round."""
+    return (reps + 1) * TIMINGS * STEPS
+
+
 def context(reps: int, max_positions: int) -> int:
     """The prompt's tokens: ``CONTEXT``, or fewer so that the positions hold every step of
     ``reps`` repetitions and the warm-up."""
-    steps = (reps + 1) * TIMINGS * STEPS
+    steps = _steps(reps)
     n = min(CONTEXT, max_positions - steps - 1)
     require(n >= 16, f"the busy part's {reps} repetitions take {steps} steps: the model's "
             f"{max_positions} positions leave no prompt of 16 tokens")
@@ -84,7 +89,7 @@ def measure(model: Model, reps: int, task, random_prompt) -> list[BusyRow]:
     n = context(reps, model.spec.max_positions)
     session = Session(model, TokenPolicy(model.tokenizer), SamplerParams())
     session.prime([Segment(tuple(random_prompt(model, n, seed=4)), "user")],
-                  n + 8 + (reps + 1) * TIMINGS * STEPS)
+                  n + 8 + _steps(reps))
     before = torch.get_num_threads()
     chosen = {"idle": [], "busy": []}
     tick = task(f"{model.precision} {model.stage1_path} busy machine", reps)

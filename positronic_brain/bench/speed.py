@@ -1408,7 +1408,7 @@ METHOD = """\
 - **Prefill**: stage 0 `prime` (chunked, writes the arena and ledger) vs one HF forward over
   the same tokens building a `DynamicCache`, last-position logits only for both.
 - **Busy** (the CPU only): `run`'s loop with no flags (`--compile auto`'s stage 1, no
-  budget, greedy) beside one other process spinning on a core, against the machine as the
+  budget, the default sampler) beside one other process spinning on a core, against the machine as the
   benchmark found it, in turn within each repetition; on the threads `run` would choose
   when each timing starts (`threads.choose`: the cores free) and on torch's default (every
   core, whose threads spin-wait on the one the other process holds).

@@ -98,8 +98,10 @@ def head_signals(view: View, attention: torch.Tensor,
     hot = by_head(attention[layers], KVH, recall.aggregate)
     cold, cold_weights = view.cold, None
     if recall.signal == "value":  # a scan's cold values too, by the same head means
-        weights = head_relative_norms(view, view.vnorm, cold.vnorm if recall.scan else None)
-        weights, cold_weights = weights if recall.scan else (weights, None)
+        if recall.scan:
+            weights, cold_weights = head_relative_norms(view, view.vnorm, cold.vnorm)
+        else:
+            weights = head_relative_norms(view, view.vnorm)
         hot = hot * weights[layers]
     hot = hot.masked_fill(~h.live(hot.shape[-1])[layers], -math.inf)
     if not recall.scan:
