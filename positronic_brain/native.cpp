@@ -904,7 +904,7 @@ inline __m512 sum16x16(__m512* v) {
 // tree), then the inputs past the last whole step one by one. One row or B,
 // each row of each output is summed so (``dot_bf16``), whatever R and NB.
 #ifdef __AVX512BF16__
-template <int64_t R, int64_t NB>
+template <int64_t R, int64_t NB, int Hint = _MM_HINT_T0>
 inline void dot_bf16(const bf16* w, int64_t in, const bf16* xs, float* ys, int64_t ld,
                      const char* next = nullptr, int64_t next_bytes = 0) {
   __m512 a[R][NB];
@@ -914,7 +914,7 @@ inline void dot_bf16(const bf16* w, int64_t in, const bf16* xs, float* ys, int64
   int64_t k = 0, fetched = 0;
   for (; k + 32 <= in; k += 32) {
     for (int64_t l = 0; l < lines && fetched < next_bytes; l++, fetched += 64)
-      _mm_prefetch(next + fetched, _MM_HINT_T0);
+      _mm_prefetch(next + fetched, static_cast<enum _mm_hint>(Hint));
     __m512bh xv[NB];
     for (int64_t b = 0; b < NB; b++)
       xv[b] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xs + b * in + k));
@@ -937,17 +937,23 @@ inline void dot_bf16(const bf16* w, int64_t in, const bf16* xs, float* ys, int64
     }
 }
 
-// R weight rows for B inputs, 4 at a time (R x 4 accumulators: one sum16x16)
+// R weight rows for B inputs, 4 at a time (R x 4 accumulators: one sum16x16), with
+// ``next``'s ``bytes`` (part of the next block's rows) prefetched into L2 a few lines a step
+// over the calls' loops: asked for all at once at a block's start, they held the products up
 template <int64_t R>
 inline void dot_bf16_all(const bf16* w, int64_t in, const bf16* x, int64_t B, float* y,
-                         int64_t out) {
-  int64_t b = 0;
-  for (; b + 4 <= B; b += 4) dot_bf16<R, 4>(w, in, x + b * in, y + b * out, out);
-  switch (B - b) {
-    case 3: dot_bf16<R, 3>(w, in, x + b * in, y + b * out, out); break;
-    case 2: dot_bf16<R, 2>(w, in, x + b * in, y + b * out, out); break;
-    case 1: dot_bf16<R, 1>(w, in, x + b * in, y + b * out, out); break;
-    default: break;
+                         int64_t out, const char* next = nullptr, int64_t bytes = 0) {
+  const int64_t calls = (B + 3) / 4;
+  for (int64_t b = 0, c = 0; b < B; b += 4, c++) {
+    const int64_t f0 = bytes * c / calls / 64 * 64, f1 = bytes * (c + 1) / calls;
+    const bf16* xb = x + b * in;
+    float* yb = y + b * out;
+    switch (std::min<int64_t>(4, B - b)) {
+      case 4: dot_bf16<R, 4, _MM_HINT_T1>(w, in, xb, yb, out, next + f0, f1 - f0); break;
+      case 3: dot_bf16<R, 3, _MM_HINT_T1>(w, in, xb, yb, out, next + f0, f1 - f0); break;
+      case 2: dot_bf16<R, 2, _MM_HINT_T1>(w, in, xb, yb, out, next + f0, f1 - f0); break;
+      default: dot_bf16<R, 1, _MM_HINT_T1>(w, in, xb, yb, out, next + f0, f1 - f0); break;
+    }
   }
 }
 
@@ -964,9 +970,12 @@ void bf16_product(const bf16* w, int64_t out, int64_t in, const bf16* x, int64_t
       if (B == 1) {
         for (; o + kRows <= o1; o += kRows)
           dot_bf16<kRows, 1>(w + o * in, in, x, y + o, out, next, bytes);
-      } else {
-        for (int64_t f = 0; f < bytes; f += 64) _mm_prefetch(next + f, _MM_HINT_T1);
-        for (; o + 4 <= o1; o += 4) dot_bf16_all<4>(w + o * in, in, x, B, y + o, out);
+      } else {  // the next block's rows spread over the row groups
+        const int64_t groups = (o1 - o0) / 4;
+        for (int64_t g = 0; o + 4 <= o1; o += 4, g++) {
+          const int64_t f0 = bytes * g / groups / 64 * 64, f1 = bytes * (g + 1) / groups;
+          dot_bf16_all<4>(w + o * in, in, x, B, y + o, out, next + f0, f1 - f0);
+        }
       }
       for (; o < o1; o++) dot_bf16_all<1>(w + o * in, in, x, B, y + o, out);
     }
