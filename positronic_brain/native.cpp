@@ -243,23 +243,25 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // chunks' shares add in chunk order, so the result does not depend on the threads.
 constexpr int64_t kChunk = 256;
 constexpr int kQueries = 4;  // query heads taken at once (a group of more runs in parts)
-constexpr int64_t kKeysAhead = 512;  // each key dimension's slots read this far ahead
+constexpr int64_t kKeysAhead = 128;  // each key dimension's slots read this far ahead (<= kChunk)
 constexpr int64_t kValuesAhead = 8;  // value rows read this far ahead
+static_assert(kKeysAhead <= kChunk, "the keys prefetched lie in this chunk or the next");
 
 #ifdef __AVX512F__
 // rows[i][0:64] = qs[i] . k over 64 slots, for Q query heads (``qs`` Q x D floats): each
-// key dimension d is a run of slots at kt + d * kt_d; with ``ahead``, each run's slots
-// kKeysAhead on are prefetched (64 runs at once are more than the hardware follows)
+// key dimension d is a run of slots at kt + d * kt_d; where ``pre`` is given, the 64 slots
+// of each of its runs (``pre_d`` apart) are prefetched into L2, the keys read next (64 runs
+// at once are more than the hardware follows)
 template <int Q, typename T>
 inline void scores64(const float* qs, const T* kt, int64_t kt_d, int64_t D, float* const* rows,
-                     bool ahead) {
+                     const T* pre, int64_t pre_d) {
   __m512 a[Q][4];
   for (int i = 0; i < Q; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d++) {
     const T* kd = kt + d * kt_d;
-    if (ahead)
+    if (pre != nullptr)
       for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(kd + kKeysAhead) + l, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pre + d * pre_d) + l, _MM_HINT_T1);
     const __m512 k0 = load16(kd), k1 = load16(kd + 16), k2 = load16(kd + 32), k3 = load16(kd + 48);
     for (int i = 0; i < Q; i++) {
       const __m512 c = _mm512_set1_ps(qs[i * D + d]);
@@ -300,17 +302,30 @@ inline void weighted64(const float* const* rows, const T* v, int64_t v_j, int64_
 }
 #endif
 
-// Q query heads' scores over the slots [j0, j1) of one KV head (rows[i] indexed by slot)
+// Q query heads' scores over the slots [j0, j1) of one KV head (rows[i] indexed by slot),
+// each 64 slots' keys prefetching those kKeysAhead slots on: past j1, in the keys the thread
+// reads next, ``after`` (its runs ``after_d`` apart, ``after_n`` slots), where given
 template <int Q, typename T>
 void chunk_scores(const float* qs, const T* kt, int64_t kt_d, int64_t D, int64_t j0,
-                  int64_t j1, int64_t n, float* const* rows) {
+                  int64_t j1, float* const* rows, const T* after = nullptr,
+                  int64_t after_d = 0, int64_t after_n = 0) {
   int64_t j = j0;
 #ifdef __AVX512F__
   for (; j + 64 <= j1; j += 64) {
     float* at[Q];
     for (int i = 0; i < Q; i++) at[i] = rows[i] + j;
-    scores64<Q, T>(qs, kt + j, kt_d, D, at, j + 64 + kKeysAhead <= n);
+    const int64_t t = j + kKeysAhead, o = t - j1;
+    if (t + 64 <= j1)
+      scores64<Q, T>(qs, kt + j, kt_d, D, at, kt + t, kt_d);
+    else
+      scores64<Q, T>(qs, kt + j, kt_d, D, at,
+                     after != nullptr && o >= 0 && o + 64 <= after_n ? after + o : nullptr,
+                     after_d);
   }
+#else
+  (void)after;
+  (void)after_d;
+  (void)after_n;
 #endif
   for (int i = 0; i < Q; i++)
     for (int64_t s = j; s < j1; s++) {
@@ -449,9 +464,20 @@ void attend_kernel(std::vector<AttnRow<T>>& rs, int64_t H, int64_t KVH, int64_t 
       AttnRow<T>& a = rs[b];
       const int64_t n = a.n;
       const int64_t h = local / a.chunks, j0 = local % a.chunks * kChunk, j1 = std::min(n, j0 + kChunk);
+      const T* after = nullptr;  // the keys this thread reads next: its next item's
+      int64_t after_d = 0, after_n = 0;
+      if (item + 1 < hi) {
+        const int64_t nb = of(item + 1), nl = item + 1 - first[nb];
+        const AttnRow<T>& na = rs[nb];
+        const int64_t nh = nl / na.chunks, n0 = nl % na.chunks * kChunk;
+        after = na.kt + nh * na.kt_h + n0;
+        after_d = na.kt_d;
+        after_n = std::min(na.n, n0 + kChunk) - n0;
+      }
       in_parts(g, [&](auto q, int64_t i0) {
         chunk_scores<decltype(q)::value, T>(a.qf.data() + (h * g + i0) * D, a.kt + h * a.kt_h,
-                                            a.kt_d, D, j0, j1, n, a.row.data() + h * g + i0);
+                                            a.kt_d, D, j0, j1, a.row.data() + h * g + i0,
+                                            after, after_d, after_n);
       });
       for (int64_t hq = h * g; hq < (h + 1) * g; hq++) {
         float* __restrict__ r = a.row[hq];
@@ -600,7 +626,7 @@ void fold_kernel(const T* kt, int64_t L, int64_t KVH, int64_t D, int64_t n, int6
       for (int64_t i = 0; i < m; i++)
         for (int64_t d = 0; d < D; d++) qf[i * D + d] = load<T>(k + d * kt_d, culls[i]);
       in_parts(m, [&](auto q, int64_t i0) {
-        chunk_scores<decltype(q)::value, T>(qf.data() + i0 * D, k, kt_d, D, 0, n, n,
+        chunk_scores<decltype(q)::value, T>(qf.data() + i0 * D, k, kt_d, D, 0, n,
                                             rows.data() + i0);
       });
       for (int64_t i = 0; i < m; i++) {
