@@ -314,7 +314,8 @@ void chunk_scores(const float* qs, const T* kt, int64_t kt_d, int64_t D, int64_t
   for (; j + 64 <= j1; j += 64) {
     float* at[Q];
     for (int i = 0; i < Q; i++) at[i] = rows[i] + j;
-    const int64_t t = j + kKeysAhead, o = t - j1;
+    // past the chunk's whole blocks, the next item's blocks in order
+    const int64_t t = j + kKeysAhead, o = t - (j0 + (j1 - j0) / 64 * 64);
     if (t + 64 <= j1)
       scores64<Q, T>(qs, kt + j, kt_d, D, at, kt + t, kt_d);
     else
@@ -470,9 +471,9 @@ void attend_kernel(std::vector<AttnRow<T>>& rs, int64_t H, int64_t KVH, int64_t 
         const int64_t nb = of(item + 1), nl = item + 1 - first[nb];
         const AttnRow<T>& na = rs[nb];
         const int64_t nh = nl / na.chunks, n0 = nl % na.chunks * kChunk;
-        after = na.kt + nh * na.kt_h + n0;
+        after_n = std::max<int64_t>(0, std::min(na.n, n0 + kChunk) - n0);
+        after = after_n > 0 ? na.kt + nh * na.kt_h + n0 : nullptr;
         after_d = na.kt_d;
-        after_n = std::min(na.n, n0 + kChunk) - n0;
       }
       in_parts(g, [&](auto q, int64_t i0) {
         chunk_scores<decltype(q)::value, T>(a.qf.data() + (h * g + i0) * D, a.kt + h * a.kt_h,
@@ -930,7 +931,7 @@ inline __m512 sum16x16(__m512* v) {
 // tree), then the inputs past the last whole step one by one. One row or B,
 // each row of each output is summed so (``dot_bf16``), whatever R and NB.
 #ifdef __AVX512BF16__
-template <int64_t R, int64_t NB, int Hint = _MM_HINT_T0>
+template <int64_t R, int64_t NB, decltype(_MM_HINT_T0) Hint = _MM_HINT_T0>
 inline void dot_bf16(const bf16* w, int64_t in, const bf16* xs, float* ys, int64_t ld,
                      const char* next = nullptr, int64_t next_bytes = 0) {
   __m512 a[R][NB];
@@ -940,7 +941,7 @@ inline void dot_bf16(const bf16* w, int64_t in, const bf16* xs, float* ys, int64
   int64_t k = 0, fetched = 0;
   for (; k + 32 <= in; k += 32) {
     for (int64_t l = 0; l < lines && fetched < next_bytes; l++, fetched += 64)
-      _mm_prefetch(next + fetched, static_cast<enum _mm_hint>(Hint));
+      _mm_prefetch(next + fetched, Hint);
     __m512bh xv[NB];
     for (int64_t b = 0; b < NB; b++)
       xv[b] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xs + b * in + k));

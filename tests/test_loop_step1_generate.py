@@ -81,6 +81,29 @@ def test_greedy_takes_the_first_of_tied_maxima(report_top):
         assert report.token_id == ties[-1] == report.top_ids[0]
 
 
+def test_a_draw_follows_the_probabilities_and_never_takes_a_removed_token():
+    """A sampled token is drawn with its probability after the rule (here top-k 3 of 16 at
+    temperature 2): 6,000 draws from one seeded generator never take a removed token, and
+    each kept token's count lies within 5 standard deviations of its binomial expectation
+    (a uniform draw over the three would be 5 to 15 of them off). A distribution whose whole
+    mass is on the first or the last token always draws it."""
+    logits = torch.randn(16, generator=torch.Generator().manual_seed(3))
+    params, seen = SamplerParams(temperature=2.0, top_k=3), torch.empty(0, dtype=torch.int64)
+    probs = (logits / 2.0).topk(3)
+    p = dict(zip(probs.indices.tolist(), (probs.values.softmax(-1)).tolist()))
+    gen, n, counts = make_generator(11), 6000, {}
+    for _ in range(n):
+        t = sample(logits, params, seen, gen).token_id
+        counts[t] = counts.get(t, 0) + 1
+    assert set(counts) <= set(p), f"drew removed tokens: {set(counts) - set(p)}"
+    for t, q in p.items():
+        assert abs(counts.get(t, 0) - n * q) <= 5 * (n * q * (1 - q)) ** 0.5, (t, counts, p)
+    for at in (0, 15):
+        one = torch.full((16,), -1e4)
+        one[at] = 0.0
+        assert {sample(one, SamplerParams(), seen, gen).token_id for _ in range(50)} == {at}
+
+
 def test_stage1_is_deterministic_and_sampling_is_seeded(tiny_model, tiny_policy):
     state, _ = prime(tiny_model, tiny_policy.raw_prompt("abc"), capacity=16)
     p = SamplerParams(temperature=1.5, seed=7)
