@@ -437,8 +437,12 @@ void attend_kernel(std::vector<AttnRow<T>>& rs, int64_t H, int64_t KVH, int64_t 
     a.chunks = std::max<int64_t>(1, (a.n + kChunk - 1) / kChunk);
     first[b + 1] = first[b] + KVH * a.chunks;
   }
-  const auto of = [&](int64_t item) {  // the row an item is of
-    return static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), item) - first.begin()) - 1;
+  struct Item { int64_t b, h, j0, j1; };  // a work item's row, KV head and slots [j0, j1)
+  const auto where = [&](int64_t item) {
+    const int64_t b = static_cast<int64_t>(
+        std::upper_bound(first.begin(), first.end(), item) - first.begin()) - 1;
+    const int64_t local = item - first[b], j0 = local % rs[b].chunks * kChunk;
+    return Item{b, local / rs[b].chunks, j0, std::min(rs[b].n, j0 + kChunk)};
   };
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; b++) {  // RoPE: three rounded results, as three operators
@@ -461,18 +465,16 @@ void attend_kernel(std::vector<AttnRow<T>>& rs, int64_t H, int64_t KVH, int64_t 
   // each chunk of a KV head's slots: its query heads' scores, as the product rounds them
   at::parallel_for(0, first[B], 1, [&](int64_t lo, int64_t hi) {
     for (int64_t item = lo; item < hi; item++) {
-      const int64_t b = of(item), local = item - first[b];
-      AttnRow<T>& a = rs[b];
-      const int64_t n = a.n;
-      const int64_t h = local / a.chunks, j0 = local % a.chunks * kChunk, j1 = std::min(n, j0 + kChunk);
+      const Item it = where(item);
+      const int64_t h = it.h, j0 = it.j0, j1 = it.j1;
+      AttnRow<T>& a = rs[it.b];
       const T* after = nullptr;  // the keys this thread reads next: its next item's
       int64_t after_d = 0, after_n = 0;
       if (item + 1 < hi) {
-        const int64_t nb = of(item + 1), nl = item + 1 - first[nb];
-        const AttnRow<T>& na = rs[nb];
-        const int64_t nh = nl / na.chunks, n0 = nl % na.chunks * kChunk;
-        after_n = std::max<int64_t>(0, std::min(na.n, n0 + kChunk) - n0);
-        after = after_n > 0 ? na.kt + nh * na.kt_h + n0 : nullptr;
+        const Item next = where(item + 1);
+        const AttnRow<T>& na = rs[next.b];
+        after_n = next.j1 - next.j0;
+        after = after_n > 0 ? na.kt + next.h * na.kt_h + next.j0 : nullptr;
         after_d = na.kt_d;
       }
       in_parts(g, [&](auto q, int64_t i0) {
@@ -506,14 +508,14 @@ void attend_kernel(std::vector<AttnRow<T>>& rs, int64_t H, int64_t KVH, int64_t 
   });
   at::parallel_for(0, first[B], 1, [&](int64_t lo, int64_t hi) {  // each chunk's values
     for (int64_t item = lo; item < hi; item++) {
-      const int64_t b = of(item), local = item - first[b];
-      AttnRow<T>& a = rs[b];
+      const Item it = where(item);
+      const int64_t h = it.h, j0 = it.j0, j1 = it.j1;
+      AttnRow<T>& a = rs[it.b];
       if (a.n == 0) continue;
-      const int64_t h = local / a.chunks, c = local % a.chunks;
       in_parts(g, [&](auto q, int64_t i0) {
         chunk_values<decltype(q)::value, T>(a.row.data() + h * g + i0, a.vv + h * a.v_h, a.v_j,
-                                            D, c * kChunk, std::min(a.n, c * kChunk + kChunk),
-                                            a.part.data() + (c * H + h * g + i0) * D);
+                                            D, j0, j1,
+                                            a.part.data() + (j0 / kChunk * H + h * g + i0) * D);
       });
     }
   });
@@ -964,6 +966,14 @@ inline void dot_bf16(const bf16* w, int64_t in, const bf16* xs, float* ys, int64
     }
 }
 
+// part ``k`` of ``parts`` of a prefetch of ``bytes``: its offset (from the line holding its
+// first byte) and length
+struct Share { int64_t from, bytes; };
+inline Share share(int64_t bytes, int64_t k, int64_t parts) {
+  const int64_t from = bytes * k / parts / 64 * 64;
+  return {from, bytes * (k + 1) / parts - from};
+}
+
 // R weight rows for B inputs, 4 at a time (R x 4 accumulators: one sum16x16), with
 // ``next``'s ``bytes`` (part of the next block's rows) prefetched into L2 a few lines a step
 // over the calls' loops: asked for all at once at a block's start, they held the products up
@@ -972,14 +982,14 @@ inline void dot_bf16_all(const bf16* w, int64_t in, const bf16* x, int64_t B, fl
                          int64_t out, const char* next = nullptr, int64_t bytes = 0) {
   const int64_t calls = (B + 3) / 4;
   for (int64_t b = 0, c = 0; b < B; b += 4, c++) {
-    const int64_t f0 = bytes * c / calls / 64 * 64, f1 = bytes * (c + 1) / calls;
+    const Share p = share(bytes, c, calls);
     const bf16* xb = x + b * in;
     float* yb = y + b * out;
     switch (std::min<int64_t>(4, B - b)) {
-      case 4: dot_bf16<R, 4, _MM_HINT_T1>(w, in, xb, yb, out, next + f0, f1 - f0); break;
-      case 3: dot_bf16<R, 3, _MM_HINT_T1>(w, in, xb, yb, out, next + f0, f1 - f0); break;
-      case 2: dot_bf16<R, 2, _MM_HINT_T1>(w, in, xb, yb, out, next + f0, f1 - f0); break;
-      default: dot_bf16<R, 1, _MM_HINT_T1>(w, in, xb, yb, out, next + f0, f1 - f0); break;
+      case 4: dot_bf16<R, 4, _MM_HINT_T1>(w, in, xb, yb, out, next + p.from, p.bytes); break;
+      case 3: dot_bf16<R, 3, _MM_HINT_T1>(w, in, xb, yb, out, next + p.from, p.bytes); break;
+      case 2: dot_bf16<R, 2, _MM_HINT_T1>(w, in, xb, yb, out, next + p.from, p.bytes); break;
+      default: dot_bf16<R, 1, _MM_HINT_T1>(w, in, xb, yb, out, next + p.from, p.bytes); break;
     }
   }
 }
@@ -1000,8 +1010,8 @@ void bf16_product(const bf16* w, int64_t out, int64_t in, const bf16* x, int64_t
       } else {  // the next block's rows spread over the row groups
         const int64_t groups = (o1 - o0) / 4;
         for (int64_t g = 0; o + 4 <= o1; o += 4, g++) {
-          const int64_t f0 = bytes * g / groups / 64 * 64, f1 = bytes * (g + 1) / groups;
-          dot_bf16_all<4>(w + o * in, in, x, B, y + o, out, next + f0, f1 - f0);
+          const Share p = share(bytes, g, groups);
+          dot_bf16_all<4>(w + o * in, in, x, B, y + o, out, next + p.from, p.bytes);
         }
       }
       for (; o < o1; o++) dot_bf16_all<1>(w + o * in, in, x, B, y + o, out);
