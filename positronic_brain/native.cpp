@@ -3,18 +3,22 @@
 // products that stream megabytes of weights, torch's small operators find their code and
 // data evicted from the caches and cost several times their warm time; these loops touch
 // little of either, and the products read their weights ahead of use. Two more serve a
-// native model's stages 2-3: recall's scan of the cold keys and fold's target search.
+// native model's stages 2-3: recall's scan of the cold keys and fold's target search; one
+// the sampler: torch.multinomial's draw of one token, the same bits, faster (``draw``).
 // Each rounds where the plain path's operators round (bfloat16: every elementwise result;
 // a product accumulates in float32 and rounds once); only the order of a sum may differ
 // from the plain path's kernels (and AVX512_BF16's pair products flush denormals to zero),
 // so results agree to float rounding.
 #include <torch/extension.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 #ifdef __AVX512F__
@@ -1262,7 +1266,54 @@ torch::Tensor cold_max(torch::Tensor q, torch::Tensor lse, torch::Tensor k, torc
   return out;
 }
 
+// ---- the sampler's draw ------------------------------------------------------------------
+// torch.multinomial(p, 1, generator) on the CPU, the same token and the generator left in
+// the same state: torch draws q_i ~ Exp(1) for every token in turn (float(-log1p(-u_i)),
+// u_i the 53 low bits of two 32-bit Mersenne Twister words, as ``exponential_`` makes
+// them) and takes the first argmax of the float32 ratios p_i / q_i. Every word is drawn
+// here as there, but a logarithm is taken only where the ratio could win: -log1p(-u) >= u,
+// so p_i / q_i <= p_i / u_i, and a token with p_i / u_i under the best ratio so far by a
+// margin wider than every rounding on the way (the logarithm's, the float conversions',
+// the division's) cannot be the argmax. Probabilities torch refuses (a NaN, an infinity, a
+// negative one, all zero) return -1: the caller lets torch raise its own error.
+int64_t draw(torch::Tensor probs, at::Generator generator) {
+  TORCH_CHECK(probs.dim() == 1 && probs.is_cpu() && probs.scalar_type() == at::kFloat &&
+              probs.is_contiguous(), "probs must be (V,) float32 on the CPU, contiguous");
+  const float* p = probs.data_ptr<float>();
+  const int64_t n = probs.numel();
+  bool any = false;
+  for (int64_t i = 0; i < n; i++) {
+    if (!(p[i] >= 0.0f) || std::isinf(p[i])) return -1;
+    any = any || p[i] > 0.0f;
+  }
+  if (!any) return -1;
+  auto* gen = at::check_generator<at::CPUGeneratorImpl>(generator);
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  at::mt19937 engine = gen->engine();
+  constexpr uint64_t kMask = (uint64_t{1} << 53) - 1;
+  constexpr double kUnit = 1.0 / static_cast<double>(uint64_t{1} << 53);
+  constexpr double kMargin = 1.0 + 1.0 / (1 << 20);  // > the roundings' (1 + 2^-22)
+  const float normal = std::numeric_limits<float>::min();
+  int64_t best = -1;
+  float top = 0.0f;  // the best ratio so far: a NaN (0 / 0) wins, the first one
+  for (int64_t i = 0; i < n; i++) {
+    const uint64_t hi = engine(), lo = engine();
+    const double u = static_cast<double>(((hi << 32) | lo) & kMask) * kUnit;
+    if (best >= 0 && (std::isnan(top) ||
+                      (u > 0.0 && top >= normal && p[i] * kMargin <= top * u)))
+      continue;
+    const float ratio = p[i] / static_cast<float>(-std::log1p(-u));
+    if (best < 0 || std::isnan(ratio) || ratio > top) {
+      best = i;
+      top = ratio;
+    }
+  }
+  gen->set_engine(engine);
+  return best;
+}
+
 }  // namespace
+
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "w * rms_norm(x)");
@@ -1272,4 +1323,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "rows times a weight matrix, plus a bias");
   m.def("cold_max", &cold_max, "recall's scan: each cold key's largest logit");
   m.def("fold_into", &fold_into, "fold's targets: each culled key's most alike live key");
+  m.def("draw", &draw, "torch.multinomial(probs, 1, generator)'s token, the same draw");
 }

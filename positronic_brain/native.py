@@ -9,7 +9,9 @@ softmax rows the scorers read, SiLU times up), and the products themselves (``li
 rows times the matrix's plain values, reading the next rows ahead; a batch's B rows in one
 pass, ``decode_rows``), compiled for this machine at first use (``kernels``). Two more
 serve a native model's stages 2-3: recall's scan of the cold keys (``cold_max``) and
-fold's target search (``fold_into``).
+fold's target search (``fold_into``); one the sampler's: torch's multinomial draw, the same
+token and generator state, without a logarithm for every token (``draw``, wherever the
+kernels are ``loaded``).
 
 Each kernel rounds where the plain path's operators do, so only the order of a sum differs
 (and, with AVX512_BF16's pair products, a bfloat16 product's denormals, flushed to zero):
@@ -131,12 +133,24 @@ def kernels(scalar: bool = False, pairs: bool = True):
         fcntl.flock(held, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
         # no floating-point contraction: each product and sum rounds as torch's operators do
-        return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off",
-                                  "-fno-math-errno", "-fopenmp",
-                                  *(SCALAR_FLAGS if scalar else []),
-                                  *([] if pairs else NO_PAIRS_FLAGS)],
-                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        module = load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
+                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off",
+                                    "-fno-math-errno", "-fopenmp",
+                                    *(SCALAR_FLAGS if scalar else []),
+                                    *([] if pairs else NO_PAIRS_FLAGS)],
+                      extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    _LOADED.append(module)
+    return module
+
+
+_LOADED = []  # the kernels this process has built or loaded (``kernels``), the first first
+
+
+def loaded():
+    """Kernels this process has already built or loaded (any of ``kernels``' builds), or
+    None: what takes them without changing its bits (the sampler's ``draw``) takes them only
+    where a native model, or a test, has made them, and never builds them itself."""
+    return _LOADED[0] if _LOADED else None
 
 
 def applies(model: Model, past_k, ids: torch.Tensor, past_mask, kv_only: bool,

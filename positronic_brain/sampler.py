@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from .types import SamplerParams, SamplerReport
 
 
@@ -27,7 +28,8 @@ def process(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | No
                                        sel * params.repetition_penalty))
     if params.is_greedy:
         return x
-    x = x / params.temperature
+    if params.temperature != 1.0:  # x / 1 is x, bit for bit
+        x = x / params.temperature
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -52,7 +54,9 @@ def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | Non
     probs = x.softmax(-1)
     top = torch.topk(probs, min(params.report_top, probs.numel()))
     drawn = force is None and not params.is_greedy
-    draw = (torch.multinomial(probs, 1, generator=generator).double(),) if drawn else ()
+    token = _native_draw(probs, generator) if drawn else None
+    draw = ((torch.multinomial(probs, 1, generator=generator).double(),)
+            if drawn and token is None else ())
     # read back at once (one wait for the device, not one a value): ids and float32
     # probabilities are exact in float64
     read = torch.cat((top.indices.double(), top.values.double(), *draw)).tolist()
@@ -65,7 +69,20 @@ def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | Non
         # second's (a larger probability comes only from a larger logit); an argmax over
         # the vocabulary (tens of µs on the CPU) only settles a tie
         token = ids[0] if len(ps) > 1 and ps[0] > ps[1] else int(torch.argmax(x))
-    else:
+    elif token is None:
         token = int(read[-1])
     return SamplerReport(token_id=token, top_ids=tuple(ids),
                          top_probs=tuple(round(p, 6) for p in ps))
+
+
+def _native_draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
+    """``torch.multinomial(probs, 1, generator=generator)``'s token by the native kernels'
+    ``draw``: the same token, the generator left in the same state, without a logarithm for
+    every token of the vocabulary (``native.cpp``). Where the kernels are ``loaded`` and
+    ``probs`` are float32 on the CPU; else None, and None where torch would refuse the
+    probabilities (its own error comes from torch then)."""
+    kernels = native.loaded()
+    if kernels is None or probs.device.type != "cpu" or probs.dtype != torch.float32:
+        return None
+    token = kernels.draw(probs.contiguous(), generator)
+    return None if token < 0 else token

@@ -80,7 +80,7 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     assert [r["tokens"] for r in res["prefill"]] == [256] * 3
     # a batch's throughput: stage 1 at the longest context that fits, the loop at the budget
     assert res["config"]["batches"] == [1, 4, 8] and res["config"]["batch_contexts"] == [256]
-    whats = ["stage 1", "loop none", "loop fold", "loop none + recall"]
+    whats = ["stage 1", "loop none", "loop fold", "loop none + recall", "loop none, sampled"]
     # the plain path's rows, then the native kernels' where they pay on this CPU
     stage1s = {d: ["plain"] + (["native"] if native.slower(["cpu"], d) is None
                                and native.unavailable() is None else []) for d in dtypes}

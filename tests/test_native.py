@@ -17,8 +17,10 @@ import torch.nn.functional as F
 
 from positronic_brain import native
 from positronic_brain.threads import running
+from positronic_brain.types import SamplerParams
 from positronic_brain.forward import INT8_INPUTS, linear
 from positronic_brain.model import cpu_flags, quantize
+from positronic_brain.sampler import make_generator, sample
 from tests.tolerance import dot, step, sum_bound, unit
 
 F32, B16 = torch.float32, torch.bfloat16
@@ -479,3 +481,57 @@ def test_a_build_killed_part_way_holds_no_later_load():
         # beside the suite) holds torch's lock file while it loads
         fcntl.flock(held, fcntl.LOCK_EX)
         assert not (folder / "lock").exists()
+
+
+def _draws(draw, p: torch.Tensor, seed: int, times: int = 3) -> tuple[list[int], torch.Tensor]:
+    """``times`` tokens drawn by ``draw(p, generator)`` from a generator seeded ``seed``, and
+    the generator's state after them."""
+    gen = torch.Generator().manual_seed(seed)
+    return [int(draw(p, gen)) for _ in range(times)], gen.get_state()
+
+
+def test_draw_is_torch_s_multinomial_draw(nat):
+    """The sampler's ``draw`` takes the token torch.multinomial(p, 1) takes from the same
+    generator and leaves the generator in the same state, over vocabularies of 1 to 49,152
+    tokens, flat and peaked distributions, exact zeros (a rule's removed tokens) and
+    probabilities too small to be normal floats; probabilities torch refuses (a NaN, an
+    infinity, a negative one, all zero) it leaves to torch (-1)."""
+    def torch_draw(p, gen):
+        return torch.multinomial(p, 1, generator=gen)
+
+    g = torch.Generator().manual_seed(0)
+    for i in range(240):
+        V = (1, 2, 16, 1000, 49152)[i % 5]
+        p = (torch.randn(V, generator=g) * (0.01, 1.0, 5.0, 30.0, 200.0)[i // 5 % 5]).softmax(-1)
+        if i % 7 == 3:
+            p = torch.where(torch.rand(V, generator=g) < 0.5, 0.0, p)
+            p[i % V] += 0.5  # never all zero
+        if i % 11 == 5:
+            p = p / 1e30  # some below the smallest normal float
+        (ours, state), (torch_s, torch_state) = _draws(nat.draw, p, i), _draws(torch_draw, p, i)
+        assert ours == torch_s and torch.equal(state, torch_state), i
+    for bad in ([0.5, float("nan")], [0.0, 0.0], [-0.1, 1.0], [1.0, float("inf")]):
+        assert nat.draw(torch.tensor(bad), torch.Generator()) == -1, bad
+
+
+def test_the_sampler_draws_with_the_kernels_as_without(nat, monkeypatch):
+    """Sampling with the kernels loaded (the draw theirs) gives the reports and leaves the
+    generator as sampling without them (torch's draw), under each rule."""
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(1)) * 4
+    seen = torch.arange(100)
+    calls = []
+
+    class Spy:  # the kernels, counting the draws taken through them
+        def draw(self, p, gen):
+            calls.append(1)
+            return nat.draw(p, gen)
+
+    for params in (SamplerParams(), SamplerParams(temperature=0.7, top_p=0.9),
+                   SamplerParams(top_k=50, repetition_penalty=1.3), SamplerParams(min_p=0.05)):
+        runs = []
+        for kernels in (Spy(), None):
+            monkeypatch.setattr(native, "loaded", lambda k=kernels: k)
+            gen = make_generator(7)
+            runs.append(([sample(logits, params, seen, gen) for _ in range(20)], gen.get_state()))
+        assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1]), params
+    assert len(calls) == 80

@@ -21,17 +21,20 @@ from .common import Table, fmt
 from .result import Target
 
 GREEDY = SamplerParams(greedy=True)
+SAMPLED = SamplerParams()  # the default rule: a draw a row every step
 SPEEDUP_BATCH, SPEEDUP_TARGET = 8, 4.0  # B = 8: at least 4x the tokens/s of B = 1 ...
 OVERHEAD_TARGET = 1.15  # ... and its loop step at most 1.15x its stage 1
-REPAIRS = (("none", False), ("fold", False), ("none", True))  # the loop's settings
+# the loop's settings: (repair, recall, sampler)
+LOOPS = (("none", False, GREEDY), ("fold", False, GREEDY), ("none", True, GREEDY),
+         ("none", False, SAMPLED))
 RECALL_COLD = 1024  # the loop with recall: cold tokens a row (its prime culls them), at most
 
 
 @dataclass(frozen=True, kw_only=True)
 class BatchRow:
     """B rows stepped together: ``what`` is "stage 1" (at ``context`` live slots a row) or
-    "loop REPAIR" (the whole loop at the budget, brightness; "none + recall" with a cold
-    store). ``ms``: one step of all B rows; ``tokens_s``: B tokens over it; ``speedup``:
+    "loop REPAIR" (the whole loop at the budget, brightness, greedy; "none + recall" with a
+    cold store; "none, sampled" the default sampling rule's draw). ``ms``: one step of all B rows; ``tokens_s``: B tokens over it; ``speedup``:
     over one row's tokens/s, that row (the same what and context) stepped alone in turn
     with the B rows in every repetition (``paired``), so that a change of the machine's
     pace between two cells does not show as a speedup; ``ceiling``: the most it could be
@@ -53,11 +56,13 @@ class BatchRow:
     row_ms: float | None = None
 
 
-def _stage1(model: Model, rows_model: Model, views: list, gens: list):
-    """Stage 1 of ``views``: alone (B = 1, the solo ``generate``), or all at once."""
+def _stage1(model: Model, rows_model: Model, views: list, gens: list,
+            sampler: SamplerParams = GREEDY):
+    """Stage 1 of ``views`` under ``sampler``: alone (B = 1, the solo ``generate``), or all
+    at once."""
     if len(views) == 1:
-        return lambda: generate(model, views[0], GREEDY, gens[0])
-    return lambda: generate_rows(rows_model, views, [GREEDY] * len(views), gens,
+        return lambda: generate(model, views[0], sampler, gens[0])
+    return lambda: generate_rows(rows_model, views, [sampler] * len(views), gens,
                                  [None] * len(views))
 
 
@@ -80,7 +85,7 @@ def measure(model: Model, cfg, task, random_prompt, weight_bytes: int,
     """For each B of ``cfg.batches`` (the model packed for B rows, one copy at a time):
     stage 1 of B rows at each of ``cfg.batch_contexts`` live slots, each row a copy of one
     prime's state (so each reads K/V of its own), then the whole loop at ``cfg.budget`` for
-    each of ``REPAIRS``, each row a copy of one primed session at its budget; beside each,
+    each of ``LOOPS``, each row a copy of one primed session at its budget; beside each,
     in every repetition, one row alone (``BatchRow.speedup``).
     ``random_prompt(model, n, seed)`` gives the primes' tokens; ``weight_bytes`` and
     ``kv_bytes_per_token`` (what a token reads) each row's ``ceiling``."""
@@ -91,15 +96,16 @@ def measure(model: Model, cfg, task, random_prompt, weight_bytes: int,
         first = prime(model, [Segment(tuple(ids), "user")], capacity=c + 8)[0]
         primed[c] = [first] + [copy.deepcopy(first) for _ in range(most - 1)]
     sessions = {}  # the loop's setting -> its primed session, copied for every row
-    for repair, recall in REPAIRS:
+    for repair, recall, sampler in LOOPS:
         params = options.cache_params({**flags.cell_policy("brightness"),
                                        "budget": cfg.budget, "repair": repair,
                                        "recall": recall})
-        first = Session(model, TokenPolicy(model.tokenizer), GREEDY, params)
+        first = Session(model, TokenPolicy(model.tokenizer), sampler, params)
         cold = min(RECALL_COLD, cfg.recall_cold) if recall else 0  # what the positions hold
         first.prime([Segment(tuple(random_prompt(model, cfg.budget + 1 + cold, seed=2)),
                              "user")])
-        sessions[f"loop {repair}" + (" + recall" if recall else "")] = first
+        sessions[f"loop {repair}" + (" + recall" if recall else "")
+                 + ("" if sampler.is_greedy else ", sampled")] = first
     for b in cfg.batches:
         rows_model = for_rows(model, b) if b > 1 else model
         for c, states in primed.items():
@@ -125,7 +131,7 @@ def _loop_row(model: Model, rows_model: Model, first: Session, b: int, what: str
     """The whole loop of ``b`` copies of the primed session ``first``: a step of every row
     (the mean over a round of recall's scans) against stage 1 of the same rows, and (``b``
     above 1) against one more copy stepped alone."""
-    rows = [Session(model, first.policy, GREEDY, first.cache_params,
+    rows = [Session(model, first.policy, first.sampler, first.cache_params,
                     state=copy.deepcopy(first.state)) for _ in range(b + (b > 1))]
     alone, rows = rows[b:], rows[:b]
     every = first.cache_params.recall.every if first.cache_params.recall else 1
@@ -143,7 +149,7 @@ def _loop_row(model: Model, rows_model: Model, first: Session, b: int, what: str
 
     def stage1():  # as the loop's, without recall's query (that counts as recall's cost)
         views = [dataclasses.replace(s.state.view(), cold=None) for s in rows]
-        _stage1(model, rows_model, views, [s.generator for s in rows])()
+        _stage1(model, rows_model, views, [s.generator for s in rows], first.sampler)()
 
     tick = task(f"{model.precision} {what}, {b} rows", cfg.batch_reps)
     timed = {"stage 1": stage1, "step": steps} | ({"one": one} if alone else {})
@@ -188,7 +194,8 @@ def table(rows: list[BatchRow]) -> Table:
         "kernels' (`--compile native`; B rows: `native.decode_rows`, each weight read once "
         "for all of them). Loop: the whole step of "
         "every row (`batch.step_rows`; B = 1: `Session.step`) at the budget, the brightness "
-        "scorer, each row a copy of one primed session; with recall, over "
+        "scorer, greedy (sampled: the default rule, a draw a row a step, its stage 1 too), "
+        "each row a copy of one primed session; with recall, over "
         f"{RECALL_COLD} cold tokens a row (fewer where the positions hold fewer), the mean step of a round of its scans; its stage 1 "
         "timed on the same rows without recall's query. x B = 1: tokens/s over one row's, "
         "that row (a copy of the first) stepped alone in turn with the B rows in every "
