@@ -33,7 +33,7 @@ import transformers
 
 from . import native, threads
 from .model import Model, device_kind
-from .plain import atomic_write, from_plain, sha256, to_plain
+from .plain import atomic_write, from_plain, landed, made, make_folder, sha256, to_plain
 from .scorers import user
 from .state import VIEW_COLUMNS, gathered, restore_args
 from .types import CacheParams, GenerateOut, SamplerParams, UserError, inconsistent, require
@@ -193,13 +193,13 @@ def manifest(model: Model, sampler: SamplerParams, params: CacheParams, prompt_i
 def new_folder(root: str | os.PathLike, run_id: str | None = None) -> Path:
     """A capture's own new folder ``root/<run-id>``: ``run_id``, which must be free, or a
     generated one (the time and process, with the next free suffix)."""
+    require(str(root).strip(), f"--capture {str(root)!r} is not a folder name")
     given = run_id is not None
     base = run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     for i in range(1, 1000):
         folder = Path(root) / (base if i == 1 else f"{base}-{i}")
         try:
-            folder.mkdir(parents=True, exist_ok=False)
-            return folder
+            return make_folder(folder, exist_ok=False)
         except FileExistsError:
             if given:
                 raise UserError(f"capture folder {folder} exists already") from None
@@ -227,6 +227,7 @@ class CaptureTape(Tape):
         self._state = None  # the state the current step records
         self._offset = 0  # the tape's step minus the state's
         self._write_manifest()
+        made(self.dir, "manifest.json")  # gone with the folder if the command is refused
 
     def _follow(self, state, step: int) -> None:
         """Record ``state`` from here on, its step now being the tape's ``step``."""
@@ -318,6 +319,7 @@ class CaptureTape(Tape):
 
     def _add(self, name: str, data: bytes, step: int) -> Path:
         path = atomic_write(self.dir / name, data)
+        landed()  # the capture holds the work: kept whatever follows
         files = self.manifest["files"]
         files[name] = sha256(data)
         self.manifest["last_step"], self.manifest["last_file"] = step, name
@@ -351,6 +353,7 @@ class BatchTape:
         self.record = {"format": FORMAT, "run_id": self.dir.name, "size": size, "rows": [],
                        "schedule": [], "complete": False}
         self._write()
+        made(self.dir, BATCH)  # gone with the folder if the command is refused (rows first)
 
     def row(self, index: int, prompt_ids: list[int]) -> CaptureTape:
         """Row ``index``'s tape (its prompt ``prompt_ids``)."""
@@ -420,8 +423,9 @@ def load_file(path: str | os.PathLike, expected_sha256: str | None = None,
     try:
         obj = torch.load(io.BytesIO(data), weights_only=True, map_location=device)
     except Exception as e:  # truncated zip, pickled objects refused by weights_only, ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise UserError(f"{path.name}: not a plain-data capture file ({first})") from None
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        why = first if any(c.isalpha() for c in first) else type(e).__name__  # not a bare code
+        raise UserError(f"{path.name}: not a plain-data capture file ({why})") from None
     if path.name.startswith("state_"):
         require(isinstance(obj, dict) and "arena_k" in obj, f"{path.name}: not a captured state")
         return obj

@@ -155,9 +155,12 @@ def main(path: str, step: int | None = None, last: int | None = None, out=None,
         require(step is None, "--step: the page has a slider over every step (or #step=T)")
         written = write_page(CaptureRun(p, row), html, last)
         print(f"wrote {written}", file=sys.stderr)
-    elif p.is_file():
-        require(row is None, f"--row {row}: {p} is one capture file")
-        inspect_file(p, console)
-    else:
-        inspect_run(CaptureRun(p, row), console, step, last)
+        return 0
+    require(row is None or p.is_dir(), f"--row {row}: {p} is one capture file")
+    with console.capture() as shown:  # printed only once all of it is read and checked
+        if p.is_file():
+            inspect_file(p, console)
+        else:
+            inspect_run(CaptureRun(p, row), console, step, last)
+    console.file.write(shown.get())
     return 0

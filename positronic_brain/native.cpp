@@ -1275,12 +1275,14 @@ torch::Tensor cold_max(torch::Tensor q, torch::Tensor lse, torch::Tensor k, torc
 // so p_i / q_i <= p_i / u_i, and a token with p_i / u_i under the best ratio so far by a
 // margin wider than every rounding on the way (the logarithm's, the float conversions',
 // the division's) cannot be the argmax. Probabilities torch refuses (a NaN, an infinity, a
-// negative one, all zero) return -1: the caller lets torch raise its own error.
+// negative one, all zero, over 2^24 of them) return -1: the caller lets torch raise its
+// own error.
 int64_t draw(torch::Tensor probs, at::Generator generator) {
   TORCH_CHECK(probs.dim() == 1 && probs.is_cpu() && probs.scalar_type() == at::kFloat &&
               probs.is_contiguous(), "probs must be (V,) float32 on the CPU, contiguous");
   const float* p = probs.data_ptr<float>();
   const int64_t n = probs.numel();
+  if (n > (int64_t{1} << 24)) return -1;  // torch's limit on categories
   bool any = false;
   for (int64_t i = 0; i < n; i++) {
     if (!(p[i] >= 0.0f) || std::isinf(p[i])) return -1;
@@ -1292,7 +1294,7 @@ int64_t draw(torch::Tensor probs, at::Generator generator) {
   at::mt19937 engine = gen->engine();
   constexpr uint64_t kMask = (uint64_t{1} << 53) - 1;
   constexpr double kUnit = 1.0 / static_cast<double>(uint64_t{1} << 53);
-  constexpr double kMargin = 1.0 + 1.0 / (1 << 20);  // > the roundings' (1 + 2^-22)
+  constexpr double kMargin = 1.0 + 1.0 / (1 << 20);  // > the roundings' (about 1 + 2^-23)
   const float normal = std::numeric_limits<float>::min();
   int64_t best = -1;
   float top = 0.0f;  // the best ratio so far: a NaN (0 / 0) wins, the first one
@@ -1313,7 +1315,6 @@ int64_t draw(torch::Tensor probs, at::Generator generator) {
 }
 
 }  // namespace
-
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "w * rms_norm(x)");

@@ -9,9 +9,8 @@ softmax rows the scorers read, SiLU times up), and the products themselves (``li
 rows times the matrix's plain values, reading the next rows ahead; a batch's B rows in one
 pass, ``decode_rows``), compiled for this machine at first use (``kernels``). Two more
 serve a native model's stages 2-3: recall's scan of the cold keys (``cold_max``) and
-fold's target search (``fold_into``); one the sampler's: torch's multinomial draw, the same
-token and generator state, without a logarithm for every token (``draw``, wherever the
-kernels are ``loaded``).
+fold's target search (``fold_into``); one a native model's sampler: torch's multinomial
+draw, the same token and generator state, without a logarithm for every token (``draw``).
 
 Each kernel rounds where the plain path's operators do, so only the order of a sum differs
 (and, with AVX512_BF16's pair products, a bfloat16 product's denormals, flushed to zero):
@@ -133,24 +132,12 @@ def kernels(scalar: bool = False, pairs: bool = True):
         fcntl.flock(held, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
         # no floating-point contraction: each product and sum rounds as torch's operators do
-        module = load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
-                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off",
-                                    "-fno-math-errno", "-fopenmp",
-                                    *(SCALAR_FLAGS if scalar else []),
-                                    *([] if pairs else NO_PAIRS_FLAGS)],
-                      extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
-    _LOADED.append(module)
-    return module
-
-
-_LOADED = []  # the kernels this process has built or loaded (``kernels``), the first first
-
-
-def loaded():
-    """Kernels this process has already built or loaded (any of ``kernels``' builds), or
-    None: what takes them without changing its bits (the sampler's ``draw``) takes them only
-    where a native model, or a test, has made them, and never builds them itself."""
-    return _LOADED[0] if _LOADED else None
+        return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off",
+                                  "-fno-math-errno", "-fopenmp",
+                                  *(SCALAR_FLAGS if scalar else []),
+                                  *([] if pairs else NO_PAIRS_FLAGS)],
+                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
 def applies(model: Model, past_k, ids: torch.Tensor, past_mask, kv_only: bool,
@@ -179,6 +166,17 @@ def cold_max(cold: ColdView, recall: RecallQuery, log_w: torch.Tensor | None) ->
     group_max=True)`` (+ log_w) maxed over layers and heads, in one pass over the keys."""
     return kernels().cold_max(recall.query, recall.lse, cold.k,
                               _NONE if log_w is None else log_w, list(recall.layers))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
+    """``torch.multinomial(probs, 1, generator=generator)``'s token by the kernels' ``draw``
+    (a native model's sampler): the same token, the generator left in the same state,
+    without a logarithm for every token of the vocabulary. None where ``probs`` are not
+    float32 on the CPU or torch would refuse them (torch's draw then, and its error)."""
+    if probs.device.type != "cpu" or probs.dtype != torch.float32:
+        return None
+    token = kernels().draw(probs.contiguous(), generator)
+    return None if token < 0 else token
 
 
 def fold_into(view: View, culls: torch.Tensor, min_cos: float) -> torch.Tensor | None:

@@ -111,10 +111,13 @@ def parse(text: str, hint, what: str = ""):
         inner = [a for a in args if a is not type(None)]
         hint = inner[0] if len(inner) == 1 else str
         args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple:  # an item's error names the item
+        items = [t.strip() for t in text.replace(":", ",").split(",") if t.strip()]
+        try:
+            return tuple(parse(t, args[0]) for t in items)
+        except UserError as e:
+            raise UserError(f"{what}: " * bool(what) + f"{text!r}: {e}") from None
     try:
-        if typing.get_origin(hint) is tuple:
-            items = [t.strip() for t in text.replace(":", ",").split(",") if t.strip()]
-            return tuple(parse(t, args[0], what) for t in items)
         if hint is bool:
             return BOOLS[text.strip().lower()]
         if hint in (int, float):

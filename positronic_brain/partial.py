@@ -7,6 +7,7 @@ session computes them. ``partial_bench`` measures what transferring each subset 
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -59,6 +60,8 @@ def select(session: Session, uids: tuple[int, int] | None = None,
         keep &= torch.isin(m.live("source"), torch.tensor([SOURCES.index(s) for s in sources],
                                                           dtype=torch.int8, device=m.device))
     if min_brightness is not None:
+        require(math.isfinite(min_brightness), f"--min-brightness must be a finite number, got "
+                f"{min_brightness}")
         require("brightness" in m.columns, "--min-brightness: this session's ledger has no "
                 "brightness column (its scorer keeps none)")
         keep &= m.live("brightness") >= min_brightness

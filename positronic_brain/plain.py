@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import os
+import tempfile
 import typing
 from pathlib import Path
 from types import UnionType
@@ -127,7 +129,7 @@ def sha256(data: bytes) -> str:
 def atomic_write(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temp file and a rename: a reader sees the old file
     or the whole new one. An OS error is a one-line UserError."""
-    path = output_file(path)
+    path = output_file(path, probe=False)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -142,10 +144,10 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
-def output_file(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
+def output_file(out: str | os.PathLike, *inputs: str | os.PathLike, probe: bool = True) -> Path:
     """``out`` as a file about to be written, checked before the work that fills it: a file
-    name, not a folder, in a folder that exists, and none of the ``inputs`` the work reads
-    (it would replace them)."""
+    name, not a folder, in a folder that exists and (``probe``) takes a new file, and none of
+    the ``inputs`` the work reads (it would replace them)."""
     path = Path(out)
     require(path.name not in ("", ".", ".."), f"{str(out)!r} is not a file name")
     require(path.parent.is_dir(), f"cannot write {out}: no folder {path.parent}")
@@ -153,7 +155,73 @@ def output_file(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
     for given in inputs:
         require(not (path.exists() and os.path.exists(given) and os.path.samefile(path, given)),
                 f"{out}: a file this command reads; write to another file")
+    if probe:  # a file made and taken away at once: the folder takes the write to come
+        try:
+            handle, trial = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=path.parent)
+            os.close(handle)
+            os.unlink(trial)
+        except OSError as e:
+            raise UserError(f"cannot write {out}: {e.strerror}") from None
     return path
+
+
+# What the command running has made for its outputs before any of its work landed, in
+# order (``take_back``): None while no command is armed (a library's caller: nothing kept).
+_MADE: list | None = None
+
+
+def arm() -> None:
+    """A command starts (``cli.main``): what it makes for its outputs is kept track of from
+    here until its work lands (``landed``), so that a refusal can take it back."""
+    global _MADE  # pylint: disable=global-statement
+    _MADE = []
+
+
+def landed() -> None:
+    """The command's work has reached its outputs (a capture's first stage, a benchmark's
+    first row, a saved session): from here on nothing it made is taken back."""
+    global _MADE  # pylint: disable=global-statement
+    _MADE = None
+
+
+def make_folder(path: str | os.PathLike, exist_ok: bool = True) -> Path:
+    """``Path(path).mkdir(parents=True, exist_ok=exist_ok)`` a folder at a time, each one
+    this call made kept track of (``arm``)."""
+    path = Path(path)
+    for folder in [*reversed(path.parents), path]:
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            if folder == path and not exist_ok:
+                raise
+            continue
+        if _MADE is not None:
+            _MADE.append(folder)
+    if not path.is_dir():
+        raise FileExistsError(errno.EEXIST, "it exists and is not a folder", str(path))
+    return path
+
+
+def made(folder: Path, file: str) -> None:
+    """``folder`` (``make_folder``'s) holds ``file``, written before any of the command's work
+    (a capture's manifest): if the command is refused while the folder holds nothing else,
+    ``take_back`` removes the file, then the folder."""
+    if _MADE is not None:
+        _MADE.append((folder, file))
+
+
+def take_back() -> None:
+    """A refused command's outputs taken back, the last made first, if its work never landed:
+    each file ``made`` alone in its folder, each folder ``make_folder`` made that is empty
+    (what holds anything else stays)."""
+    global _MADE  # pylint: disable=global-statement
+    made_, _MADE = _MADE or [], None
+    for thing in reversed(made_):
+        with contextlib.suppress(OSError):
+            if isinstance(thing, Path):
+                thing.rmdir()
+            elif [p.name for p in thing[0].iterdir()] == [thing[1]]:
+                (thing[0] / thing[1]).unlink()
 
 
 def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
@@ -175,7 +243,9 @@ def save_signed(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     """Host ``tensors`` and ``meta`` (its ``format`` first among them) as one safetensors
     file, with ``meta["sha256"]`` their ``digest``, written atomically; returns the path."""
     meta = {**meta, "sha256": digest(meta, tensors)}
-    return atomic_write(path, st_save(tensors, metadata=meta))
+    written = atomic_write(path, st_save(tensors, metadata=meta))
+    landed()
+    return written
 
 
 def read_safetensors(path: str | os.PathLike,

@@ -1,9 +1,10 @@
 """The sampler: one row of logits -> one token, with a report of the alternatives."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from . import native
 from .types import SamplerParams, SamplerReport
 
 
@@ -46,15 +47,19 @@ def process(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | No
 
 
 def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | None,
-           generator: torch.Generator, force: int | None = None) -> SamplerReport:
+           generator: torch.Generator, force: int | None = None,
+           draw: Callable[[torch.Tensor, torch.Generator], int | None] | None = None
+           ) -> SamplerReport:
     """Pick the next token from raw logits (V,). Greedy takes the argmax; otherwise one
-    multinomial draw from ``generator`` (whose state is the only randomness). ``force``
-    (teacher forcing) is taken as is, without a draw; the report still ranks the others."""
+    multinomial draw from ``generator`` (whose state is the only randomness): torch's, or
+    ``draw(probs, generator)``'s where it gives one (``native.draw``: the same token and
+    generator state, faster). ``force`` (teacher forcing) is taken as is, without a draw;
+    the report still ranks the others."""
     x = process(logits, params, seen)
     probs = x.softmax(-1)
     top = torch.topk(probs, min(params.report_top, probs.numel()))
     drawn = force is None and not params.is_greedy
-    token = _native_draw(probs, generator) if drawn else None
+    token = draw(probs, generator) if drawn and draw is not None else None
     draw = ((torch.multinomial(probs, 1, generator=generator).double(),)
             if drawn and token is None else ())
     # read back at once (one wait for the device, not one a value): ids and float32
@@ -74,15 +79,3 @@ def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | Non
     return SamplerReport(token_id=token, top_ids=tuple(ids),
                          top_probs=tuple(round(p, 6) for p in ps))
 
-
-def _native_draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
-    """``torch.multinomial(probs, 1, generator=generator)``'s token by the native kernels'
-    ``draw``: the same token, the generator left in the same state, without a logarithm for
-    every token of the vocabulary (``native.cpp``). Where the kernels are ``loaded`` and
-    ``probs`` are float32 on the CPU; else None, and None where torch would refuse the
-    probabilities (its own error comes from torch then)."""
-    kernels = native.loaded()
-    if kernels is None or probs.device.type != "cpu" or probs.dtype != torch.float32:
-        return None
-    token = kernels.draw(probs.contiguous(), generator)
-    return None if token < 0 else token

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +188,91 @@ def test_a_folder_without_a_tokenizer_is_one_line(capsys, tmp_path):
                 num_key_value_heads=2, vocab_size=300).save_pretrained(tmp_path)
     err = _one_line_exit_2(capsys, "run", "--model", str(tmp_path), "--prompt", "hi")
     assert "cannot read a tokenizer" in err
+
+
+def test_a_refused_command_leaves_no_folder_or_capture_it_made(capsys, tmp_path):
+    """A command refused after it made its capture, --save or --out folders, but before any
+    of its work reached them, takes them back: nothing is left but the inputs; a refusal
+    keeps a folder that was there before it (empty or not)."""
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("hello\nworld\n")
+    (tmp_path / "there").mkdir()
+    tiny, long = ["--model", "tiny-random"], "word " * 600
+    for argv, message in (
+            (["run", *tiny, "--prompt", long, "--capture", str(tmp_path / "a" / "caps")],
+             "capacity"),
+            (["run", *tiny, "--prompt", "hi", "--budget", "600", "--capture",
+              str(tmp_path / "there")], "positions"),
+            (["run", *tiny, "--prompts", str(prompts), "--batch", "2", "--budget", "600",
+              "--capture", str(tmp_path / "b"), "--save", str(tmp_path / "c")], "positions"),
+            (["chat", *tiny, "--script", str(prompts), "--max-new-tokens", "0", "--capture",
+              str(tmp_path / "d")], "max-new-tokens"),
+            (["bench", "ruler", "--jobs", "0", "--out", str(tmp_path / "e" / "f")], "--jobs"),
+            (["bench", "quality", *tiny, "--quick", "--text", str(tmp_path / "nosuch.txt"),
+              "--out", str(tmp_path / "g")], "nosuch.txt"),
+            (["bench", "passkey", *tiny, "--quick", "--out", str(tmp_path / "h"), "--report",
+              str(tmp_path)], "is a folder")):
+        assert message in _one_line_exit_2(capsys, *argv), argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there", "two.txt"]
+    assert not list((tmp_path / "there").iterdir())
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here (a folder that "
+                    "takes no new file)")
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(capsys, monkeypatch,
+                                                                      tmp_path):
+    """/proc takes no new file: --save (a file, or with --prompts a folder) and calibrate's
+    --out are refused in one line before the model generates (run streams its text to
+    stdout) or calibrates anything."""
+    from positronic_brain import calibrate  # pylint: disable=import-outside-toplevel
+
+    def never(*_args, **_kw):
+        raise AssertionError("the work ran before the output was checked")
+
+    monkeypatch.setattr(calibrate, "calibrate", never)
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("hello\nworld\n")
+    tiny = ["--model", "tiny-random", "--compile", "none"]
+    for argv, message in (
+            (["run", *tiny, "--prompt", "hi", "--save", "/proc/x.pbs"], "cannot write"),
+            (["run", *tiny, "--prompts", str(prompts), "--save", "/proc/xdir"],
+             "cannot make the folder"),
+            (["calibrate", *tiny, "--trials", "1", "--lengths", "300", "--out",
+              "/proc/h.json"], "cannot write")):
+        code, out, err = _run(capsys, *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, argv
+
+
+def test_a_refusal_after_the_work_landed_takes_nothing_back(capsys, monkeypatch, tmp_path):
+    """A command refused once its work has reached its outputs (here a capture's stages,
+    then a failure to report) keeps all of them, folders included."""
+    from positronic_brain.cli import commands  # pylint: disable=import-outside-toplevel
+
+    def refuse(*_args, **_kw):
+        raise commands.UserError("refused after the work")
+
+    monkeypatch.setattr(commands, "_report", refuse)
+    err = _one_line_exit_2(capsys, "run", "--model", "tiny-random", "--prompt", "hello",
+                           "--max-new-tokens", "2", "--capture", str(tmp_path / "a" / "caps"))
+    assert "refused after the work" in err
+    (runs,) = list((tmp_path / "a" / "caps").iterdir())
+    assert (runs / "manifest.json").is_file() and list(runs.glob("*_s4_apply.pt"))
+
+
+def test_inspect_prints_nothing_when_it_refuses(capsys, tmp_path):
+    """inspect refuses a step the capture lacks, or a modified file, before it prints any of
+    its summary; bench --resume refuses an --out folder that is not there."""
+    run = tmp_path / "cap"
+    code, _, err = _run(capsys, "run", "--model", "tiny-random", "--prompt", "hello",
+                        "--max-new-tokens", "2", "--capture", str(run))
+    assert code == 0, err
+    (runs,) = list(run.iterdir())
+    code, out, err = _run(capsys, "inspect", str(runs), "--step", "99")
+    assert code == 2 and out == "" and "step 99 is not in this capture" in err
+    (score,) = runs.glob("000001_s2_score.pt")
+    score.write_bytes(score.read_bytes()[:-7])
+    code, out, err = _run(capsys, "inspect", str(runs))
+    assert code == 2 and out == "" and "sha256 differs" in err
+    err = _one_line_exit_2(capsys, "bench", "passkey", "--quick", "--resume", "--out",
+                           str(tmp_path / "none"))
+    assert "--resume: no folder" in err and not (tmp_path / "none").exists()

@@ -490,15 +490,22 @@ def _draws(draw, p: torch.Tensor, seed: int, times: int = 3) -> tuple[list[int],
     return [int(draw(p, gen)) for _ in range(times)], gen.get_state()
 
 
+def _torch_draw(p, gen):
+    return torch.multinomial(p, 1, generator=gen)
+
+
+def _same_draws(nat, p: torch.Tensor, seed: int) -> None:
+    (ours, state), (theirs, their_state) = _draws(nat.draw, p, seed), _draws(_torch_draw, p, seed)
+    assert ours == theirs and torch.equal(state, their_state), (seed, ours, theirs)
+
+
 def test_draw_is_torch_s_multinomial_draw(nat):
     """The sampler's ``draw`` takes the token torch.multinomial(p, 1) takes from the same
     generator and leaves the generator in the same state, over vocabularies of 1 to 49,152
-    tokens, flat and peaked distributions, exact zeros (a rule's removed tokens) and
-    probabilities too small to be normal floats; probabilities torch refuses (a NaN, an
-    infinity, a negative one, all zero) it leaves to torch (-1)."""
-    def torch_draw(p, gen):
-        return torch.multinomial(p, 1, generator=gen)
-
+    tokens, flat and peaked distributions, exact zeros (a rule's removed tokens),
+    probabilities too small to be normal floats and weights too large for their ratios to
+    stay finite; what torch refuses (a NaN, an infinity, a negative weight, all zero) it
+    leaves to torch (-1), the generator untouched."""
     g = torch.Generator().manual_seed(0)
     for i in range(240):
         V = (1, 2, 16, 1000, 49152)[i % 5]
@@ -508,30 +515,57 @@ def test_draw_is_torch_s_multinomial_draw(nat):
             p[i % V] += 0.5  # never all zero
         if i % 11 == 5:
             p = p / 1e30  # some below the smallest normal float
-        (ours, state), (torch_s, torch_state) = _draws(nat.draw, p, i), _draws(torch_draw, p, i)
-        assert ours == torch_s and torch.equal(state, torch_state), i
+        if i % 13 == 6:
+            p = p / p.max() * torch.finfo(torch.float32).max  # ratios past the largest float
+        _same_draws(nat, p, i)
     for bad in ([0.5, float("nan")], [0.0, 0.0], [-0.1, 1.0], [1.0, float("inf")]):
-        assert nat.draw(torch.tensor(bad), torch.Generator()) == -1, bad
+        gen = torch.Generator().manual_seed(1)
+        before = gen.get_state()
+        assert nat.draw(torch.tensor(bad), gen) == -1 and torch.equal(gen.get_state(), before)
 
 
-def test_the_sampler_draws_with_the_kernels_as_without(nat, monkeypatch):
-    """Sampling with the kernels loaded (the draw theirs) gives the reports and leaves the
-    generator as sampling without them (torch's draw), under each rule."""
+def test_draw_decides_ties_and_near_misses_as_torch(nat):
+    """Weights made from the generator's own uniforms (the u_i torch's exponential variates
+    come from, read from a copy of the generator): ratios p_i / u_i a float step either side
+    of the winner's ratio over the skip's margin, exact ties of the float ratios before and
+    after the winner (the first index wins), and a winner at the first and the last token."""
+    V, margin = 4096, 1.0 + 2.0 ** -20
+    for seed in range(12):
+        u = torch.rand(V, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        q = (-torch.log1p(-u)).float()  # torch's variates, as ``exponential_`` makes them
+        p = torch.rand(V, generator=torch.Generator().manual_seed(100 + seed))
+        best = (p / q).argmax()
+        top = (p / q)[best]
+        near = torch.arange(seed % 7, V, 5)  # p / u at the skip's bound, and a step off it
+        bound = (top.double() * u[near] / margin).float()
+        step = torch.tensor([-1.0, 0.0, 1.0])[torch.arange(near.numel()) % 3]
+        p[near] = torch.nextafter(bound, bound + step)
+        tied = torch.arange(seed % 3, V, 97)  # ratios equal to the best's, where they can be
+        p[tied] = (top * q[tied]).where((top * q[tied]) / q[tied] == top, p[tied])
+        if seed % 4 == 1:
+            p[0] = p.max() * 2 / q[0].item() * q[0]
+        if seed % 4 == 2:
+            p[-1] = p.max() * 4
+        _same_draws(nat, p, seed)
+
+
+def test_the_sampler_draws_with_the_kernels_as_without(nat):
+    """Sampling with the kernels' draw (a native model's) gives the reports and leaves the
+    generator as sampling with torch's, under each rule."""
     logits = torch.randn(49152, generator=torch.Generator().manual_seed(1)) * 4
     seen = torch.arange(100)
     calls = []
 
-    class Spy:  # the kernels, counting the draws taken through them
-        def draw(self, p, gen):
-            calls.append(1)
-            return nat.draw(p, gen)
+    def spy(p, gen):  # the kernels' draw, counted
+        calls.append(1)
+        return native.draw(p, gen)
 
     for params in (SamplerParams(), SamplerParams(temperature=0.7, top_p=0.9),
                    SamplerParams(top_k=50, repetition_penalty=1.3), SamplerParams(min_p=0.05)):
         runs = []
-        for kernels in (Spy(), None):
-            monkeypatch.setattr(native, "loaded", lambda k=kernels: k)
+        for draw in (spy, None):
             gen = make_generator(7)
-            runs.append(([sample(logits, params, seen, gen) for _ in range(20)], gen.get_state()))
+            runs.append(([sample(logits, params, seen, gen, draw=draw) for _ in range(20)],
+                         gen.get_state()))
         assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1]), params
     assert len(calls) == 80

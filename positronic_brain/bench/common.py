@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..plain import make_folder, output_file
 from ..types import UserError, require
 
 
@@ -295,10 +296,9 @@ def prepare_out_dir(out: str) -> Path:
     if path.exists() and not path.is_dir():
         raise UserError(f"--out {out!r} exists and is not a folder")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        return make_folder(path)  # taken back if empty when the command is refused
     except OSError as e:
         raise UserError(f"--out {out!r}: cannot make the folder: {e.strerror}") from None
-    return path
 
 
 def write_text(path: Path, text: str) -> None:
@@ -313,10 +313,14 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def out_dir(args) -> Path | None:
-    """The ``--out`` folder, created; checked with ``--report`` before any measuring."""
+    """The ``--out`` folder, created; checked with ``--report`` (a file that can be written)
+    before any measuring."""
     if args.report and args.out is None:
         raise UserError("--report needs --out (the plots and results.json go there)")
-    return None if args.out is None else prepare_out_dir(args.out)
+    out = None if args.out is None else prepare_out_dir(args.out)
+    if args.report:  # after the folder, which may hold it
+        output_file(args.report)
+    return out
 
 
 def emit(res, args, out: Path | None, name: str, plots: Callable[..., list[str]],

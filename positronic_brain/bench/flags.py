@@ -21,6 +21,7 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from types import UnionType
 from typing import Any
 
@@ -275,8 +276,11 @@ def main(args, bench) -> int:
     (processes or a Ray cluster), kept in a journal (``result.Journal``) in the ``--out``
     folder so that ``--resume`` can go on with it."""
     cfg = config(bench.FLAGS[0], args)
-    require(not getattr(args, "resume", None) or args.out is not None,
+    resume = getattr(args, "resume", None)
+    require(not resume or args.out is not None,
             "--resume needs --out (the folder of the run to go on with)")
+    require(not resume or Path(args.out).is_dir(),
+            f"--resume: no folder {args.out} (the --out of the run to go on with)")
     out = common.out_dir(args)
     pool = {}
     if Workers in bench.FLAGS:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..plain import landed
 from ..stages.apply import arena
 from ..types import UserError
 from .common import Table, cpu_name, duration, fmt, write_text
@@ -210,6 +211,7 @@ class Journal:
             write_text(self.path, self.first + "\n" + "".join(
                 self._line(i, r) for i, r in self.done.items()))
             self.started = True
+            landed()  # the --out folder holds the work: kept whatever follows
             return
         with self.path.open("a", encoding="utf-8") as f:
             f.write(self._line(index, row))

@@ -13,7 +13,7 @@ from ..bench import flags, quality
 from ..bench.common import Table, fmt, print_tables
 from ..loop import drive, run
 from ..model import load_model
-from ..plain import output_file
+from ..plain import make_folder, output_file
 from ..session_io import load_session, save_session, saved_model, spans
 from ..special_tokens import TokenPolicy
 from ..types import Totals, UserError, require
@@ -35,7 +35,7 @@ def cmd_run(args) -> int:
         return _report(args, _run_session(args))
     sampler, params = sampler_params(args), cache_params(args)  # before the (slower) model load
     texts = _prompts(args.prompts) if args.prompts is not None else [args.prompt]
-    if args.prompt == "":
+    if args.prompt is not None and not args.prompt.strip():
         raise UserError("the prompt is empty")
     if args.capacity is not None and args.capacity < 1:
         raise UserError(f"capacity must be >= 1, got {args.capacity}")
@@ -66,7 +66,7 @@ def cmd_run(args) -> int:
 
 def _save_to(args) -> Path | None:
     """``--save``'s file (``--prompt``, ``--session``) or folder (``--prompts``, made if
-    missing once the prompts are checked), checked before any work; None without it."""
+    missing), checked before any work; None without it."""
     if args.save is None:
         return None
     if args.prompts is None:
@@ -75,7 +75,10 @@ def _save_to(args) -> Path | None:
     require(not folder.exists() or folder.is_dir(), f"--save {folder}: with --prompts, a "
             "folder (one session file a prompt), and this is a file")
     require(folder.parent.is_dir(), f"--save {folder}: no folder {folder.parent}")
-    return folder  # made once the prompts are checked (_run_prompts)
+    try:  # taken back, if empty, when the command is refused
+        return make_folder(folder)
+    except OSError as e:
+        raise UserError(f"--save {folder}: cannot make the folder: {e.strerror}") from None
 
 
 def _save(session, out: Path) -> None:
@@ -115,8 +118,6 @@ def _run_prompts(args, model, policy: TokenPolicy, prompts: list, sampler, param
     there as it stops."""
     done: dict[int, dict] = {}
     printed = 0
-    if save is not None:
-        save.mkdir(exist_ok=True)
 
     def finished(i: int, result: dict, session) -> None:
         nonlocal printed

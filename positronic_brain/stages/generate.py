@@ -38,7 +38,7 @@ def generate(model: Model, view: View, params: SamplerParams,
         pos = view.position.new_tensor([view.next_position])
         out = stage1_forward(model)(model, view.k, view.v, ids, pos, want_attention=True,
                                     past_log_mass=view.log_mass, want_query=view.cold is not None)
-    return _sampled(view, out, params, generator, force, ids)
+    return _sampled(view, out, params, generator, force, ids, _draw(model))
 
 
 def generate_rows(model: Model, views: Sequence[View], params: Sequence[SamplerParams],
@@ -57,18 +57,25 @@ def generate_rows(model: Model, views: Sequence[View], params: Sequence[SamplerP
     pasts, queries = [(v.k, v.v, v.log_mass) for v in views], [v.cold is not None for v in views]
     outs = (native.decode_rows if native.rows_apply(model, pasts) else decode_rows)(
         model, pasts, ids, positions, queries)
-    return [_sampled(v, out, p, g, f, ids[b:b + 1])
+    draw = _draw(model)
+    return [_sampled(v, out, p, g, f, ids[b:b + 1], draw)
             for b, (v, out, p, g, f) in enumerate(zip(views, outs, params, generators, forces))]
 
 
+def _draw(model: Model):
+    """The sampler's draw for ``model``: a native model's kernels' (``native.draw``, the same
+    token as torch's), else torch's (None)."""
+    return native.draw if native.chosen(model.compiled) else None
+
+
 def _sampled(view: View, out, params: SamplerParams, generator: torch.Generator,
-             force: int | None, ids: torch.Tensor | None) -> GenerateOut:
+             force: int | None, ids: torch.Tensor | None, draw=None) -> GenerateOut:
     """Stage 1's output from its forward's ``out``: the next token sampled (or ``force``d)
     from the logits, the repetition penalty over the live tokens and the pending one
-    (``ids``)."""
+    (``ids``), drawn by ``draw`` (``_draw``)."""
     logits = out.logits[0]  # (V,)
     seen = torch.cat((view.token_id, ids)) if params.repetition_penalty != 1.0 else ids
-    report = sample(logits, params, seen, generator, force)
+    report = sample(logits, params, seen, generator, force, draw)
     return GenerateOut(input_token=view.pending_token, position=view.next_position,
                        logits=logits, token_id=report.token_id, report=report,
                        k=out.k, v=out.v, attention=out.attention, query=out.query, lse=out.lse)
