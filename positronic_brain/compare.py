@@ -129,6 +129,8 @@ def main(paths: list[str], jump: float = JUMP, top: int = TOP, as_json: bool = F
     require(len(paths) >= 2, "compare needs at least two runs")
     require(not (as_json and html), "--json and --html: one at a time")
     last = page.shown_steps(last, page.DEFAULT_STEPS if html is not None else 20)
+    if html is not None:
+        page.page_file(html)  # before the work
     manifest = CaptureRun(paths[0]).manifest
     policy = TokenPolicy(load_model(manifest["model"], manifest["dtype"]).tokenizer)
     decode = policy.decode

@@ -153,6 +153,7 @@ def main(path: str, step: int | None = None, last: int | None = None, out=None,
     if html is not None:
         require(p.is_dir(), f"{p}: --html draws a capture run folder, not one file")
         require(step is None, "--step: the page has a slider over every step (or #step=T)")
+        page.page_file(html)  # before the work
         written = write_page(CaptureRun(p, row), html, last)
         print(f"wrote {written}", file=sys.stderr)
         return 0

@@ -28,7 +28,7 @@ import torch
 
 from . import options
 from .capture import LEDGER_COLUMNS, RESTORE, CaptureRun, file_name, manifest_params
-from .plain import atomic_write
+from .plain import atomic_write, output_file
 from .render import shown_brightness
 from .types import SOURCES, require
 
@@ -154,12 +154,19 @@ def _restored(run: CaptureRun, t: int, changed_at: dict[int, int]) -> bool:
     return f is not None
 
 
-def write(out: str | Path, title: str, runs: list[dict], comparison: dict | None = None) -> Path:
-    """The page for ``runs`` (one: inspect; several: compare, with ``comparison`` from
-    ``compare.compare``) written to ``out``."""
+def page_file(out: str | Path) -> Path:
+    """``out`` as the page's file, checked before the work that fills it: it ends in .html,
+    in a folder that exists and takes a new file (``plain.output_file``)."""
     out = Path(out)
     require(out.suffix.lower() in (".html", ".htm"), f"{out}: the page's file must end in .html")
     require(out.parent.is_dir(), f"{out.parent}: no such folder for the page")
+    return output_file(out)
+
+
+def write(out: str | Path, title: str, runs: list[dict], comparison: dict | None = None) -> Path:
+    """The page for ``runs`` (one: inspect; several: compare, with ``comparison`` from
+    ``compare.compare``) written to ``out`` (``page_file``)."""
+    out = page_file(out)
     data = {"title": title, "runs": runs, "compare": comparison}
     # No "<", ">" or "&" inside the <script> element, whatever the token texts hold ("</script>",
     # "<!--" before "<script" would end or hide it): JSON writes them as \u escapes.
@@ -173,4 +180,4 @@ def write(out: str | Path, title: str, runs: list[dict], comparison: dict | None
     return out
 
 
-__all__ = ["DEFAULT_STEPS", "done_steps", "run_data", "write"]
+__all__ = ["DEFAULT_STEPS", "done_steps", "page_file", "run_data", "write"]

@@ -276,3 +276,24 @@ def test_inspect_prints_nothing_when_it_refuses(capsys, tmp_path):
     err = _one_line_exit_2(capsys, "bench", "passkey", "--quick", "--resume", "--out",
                            str(tmp_path / "none"))
     assert "--resume: no folder" in err and not (tmp_path / "none").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here (a folder that "
+                    "takes no new file)")
+def test_a_page_that_cannot_be_written_is_refused_before_it_is_drawn(capsys, monkeypatch,
+                                                                      tmp_path):
+    """inspect --html and compare --html check the page's file before reading the runs."""
+    from positronic_brain import page  # pylint: disable=import-outside-toplevel
+    run = tmp_path / "cap"
+    for _ in range(2):
+        code, _, err = _run(capsys, "run", "--model", "tiny-random", "--prompt", "hello",
+                            "--max-new-tokens", "2", "--capture", str(run))
+        assert code == 0, err
+    runs = sorted(str(r) for r in run.iterdir())
+
+    def never(*_args, **_kw):
+        raise AssertionError("the page was drawn before its file was checked")
+
+    monkeypatch.setattr(page, "run_data", never)
+    for argv in (["inspect", runs[0]], ["compare", *runs]):
+        assert "cannot write" in _one_line_exit_2(capsys, *argv, "--html", "/proc/p.html")
