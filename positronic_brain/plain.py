@@ -166,8 +166,9 @@ def output_file(out: str | os.PathLike, *inputs: str | os.PathLike, probe: bool 
 
 
 # What the command running has made for its outputs before any of its work landed, in
-# order (``take_back``): None while no command is armed (a library's caller: nothing kept).
-_MADE: list | None = None
+# order (``take_back``), each (a folder, a file written in it or None for the folder
+# itself): None while no command is armed (a library's caller: nothing kept).
+_MADE: list[tuple[Path, str | None]] | None = None
 
 
 def arm() -> None:
@@ -196,7 +197,7 @@ def make_folder(path: str | os.PathLike, exist_ok: bool = True) -> Path:
                 raise
             continue
         if _MADE is not None:
-            _MADE.append(folder)
+            _MADE.append((folder, None))
     if not path.is_dir():
         raise FileExistsError(errno.EEXIST, "it exists and is not a folder", str(path))
     return path
@@ -216,12 +217,12 @@ def take_back() -> None:
     (what holds anything else stays)."""
     global _MADE  # pylint: disable=global-statement
     made_, _MADE = _MADE or [], None
-    for thing in reversed(made_):
+    for folder, file in reversed(made_):
         with contextlib.suppress(OSError):
-            if isinstance(thing, Path):
-                thing.rmdir()
-            elif [p.name for p in thing[0].iterdir()] == [thing[1]]:
-                (thing[0] / thing[1]).unlink()
+            if file is None:
+                folder.rmdir()
+            elif [p.name for p in folder.iterdir()] == [file]:
+                (folder / file).unlink()
 
 
 def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:

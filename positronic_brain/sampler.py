@@ -60,11 +60,11 @@ def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | Non
     top = torch.topk(probs, min(params.report_top, probs.numel()))
     drawn = force is None and not params.is_greedy
     token = draw(probs, generator) if drawn and draw is not None else None
-    draw = ((torch.multinomial(probs, 1, generator=generator).double(),)
-            if drawn and token is None else ())
+    torch_draw = ((torch.multinomial(probs, 1, generator=generator).double(),)
+                  if drawn and token is None else ())
     # read back at once (one wait for the device, not one a value): ids and float32
     # probabilities are exact in float64
-    read = torch.cat((top.indices.double(), top.values.double(), *draw)).tolist()
+    read = torch.cat((top.indices.double(), top.values.double(), *torch_draw)).tolist()
     k = top.indices.shape[0]
     ids, ps = [int(i) for i in read[:k]], read[k:2 * k]
     if force is not None:
@@ -78,4 +78,3 @@ def sample(logits: torch.Tensor, params: SamplerParams, seen: torch.Tensor | Non
         token = int(read[-1])
     return SamplerReport(token_id=token, top_ids=tuple(ids),
                          top_probs=tuple(round(p, 6) for p in ps))
-
