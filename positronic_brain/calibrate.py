@@ -95,13 +95,13 @@ def calibrate(model: Model, policy: TokenPolicy, n_trials: int = 8,
     key the most (``choose``)."""
     require(n_trials >= 1, f"--trials must be >= 1, got {n_trials}")
     most = model.spec.max_positions - ROOM
-    require(lengths and all(16 <= n <= most for n in lengths),
-            f"--lengths {','.join(map(str, lengths))}: each in 16..{most} (the model's "
+    require(lengths and all(1 <= n <= most for n in lengths),
+            f"--lengths {','.join(map(str, lengths))}: each in 1..{most} (the model's "
             f"positions less {ROOM} for the answer)")
     require_seed(seed)
     require(framing in FRAMINGS, f"--framing must be one of {', '.join(FRAMINGS)}")
     choose(torch.zeros(1), fraction)  # a bad fraction refused before the work
-    shares = []
+    prompts = []  # every trial's prompt made (and a length too short refused) before the work
     for trial in trials(seed, n_trials, tuple(lengths)):
         segs = fit(policy, trial.key, trial.depth, trial.length, framing)[1]
         ids = [i for s in segs for i in s.ids]
@@ -109,6 +109,9 @@ def calibrate(model: Model, policy: TokenPolicy, n_trials: int = 8,
         slots = key_slots(ids[:-1], answer)  # the prompt's cached tokens (the last pends)
         require(slots, f"the key {trial.key}'s tokens {answer} are not in the prompt as the "
                 "answer spells them (this tokenizer splits them otherwise)")
+        prompts.append((segs, ids, answer, slots))
+    shares = []
+    for segs, ids, answer, slots in prompts:
         tape = _Reads(slots)
         session = Session(model, policy, SamplerParams(greedy=True), CacheParams(), tape=tape)
         session.prime(segs, arena_capacity(model, CacheParams(), len(ids), len(answer)))

@@ -191,7 +191,8 @@ def resolve_device(device: str = "cpu") -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         dev = None
-    require(dev is not None and dev.type in ("cpu", "cuda"),
+    require(dev is not None and dev.type in ("cpu", "cuda")
+            and (dev.type == "cuda" or dev.index is None),
             f"unknown device {device!r}; expected cpu, cuda, cuda:N or auto")
     if dev.type == "cpu":
         return torch.device("cpu")

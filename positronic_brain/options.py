@@ -196,6 +196,13 @@ def cache_params(given: dict[str, Any], base: CacheParams | None = None,
         if not isinstance(piece, cls):
             raise UserError(f"{FIELDS[names[0]].flag} is for {_switch(cls)}")
         pieces[cls] = dataclasses.replace(piece, **{FIELDS[k].field: given[k] for k in names})
+    kind = pieces[Allocation].kind
+    other = [k for k in given if FIELDS[k].owner is Allocation
+             and Allocation.KIND_OF.get(FIELDS[k].field, kind) != kind]
+    if strict and other:
+        o = FIELDS[other[0]]
+        raise UserError(f"{o.flag} is for --allocation {Allocation.KIND_OF[o.field]}, "
+                        f"not {kind}")
     top = {FIELDS[k].field: v for k, v in given.items() if FIELDS[k].owner is CacheParams}
     params = dataclasses.replace(
         base, **top, scorer=ScorerSpec(spec.name, fields), positions=pieces[Positions],
@@ -309,8 +316,9 @@ def reference() -> str:
              "`python -m positronic_brain.options > docs/OPTIONS.md` (a test holds this page "
              "to it). Each is a flag of `run`, `chat` and `fork`, and "
              "a name for `bench quality --params NAME=VALUE,...` and `bench passkey`'s "
-             "variants. A piece's option given while the piece is off, or a scorer field the "
-             "chosen scorer lacks, is refused in one line.", ""]
+             "variants. A piece's option given while the piece is off (an allocation's under "
+             "another allocation), or a scorer field the chosen scorer lacks, is refused in "
+             "one line.", ""]
     groups = [("Choosers (which scorer, repair and recall)",
                [_row(o) for o in CHOOSERS.values()])]
     for cls in PIECES:

@@ -386,6 +386,8 @@ class Allocation:
     heads`` K/V pairs: they compare at equal memory."""
 
     PREFIX: ClassVar[str] = "allocation"
+    KIND_OF: ClassVar[dict[str, str]] = {"beta": "pyramid", "layers": "pyramid",
+                                          "floor": "adaptive", "heads": "duo"}  # whose field
     kind: str = option("token", "what a cull removes: token (whole tokens), turns (the oldest "
                        "whole chat turns), or per (layer, KV head): head, pyramid, adaptive, "
                        "duo", flag="allocation", choices=ALLOCATIONS)

@@ -79,7 +79,8 @@ def test_the_random_baseline_chooses_as_many(capsys, tmp_path, tiny_model):
     (["--fraction", "1.5"], "--fraction must be in (0, 1]"),
     (["--trials", "0"], "--trials must be >= 1, got 0"),
     (["--lengths", "256,x"], "--lengths '256,x'"),
-    (["--lengths", "4096"], "--lengths 4096: each in 16..496"),
+    (["--lengths", "4096"], "--lengths 4096: each in 1..496"),
+    (["--lengths", "256,20"], "a 20-token prompt cannot hold the pass-key task"),
     (["--random", "--seed", "99999999999999999999999"], "the seed must fit in 64 bits"),
     (["--out", "NO/heads.json"], "no folder"),
 ])

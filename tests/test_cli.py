@@ -61,6 +61,7 @@ def test_run_streams_text(capsys):
     (["--prompt", "a long prompt", "--capacity", "3"], "capacity"),
     (["--prompt", "x", "--dtype", "int4"], "dtype"),
     (["--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
+    (["--prompt", "x", "--device", "cpu:3"], "unknown device 'cpu:3'"),
     (["--prompt", "x", "--device", "cuda:99"], "cuda:99"),
     (["--prompt", "x", "--max-new-tokens", "-2"], "max-new-tokens"),
     (["--prompt", "x", "--repetition-penalty", "0"], "repetition penalty"),

@@ -60,6 +60,12 @@ def test_keep_positions_stops_at_the_models_positions(capsys):
     (["--repair", "fold", "--fold-min-cos", "nan"], "'nan' is not a finite number"),
     (["--fold-min-cos", "0.5"], "--fold-min-cos is for --repair fold"),
     (["--recall-every", "2"], "--recall-every is for --recall"),
+    (["--budget", "64", "--allocation-heads", "h.json"],
+     "--allocation-heads is for --allocation duo, not token"),
+    (["--budget", "64", "--allocation", "head", "--allocation-floor", "0.3"],
+     "--allocation-floor is for --allocation adaptive, not head"),
+    (["--budget", "64", "--allocation", "adaptive", "--allocation-beta", "3"],
+     "--allocation-beta is for --allocation pyramid, not adaptive"),
     (["--policy", "h2o", "--decay", "0.3"], "scorer h2o has no field 'decay' (its fields: "
      "aggregate)"),
     (["--param", "gain"], "--param takes NAME=VALUE, got 'gain'"),
