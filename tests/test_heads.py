@@ -23,6 +23,7 @@ from positronic_brain.cli import main
 from positronic_brain.loop import Session, head_capacity
 from positronic_brain.options import params
 from positronic_brain.replay import replay
+from positronic_brain.scorers.brightness import Brightness
 from positronic_brain.sampler import make_generator
 from positronic_brain.session_io import load_session, save_session
 from positronic_brain.stages.apply import apply, heads as apply_heads
@@ -379,6 +380,21 @@ def test_brightness_lights_each_head_by_its_own_window_and_queries(tiny_model, t
         assert (out.scores.double() - want)[live].abs().max() <= bound
         s.step(force=gen.token_id)
         s.state.check_valid()
+
+
+def test_brightness_shrinks_each_heads_share_toward_its_tokens_mean():
+    """``shrink``: each slot's share moves that fraction of the way to the mean share its
+    token gets over the heads that hold it; a free slot's is left as it was (hand-worked)."""
+    row = torch.tensor([[[0, 1, 2], [2, 0, -1]]])  # (1 layer, 2 KV heads, 3 slots)
+    view = SimpleNamespace(heads=Heads(row=row, n=torch.tensor([[3, 2]])), n=3)
+    share = torch.tensor([[[1.0, 2.0, 3.0], [5.0, 7.0, 9.0]]])
+    # the tokens' means: row 0 (1 + 7) / 2 = 4, row 1 2, row 2 (3 + 5) / 2 = 4
+    half = Brightness(shrink=0.5)._shrunk(view, share)
+    assert torch.equal(half, torch.tensor([[[2.5, 2.0, 3.5], [4.5, 5.5, 9.0]]]))
+    assert torch.equal(Brightness(shrink=1.0)._shrunk(view, share),
+                       torch.tensor([[[4.0, 2.0, 4.0], [4.0, 4.0, 9.0]]]))
+    with pytest.raises(UserError, match=r"shrink must be in \[0, 1\], got 1.5"):
+        Brightness(shrink=1.5)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)

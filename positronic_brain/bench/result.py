@@ -90,7 +90,7 @@ def target_table(targets: list[Target], digits: int = 3, note: str = "") -> Tabl
         ("what", *(("dtype",) if dtypes else ()), "value", "target", "met"),
         tuple((t.what, *((t.dtype or "–",) if dtypes else ()), value(t), t.target,
                "–" if t.met is None else "yes" if t.met else "NO") for t in targets),
-        note)
+        note if targets else "None: no target of this benchmark reads the cells this run holds.")
 
 
 @dataclass(kw_only=True)

@@ -24,6 +24,8 @@ the largest of its ``pool`` neighbours', this is SnapKV's choice (its observatio
 and its clustering pool): each head keeps what its own view of the prompt's last queries
 attended, and the span around it: without the pool, a head that attended to two digits of a
 five-digit pass key let the other three go (docs/BENCHMARKS.md, per-head allocations).
+With ``shrink`` s, a slot's share is first moved s of the way to its token's mean share over
+the heads that hold it: between each head alone (0) and the heads agreeing (1).
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ class Brightness:
     skip_layers: float = option(0.2, "the fraction of the first layers brightness leaves out")
     pool: int = option(7, "per head: the prompt window's shares max-pooled over this many "
                        "neighbouring slots, as SnapKV clusters its scores (odd; 1: none)")
+    shrink: float = option(0.0, "per head: each slot's share moved this fraction of the way "
+                           "to its token's mean share over the heads that hold it (0: none)")
     seeds: tuple[float, ...] | None = option(
         None, f"a new token's brightness by its source ({':'.join(SOURCES)}; default: the max)")
 
@@ -69,6 +73,8 @@ class Brightness:
         check_aggregation(self.aggregate)
         require(0 <= self.skip_layers < 1,
                 f"skip layers must be a fraction in [0, 1), got {self.skip_layers}")
+        require(math.isfinite(self.shrink) and 0 <= self.shrink <= 1,
+                f"shrink must be in [0, 1], got {self.shrink}")
         require(self.pool >= 1 and self.pool % 2 == 1,
                 f"pool must be an odd number of slots >= 1, got {self.pool}")
         if self.seeds is None:
@@ -112,7 +118,18 @@ class Brightness:
         if self.signal == "value":
             w = head_relative_norms(view, view.vnorm)
             attention = (attention.view(L, kvh, H // kvh, n) * w[:, :, None]).view(L, H, n)
-        return h.n.unsqueeze(-1) * by_head(attention, kvh, self.aggregate)
+        share = h.n.unsqueeze(-1) * by_head(attention, kvh, self.aggregate)
+        return share if not self.shrink else self._shrunk(view, share)
+
+    def _shrunk(self, view: View, share: torch.Tensor) -> torch.Tensor:
+        """``share`` (L, KVH, width) moved ``shrink`` of the way to each token's mean share
+        over the (layer, KV head)s that hold it: one head's view of a token is noisy, and
+        the heads together see it as whole-token eviction does."""
+        rows = view.heads.row[:, :, :share.shape[-1]]
+        at = torch.where(rows >= 0, rows, view.n).reshape(-1)  # a free slot: one past the rows
+        total = share.new_zeros(view.n + 1).index_add(0, at, share.reshape(-1))
+        mean = total / torch.bincount(at, minlength=view.n + 1).clamp(min=1)
+        return torch.lerp(share, mean[at].view_as(share), self.shrink)
 
     def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
         """The rule per (layer, KV head): (L, H, n) -> scores (L, KVH, n), the column
