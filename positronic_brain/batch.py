@@ -69,6 +69,15 @@ def run_programs(model: Model, programs: Iterable[tuple[int, Program]], batch: i
             return
         active.append((index, program, want))
 
+    def step() -> None:  # its locals, which hold the rows, go when it returns: a
+        # finished row's state is let go before the row that takes its place is made
+        sessions, forces = [w[0] for _, _, w in active], [w[1] for _, _, w in active]
+        records = ([sessions[0].step(forces[0])] if stage1 is None
+                   else step_rows(stage1, sessions, forces))
+        stepped, active[:] = list(active), []
+        for (index, program, _), rec in zip(stepped, records):
+            advance(index, program, rec)
+
     left = True
     while True:
         while left and len(active) < batch:
@@ -81,12 +90,7 @@ def run_programs(model: Model, programs: Iterable[tuple[int, Program]], batch: i
             return
         if on_batch is not None:
             on_batch([i for i, _, _ in active])
-        sessions, forces = [w[0] for _, _, w in active], [w[1] for _, _, w in active]
-        records = ([sessions[0].step(forces[0])] if stage1 is None
-                   else step_rows(stage1, sessions, forces))
-        stepped, active[:] = list(active), []
-        for (index, program, _), rec in zip(stepped, records):
-            advance(index, program, rec)
+        step()
 
 
 def watched(steps: Program, on_record: Callable[[StepRecord], None]) -> Program:

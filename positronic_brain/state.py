@@ -342,7 +342,7 @@ class Cold:
     RoPE gives there, stored a slot per row: ``Arena.allocate``'s ``key_rows``), their
     ledger rows (a ``Ledger``, same columns) and ``entered``, each row's order of entry
     (the oldest to enter is dropped first past ``capacity``). Rows ``[0, n)`` are live,
-    dense like the arena's. Stage 4 grows the storage by doubling up to ``capacity``, so a
+    dense like the arena's. Stage 4 grows the storage as needed up to ``capacity``, so a
     short run never holds a large block."""
 
     arena: Arena

@@ -2,19 +2,21 @@
 its own; each row gives what its prompt gives alone."""
 from __future__ import annotations
 
+import gc
 import json
 import textwrap
+import weakref
 
 import pytest
 import torch
 
-from positronic_brain.batch import run_rows, step_rows
+from positronic_brain.batch import run_programs, run_rows, step_rows
 from positronic_brain.cli import main
 from positronic_brain.forward import decode, decode_rows
 from positronic_brain.loop import Session, run
 from positronic_brain.model import PackedWeight, for_rows
 from positronic_brain.stages.generate import generate_rows
-from positronic_brain.types import CacheParams, Positions, Recall, SamplerParams
+from positronic_brain.types import CacheParams, Positions, Recall, SamplerParams, Segment
 from tests.tolerance import apart, nll_bound
 
 GREEDY = SamplerParams(greedy=True)
@@ -278,3 +280,25 @@ def test_run_prompts_refuses_bad_input_before_any_work(capsys, tmp_path, lines, 
 def test_batch_takes_prompts(capsys):
     rc, out, err = _cli(capsys, "--prompt", "one", "--batch", "2")
     assert rc == 2 and out == "" and "--batch takes --prompts FILE" in err
+
+
+def test_a_finished_rows_state_goes_before_the_next_row_is_made(tiny_model, tiny_policy,
+                                                                 one_thread):
+    """A batch lets its finished rows go before it makes the rows that take their places:
+    a grid's copies of a long prime are then never held twice over."""
+    sessions, alive = [], []
+
+    def program():
+        s = Session(tiny_model, tiny_policy, SamplerParams(greedy=True))
+        s.prime([Segment(tuple(tiny_policy.encode("one two three four")), "user")])
+        sessions.append(weakref.ref(s))
+        yield from s.steps(2, ignore_eos=True)
+
+    def programs():
+        for i in range(4):
+            gc.collect()
+            alive.append(sum(r() is not None for r in sessions))
+            yield i, program()
+
+    run_programs(tiny_model, programs(), 2)
+    assert alive == [0, 1, 0, 1]

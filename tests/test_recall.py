@@ -404,3 +404,14 @@ def test_the_scan_takes_consecutive_layers_as_runs():
     from positronic_brain.stages.score.recall import _runs
     assert _runs((0, 1, 3, 5, 6, 7)) == [(0, 2), (3, 4), (5, 8)]
     assert _runs((4,)) == [(4, 5)]
+
+
+def test_a_cold_store_grows_by_half_and_to_a_quarter_over_what_it_needs():
+    """``cold_size`` (hand-worked): a first cull of a long prompt gets a quarter of room
+    more, so the next step's one more row fits without twice the prompt; a store that grows a
+    row at a time grows by half; never past the capacity unless a step needs more now."""
+    from positronic_brain.stages.apply.rows import cold_size
+    assert cold_size(3968, 1024, 16384) == 4960  # 3968 + 992
+    assert cold_size(1025, 1024, 16384) == 1536  # 1024 + 512
+    assert cold_size(16000, 12000, 16384) == 16384  # at most the capacity
+    assert cold_size(20000, 16384, 16384) == 20000  # a step's culls before its trim

@@ -22,7 +22,7 @@ import torch
 from ...forward import apply_rope, rerotation
 from ...model import Model
 from ...state import Arena, Cold, Heads, Ledger, State, key_norms
-from .rows import drop_unheld, every_head, grow_ledger
+from .rows import cold_size, drop_unheld, every_head, grow_ledger
 
 KV = ("v", "knorm", "vnorm")  # a slot's per-(layer, head) rows besides its key
 
@@ -36,14 +36,13 @@ def to_heads(cold: Cold) -> None:
 
 
 def room(model: Model, cold: Cold, slots: int, rows: int) -> None:
-    """Storage for ``slots`` cold slots a head and ``rows`` cold ledger rows: each doubled
-    (or more) as needed, the live part copied."""
+    """Storage for ``slots`` cold slots a head and ``rows`` cold ledger rows: each grown
+    as needed (``cold_size``; the ledger doubled), the live part copied."""
     ledger_rows(cold, rows)
     a, h = cold.arena, cold.heads
     if slots <= a.capacity:
         return
-    # doubled up to the capacity; past it (a step's culls before its trim) only what is asked
-    size = max(slots, min(2 * a.capacity, cold.capacity))
+    size = cold_size(slots, a.capacity, cold.capacity)
     new = Arena.allocate(model.spec, size, model.dtype, a.device, key_rows=True)
     w = a.n
     new.k[:, :, :w] = a.k[:, :, :w]

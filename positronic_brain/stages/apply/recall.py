@@ -11,10 +11,10 @@ from ...model import Model
 from ...state import Arena, Cold, Ledger, State
 from ...types import Column, Swap, require
 from .cold_heads import to_heads
-from .rows import ROWS, put_rows, remove, take_rows
+from .rows import ROWS, cold_size, put_rows, remove, take_rows
 
 
-COLD_ROWS = 1024  # a cold store's first allocation; stage 4 doubles it up to its capacity
+COLD_ROWS = 1024  # a cold store's first allocation; stage 4 grows it up to its capacity
 
 
 def cold_store(model: Model, capacity: int, rows: int | None = None,
@@ -88,11 +88,10 @@ def add_cold_store(model: Model, state: State, capacity: int) -> None:
 
 
 def grow(model: Model, cold: Cold, rows: int) -> None:
-    """Room for ``rows`` live cold rows: storage twice as large (at most the capacity)
-    with the live rows copied (amortised O(1) per row)."""
+    """Room for ``rows`` live cold rows (``cold_size``), the live rows copied."""
     if rows <= cold.arena.capacity:
         return
-    size = min(cold.capacity, max(rows, 2 * cold.arena.capacity))
+    size = cold_size(rows, cold.arena.capacity, cold.capacity)
     new = cold_store(model, cold.capacity, size, cold.ledger.specs)
     a, m, n = new.arena, new.ledger, cold.n
     a.k[:, :, :n] = cold.arena.k[:, :, :n]  # a slot per row: contiguous

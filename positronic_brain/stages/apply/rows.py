@@ -150,6 +150,15 @@ def drop_unheld(m: Ledger, rows: torch.Tensor, extra: tuple[torch.Tensor, ...] =
     return uids
 
 
+def cold_size(needed: int, current: int, capacity: int) -> int:
+    """The storage a cold store grows to from ``current`` rows (or slots a head) when it
+    needs ``needed``: half as large again at least (amortised O(1) a row) and a quarter more
+    than needed, at most ``capacity`` unless more is needed now (a step's culls before its
+    trim). Not twice what is needed: a first cull that sends a long prompt cold would then
+    hold twice the prompt after the next step's one more."""
+    return max(needed, min(capacity, max(needed + needed // 4, current + current // 2)))
+
+
 def grow_ledger(m: Ledger) -> None:
     """Double the ledger's rows (a per-head cache's union of tokens can pass the arena's
     slots a head)."""
