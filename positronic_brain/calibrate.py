@@ -101,7 +101,9 @@ def calibrate(model: Model, policy: TokenPolicy, n_trials: int = 8,
     require_seed(seed)
     require(framing in FRAMINGS, f"--framing must be one of {', '.join(FRAMINGS)}")
     choose(torch.zeros(1), fraction)  # a bad fraction refused before the work
-    prompts = []  # every trial's prompt made (and a length too short refused) before the work
+    for n in dict.fromkeys(lengths):  # every length given, a trial's or not, holds the task
+        fit(policy, 10000, 0.5, n, framing)
+    prompts = []  # every trial's prompt made before the work
     for trial in trials(seed, n_trials, tuple(lengths)):
         segs = fit(policy, trial.key, trial.depth, trial.length, framing)[1]
         ids = [i for s in segs for i in s.ids]

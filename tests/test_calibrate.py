@@ -81,6 +81,7 @@ def test_the_random_baseline_chooses_as_many(capsys, tmp_path, tiny_model):
     (["--lengths", "256,x"], "--lengths '256,x'"),
     (["--lengths", "4096"], "--lengths 4096: each in 1..496"),
     (["--lengths", "256,20"], "a 20-token prompt cannot hold the pass-key task"),
+    (["--trials", "1", "--lengths", "256,20"], "a 20-token prompt cannot hold the pass-key task"),
     (["--random", "--seed", "99999999999999999999999"], "the seed must fit in 64 bits"),
     (["--out", "NO/heads.json"], "no folder"),
 ])

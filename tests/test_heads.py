@@ -385,14 +385,14 @@ def test_brightness_lights_each_head_by_its_own_window_and_queries(tiny_model, t
 def test_brightness_shrinks_each_heads_share_toward_its_tokens_mean():
     """``shrink``: each slot's share moves that fraction of the way to the mean share its
     token gets over the heads that hold it; a free slot's is left as it was (hand-worked)."""
-    row = torch.tensor([[[0, 1, 2], [2, 0, -1]]])  # (1 layer, 2 KV heads, 3 slots)
-    view = SimpleNamespace(heads=Heads(row=row, n=torch.tensor([[3, 2]])), n=3)
-    share = torch.tensor([[[1.0, 2.0, 3.0], [5.0, 7.0, 9.0]]])
-    # the tokens' means: row 0 (1 + 7) / 2 = 4, row 1 2, row 2 (3 + 5) / 2 = 4
+    row = torch.tensor([[[0, 1, 2], [2, 0, -1], [1, -1, -1]]])  # (1 layer, 3 KV heads, 3 slots)
+    view = SimpleNamespace(heads=Heads(row=row, n=torch.tensor([[3, 2, 1]])), n=3)
+    share = torch.tensor([[[1.0, 2.0, 3.0], [5.0, 7.0, 9.0], [8.0, 6.0, 4.0]]])
+    # the tokens' means: row 0 (1 + 7) / 2 = 4, row 1 (2 + 8) / 2 = 5, row 2 (3 + 5) / 2 = 4
     half = Brightness(shrink=0.5)._shrunk(view, share)
-    assert torch.equal(half, torch.tensor([[[2.5, 2.0, 3.5], [4.5, 5.5, 9.0]]]))
+    assert torch.equal(half, torch.tensor([[[2.5, 3.5, 3.5], [4.5, 5.5, 9.0], [6.5, 6.0, 4.0]]]))
     assert torch.equal(Brightness(shrink=1.0)._shrunk(view, share),
-                       torch.tensor([[[4.0, 2.0, 4.0], [4.0, 4.0, 9.0]]]))
+                       torch.tensor([[[4.0, 5.0, 4.0], [4.0, 4.0, 9.0], [5.0, 6.0, 4.0]]]))
     with pytest.raises(UserError, match=r"shrink must be in \[0, 1\], got 1.5"):
         Brightness(shrink=1.5)
 

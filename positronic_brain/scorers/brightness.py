@@ -129,7 +129,8 @@ class Brightness:
         at = torch.where(rows >= 0, rows, view.n).reshape(-1)  # a free slot: one past the rows
         total = share.new_zeros(view.n + 1).index_add(0, at, share.reshape(-1))
         mean = total / torch.bincount(at, minlength=view.n + 1).clamp(min=1)
-        return torch.lerp(share, mean[at].view_as(share), self.shrink)
+        return torch.where(rows >= 0, torch.lerp(share, mean[at].view_as(share), self.shrink),
+                           share)
 
     def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
         """The rule per (layer, KV head): (L, H, n) -> scores (L, KVH, n), the column
