@@ -197,9 +197,9 @@ def cache_params(given: dict[str, Any], base: CacheParams | None = None,
             raise UserError(f"{FIELDS[names[0]].flag} is for {_switch(cls)}")
         pieces[cls] = dataclasses.replace(piece, **{FIELDS[k].field: given[k] for k in names})
     kind = pieces[Allocation].kind
-    other = [k for k in given if FIELDS[k].owner is Allocation
+    other = [k for k in given if strict and FIELDS[k].owner is Allocation
              and Allocation.KIND_OF.get(FIELDS[k].field, kind) != kind]
-    if strict and other:
+    if other:
         o = FIELDS[other[0]]
         raise UserError(f"{o.flag} is for --allocation {Allocation.KIND_OF[o.field]}, "
                         f"not {kind}")

@@ -126,11 +126,11 @@ class Brightness:
         over the (layer, KV head)s that hold it: one head's view of a token is noisy, and
         the heads together see it as whole-token eviction does."""
         rows = view.heads.row[:, :, :share.shape[-1]]
-        at = torch.where(rows >= 0, rows, view.n).reshape(-1)  # a free slot: one past the rows
+        held = rows >= 0
+        at = torch.where(held, rows, view.n).reshape(-1)  # a free slot: one past the rows
         total = share.new_zeros(view.n + 1).index_add(0, at, share.reshape(-1))
         mean = total / torch.bincount(at, minlength=view.n + 1).clamp(min=1)
-        return torch.where(rows >= 0, torch.lerp(share, mean[at].view_as(share), self.shrink),
-                           share)
+        return torch.where(held, torch.lerp(share, mean[at].view_as(share), self.shrink), share)
 
     def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
         """The rule per (layer, KV head): (L, H, n) -> scores (L, KVH, n), the column
