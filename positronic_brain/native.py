@@ -114,7 +114,7 @@ NO_PAIRS_FLAGS = ["-mno-avx512bf16"]
 @functools.cache
 def kernels(scalar: bool = False, pairs: bool = True):
     """The compiled kernels, built once per ``build`` (tens of seconds the first time; then
-    loaded from the build folder named by it). ``scalar`` builds them without their AVX-512
+    loaded from the build folder named by it, whichever checkout of the source asks). ``scalar`` builds them without their AVX-512
     loops (``SCALAR_FLAGS``), ``pairs`` False without AVX512_BF16's (``NO_PAIRS_FLAGS``),
     so that the loops a CPU without them runs can be tested on one that has them."""
     check_compile([torch.device("cpu")], NATIVE)  # a compiler, and ninja
@@ -131,8 +131,14 @@ def kernels(scalar: bool = False, pairs: bool = True):
         # load wait for ever; while this one is held, that file is such a leftover
         fcntl.flock(held, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
+        # built from the folder's own copy of the source: torch rebuilds when the build file
+        # changes, and it names the source's path, so every checkout (a clone, a worktree)
+        # building from its own would rebuild the kernels after another's load
+        source = folder / SOURCE.name
+        if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+            source.write_bytes(SOURCE.read_bytes())
         # no floating-point contraction: each product and sum rounds as torch's operators do
-        return load(name=f"positronic_brain_native_{key}", sources=[str(SOURCE)],
+        return load(name=f"positronic_brain_native_{key}", sources=[str(source)],
                     extra_cflags=["-O3", "-march=native", "-ffp-contract=off",
                                   "-fno-math-errno", "-fopenmp",
                                   *(SCALAR_FLAGS if scalar else []),

@@ -43,6 +43,7 @@ class Option:
     help: str
     choices: tuple | None = None
     metavar: str | None = None
+    of: str | None = None  # the one allocation kind it is for (``Allocation``'s fields)
 
     @property
     def flag(self) -> str:
@@ -56,8 +57,9 @@ def options_of(cls: type, kind: type = Option) -> list:
     prefix = getattr(cls, "PREFIX", "")
     extra = [f.name for f in dataclasses.fields(kind)][len(dataclasses.fields(Option)):]
     return [kind(f.metadata.get("flag") or (f"{prefix}_" if prefix else "") + f.name, cls,
-                 f.name, hints[f.name], f.default, f.metadata["help"],
-                 f.metadata.get("choices"), f.metadata.get("metavar"),
+                 f.name, hints[f.name], f.default,
+                 (f"{f.metadata['of']}: " if f.metadata.get("of") else "") + f.metadata["help"],
+                 f.metadata.get("choices"), f.metadata.get("metavar"), f.metadata.get("of"),
                  **{k: f.metadata[k] for k in extra if k in f.metadata})
             for f in dataclasses.fields(cls) if "help" in f.metadata]
 
@@ -197,12 +199,9 @@ def cache_params(given: dict[str, Any], base: CacheParams | None = None,
             raise UserError(f"{FIELDS[names[0]].flag} is for {_switch(cls)}")
         pieces[cls] = dataclasses.replace(piece, **{FIELDS[k].field: given[k] for k in names})
     kind = pieces[Allocation].kind
-    other = [k for k in given if strict and FIELDS[k].owner is Allocation
-             and Allocation.KIND_OF.get(FIELDS[k].field, kind) != kind]
+    other = [FIELDS[k] for k in given if strict and FIELDS[k].of not in (None, kind)]
     if other:
-        o = FIELDS[other[0]]
-        raise UserError(f"{o.flag} is for --allocation {Allocation.KIND_OF[o.field]}, "
-                        f"not {kind}")
+        raise UserError(f"{other[0].flag} is for --allocation {other[0].of}, not {kind}")
     top = {FIELDS[k].field: v for k, v in given.items() if FIELDS[k].owner is CacheParams}
     params = dataclasses.replace(
         base, **top, scorer=ScorerSpec(spec.name, fields), positions=pieces[Positions],

@@ -386,21 +386,21 @@ class Allocation:
     heads`` K/V pairs: they compare at equal memory."""
 
     PREFIX: ClassVar[str] = "allocation"
-    KIND_OF: ClassVar[dict[str, str]] = {"beta": "pyramid", "layers": "pyramid",
-                                          "floor": "adaptive", "heads": "duo"}  # whose field
     kind: str = option("token", "what a cull removes: token (whole tokens), turns (the oldest "
                        "whole chat turns), or per (layer, KV head): head, pyramid, adaptive, "
                        "duo", flag="allocation", choices=ALLOCATIONS)
-    beta: float = option(20.0, "pyramid: the first layer's scored share is 2 x beta - 1 times "
-                         "the last one's")
-    layers: tuple[float, ...] = option((), "pyramid: each layer's weight in the share of the "
-                                       "scored budget (one a layer; default: the beta schedule)",
-                                       metavar="W,W,...")
-    floor: float = option(0.2, "adaptive: the share of the budget each head keeps by its own "
-                          "scores before the layer's shares")
-    heads: str | None = option(None, "duo: a JSON file naming the retrieval heads ([[layer, "
+    # ``of``: the one kind a field is for (``options`` heads its help with it, and refuses
+    # it under another kind)
+    beta: float = option(20.0, "the first layer's scored share is 2 x beta - 1 times the last "
+                         "one's", of="pyramid")
+    layers: tuple[float, ...] = option((), "each layer's weight in the share of the scored "
+                                       "budget (one a layer; default: the beta schedule)",
+                                       metavar="W,W,...", of="pyramid")
+    floor: float = option(0.2, "the share of the budget each head keeps by its own scores "
+                          "before the layer's shares", of="adaptive")
+    heads: str | None = option(None, "a JSON file naming the retrieval heads ([[layer, "
                                "kv_head], ...] or a layers x KV heads grid of 0/1)",
-                               metavar="FILE")
+                               metavar="FILE", of="duo")
 
     def __post_init__(self) -> None:
         require(self.kind in ALLOCATIONS,

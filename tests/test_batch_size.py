@@ -6,7 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from positronic_brain.bench import batch_size
+from positronic_brain.bench.grid import Pool
 from positronic_brain.bench.quality import QualityConfig
+from positronic_brain.bench.result import KVCost
 from positronic_brain.cli import main
 
 
@@ -101,6 +103,19 @@ def test_the_rows_fit_in_half_the_free_memory(tiny_model, monkeypatch):
     monkeypatch.undo()  # the real one reads /proc/meminfo
     free = batch_size.available_bytes()
     assert free is None or free > 0
+
+
+def test_a_grid_with_recall_counts_its_rows_cold_store(tiny_model, monkeypatch):
+    """A row's bytes in the memory cap: its K/V at its longest, and where a cell recalls, the
+    cold store its culled tokens go to, grown as ``cold_size`` grows it (a quarter more than
+    the row's tokens)."""
+    seen = []
+    monkeypatch.setattr(batch_size, "resolve",
+                        lambda cfg, model, threads, row_bytes, processes: seen.append(row_bytes))
+    kv = KVCost.of(tiny_model)
+    Pool(jobs=2).batch(None, tiny_model, 4, 400, cold=False)
+    Pool(jobs=2).batch(None, tiny_model, 4, 400, cold=True)
+    assert seen == [400 * kv.heads * kv.pair_bytes, (400 + 500) * kv.heads * kv.pair_bytes]
 
 
 def test_a_given_batch_is_kept_and_none_is_chosen(tiny_model, monkeypatch):

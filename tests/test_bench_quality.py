@@ -127,6 +127,7 @@ def test_bench_quality_quick_json_report_and_plots(capsys, tmp_path, one_thread,
     assert "bench quality --quick --model tiny-random" in report
     assert "![ppl_long.png](./ppl_long.png)" in report
     assert "| brightness with recall | none |" in report
+    assert "skip layers 0.2, max 255.0; per head, pool 7, shrink 0.0. Recall:" in report
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nspeed section\n")
     assert "<!-- bench quality: end -->" in text

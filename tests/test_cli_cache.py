@@ -4,7 +4,9 @@ import json
 
 import pytest
 
+from positronic_brain import options
 from positronic_brain.cli import main
+from positronic_brain.types import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,3 +84,13 @@ def test_bad_cache_flags_are_one_line_and_exit_2(capsys, argv, message):
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("positronic-brain: error: "), err
     assert message in err and "Traceback" not in err
+
+
+def test_a_benchmarks_shared_options_keep_an_allocations_own_for_its_cells():
+    """Not strict (``bench --params``, shared by cells of several allocations): an
+    allocation's option under another kind is kept, unused, where strict refuses it."""
+    given = {"budget": 64, "allocation": "head", "allocation_beta": 3.0, "allocation_floor": 0.5}
+    p = options.cache_params(given, strict=False)
+    assert (p.allocation.kind, p.allocation.beta, p.allocation.floor) == ("head", 3.0, 0.5)
+    with pytest.raises(UserError, match="--allocation-beta is for --allocation pyramid, not head"):
+        options.cache_params(given)

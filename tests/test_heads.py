@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from positronic_brain.bench.common import host_reads
 from positronic_brain.capture import CaptureRun, CaptureTape
 from positronic_brain.chat import Chat
 from positronic_brain.cli import main
@@ -37,7 +39,7 @@ from positronic_brain.types import (Actions, Allocation, CacheParams, FoldRepair
 from tests.oracle import assert_close, per_head_state_logits
 from tests.test_fold import cosine_bound, mass_bound
 from tests.test_page import page_data
-from tests.tolerance import ORACLE, apart, sum_bound
+from tests.tolerance import ORACLE, apart, step, sum_bound
 
 TEXT = "the quick brown fox jumps over the lazy dog and runs far away " * 4
 
@@ -397,6 +399,46 @@ def test_brightness_shrinks_each_heads_share_toward_its_tokens_mean():
         Brightness(shrink=1.5)
 
 
+def test_brightness_shrink_sums_in_a_fixed_order_and_reads_nothing_back():
+    """The heads' mean share of a token is a sum in one order on every device: no operator
+    that adds into an index (a GPU runs those as atomics, in any order), no host read; and
+    it is the mean (a float64 reference, a random per-head map with free slots)."""
+    g = torch.Generator().manual_seed(3)
+    L, KVH, width, n = 4, 3, 40, 90
+    row = torch.stack([torch.randperm(n, generator=g)[:width] for _ in range(L * KVH)])
+    row[torch.rand(L * KVH, width, generator=g) < 0.2] = -1
+    row = row.view(L, KVH, width)
+    view = SimpleNamespace(heads=Heads(row=row, n=(row >= 0).sum(-1)), n=n)
+    share = torch.rand(L, KVH, width, generator=g) * 4
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            adds = name in ("index_put", "index_put_") and (
+                args[3] if len(args) > 3 else kwargs.get("accumulate", False))
+            seen.append(name + (" accumulate" if adds else ""))
+            return func(*args, **kwargs)
+
+    with Ops():
+        out = Brightness(shrink=0.25)._shrunk(view, share)
+    adding = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce",
+              "scatter_reduce_", "bincount", "put_", "index_put accumulate",
+              "index_put_ accumulate"}
+    assert not set(seen) & adding, seen
+    assert not host_reads(lambda: Brightness(shrink=0.25)._shrunk(view, share))
+    held = row >= 0
+    total = torch.zeros(n, dtype=torch.float64).index_add(0, row[held], share[held].double())
+    count = torch.bincount(row[held], minlength=n).clamp(min=1)
+    mean = (total / count)[row.clamp(min=0)]
+    want = torch.where(held, share + 0.25 * (mean - share), share.double())
+    # the sum of at most L x KVH shares of at most 4, then a division's and a lerp's
+    # roundings (a step each, of values up to 4)
+    bound = sum_bound(torch.float32, L * KVH, 4 * L * KVH) + 3 * 4 * step(torch.float32)
+    assert (out.double() - want).abs().max() <= bound
+
+
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(st.data())
 def test_a_step_at_the_budget_culls_what_the_sort_would(data):
@@ -463,6 +505,32 @@ def test_a_per_head_run_captures_replays_forks_and_draws(tmp_path, capsys, one_t
     step = data["runs"][0]["steps"][-1]
     assert data["runs"][0]["heads"] == heads and len(step["held"]) == len(step["uid"])
     assert 1 <= min(step["held"]) and max(step["held"]) == heads  # the sinks: every head's
+
+
+def test_a_fork_of_a_duo_run_takes_another_per_head_allocation(tmp_path, capsys, one_thread,
+                                                               tiny_model):
+    """A fork given ``--allocation head`` of a duo parent (whose retrieval-heads file it
+    inherits, unused) goes on with every head keeping up to the budget, and replays."""
+    run = ["run", "--model", "tiny-random", "--prompt", TEXT, "--max-new-tokens", "16",
+           "--ignore-eos", "--budget", "16", "--sinks", "1", "--recent", "2", "--allocation",
+           "duo", "--allocation-heads", _duo_file(tmp_path, tiny_model), "--json",
+           "--compile", "none", "--capture", str(tmp_path / "c")]
+    assert main(run) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert main(["fork", res["capture"], "--step", "8", "--allocation", "head", "--json",
+                 "--capture", str(tmp_path / "f")]) == 0
+    fk = CaptureRun(json.loads(capsys.readouterr().out)["capture"])
+    before, after = (fk.stage(t, "s2_score").args["cache_params"].allocation for t in (7, 8))
+    assert (before.kind, after.kind, after.heads) == ("duo", "head", before.heads)
+    # each step's view (before its cull): under duo (64 pairs in all) the streaming heads
+    # keep the sink, the recent window and the pending token, the retrieval heads ((0, 1)
+    # and (1, 0), the file's) the rest; from the fork on every head keeps up to 16, and
+    # the streaming heads, which cannot get back what they let go, fill a slot a step
+    n = [fk.step(t).view["heads"]["n"].tolist() for t in fk.steps[1:]]
+    assert n[:7] == [[[4, 28], [28, 4]]] * 7
+    assert n[7:] == [[[k, 16], [16, k]] for k in range(5, 5 + len(n) - 7)]
+    assert main(["replay", str(fk.dir)]) == 0
+    assert "all bit-exact" in capsys.readouterr().err
 
 
 def test_a_per_head_cache_starts_from_a_one_token_prompt(tiny_model, tiny_policy, one_thread):

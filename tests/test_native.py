@@ -483,6 +483,26 @@ def test_a_build_killed_part_way_holds_no_later_load():
         assert not (folder / "lock").exists()
 
 
+def test_another_checkout_of_the_same_source_loads_without_a_rebuild(tmp_path):
+    """The build names its source by the build folder's own copy, so a second checkout (a
+    clone or a worktree elsewhere, the same source) loads the kernels built for the first
+    instead of building them again (tens of seconds each time the two take turns)."""
+    native.kernels()
+    folder = native.build_folder(native.build())
+    (built,) = folder.glob("*.so")
+    before = built.stat().st_mtime_ns
+    elsewhere = tmp_path / "checkout" / "native.cpp"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(native.SOURCE.read_bytes())
+    code = (f"from pathlib import Path; from positronic_brain import native; "
+            f"native.SOURCE = Path({str(elsewhere)!r}); native.kernels()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert built.stat().st_mtime_ns == before
+    assert str(folder / "native.cpp") in (folder / "build.ninja").read_text()
+
+
 def _draws(draw, p: torch.Tensor, seed: int, times: int = 3) -> tuple[list[int], torch.Tensor]:
     """``times`` tokens drawn by ``draw(p, generator)`` from a generator seeded ``seed``, and
     the generator's state after them."""

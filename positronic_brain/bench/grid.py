@@ -26,6 +26,7 @@ import torch
 from .. import native
 from ..model import Model, load_model, resolve_device
 from ..special_tokens import TokenPolicy
+from ..stages.apply.rows import cold_size
 from ..types import UserError, require
 from . import batch_size, common
 from .result import Journal, KVCost
@@ -93,12 +94,14 @@ class Pool:
         with: one in a worker (or an actor), this process's own where it measures them."""
         return 1 if self.ray is not None or self.workers(items) > 1 else torch.get_num_threads()
 
-    def batch(self, cfg, model: Model, items: int, row_tokens: int):
+    def batch(self, cfg, model: Model, items: int, row_tokens: int, cold: bool):
         """``batch_size.resolve`` for a grid of ``items`` items measured by this pool, whose
-        rows hold at most ``row_tokens`` tokens of ``model``'s K/V each."""
+        rows hold at most ``row_tokens`` tokens of ``model``'s K/V each, and as much again
+        and the store's room to grow in a cold store where ``cold`` (a cell with recall)."""
         kv = KVCost.of(model)
+        tokens = row_tokens + (cold_size(row_tokens, 0, sys.maxsize) if cold else 0)
         return batch_size.resolve(cfg, model, self.threads(items),
-                                  kv.heads * kv.pair_bytes * row_tokens,
+                                  kv.heads * kv.pair_bytes * tokens,
                                   max(self.workers(items), 1))
 
     def rows(self, label: str, todo: list, cells_each: int, here: Callable,

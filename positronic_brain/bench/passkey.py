@@ -397,7 +397,8 @@ def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
     for n in cfg.lengths:  # fail before the progress bar: each length holds the task
         fit(policy, 10000, 0.5, n, cfg.framing)
     todo = trials(cfg.seed, cfg.trials, cfg.lengths)
-    cfg, choice = pool.batch(cfg, model, len(todo), max(cfg.lengths) + cfg.max_new_tokens)
+    cfg, choice = pool.batch(cfg, model, len(todo), max(cfg.lengths) + cfg.max_new_tokens,
+                             any(c.cache.recall is not None for c in cells(cfg)))
     workers = pool.workers(len(todo))
     rows = run_trials(cfg, model, policy, todo, pool)
     ref = _cell_row(rows, 0, "none", None, {})

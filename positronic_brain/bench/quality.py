@@ -855,7 +855,8 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
     kv, stage1 = KVCost.of(model), model.stage1_path
     room = slice_range(len(all_ids), cfg.slice, cfg.at)
     jobs = plan(cfg, limit, room)
-    cfg, choice = pool.batch(cfg, model, len(jobs), max(j.tokens + 1 for j in jobs))
+    cfg, choice = pool.batch(cfg, model, len(jobs), max(j.tokens + 1 for j in jobs),
+                             any(j.cache.recall is not None for j in jobs))
     del model
     workers = pool.workers(len(jobs))  # at most one a pack of jobs here
     workers = workers if pool.ray is not None else min(workers,
@@ -1244,7 +1245,9 @@ def report_md(res: QualityResult, images: list[str], image_dir: str, level: int 
         f"Protected from culls: {sp['sinks']} sinks, "
         f"{sp['recent']} recent tokens. Brightness: decay {sp['decay']}, gain {sp['gain']}, "
         f"signal {sp['signal']}, aggregation {sp['aggregate']}, "
-        f"skip layers {sp.get('skip_layers', 0.0)}, max {sp['max_brightness']}. Recall: the "
+        f"skip layers {sp.get('skip_layers', 0.0)}, max {sp['max_brightness']}"
+        + (f"; per head, pool {sp['pool']}, shrink {sp['shrink']}" if "shrink" in sp else "")
+        + ". Recall: the "
         f"cold store scanned every {sp['recall_every']} step(s) over "
         f"{sp['recall_layers'] or 'all the brightness'} layers, at most {sp['recall_max']} "
         f"swaps a step, span {sp['recall_span']}, margin {sp.get('recall_margin', 0.0)}. "

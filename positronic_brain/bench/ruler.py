@@ -610,7 +610,8 @@ def run(cfg: RulerConfig, command: str, pool: Pool = Pool()) -> RulerResult:
     if cfg.write_data:
         res.data = write_data(cfg, policy, todo)
     else:
-        cfg, res.batch_choice = pool.batch(cfg, model, len(todo), max(cfg.lengths))
+        cfg, res.batch_choice = pool.batch(cfg, model, len(todo), max(cfg.lengths),
+                                           bool(cfg.recall_policies))
         res.config, res.workers, res.ray = cfg, pool.workers(len(todo)), pool.ray
         res.samples = run_samples(cfg, model, policy, todo, pool)
         res.rows = rows(res, cells(cfg))

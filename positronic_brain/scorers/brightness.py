@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 
 from .attention import (aggregate, aggregation, by_head, check_aggregation, head_column,
-                        head_relative_norms, value_weighted)
+                        head_index, head_relative_norms, value_weighted)
 from ..state import View
 from ..types import SIGNALS, SOURCES, Column, PrefillStats, ScoreOut, option, require
 
@@ -125,12 +125,20 @@ class Brightness:
         """``share`` (L, KVH, width) moved ``shrink`` of the way to each token's mean share
         over the (layer, KV head)s that hold it: one head's view of a token is noisy, and
         the heads together see it as whole-token eviction does."""
-        rows = view.heads.row[:, :, :share.shape[-1]]
+        L, KVH, width = share.shape
+        rows = view.heads.row[:, :, :width]
         held = rows >= 0
-        at = torch.where(held, rows, view.n).reshape(-1)  # a free slot: one past the rows
-        total = share.new_zeros(view.n + 1).index_add(0, at, share.reshape(-1))
-        mean = total / torch.bincount(at, minlength=view.n + 1).clamp(min=1)
-        return torch.where(held, torch.lerp(share, mean[at].view_as(share), self.shrink), share)
+        at = head_index(view)[:, :, :width].reshape(-1)  # in a (tokens, L, KVH) table
+
+        def over_heads(x: torch.Tensor) -> torch.Tensor:  # (L, KVH, width) -> (tokens,)
+            # a head holds a token at most once, so the scatter adds nothing (a free slot's
+            # goes one past the end, dropped), and the sum runs in one fixed order on every
+            # device, where an index_add's on a GPU is its atomics'
+            table = x.new_zeros(view.n * L * KVH + 1).scatter(0, at, x.reshape(-1))
+            return table[:-1].view(view.n, L * KVH).sum(1)
+
+        mean = over_heads(share) / over_heads(held.to(share.dtype)).clamp(min=1)
+        return torch.where(held, torch.lerp(share, mean[rows.clamp(min=0)], self.shrink), share)
 
     def score_heads(self, view: View, attention: torch.Tensor) -> ScoreOut:
         """The rule per (layer, KV head): (L, H, n) -> scores (L, KVH, n), the column
