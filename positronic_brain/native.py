@@ -114,9 +114,10 @@ NO_PAIRS_FLAGS = ["-mno-avx512bf16"]
 @functools.cache
 def kernels(scalar: bool = False, pairs: bool = True):
     """The compiled kernels, built once per ``build`` (tens of seconds the first time; then
-    loaded from the build folder named by it, whichever checkout of the source asks). ``scalar`` builds them without their AVX-512
-    loops (``SCALAR_FLAGS``), ``pairs`` False without AVX512_BF16's (``NO_PAIRS_FLAGS``),
-    so that the loops a CPU without them runs can be tested on one that has them."""
+    loaded from the build folder named by it, whichever checkout of the source asks for
+    them). ``scalar`` builds them without their AVX-512 loops (``SCALAR_FLAGS``), ``pairs``
+    False without AVX512_BF16's (``NO_PAIRS_FLAGS``), so that the loops a CPU without them
+    runs can be tested on one that has them."""
     check_compile([torch.device("cpu")], NATIVE)  # a compiler, and ninja
     if shutil.which("ninja") is None:  # torch runs ninja from the PATH: the package's own
         import ninja  # pylint: disable=import-outside-toplevel
@@ -134,9 +135,9 @@ def kernels(scalar: bool = False, pairs: bool = True):
         # built from the folder's own copy of the source: torch rebuilds when the build file
         # changes, and it names the source's path, so every checkout (a clone, a worktree)
         # building from its own would rebuild the kernels after another's load
-        source = folder / SOURCE.name
-        if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
-            source.write_bytes(SOURCE.read_bytes())
+        source, text = folder / SOURCE.name, SOURCE.read_bytes()
+        if not source.exists() or source.read_bytes() != text:
+            source.write_bytes(text)
         # no floating-point contraction: each product and sum rounds as torch's operators do
         return load(name=f"positronic_brain_native_{key}", sources=[str(source)],
                     extra_cflags=["-O3", "-march=native", "-ffp-contract=off",

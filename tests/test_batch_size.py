@@ -10,6 +10,7 @@ from positronic_brain.bench.grid import Pool
 from positronic_brain.bench.quality import QualityConfig
 from positronic_brain.bench.result import KVCost
 from positronic_brain.cli import main
+from positronic_brain.stages.apply.recall import COLD_ROWS, cold_most
 
 
 @pytest.fixture
@@ -89,33 +90,40 @@ def test_a_cache_folder_that_takes_nothing_measures_each_time(tiny_model, tmp_pa
 
 
 def test_the_rows_fit_in_half_the_free_memory(tiny_model, monkeypatch):
+    """The rows a batch may step together, the grid's largest first, fill at most half the
+    free memory of each process."""
     monkeypatch.setattr(batch_size, "chosen",
                         lambda model, threads: batch_size.Choice(32, {1: 1.0, 32: 9.0}))
     cfg = QualityConfig(model="tiny-random", budgets=(24,))
     monkeypatch.setattr(batch_size, "available_bytes", lambda: 10 * 2**30)
-    assert batch_size.resolve(cfg, tiny_model, 1, 2**30, 1)[0].batch == 5
-    got, line = batch_size.resolve(cfg, tiny_model, 1, 2**30, 2)
+    gib = [2**30] * 40
+    assert batch_size.resolve(cfg, tiny_model, 1, gib, 1)[0].batch == 5
+    got, line = batch_size.resolve(cfg, tiny_model, 1, gib, 2)
     assert got.batch == 2 and "2 rows, as many as 50% of the free memory" in line
-    assert batch_size.resolve(cfg, tiny_model, 1, 2**20, 2)[0].batch == 32  # room for all
-    assert batch_size.resolve(cfg, tiny_model, 1, 2**40, 2)[0].batch == 1  # one at least
+    assert "(1,024 MiB at most)" in line
+    # two large rows (3 GiB and 1 GiB) leave 1 GiB for small ones of 256 MiB: 4 of them
+    mixed = [2**28] * 30 + [3 * 2**30, 2**30]
+    assert batch_size.resolve(cfg, tiny_model, 1, mixed, 1)[0].batch == 6
+    assert batch_size.resolve(cfg, tiny_model, 1, [2**20] * 40, 2)[0].batch == 32  # room for all
+    assert batch_size.resolve(cfg, tiny_model, 1, [2**40], 2)[0].batch == 1  # one at least
     monkeypatch.setattr(batch_size, "available_bytes", lambda: None)
-    assert batch_size.resolve(cfg, tiny_model, 1, 2**40, 2)[0].batch == 32
+    assert batch_size.resolve(cfg, tiny_model, 1, [2**40], 2)[0].batch == 32
     monkeypatch.undo()  # the real one reads /proc/meminfo
     free = batch_size.available_bytes()
     assert free is None or free > 0
 
 
 def test_a_grid_with_recall_counts_its_rows_cold_store(tiny_model, monkeypatch):
-    """A row's bytes in the memory cap: its K/V at its longest, and where a cell recalls, the
-    cold store its culled tokens go to, grown as ``cold_size`` grows it (a quarter more than
-    the row's tokens)."""
+    """A row's bytes in the memory cap: its K/V at its longest, and where it recalls, the
+    cold store its culled tokens go to at the most it grows to (``cold_most``: 1.5 x the
+    row's tokens at most, its first allocation at least)."""
     seen = []
     monkeypatch.setattr(batch_size, "resolve",
                         lambda cfg, model, threads, row_bytes, processes: seen.append(row_bytes))
-    kv = KVCost.of(tiny_model)
-    Pool(jobs=2).batch(None, tiny_model, 4, 400, cold=False)
-    Pool(jobs=2).batch(None, tiny_model, 4, 400, cold=True)
-    assert seen == [400 * kv.heads * kv.pair_bytes, (400 + 500) * kv.heads * kv.pair_bytes]
+    pair = (kv := KVCost.of(tiny_model)).heads * kv.pair_bytes
+    Pool(jobs=2).batch(None, tiny_model, 4, [(4000, False), (4000, True), (100, True)])
+    assert seen == [[4000 * pair, (4000 + 5998) * pair, (100 + COLD_ROWS) * pair]]
+    assert cold_most(4000) == 5998 and cold_most(100) == COLD_ROWS
 
 
 def test_a_given_batch_is_kept_and_none_is_chosen(tiny_model, monkeypatch):
@@ -148,3 +156,36 @@ def test_a_grid_without_batch_runs_the_chosen_rows_and_says_so(tmp_path, cache, 
                  "--policies", "h2o", "--repairs", "none", "--windows", "1", "--tokens", "16",
                  "--jobs", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["batch"] == 2
+
+
+class _Stop(Exception):
+    """Ends a run at its batch's choice."""
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["passkey", "--quick", "--policies", "h2o", "--budgets", "24"],
+     [False, False, True, False]),  # the full cache, then plain, with recall, flipped
+    (["ruler", "--model", "smollm2", "--tasks", "niah_single_1", "--lengths", "1024",
+      "--samples", "1", "--policies", "h2o", "--ratios", "0.5", "--protocols", "compress",
+      "--recall", "h2o"],
+     [False, False, True]),
+    (["quality", "--quick", "--budgets", "24", "--policies", "h2o", "--recall", "h2o",
+      "--repairs", "none", "--windows", "1", "--tokens", "16", "--long", "0"],
+     [False, False, True, False]),  # the full cache, h2o, h2o with recall, the oracle
+])
+def test_each_grid_says_which_of_its_rows_recall(monkeypatch, request, argv, want):
+    """The rows each grid hands the memory cap (a batch's rows: a trial's or a sample's
+    cells, the quality grid's windows of each cell), a cold store only where a cell
+    recalls."""
+    seen = []
+
+    def batch(self, cfg, model, items, rows):
+        seen.extend(rows)
+        raise _Stop
+
+    monkeypatch.setattr(Pool, "batch", batch)
+    if "smollm2" in argv:  # RULER's tasks do not fit the tiny model's positions
+        request.getfixturevalue("real_model")  # skipped where its weights are not
+    with pytest.raises(_Stop):
+        main(["bench", *argv, "--jobs", "1"] + ["--model", "tiny-random"] * ("--model" not in argv))
+    assert [cold for _, cold in seen] == want and len({t for t, _ in seen}) == 1

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from positronic_brain.bench import grid
 from positronic_brain.bench.grid import Pool
 from positronic_brain.bench.result import Journal, Result
 from positronic_brain.cli import main
@@ -150,6 +151,26 @@ def test_a_run_that_measures_nothing_leaves_the_journal_it_found(tmp_path):
             Pool(1, Journal(path, HEAD, resume, Row)).rows("demo", [0, 1, 2], 1, fail, None,
                                                             None, None)
         assert path.read_text() == before
+
+
+def test_workers_take_the_largest_items_first_and_the_rows_keep_their_order(monkeypatch):
+    """A grid of items of unequal work (pass-key trials, RULER samples of several lengths)
+    is handed to the workers largest first, so that no long item starts last; the rows come
+    back in the items' order all the same."""
+    sent = []
+
+    def processes(jobs, items, there, cfg, cells, finished):
+        sent.extend(i for i, _ in items)
+        for i, item in reversed(items):  # in any order
+            finished(i, there(item))
+
+    monkeypatch.setattr(grid, "_on_processes", processes)
+    todo = [300, 100, 400, 200]
+    rows = Pool(2).rows("demo", todo, 1, None, lambda x: -x, None, None, size=lambda x: x)
+    assert sent == [2, 0, 3, 1] and rows == [-300, -100, -400, -200]
+    sent.clear()
+    assert Pool(2).rows("demo", todo, 1, None, lambda x: -x, None, None) == rows
+    assert sent == [0, 1, 2, 3]  # without sizes: as they came
 
 
 SLEEPER = """

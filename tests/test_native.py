@@ -499,8 +499,10 @@ def test_another_checkout_of_the_same_source_loads_without_a_rebuild(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert built.stat().st_mtime_ns == before
-    assert str(folder / "native.cpp") in (folder / "build.ninja").read_text()
+    with open(folder / "build.flock", "w", encoding="utf-8") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # read while no load in another process writes
+        assert built.stat().st_mtime_ns == before
+        assert str(folder / "native.cpp") in (folder / "build.ninja").read_text()
 
 
 def _draws(draw, p: torch.Tensor, seed: int, times: int = 3) -> tuple[list[int], torch.Tensor]:

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -155,21 +156,30 @@ def available_bytes() -> int | None:
     return None
 
 
-def resolve(cfg, model: Model, threads: int, row_bytes: int = 0, processes: int = 1):
+def resolve(cfg, model: Model, threads: int, row_bytes: Sequence[int] = (),
+            processes: int = 1):
     """``cfg`` (a grid benchmark's config) with its ``batch`` as given (``--batch``) or, where
     none was, ``chosen``'s for ``model`` at ``threads`` threads (the threads each of the
     run's ``processes`` steps with), at most as many rows as ``MEMORY_SHARE`` of the free
-    memory holds at ``row_bytes`` a row (a row's K/V at its longest) in every process; and
-    the report's line on the choice (empty where given)."""
+    memory holds in every process, whichever rows of the grid (``row_bytes``: each one's
+    bytes at its longest) come together: the largest; and the report's line on the choice
+    (empty where given). The share's other half leaves room for what a row holds for a
+    moment (a cold store's old storage while it grows) and for the rest of the process."""
     if cfg.batch is not None:
         return cfg, ""
     choice, free = chosen(model, threads), available_bytes()
     line, batch = choice.describe(), choice.batch
-    if row_bytes > 0 and free is not None:
-        room = max(1, int(MEMORY_SHARE * free / (row_bytes * max(processes, 1))))
+    if row_bytes and free is not None:
+        room, held = 0, MEMORY_SHARE * free / max(processes, 1)
+        for size in sorted(row_bytes, reverse=True)[:batch]:
+            held -= size
+            if held < 0:
+                break
+            room += 1
+        room = max(room, 1)
         if room < batch:
             batch = room
             line += (f"; {room} rows, as many as {MEMORY_SHARE:.0%} of the free memory "
-                     f"({free / 2**30:.1f} GiB) holds at {row_bytes / 2**20:,.0f} MiB a row in "
-                     f"each of {processes} process(es)")
+                     f"({free / 2**30:.1f} GiB) holds in each of {processes} process(es) at "
+                     f"the grid's largest rows ({max(row_bytes) / 2**20:,.0f} MiB at most)")
     return dataclasses.replace(cfg, batch=batch), line

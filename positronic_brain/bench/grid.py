@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +26,7 @@ import torch
 from .. import native
 from ..model import Model, load_model, resolve_device
 from ..special_tokens import TokenPolicy
-from ..stages.apply.rows import cold_size
+from ..stages.apply.recall import cold_most
 from ..types import UserError, require
 from . import batch_size, common
 from .result import Journal, KVCost
@@ -94,22 +94,26 @@ class Pool:
         with: one in a worker (or an actor), this process's own where it measures them."""
         return 1 if self.ray is not None or self.workers(items) > 1 else torch.get_num_threads()
 
-    def batch(self, cfg, model: Model, items: int, row_tokens: int, cold: bool):
-        """``batch_size.resolve`` for a grid of ``items`` items measured by this pool, whose
-        rows hold at most ``row_tokens`` tokens of ``model``'s K/V each, and as much again
-        and the store's room to grow in a cold store where ``cold`` (a cell with recall)."""
+    def batch(self, cfg, model: Model, items: int, rows: Iterable[tuple[int, bool]]):
+        """``batch_size.resolve`` for a grid of ``items`` items measured by this pool,
+        whose ``rows`` (each row a batch may step: its tokens at most, and whether it
+        recalls) hold their tokens' K/V each, and a row with recall its cold store too, at
+        the most it grows to (``cold_most``)."""
         kv = KVCost.of(model)
-        tokens = row_tokens + (cold_size(row_tokens, 0, sys.maxsize) if cold else 0)
-        return batch_size.resolve(cfg, model, self.threads(items),
-                                  kv.heads * kv.pair_bytes * tokens,
-                                  max(self.workers(items), 1))
+        return batch_size.resolve(
+            cfg, model, self.threads(items),
+            [kv.heads * kv.pair_bytes * (t + (cold_most(t) if cold else 0)) for t, cold in rows],
+            max(self.workers(items), 1))
 
     def rows(self, label: str, todo: list, cells_each: int, here: Callable,
-             there: Callable, cfg, cells: Callable) -> list:
+             there: Callable, cfg, cells: Callable,
+             size: Callable[[Any], float] | None = None) -> list:
         """Each of ``todo`` measured in every cell of a grid, with a progress bar of
         ``label``: ``here(item, tick)`` in this process, or ``there(item)`` in a worker
         whose ``WORKER`` holds ``cfg``'s model, ``cfg`` and ``cells(cfg)``;
-        ``cells_each`` ticks an item. The rows in ``todo``'s order."""
+        ``cells_each`` ticks an item. Workers take the items largest first by ``size``
+        (an item's work, roughly), so that no long one starts last and holds up the end.
+        The rows in ``todo``'s order."""
         done = dict(self.journal.done) if self.journal is not None else {}
         rows = dict(done)
         with common.progress() as task:
@@ -125,14 +129,15 @@ class Pool:
                     tick()
 
             left = [i for i in range(len(todo)) if i not in done]
+            away = left if size is None else sorted(left, key=lambda i: -size(todo[i]))
             if self.ray is not None and left:
-                on_ray(self.ray, self.jobs, [(i, todo[i]) for i in left], there, cfg,
+                on_ray(self.ray, self.jobs, [(i, todo[i]) for i in away], there, cfg,
                         cells, finished)
             elif self.jobs == 1 or len(left) <= 1:
                 for i in left:
                     finished(i, here(todo[i], tick), 0)
             elif left:
-                _on_processes(min(self.jobs or 1, len(left)), [(i, todo[i]) for i in left],
+                _on_processes(min(self.jobs or 1, len(left)), [(i, todo[i]) for i in away],
                               there, cfg, cells, finished)
         return [rows[i] for i in range(len(todo))]
 

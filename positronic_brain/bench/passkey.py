@@ -340,7 +340,7 @@ def run_trials(cfg: PasskeyConfig, model: Model, policy: TokenPolicy, todo: list
     cs = cells(cfg)
     return pool.rows(f"pass key: {len(todo)} trials x {1 + len(cs)} cells", todo, 1 + len(cs),
                      lambda t, tick: run_trial(model, policy, cfg, t, cs, tick), _run_trial,
-                     cfg, cells)
+                     cfg, cells, lambda t: t.length)
 
 
 @dataclass(frozen=True)
@@ -397,8 +397,9 @@ def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
     for n in cfg.lengths:  # fail before the progress bar: each length holds the task
         fit(policy, 10000, 0.5, n, cfg.framing)
     todo = trials(cfg.seed, cfg.trials, cfg.lengths)
-    cfg, choice = pool.batch(cfg, model, len(todo), max(cfg.lengths) + cfg.max_new_tokens,
-                             any(c.cache.recall is not None for c in cells(cfg)))
+    longest = max(cfg.lengths) + cfg.max_new_tokens  # a trial's rows: the full cache, the cells
+    cfg, choice = pool.batch(cfg, model, len(todo), [(longest, False)] + [
+        (longest, c.cache.recall is not None) for c in cells(cfg)])
     workers = pool.workers(len(todo))
     rows = run_trials(cfg, model, policy, todo, pool)
     ref = _cell_row(rows, 0, "none", None, {})

@@ -855,8 +855,8 @@ def run(cfg: QualityConfig, command: str, pool: Pool = Pool()) -> QualityResult:
     kv, stage1 = KVCost.of(model), model.stage1_path
     room = slice_range(len(all_ids), cfg.slice, cfg.at)
     jobs = plan(cfg, limit, room)
-    cfg, choice = pool.batch(cfg, model, len(jobs), max(j.tokens + 1 for j in jobs),
-                             any(j.cache.recall is not None for j in jobs))
+    cfg, choice = pool.batch(cfg, model, len(jobs), [(j.tokens + 1, j.cache.recall is not None)
+                                                     for j in jobs for _ in j.starts])
     del model
     workers = pool.workers(len(jobs))  # at most one a pack of jobs here
     workers = workers if pool.ray is not None else min(workers,

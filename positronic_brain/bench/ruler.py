@@ -530,7 +530,7 @@ def run_samples(cfg: RulerConfig, model: Model, policy: TokenPolicy, todo: list,
     cs = cells(cfg)
     return pool.rows(f"ruler: {len(todo)} samples x {1 + len(cs)} cells", todo, 1 + len(cs),
                      lambda s, tick: run_sample(model, policy, cfg, s, cs, tick), _run_sample,
-                     cfg, cells)
+                     cfg, cells, lambda s: s.n_tokens)
 
 
 def write_data(cfg: RulerConfig, policy: TokenPolicy, todo: list) -> list[str]:
@@ -610,8 +610,8 @@ def run(cfg: RulerConfig, command: str, pool: Pool = Pool()) -> RulerResult:
     if cfg.write_data:
         res.data = write_data(cfg, policy, todo)
     else:
-        cfg, res.batch_choice = pool.batch(cfg, model, len(todo), max(cfg.lengths),
-                                           bool(cfg.recall_policies))
+        cfg, res.batch_choice = pool.batch(cfg, model, len(todo), [(max(cfg.lengths), False)] + [
+            (max(cfg.lengths), c.recall) for c in cells(cfg)])
         res.config, res.workers, res.ray = cfg, pool.workers(len(todo)), pool.ray
         res.samples = run_samples(cfg, model, policy, todo, pool)
         res.rows = rows(res, cells(cfg))

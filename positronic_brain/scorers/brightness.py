@@ -132,7 +132,7 @@ class Brightness:
 
         def over_heads(x: torch.Tensor) -> torch.Tensor:  # (L, KVH, width) -> (tokens,)
             # a head holds a token at most once, so the scatter adds nothing (a free slot's
-            # goes one past the end, dropped), and the sum runs in one fixed order on every
+            # goes one past the end, dropped), and the sum runs in a fixed order on each
             # device, where an index_add's on a GPU is its atomics'
             table = x.new_zeros(view.n * L * KVH + 1).scatter(0, at, x.reshape(-1))
             return table[:-1].view(view.n, L * KVH).sum(1)

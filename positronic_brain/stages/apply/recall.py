@@ -3,6 +3,7 @@ in, recalled ones coming back in place of a hot slot's, the oldest dropped past 
 and its undo, so stage 4 stays all or nothing with recall too (``Undo``)."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,13 @@ from .rows import ROWS, cold_size, put_rows, remove, take_rows
 
 
 COLD_ROWS = 1024  # a cold store's first allocation; stage 4 grows it up to its capacity
+
+
+def cold_most(rows: int) -> int:
+    """The most storage a cold store grows to while it holds up to ``rows`` live rows: a
+    growth passes neither 1.5 x its storage (below ``rows``, since it grows) nor 1.25 x
+    what it needs (``cold_size``), and it starts at ``COLD_ROWS``."""
+    return max(COLD_ROWS, cold_size(rows, rows - 1, sys.maxsize))
 
 
 def cold_store(model: Model, capacity: int, rows: int | None = None,
