@@ -105,6 +105,8 @@ def test_the_rows_fit_in_half_the_free_memory(tiny_model, monkeypatch):
     mixed = [2**28] * 30 + [3 * 2**30, 2**30]
     assert batch_size.resolve(cfg, tiny_model, 1, mixed, 1)[0].batch == 6
     assert batch_size.resolve(cfg, tiny_model, 1, [2**20] * 40, 2)[0].batch == 32  # room for all
+    few, line = batch_size.resolve(cfg, tiny_model, 1, [2**20] * 4, 2)  # fewer rows than B
+    assert few.batch == 32 and "free memory" not in line
     assert batch_size.resolve(cfg, tiny_model, 1, [2**40], 2)[0].batch == 1  # one at least
     monkeypatch.setattr(batch_size, "available_bytes", lambda: None)
     assert batch_size.resolve(cfg, tiny_model, 1, [2**40], 2)[0].batch == 32
@@ -170,8 +172,9 @@ class _Stop(Exception):
       "--recall", "h2o"],
      [False, False, True]),
     (["quality", "--quick", "--budgets", "24", "--policies", "h2o", "--recall", "h2o",
-      "--repairs", "none", "--windows", "1", "--tokens", "16", "--long", "0"],
-     [False, False, True, False]),  # the full cache, h2o, h2o with recall, the oracle
+      "--repairs", "none", "--windows", "2", "--tokens", "16", "--long", "0"],
+     [False] * 4 + [True] * 2 + [False] * 2),  # a row a window: the full cache, h2o, h2o
+    # with recall, the oracle
 ])
 def test_each_grid_says_which_of_its_rows_recall(monkeypatch, request, argv, want):
     """The rows each grid hands the memory cap (a batch's rows: a trial's or a sample's

@@ -164,7 +164,8 @@ def resolve(cfg, model: Model, threads: int, row_bytes: Sequence[int] = (),
     memory holds in every process, whichever rows of the grid (``row_bytes``: each one's
     bytes at its longest) come together: the largest; and the report's line on the choice
     (empty where given). The share's other half leaves room for what a row holds for a
-    moment (a cold store's old storage while it grows) and for the rest of the process."""
+    moment (a cold store's old storage while it grows), for what the rows are copied from
+    (a trial's prime) and for the rest of the process."""
     if cfg.batch is not None:
         return cfg, ""
     choice, free = chosen(model, threads), available_bytes()
@@ -176,6 +177,8 @@ def resolve(cfg, model: Model, threads: int, row_bytes: Sequence[int] = (),
             if held < 0:
                 break
             room += 1
+        else:  # every row the grid has fits (however few)
+            room = batch
         room = max(room, 1)
         if room < batch:
             batch = room
