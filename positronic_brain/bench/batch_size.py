@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -171,18 +172,12 @@ def resolve(cfg, model: Model, threads: int, row_bytes: Sequence[int] = (),
     choice, free = chosen(model, threads), available_bytes()
     line, batch = choice.describe(), choice.batch
     if row_bytes and free is not None:
-        room, held = 0, MEMORY_SHARE * free / max(processes, 1)
-        for size in sorted(row_bytes, reverse=True)[:batch]:
-            held -= size
-            if held < 0:
-                break
-            room += 1
-        else:  # every row the grid has fits (however few)
-            room = batch
-        room = max(room, 1)
-        if room < batch:
-            batch = room
-            line += (f"; {room} rows, as many as {MEMORY_SHARE:.0%} of the free memory "
+        held = MEMORY_SHARE * free / max(processes, 1)
+        # the bytes of the largest 1, 2, ... rows together, as many as a batch steps
+        together = list(itertools.accumulate(sorted(row_bytes, reverse=True)[:batch]))
+        if together[-1] > held:  # else every row fits, however few the grid has
+            batch = max(1, sum(b <= held for b in together))
+            line += (f"; {batch} rows, as many as {MEMORY_SHARE:.0%} of the free memory "
                      f"({free / 2**30:.1f} GiB) holds in each of {processes} process(es) at "
                      f"the grid's largest rows ({max(row_bytes) / 2**20:,.0f} MiB at most)")
     return dataclasses.replace(cfg, batch=batch), line

@@ -610,11 +610,12 @@ def run(cfg: RulerConfig, command: str, pool: Pool = Pool()) -> RulerResult:
     if cfg.write_data:
         res.data = write_data(cfg, policy, todo)
     else:
-        cfg, res.batch_choice = pool.batch(cfg, model, len(todo), [(max(cfg.lengths), False)] + [
-            (max(cfg.lengths), c.recall) for c in cells(cfg)])
+        cs, longest = cells(cfg), max(cfg.lengths)
+        cfg, res.batch_choice = pool.batch(cfg, model, len(todo), [(longest, False)] + [
+            (longest, c.recall) for c in cs])
         res.config, res.workers, res.ray = cfg, pool.workers(len(todo)), pool.ray
         res.samples = run_samples(cfg, model, policy, todo, pool)
-        res.rows = rows(res, cells(cfg))
+        res.rows = rows(res, cs)
         res.targets = targets(res)
     res.machine = machine.ended()
     res.elapsed_s = time.perf_counter() - t0
