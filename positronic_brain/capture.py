@@ -160,7 +160,7 @@ class Tape:
 
     dir: Path | None = None
 
-    def primed(self, state, segments, capacity, out, prefill) -> None: ...
+    def primed(self, state, segments, capacity, out, prefill, copy=None) -> None: ...
     def restored(self, state, source: str) -> None: ...
     def extended(self, state, segments, pending, n_before: int, patch) -> None: ...
     def begin(self, state, generator) -> None: ...
@@ -243,10 +243,11 @@ class CaptureTape(Tape):
         self._write_manifest()
 
     # the loop's calls, one per stage
-    def primed(self, state, segments, capacity, out, prefill) -> None:
+    def primed(self, state, segments, capacity, out, prefill, copy=None) -> None:
         """``prefill``: the cache parameters the prime gathered the prompt's statistics
         with (its window; its scorer, if ``prefill.scores``); None if it gathered none.
-        ``prefill_total``: whether they include the total over every query."""
+        ``prefill_total``: whether they include the total over every query; ``copy``: the
+        ids of the repeat instruction of KVzip's reconstruction, if it ran one."""
         self._follow(state, 0)
         self._stage(0, "s0_prime", {"segments": segments, "capacity": capacity,
                                     "pinned": state.pinned, "columns": state.ledger.specs,
@@ -254,6 +255,7 @@ class CaptureTape(Tape):
                                     "prefill": prefill,
                                     "prefill_total": out.stats is not None
                                     and out.stats.total is not None,
+                                    "prefill_copy": copy,
                                     "per_head": state.heads is not None},
                     prime_outputs(state, out))
 

@@ -487,9 +487,9 @@ Store = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, its new k, 
 def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
             positions: torch.Tensor, past_mask: torch.Tensor | None = None,
             want_attention: bool = False, all_logits: bool = False,
-            past_log_mass: Past | None = None, kv_only: bool = False,
-            want_query: bool = False, received_from: int | None = None,
-            window_only: bool = False, store: Store | None = None) -> ForwardOut:
+            past_log_mass: Past | None = None, kv_only: bool = False, want_query: bool = False,
+            received_from: int | None = None, window_only: bool = False,
+            window_peak: bool = False, store: Store | None = None) -> ForwardOut:
     """Run ``ids`` (T,) at ``positions`` (T,) over live K/V ``past_k/past_v``
     (L, kv_heads, n, head_dim). The new tokens attend causally to each other and to
     every live slot, except where ``past_mask`` (T, n) bool is False. ``past_log_mass``
@@ -511,9 +511,9 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     each new token received, per layer and head, summed over the new queries, each query's
     weight on its own token left out (as stage 1's row leaves out the pending token's):
     ``received`` (L, H, n + T) float32 over all of them, ``received_window`` over those from
-    row ``received_from`` on (None if there are none); ``window_only``: that one only.
-    ``store`` (stage 0's prefill on one device; ``stages.apply.rows.store_layer``) takes each
-    layer's new K/V, instead of a block of the forward's own; ``k`` and ``v`` are then None.
+    row ``received_from`` on (None: none; ``window_peak``: the most one paid, not the sum),
+    ``window_only``: that one only. ``store`` (stage 0's prefill on one device) takes each
+    layer's new K/V (``stages.apply.rows.store_layer``); ``k`` and ``v`` are then None.
     """
     require(not (kv_only and (want_attention or want_query or received_from is not None)),
             "kv_only skips the last layer's attention")
@@ -533,7 +533,7 @@ def forward(model: Model, past_k: Past, past_v: Past, ids: torch.Tensor,
     kv = (torch.empty(2, L, s.n_kv_heads, T, s.head_dim, dtype=model.dtype, device=dev)
           if T > 1 and not moves and store is None else None)
     c = _Prefill.plan(model, past_k, past_v, past_mask, past_log_mass, T, want_attention,
-                      want_query, received_from, window_only)
+                      want_query, received_from, window_only, window_peak)
     last_only = not (all_logits or kv_only or want_attention or want_query)
     for i, w in enumerate(model.layers):
         if moves and i in moves:  # this layer runs on another device: take what it reads there
@@ -599,12 +599,14 @@ class _Prefill:  # pylint: disable=too-many-instance-attributes
     received_from: int | None = None
     received: torch.Tensor | None = None  # the statistics (L, H, n + T), over all queries
     window: torch.Tensor | None = None  # ... over those from ``received_from`` on
+    peak: bool = False  # ``window`` holds the most one of its queries paid, not their sum
     bufs: dict = field(default_factory=dict)  # the score buffers per device (``_score_buffers``)
 
     @classmethod
     def plan(cls, model: Model, past_k: Past, past_v: Past, past_mask: torch.Tensor | None,
              past_log_mass: Past | None, T: int, want_attention: bool, want_query: bool,
-             received_from: int | None, window_only: bool) -> "_Prefill":
+             received_from: int | None, window_only: bool,
+             window_peak: bool = False) -> "_Prefill":
         """Several new tokens with nothing wanted but the K/V and logits attend through
         torch's fused attention, unless the prefill builds its scores anyway
         (``builds_scores``). What may be attended is an additive bias, 0 or -inf: for the
@@ -628,7 +630,8 @@ class _Prefill:  # pylint: disable=too-many-instance-attributes
                 queries=[] if want_query else None, last_scores=[] if want_query else None,
                 received_from=received_from,
                 received=rows() if received_from is not None and not window_only else None,
-                window=rows() if received_from is not None and received_from < T else None)
+                window=rows() if received_from is not None and received_from < T else None,
+                peak=window_peak)
         if fused and (past_mask is not None or (n and (dev.type not in APART or model.moves))):
             allowed = torch.ones(T, n + T, dtype=torch.bool, device=dev).tril_(n)
             if past_mask is not None:
@@ -658,7 +661,7 @@ class _Prefill:  # pylint: disable=too-many-instance-attributes
         masks cut to that query's row."""
         if self.received_from is not None:
             _received_lse(q, k, self.past_kt[i] if self.n else None, None, self.received_from,
-                          *self.sums(i))
+                          *self.sums(i), peak=self.peak)
         self.bias, self.mask_past, self.mask_new = (
             t if t is None else t[-1:] for t in (self.bias, self.mask_past, self.mask_new))
 
@@ -674,7 +677,7 @@ class _Prefill:  # pylint: disable=too-many-instance-attributes
             # the statistics from the kernel's log-sum-exps (``builds_scores``)
             out, lse = cpu_attention(q, k, v, *past, lse=True)
             _received_lse(q, k, self.past_kt[i] if n else None, lse, self.received_from,
-                          *self.sums(i))
+                          *self.sums(i), peak=self.peak)
             return out
         if self.fused:
             keys = torch.cat((self.past_ks[i], k), 1)
@@ -694,7 +697,8 @@ class _Prefill:  # pylint: disable=too-many-instance-attributes
         if self.attention is not None:
             self.attention[i] = p.view(KVH, g, T, n + T)[:, :, -1].reshape(H, n + T)
         if self.received_from is not None and Tq == T:
-            _received(p.view(KVH, g, T, n + T), n, self.received_from, *self.sums(i))
+            _received(p.view(KVH, g, T, n + T), n, self.received_from, *self.sums(i),
+                      peak=self.peak)
         return _weigh(p, v, self.past_vs[i], buf, self.dtype)  # (KVH, gT, D)
 
 
@@ -714,11 +718,12 @@ def _gate_up(h: torch.Tensor, w: torch.Tensor | PackedWeight | Int8Weight,
 
 
 def _received(p: torch.Tensor, n: int, start: int, out: torch.Tensor | None,
-              window: torch.Tensor | None) -> None:
+              window: torch.Tensor | None, peak: bool = False) -> None:
     """One layer's softmax ``p`` (KVH, g, T, n + T): into ``out`` (H, n + T) the weight each
     column received summed over the T queries, a query's own column (n + t for query t) left
     out, so a new token counts only what later queries paid it; into ``window`` the same over
-    the queries from row ``start`` on (each None: not wanted)."""
+    the queries from row ``start`` on (each None: not wanted); ``peak``: the most one of
+    those queries paid, not their sum."""
     KVH, g = p.shape[:2]
     H = KVH * g
     earlier = p[..., n:].tril(-1)  # (KVH, g, T, T): the new queries' weights on earlier new tokens
@@ -726,8 +731,9 @@ def _received(p: torch.Tensor, n: int, start: int, out: torch.Tensor | None,
         out[:, :n] = p[..., :n].sum(2).reshape(H, n)
         out[:, n:] = earlier.sum(2).reshape(H, -1)
     if window is not None:
-        window[:, :n] = p[:, :, start:, :n].sum(2).reshape(H, n)
-        window[:, n:] = earlier[:, :, start:].sum(2).reshape(H, -1)
+        reduce = torch.amax if peak else torch.sum
+        window[:, :n] = reduce(p[:, :, start:, :n], 2).reshape(H, n)
+        window[:, n:] = reduce(earlier[:, :, start:], 2).reshape(H, -1)
 
 
 LSE_ROWS = 128  # queries per block of ``_received_lse``
@@ -735,7 +741,7 @@ LSE_ROWS = 128  # queries per block of ``_received_lse``
 
 def _received_lse(q: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor | None,
                   lse: torch.Tensor | None, start: int, out: torch.Tensor | None,
-                  window: torch.Tensor | None) -> None:
+                  window: torch.Tensor | None, peak: bool = False) -> None:
     """What ``_received`` takes from a built softmax, where none was built (a prefill that
     ``cpu_attention`` attended, or a last layer that answers only the last query): each
     weight made as exp(q.k - lse) from the queries ``q`` (H, T, D), their log-sum-exps
@@ -778,7 +784,10 @@ def _received_lse(q: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor | None
                 w = w.tril_(a - 1)
             if total is not None:
                 total[:, cols] += w.sum(2).view(H, -1)
-            if last is not None and b > start:
+            if last is not None and b > start and peak:  # the weights are >= 0: from 0
+                torch.maximum(last[:, cols], w[:, :, max(0, start - a):].amax(2).view(H, -1),
+                              out=last[:, cols])
+            elif last is not None and b > start:
                 last[:, cols] += w[:, :, max(0, start - a):].sum(2).view(H, -1)
     for x, made in zip((out, window), sums):
         if x is not made:  # made elsewhere

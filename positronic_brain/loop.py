@@ -20,17 +20,30 @@ from . import graph, threads
 from .capture import NO_TAPE, Tape
 from .model import Model
 from .sampler import make_generator
-from .scorers import (SCORERS, columns_of, make_scorer, prefill_scorer, reads_total,
+from .scorers import (SCORERS, columns_of, make_scorer, prefill_scorer, reads_copy, reads_total,
                       takes_prefill_scores)
 from .special_tokens import TextStream, TokenPolicy
 from .stages.apply import add_cold_store, add_columns, add_heads, apply, extend, prime, seed
+from .stages.apply.prefill import copy_room
 from .stages.decide import decide
 from .stages.decide.allocation import budgets
 from .stages.generate import generate
 from .stages.score import recall_query, score
 from .state import State, View
 from .types import (PER_HEAD, CacheParams, GenerateOut, Patch, PrefillStats, SamplerParams,
-                    Segment, StepRecord, Totals, require)
+                    Segment, StepRecord, Totals, UserError, require)
+
+
+# KVzip's repeat instruction (``stages.apply.prefill.reconstruction``): the prompt is copied
+# after it, a scorer that reads the reconstruction (``scorers.reads_copy``) seeded from that.
+COPY_INSTRUCTION = "\n\nRepeat the previous context exactly.\n\n"
+
+
+def check_copy(model: Model, policy: TokenPolicy, n_prompt: int) -> None:
+    """Refuse in one line a prompt of ``n_prompt`` tokens that leaves too few positions for
+    KVzip's reconstruction (``stages.apply.prefill.copy_room``): a benchmark's check before
+    any work."""
+    copy_room(model, n_prompt - 1, policy.encode(COPY_INSTRUCTION))
 
 
 def arena_capacity(model: Model, cache_params: CacheParams, n_prompt: int,
@@ -100,7 +113,8 @@ class Session:
                 add_heads(self.state)
 
     def prime(self, segments: list[Segment], capacity: int | None = None,
-              stats: bool = False, total: bool = True) -> PrefillStats | None:
+              stats: bool = False, total: bool = True, copy: bool = False
+              ) -> PrefillStats | None:
         """Stage 0 over the prompt segments (what the special-token policy produced), into
         an arena of ``capacity`` slots (default: ``arena_capacity``). Where
         ``scorers.takes_prefill_scores`` says so (the resolved value is kept in
@@ -108,8 +122,19 @@ class Session:
         the scorer's columns from them (their ``total`` only if it reads it:
         ``scorers.reads_total``); ``stats`` gathers them whatever the scorer (a copy of the
         prime is then seeded with ``seed``), the total too unless ``total`` is False (no
-        scorer seeded from them reads it). Returns them (None: not gathered)."""
+        scorer seeded from them reads it), and KVzip's reconstruction with ``copy`` (or where
+        the scorer reads it: ``scorers.reads_copy``), after ``COPY_INSTRUCTION``. Returns them
+        (None: not gathered)."""
         n_prompt = sum(len(s.ids) for s in segments)
+        before = self.cache_params
+        try:
+            return self._prime(segments, capacity, stats, total, copy, n_prompt)
+        except UserError:  # refused: the session as it was
+            self.cache_params = before
+            raise
+
+    def _prime(self, segments: list[Segment], capacity: int | None, stats: bool, total: bool,
+               copy: bool, n_prompt: int) -> PrefillStats | None:
         params = self._resolve_prefill(n_prompt)
         capacity = capacity or arena_capacity(self.model, params, n_prompt)
         budget = params.budget
@@ -117,13 +142,17 @@ class Session:
                 f"capacity {capacity} is smaller than the budget {budget}")
         scorer = prefill_scorer(self.scorer, params)
         gather = stats or scorer is not None
+        instruction = (tuple(self.policy.encode(COPY_INSTRUCTION))
+                       if gather and ((stats and copy) or reads_copy(scorer)) else None)
         self.state, out = prime(self.model, segments, capacity, pinned=frozenset(params.pinned),
                                 columns=columns_of(self.scorer),
                                 cold_capacity=cold_capacity(params),
                                 prefill_window=params.prefill.window if gather else None,
                                 scorer=scorer, prefill_total=(stats and total) or reads_total(scorer),
-                                per_head=params.allocation.per_head)
-        self.tape.primed(self.state, segments, capacity, out, params if gather else None)
+                                per_head=params.allocation.per_head,
+                                prefill_copy=instruction)
+        self.tape.primed(self.state, segments, capacity, out, params if gather else None,
+                         instruction)
         self.prompt_ids = [i for s in segments for i in s.ids]
         self.generated_ids = []
         self.stop_reason = None

@@ -64,15 +64,35 @@ def options_of(cls: type, kind: type = Option) -> list:
             for f in dataclasses.fields(cls) if "help" in f.metadata]
 
 
+def _scorer_defaults() -> dict[str, dict[str, Any]]:
+    """Each built-in scorer field's default by the scorers that have it."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, cls in SCORERS.items():
+        for o in options_of(cls):
+            out.setdefault(o.name, {})[name] = o.default
+    return out
+
+
+SCORER_DEFAULTS = _scorer_defaults()
+PER_SCORER = frozenset(n for n, each in SCORER_DEFAULTS.items()
+                       if len(set(map(repr, each.values()))) > 1)  # defaults that differ
+
+
 def _scorer_options() -> dict[str, Option]:
-    """The built-in scorers' fields, one option a name (``aggregate`` serves three)."""
+    """The built-in scorers' fields, one option a name (``aggregate`` serves four) with the
+    first one's help, naming the scorers that have it; where their defaults differ
+    (``PER_SCORER``), each scorer's, and none of its own."""
     out: dict[str, Option] = {}
     for cls in SCORERS.values():
         for o in options_of(cls):
             out.setdefault(o.name, o)
-    return {n: dataclasses.replace(o, owner=ScorerSpec, help=f"{o.help} (" + ", ".join(
-        s for s, c in SCORERS.items() if n in field_names(c)) + ")")
-        for n, o in out.items()}
+
+    def owners(n: str) -> str:
+        each = SCORER_DEFAULTS[n]
+        return ", ".join(f"{s}: {d}" if n in PER_SCORER else s for s, d in each.items())
+    return {n: dataclasses.replace(o, owner=ScorerSpec, help=f"{o.help} ({owners(n)})",
+                                   default=None if n in PER_SCORER else o.default)
+            for n, o in out.items()}
 
 
 CHOOSERS = {o.name: o for o in (  # the options that choose pieces rather than set a field
@@ -337,13 +357,15 @@ def _row(o: Option) -> tuple[str, str, str, str]:
     default = _default_text(o)[len(" (default: "):-1] if _default_text(o) else ""
     kind = str(o.hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
     choices = f" ({', '.join(o.choices)})" if o.choices else ""
-    return (o.flag, kind, default or "unset", o.help + choices)
+    return (o.flag, kind, default or ("per scorer" if o.name in PER_SCORER else "unset"),
+            o.help + choices)
 
 
 def settings(given: dict[str, Any]) -> dict[str, Any]:
-    """Every option's default (the built-in scorers' fields too), with ``given`` set: what a
-    benchmark's report says its cells ran with."""
-    return {o.name: o.default for o in (*FIELDS.values(), *SCORER_FIELDS.values())} | given
+    """Every option's default (the built-in scorers' fields too, the default scorer's where
+    theirs differ), with ``given`` set: what a benchmark's report says its cells ran with."""
+    own = {o.name: o.default for o in options_of(scorer_class(CacheParams().scorer.name))}
+    return {o.name: o.default for o in (*FIELDS.values(), *SCORER_FIELDS.values())} | own | given
 
 
 def flat(params: CacheParams) -> dict[str, Any]:

@@ -86,7 +86,9 @@ def _equal(ours: torch.Tensor, theirs: torch.Tensor, tol: float | None) -> bool:
 
 def diff(ours, theirs, key: str = "", tol: float | None = None) -> list[tuple[str, str]]:
     """Differences between two plain structures: [(key path, detail)]; tensors bit-exact,
-    or floating-point ones within ``tol`` (relative, see ``TOLERANCE``) where it is given."""
+    or floating-point ones within ``tol`` (relative, see ``TOLERANCE``) where it is given. A
+    key the capture lacks where ours is None is no difference: a field added since (such as
+    ``PrefillStats.copy``), unset, is what a capture made before it recorded."""
     if isinstance(theirs, torch.Tensor) or isinstance(ours, torch.Tensor):
         if not (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor)):
             return [(key, f"{type(ours).__name__} vs {type(theirs).__name__}")]
@@ -101,6 +103,8 @@ def diff(ours, theirs, key: str = "", tol: float | None = None) -> list[tuple[st
         out = []
         for k in sorted(set(ours) | set(theirs), key=str):
             sub = f"{key}.{k}" if key else str(k)
+            if k not in theirs and k in ours and ours[k] is None:
+                continue
             if k not in ours or k not in theirs:
                 out.append((sub, "missing in " + ("replay" if k not in ours else "capture")))
             else:
@@ -184,7 +188,8 @@ class _Replay:
                                 prefill_window=params and params.prefill.window,
                                 scorer=params and prefill_scorer(make_scorer(params), params),
                                 prefill_total=inp.get("prefill_total", True),
-                                per_head=inp.get("per_head", False))
+                                per_head=inp.get("per_head", False),
+                                prefill_copy=inp.get("prefill_copy"))
         if self.wanted(f.stage, 0):
             self.check(f, prime_outputs(self.state, out))
 

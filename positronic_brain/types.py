@@ -635,13 +635,16 @@ class PrefillStats:
     from it); ``total``, the sum over every prefilled query (the attention H2O would have
     gathered; None where the prime was asked for the window only), of which each token got
     ``queries``, the n - 1 - i queries after it. The pending token, stage 1's first query, is
-    not among them."""
+    not among them. ``copy`` (None where not asked for): the most attention any query of a
+    read-only reconstruction of the prompt paid each token (KVzip's score;
+    ``stages.apply.prefill.reconstruction``)."""
 
     uid: torch.Tensor  # (n,) int64
     window: torch.Tensor  # (L, heads, n) float32
     window_queries: int
     total: torch.Tensor | None  # (L, heads, n) float32
     queries: torch.Tensor  # (n,) float32
+    copy: torch.Tensor | None = None  # (L, heads, n) float32: ``reconstruction``'s
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from positronic_brain.bench import passkey
 from positronic_brain.bench.grid import Pool
 from positronic_brain.cli import main
 from positronic_brain.loop import Session
-from positronic_brain.scorers import CULLING
+from positronic_brain.scorers import STREAMING
 from positronic_brain.types import SamplerParams, UserError
 
 QUESTION_LAST = "\nWhat is the pass key? The pass key is"
@@ -166,20 +166,20 @@ def test_quick_json_report_and_section(capsys, tmp_path, one_thread):
     assert cfg["trials"] == 8 and cfg["budgets"] == [128]
     assert cfg["variants"] == [{}, {"recall": True}, {"prefill_scores": "flipped"}]
     assert cfg["lengths"] == [512 - 8 - 1]  # 1024 does not fit the tiny model's positions
-    cells = 1 + 3 * len(CULLING)  # the full cache, each policy in each variant
+    cells = 1 + 3 * len(STREAMING)  # the full cache, each policy in each variant
     assert len(res["trials"]) == 8 and all(len(t["hits"]) == cells for t in res["trials"])
     ref = res["reference"]
     assert ref["budget"] is None and ref["trials"] == 8 and 0 <= ref["accuracy"] <= 1
     assert [(r["policy"], r["budget"], r["variant_label"]) for r in res["runs"]] == \
         [(p, 128, v) for v in ("plain", "recall=True", "prefill_scores=flipped")
-         for p in CULLING]
+         for p in STREAMING]
     for i, r in enumerate([ref, *res["runs"]]):
         assert r["correct"] == sum(t["hits"][i] for t in res["trials"])
         assert r["accuracy"] == r["correct"] / 8 and r["trials"] == 8
     first = res["targets"][0]
     assert "with recall, brightness (recall=True" in first["what"]
     # each policy with recall, and its two drop-only variants beside it
-    assert len(res["targets"]) == 3 * len(CULLING)
+    assert len(res["targets"]) == 3 * len(STREAMING)
     assert res["timing"]["prime_s"] > 0 and res["elapsed_s"] > 0
     report = (out / "report.md").read_text()
     assert report.startswith("# Pass-key retrieval benchmark")

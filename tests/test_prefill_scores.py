@@ -306,31 +306,45 @@ def test_smollm2_keeps_the_pass_key_its_question_attends(real_model, real_policy
     assert row.hits == [True, False, True], row.answers
 
 
-@pytest.mark.parametrize("scorer", ["brightness", "h2o"])
-def test_a_captured_run_with_prefill_scores_replays_bit_for_bit(tiny_model, tiny_policy,
-                                                                tmp_path, scorer, one_thread):
-    params = options.params(budget=32, policy=scorer, prefill_scores=True, prefill_window=6)
-    tape = CaptureTape(tmp_path, {"model": tiny_model.name, "dtype": "float32",
-                                  "device": str(tiny_model.device),
-                                  "fingerprint": tiny_model.fingerprint}, run_id="run")
-    res = run(tiny_model, tiny_policy, _prompt(tiny_policy), SamplerParams(seed=5), 6, True,
+def captured_run(model, policy, folder, params, steps: int):
+    """A run of ``steps`` steps under ``params`` captured into ``folder``, replayed: the
+    capture's folder, once its replay is checked bit for bit."""
+    tape = CaptureTape(folder, {"model": model.name, "dtype": "float32",
+                                "device": str(model.device),
+                                "fingerprint": model.fingerprint}, run_id="run")
+    res = run(model, policy, _prompt(policy), SamplerParams(seed=5), steps, True,
               cache_params=params, tape=tape)
     assert res["steps"][0]["culled"]
-    report = replay(tape.dir, model=tiny_model)
+    report = replay(tape.dir, model=model)
     assert report.ok and report.tolerance is None, [str(m) for m in report.mismatches[:5]]
-    assert report.compared["s0_prime"] == 1 and report.steps == 6
+    assert report.compared["s0_prime"] == 1 and report.steps == steps
+    return tape.dir
+
+
+def rewrite(folder, name: str, data: dict) -> None:
+    """A capture's file ``name`` replaced by ``data``, its manifest's digest made to match."""
+    torch.save(data, folder / name)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = sha256((folder / name).read_bytes())
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("scorer", ["brightness", "h2o", "kvzip"])
+def test_a_captured_run_with_prefill_scores_replays_bit_for_bit(tiny_model, tiny_policy,
+                                                                tmp_path, scorer, one_thread):
+    """kvzip's capture also records its repeat instruction's ids, and replay copies again."""
+    params = options.params(budget=32, policy=scorer, prefill_scores=True, prefill_window=6)
+    folder = captured_run(tiny_model, tiny_policy, tmp_path, params, 6)
     # the seeded columns are part of what replay compares: a changed one is reported
-    copy = shutil.copytree(tape.dir, tmp_path / "copy")
+    copy = shutil.copytree(folder, tmp_path / "copy")
     name = "000000_s0_prime.pt"
     data = torch.load(copy / name, weights_only=True)
-    column = "brightness" if scorer == "brightness" else "attn_sum"
+    column = {"brightness": "brightness", "h2o": "attn_sum", "kvzip": "kvzip"}[scorer]
     assert data["outputs"]["patch"]["columns"][column] is not None
     assert data["inputs"]["prefill"]["prefill"]["window"] == 6
+    assert (data["inputs"]["prefill_copy"] is None) is (scorer != "kvzip")
     data["outputs"]["patch"]["columns"][column][3] += 0.25
-    torch.save(data, copy / name)
-    manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["files"][name] = sha256((copy / name).read_bytes())
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    rewrite(copy, name, data)
     bad = replay(copy, model=tiny_model, stage="s0_prime")
     assert [m.key for m in bad.mismatches] == [f"patch.columns.{column}"]
 
@@ -372,13 +386,16 @@ def test_a_copy_seeded_from_the_statistics_equals_its_own_prime(tiny_model, tiny
 
 
 def test_the_scorers_that_take_prefill_scores():
-    assert {n for n, c in SCORERS.items() if hasattr(c, "prefill")} == {"brightness", "h2o"}
+    assert {n for n, c in SCORERS.items() if hasattr(c, "prefill")} == {"brightness", "h2o",
+                                                                        "kvzip"}
 
 
 @pytest.mark.parametrize("scorer, default", [("brightness", True), ("h2o", False),
-                                             ("tova", False), ("streaming", False)])
+                                             ("kvzip", True), ("tova", False),
+                                             ("streaming", False)])
 def test_each_scorer_has_its_own_default_and_the_option_overrides_it(scorer, default):
-    for given, want in ((None, default), (True, scorer in ("brightness", "h2o")), (False, False)):
+    for given, want in ((None, default), (True, scorer in ("brightness", "h2o", "kvzip")),
+                        (False, False)):
         params = options.params(budget=32, policy=scorer, prefill_scores=given)
         assert takes_prefill_scores(make_scorer(params), params) is want, (scorer, given)
         assert (prefill_scorer(make_scorer(params), params) is not None) is want

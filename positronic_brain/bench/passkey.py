@@ -37,9 +37,10 @@ from typing import Any
 
 from .. import options
 from ..batch import drive_rows
-from ..loop import Session, arena_capacity
+from ..loop import Session, arena_capacity, check_copy
 from ..model import DTYPES, Model
-from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
+from ..scorers import (CULLING, STREAMING, copies, culling, make_scorer, reads_copy,
+                       reads_total, takes_prefill_scores)
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, UserError, option, require
 from . import batch_size, common, flags, grid
@@ -163,7 +164,7 @@ class PasskeyConfig:
     quick: bool = False
     budgets: tuple[int, ...] = option((128, 256, 512), "live cache slots, comma-separated",
                                       quick=(128,))
-    policies: tuple[str, ...] = option(CULLING, "comma-separated scorers (none: the full "
+    policies: tuple[str, ...] = option(STREAMING, "comma-separated scorers (none: the full "
                                        "cache only)", read=flags.policies)
     trials: int = option(50, "prompts per cell", quick=8)
     lengths: tuple[int, ...] = option((1024, 2048, 3072, 4096), "comma-separated prompt "
@@ -200,7 +201,7 @@ class PasskeyConfig:
         require(self.max_new_tokens >= 5, "the answer needs at least 5 new tokens")
         require(self.batch is None or self.batch >= 1, f"batch must be >= 1, got {self.batch}")
         require(len(self.variants) > 0, "variants must hold at least one entry ({} = plain)")
-        options.check_shared(dict(self.params), flags.scorer_names(self.policies) or CULLING)
+        options.check_shared(dict(self.params), flags.scorer_names(self.policies) or STREAMING)
         for v in self.variants:
             require(isinstance(v, dict) and not {"budget", "policy"} & set(v),
                     f"a variant sets cache options other than budget and policy, got {v!r}")
@@ -208,7 +209,7 @@ class PasskeyConfig:
                     f"variant {v!r}: pinned, seeds and prefill window are fixed by the "
                     "shared prime")
             for b in self.budgets:  # fail early: unknown fields, too small for the protections
-                for p in (self.policies or CULLING)[:1]:
+                for p in (self.policies or STREAMING)[:1]:
                     self.cache(b, p, v)
 
     @classmethod
@@ -296,7 +297,8 @@ def run_trial(model: Model, policy: TokenPolicy, cfg: PasskeyConfig, trial: Tria
     scorers = [make_scorer(c.cache) for c in grid]
     seeded = [s for s, c in zip(scorers, grid) if takes_prefill_scores(s, c.cache, n)]
     stats = ref.prime(segs, arena_capacity(model, ref.cache_params, n, cfg.max_new_tokens),
-                      stats=bool(seeded), total=any(reads_total(s) for s in seeded))
+                      stats=bool(seeded), total=any(reads_total(s) for s in seeded),
+                      copy=any(reads_copy(s) for s in seeded))
     t1 = time.perf_counter()
     primed = copy.deepcopy(ref.state) if grid else None
     copy_s = [time.perf_counter() - t1]
@@ -396,6 +398,8 @@ def run(cfg: PasskeyConfig, command: str, pool: Pool = Pool()) -> PasskeyResult:
     policy = TokenPolicy(model.tokenizer)
     for n in cfg.lengths:  # fail before the progress bar: each length holds the task
         fit(policy, 10000, 0.5, n, cfg.framing)
+    if any(copies(c.cache) for c in cells(cfg)):  # KVzip's copy, likewise
+        check_copy(model, policy, max(cfg.lengths))
     todo = trials(cfg.seed, cfg.trials, cfg.lengths)
     longest = max(cfg.lengths) + cfg.max_new_tokens  # a trial's rows: the full cache, the cells
     cfg, choice = pool.batch(cfg, model, len(todo), [(longest, False)] + [

@@ -48,7 +48,7 @@ from ..loop import Session, arena_capacity
 from ..model import DTYPES, Model
 from ..special_tokens import TokenPolicy
 from ..stages.score import read_like_scorer
-from ..scorers import BASELINES, CULLING, culling
+from ..scorers import BASELINES, CULLING, STREAMING, culling
 from ..scorers.oracle import NAME as ORACLE, AttentionRecorder, Oracle
 from ..types import (PER_HEAD, CacheParams, SamplerParams, ScorerSpec, Segment, Totals, UserError,
                      option, require)
@@ -57,7 +57,7 @@ from .common import Table, fmt
 from .grid import Pool
 from .result import KVCost, Machine, Result, Target, model_facts, target_table
 
-SCORERS = CULLING  # the default scorer first, then the baselines
+SCORERS = STREAMING  # the default scorer first, then the baselines
 REPAIRS = ("none", "merge", "fold")
 SLICES = ("eval", "tune")
 DEFAULT = CacheParams()  # the default policy: its scorer and repair, with recall in the grid
@@ -138,7 +138,7 @@ class QualityConfig:
                    self.long_policy, *self.long_baselines))
                if not culling(p)]
         require(not bad and len(self.policies) > 0, f"unknown or non-culling policies {bad}; "
-                f"expected some of {', '.join(SCORERS)} (the oracle runs at every budget)")
+                f"expected some of {', '.join(CULLING)} (the oracle runs at every budget)")
         require(all(r in REPAIRS for r in self.repairs + (self.long_repair,)),
                 f"repairs must be among {REPAIRS}")
         require(self.windows >= 1, f"windows must be >= 1, got {self.windows}")

@@ -66,9 +66,10 @@ import torch
 from .. import options
 from ..capture import CaptureTape, manifest
 from ..batch import Program, run_programs, watched
-from ..loop import Session, head_capacity
+from ..loop import Session, check_copy, head_capacity
 from ..model import DTYPES, Model
-from ..scorers import CULLING, culling, make_scorer, reads_total, takes_prefill_scores
+from ..scorers import (CULLING, copies, culling, make_scorer, reads_copy, reads_total,
+                       takes_prefill_scores)
 from ..special_tokens import TokenPolicy
 from ..types import CacheParams, SamplerParams, Segment, require
 from ..types import option
@@ -101,7 +102,8 @@ class RulerConfig:
                                       "lengths in the model's tokens, answer included",
                                       quick=(1024,))
     samples: int = option(10, "samples per task and length", quick=2)
-    policies: tuple[str, ...] = option(("brightness", "h2o", "tova", "knorm", "streaming"),
+    policies: tuple[str, ...] = option(("brightness", "h2o", "tova", "knorm", "kvzip",
+                                        "streaming"),
                                        "comma-separated scorers, NAME@ALLOCATION per head "
                                        "(none: the full cache only)", read=flags.policies)
     ratios: tuple[float, ...] = option((0.5, 0.75, 0.875), "compression ratios: the "
@@ -453,7 +455,8 @@ def run_sample(model: Model, policy: TokenPolicy, cfg: RulerConfig, sample,
     seeded = [s for s, k in zip(scorers, caches)
               if s is not None and takes_prefill_scores(s, k, prompt.n_context)]
     stats = full.prime(prompt.segment(0, prompt.n_context), len(prompt.ids) + prompt.new_tokens + 2,
-                       stats=bool(seeded), total=any(reads_total(s) for s in seeded))
+                       stats=bool(seeded), total=any(reads_total(s) for s in seeded),
+                       copy=any(reads_copy(s) for s in seeded))
     primed = (copy.deepcopy(full.state), stats) if any(s is not None for s in scorers) else None
     n = 1 + len(grid)
     answers, budgets = [None] * n, [None] + [c.budget for c in caches]
@@ -585,7 +588,8 @@ class RulerResult(Result):
     config: RulerConfig
     dtype: str
     max_positions: int
-    base: dict[str, Any]  # every cache option's value in the cells (``options.settings``)
+    base: dict[str, Any]  # every cache option's value (``options.settings``: a scorer field
+    # the default scorer's, where the scorers' defaults differ)
     workers: int | None = None  # None: nothing measured (``write_data``)
     ray: str | None = None
     samples: list[SampleRow] = field(default_factory=list)
@@ -602,6 +606,10 @@ def run(cfg: RulerConfig, command: str, pool: Pool = Pool()) -> RulerResult:
             f"model has {model.spec.max_positions} positions")
     policy = TokenPolicy(model.tokenizer)
     todo = samples(cfg, policy)
+    if any(c.protocol == "compress" and copies(cfg.cache(c.policy, 1 << 30, c.recall))
+           for c in cells(cfg)):  # KVzip's copy of the longest context: before any work
+        check_copy(model, policy, max(Prompt.of(policy, s, 1, cfg.query_aware).n_context
+                                      for s in todo))
     res = RulerResult(benchmark="ruler", command=command, model=cfg.model, quick=cfg.quick,
                       machine=machine, config=cfg, dtype=cfg.dtype,
                       max_positions=model.spec.max_positions,

@@ -11,7 +11,9 @@ new values in ``ScoreOut.columns``, which stage 4 writes. A scorer that takes st
 (``CacheParams.prefill``) also has ``prefill(view, stats) -> ScoreOut``: the columns
 the prime seeds (its file says how), and says by ``prefill_total`` whether it reads the
 statistics' ``total`` (gathering it costs the prime another product over every prompt
-query and key; without the attribute, it does); the others ignore them. ``SCORERS`` is the one
+query and key; without the attribute, it does), and by ``prefill_copy`` whether it reads
+their ``copy`` (KVzip's reconstruction: a second pass over the prompt; without the
+attribute, it does not); the others ignore them. ``SCORERS`` is the one
 registry: the CLI's choices, the benchmarks and the tests are derived from it; a user's
 own scorer is named by its file or module (``scorers.user``) wherever a name goes. The hindsight
 oracle (``scorers.oracle``, bench quality only) is not in it: it needs a full-cache pass over
@@ -29,6 +31,7 @@ from ..types import CacheParams, Column, ScoreOut, UserError, require
 from .brightness import Brightness
 from .h2o import H2O
 from .knorm import KeyNorm
+from .kvzip import KVzip
 from .none import NoScore
 from .oracle import NAME as ORACLE, ONLY_BENCH
 from .random import RandomScore
@@ -42,9 +45,15 @@ class Scorer(Protocol):
 
 
 SCORERS: dict[str, type] = {"brightness": Brightness, "streaming": Streaming, "h2o": H2O,
-                            "tova": TOVA, "knorm": KeyNorm, "random": RandomScore,
+                            "tova": TOVA, "knorm": KeyNorm, "kvzip": KVzip, "random": RandomScore,
                             "none": NoScore}
 CULLING = tuple(name for name in SCORERS if name != "none")  # the scorers that take a budget
+# what the streaming benchmarks' grids (quality, pass-key) run unless told: all but a scorer
+# that copies the prompt at the prime (kvzip). Its copy is a second pass over the prompt
+# that needs positions after it, and what it brings is a compressed prompt: ``bench ruler``'s
+# compress. A quality cell's prime is one token (nothing to copy), a pass-key trial's prompt
+# the longest lengths' (few positions left)
+STREAMING = tuple(name for name in CULLING if not getattr(SCORERS[name], "prefill_copy", False))
 BASELINES = tuple(name for name in CULLING if name != CacheParams().scorer.name)
 SHARED = tuple(f.name for f in dataclasses.fields(CacheParams)
                if f.metadata)  # what a scorer's field of that name takes from CacheParams
@@ -68,6 +77,20 @@ def reads_total(scorer: object) -> bool:
     ``prefill_total``; a scorer that does not say is taken to; one without a ``prefill``
     reads nothing)."""
     return hasattr(scorer, "prefill") and bool(getattr(scorer, "prefill_total", True))
+
+
+def reads_copy(scorer: object) -> bool:
+    """Whether ``scorer``'s ``prefill`` reads the statistics' ``copy`` (its ``prefill_copy``,
+    false unless it says so: the reconstruction costs the prime a second pass over the
+    prompt; ``stages.apply.prefill.reconstruction``)."""
+    return hasattr(scorer, "prefill") and bool(getattr(scorer, "prefill_copy", False))
+
+
+def copies(params: CacheParams) -> bool:
+    """Whether a prime under ``params`` of a prompt longer than its budget runs KVzip's
+    reconstruction: its scorer takes prefill scores there and reads ``copy``."""
+    scorer = make_scorer(params)
+    return takes_prefill_scores(scorer, params) and reads_copy(scorer)
 
 
 def prefill_scorer(scorer: object, params: CacheParams) -> object | None:

@@ -55,8 +55,8 @@ class Brightness:
     signal: str = option("value", "what brightness gains from (value: attention x value norm "
                          "/ mean value norm)", choices=SIGNALS)
     skip_layers: float = option(0.2, "the fraction of the first layers brightness leaves out")
-    pool: int = option(7, "per head: the prompt window's shares max-pooled over this many "
-                       "neighbouring slots, as SnapKV clusters its scores (odd; 1: none)")
+    pool: int = option(7, "a prompt token's seed the largest of this many around it, as "
+                       "SnapKV clusters its scores (odd; 1: its own; brightness: per head only)")
     shrink: float = option(0.0, "per head: each slot's share moved this fraction of the way "
                            "to its token's mean share over the heads that hold it (0: none)")
     seeds: tuple[float, ...] | None = option(

@@ -11,7 +11,7 @@ import torch
 
 from ...forward import builds_scores, forward
 from ...model import Model
-from ...scorers import reads_total
+from ...scorers import reads_copy, reads_total
 from ...state import FLAG_PROTECTED, Arena, Ledger, State
 from ...types import SOURCES, Column, Patch, PrefillStats, PrimeOut, ScoreOut, Segment, require
 from .cold_heads import to_heads
@@ -63,8 +63,15 @@ def chunks(model: Model, n: int, total: int, chunk: int | None = None,
         yield slice(start, min(total, start + chunk))
 
 
+COPY_CHUNK = 2048  # prompt tokens a reconstruction forward copies (``reconstruction``)
+COPY_MIN = 64  # ... at least (or the whole prompt): fewer, and it takes a forward over the
+# whole cache for every few tokens
+
+
 TOTAL_UNREAD = ("this scorer's prefill reads the prompt's total attention, which the prime "
                 "does not gather")
+COPY_UNREAD = ("this scorer's prefill reads KVzip's reconstruction of the prompt, which the "
+               "prime does not run")
 
 
 def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Tensor,
@@ -105,6 +112,50 @@ def _prefill(model: Model, state: State, ids: torch.Tensor, positions: torch.Ten
     return logits, slots, uids
 
 
+def copy_room(model: Model, n: int, instruction) -> int:
+    """How many prompt tokens a ``reconstruction`` forward copies after a prime of ``n``
+    cached tokens (the pending one at position n): ``COPY_CHUNK``, or as many as the model's
+    positions leave after the pending token and the ``instruction``, and off the CPU as many
+    as a prefill chunk's memory allows there (``chunks``: a forward that builds its scores);
+    refused in one line where that is fewer than ``COPY_MIN`` and than the prompt."""
+    lead = 1 + len(instruction)
+    room = min(COPY_CHUNK, model.spec.max_positions - n - lead)
+    if model.device.type != "cpu":
+        room = min(room, len(next(chunks(model, n, COPY_CHUNK + lead, scores=True))) - lead)
+    require(room >= min(COPY_MIN, n), f"the prompt's {n + 1} tokens leave {max(0, room)} of "
+            f"the model's {model.spec.max_positions} positions for KVzip's reconstruction "
+            f"after them, fewer than {COPY_MIN}: a shorter prompt, or prefill scores off")
+    return room
+
+
+@torch.no_grad()
+def reconstruction(model: Model, state: State, ids: list[int], pending: int,
+                   instruction: list[int]) -> torch.Tensor:
+    """KVzip's context reconstruction (Kim et al., 2025), read-only: after the n prompt
+    tokens ``ids`` that ``state`` holds (slot i: ``ids[i]``, a fresh prime's), the pending
+    token, the repeat ``instruction`` and then the prompt again, teacher-forced,
+    ``COPY_CHUNK`` tokens of it a forward, each chunk after the instruction at the positions
+    right after the prompt; nothing is written. Returns (L, heads, n) float32: the most
+    attention any copy query paid each prompt token (the queries of the pending token and
+    the instruction left out, as are the weights on a forward's own tokens). A token the
+    model can only copy by reading it (a number, a name) gets one query's whole attention
+    in some head; a phrase the text repeats shares it among its occurrences."""
+    n = state.arena.n
+    assert n == len(ids) and state.heads is None, "a reconstruction of a fresh prime"
+    start, lead = state.next_position, 1 + len(instruction)
+    room = copy_room(model, n, instruction)
+    past_k, past_v, log_mass = state.arena.past(n)
+    out = torch.zeros(model.spec.n_layers, model.spec.n_heads, n, device=model.device)
+    for lo in range(0, n, max(1, room)):
+        new = [pending, *instruction, *ids[lo:lo + room]]
+        got = forward(model, past_k, past_v, torch.tensor(new, device=model.device),
+                      torch.arange(start, start + len(new), device=model.device),
+                      past_log_mass=log_mass, received_from=lead, window_only=True,
+                      window_peak=True).received_window
+        torch.maximum(out, got[:, :, :n], out=out)
+    return out
+
+
 def _prefill_heads(model: Model, state: State, ids: torch.Tensor, positions: torch.Tensor,
                    sources: torch.Tensor, flags: torch.Tensor, chunk: int | None) -> list[int]:
     """``_prefill`` of a per-head cache: each causal chunk attends to what each head holds
@@ -124,8 +175,8 @@ def prime(model: Model, segments: list[Segment], capacity: int,
           pinned: frozenset[str] = frozenset(), chunk: int | None = None,
           all_logits: bool = False, columns: dict[str, Column] | None = None,
           cold_capacity: int | None = None, prefill_window: int | None = None,
-          scorer=None, prefill_total: bool = True,
-          per_head: bool = False) -> tuple[State, PrimeOut]:
+          scorer=None, prefill_total: bool = True, per_head: bool = False,
+          prefill_copy: tuple[int, ...] | None = None) -> tuple[State, PrimeOut]:
     """Stage 0: allocate an arena of ``capacity`` slots and prefill all prompt tokens but
     the last, which becomes the pending token (stage 1 runs it and samples the first
     generated token). Tokens whose source is in ``pinned`` are protected from culls;
@@ -138,6 +189,8 @@ def prime(model: Model, segments: list[Segment], capacity: int,
     ``prefill_total``, all of them, inside the chunked prefill; ``scorer``: then seed its
     ledger columns from them (``seed``). ``per_head``: the state becomes a per-head cache
     (``add_heads``) before the seed, which is then per head (``prefill_heads``).
+    ``prefill_copy``: with the statistics, also KVzip's (``PrefillStats.copy``) from a
+    ``reconstruction`` after these ids of its repeat instruction.
     """
     ids_list = [i for s in segments for i in s.ids]
     require(len(ids_list) > 0, "the prompt is empty")
@@ -150,6 +203,9 @@ def prime(model: Model, segments: list[Segment], capacity: int,
     bad = [i for i in ids_list if not 0 <= i < model.spec.vocab]
     require(not bad, f"token id {bad[:1]} outside the model's vocabulary of {model.spec.vocab}")
     require(prefill_total or scorer is None or not reads_total(scorer), TOTAL_UNREAD)
+    require(prefill_copy is not None or scorer is None or not reads_copy(scorer), COPY_UNREAD)
+    if prefill_window is not None and prefill_copy is not None:  # before any work
+        copy_room(model, len(ids_list) - 1, prefill_copy)
 
     src = [SOURCES.index(s.source) for s in segments for _ in s.ids]
     flg = [FLAG_PROTECTED if s.source in pinned else 0 for s in segments for _ in s.ids]
@@ -173,13 +229,16 @@ def prime(model: Model, segments: list[Segment], capacity: int,
     rows = torch.cat(logits) if logits else torch.empty(0, model.spec.vocab, device=model.device)
     patch = Patch(step=0, appended_slots=tuple(slots), appended_uids=tuple(uids))
     stats = None
+    copied = None if received is None or prefill_copy is None else reconstruction(
+        model, state, ids_list[:T], ids_list[-1], list(prefill_copy))
     if per_head:
         add_heads(state)
     if received is not None:
         total, window, first = received
         stats = PrefillStats(uid=state.ledger.live("uid").clone(),
                              window=window / max(1, T - first), window_queries=T - first,
-                             total=total, queries=torch.arange(T - 1, -1, -1, device=dev).float())
+                             total=total, queries=torch.arange(T - 1, -1, -1, device=dev).float(),
+                             copy=copied)
         seeded = seed(state, scorer, stats)
         if seeded is not None:
             patch = dataclasses.replace(patch, columns=seeded.columns)
@@ -213,6 +272,7 @@ def seed(state: State, scorer, stats: PrefillStats) -> ScoreOut | None:
         return None
     assert torch.equal(view.uid, stats.uid), "the prompt statistics are of other slots"
     require(stats.total is not None or not reads_total(scorer), TOTAL_UNREAD)
+    require(stats.copy is not None or not reads_copy(scorer), COPY_UNREAD)
     out = take(view, stats)
     m = state.ledger
     check_columns(m, out.columns, view.n)
