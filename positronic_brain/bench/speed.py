@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..loop import Session
+from ..loop import COPY_INSTRUCTION, Session
 from ..model import (CPU_ONLY, DTYPES, GRAPH, NATIVE, Int8Weight, Model, PackedWeight, compile_flag, hf_forward,
                      load_model)
 from ..sampler import make_generator
@@ -172,8 +172,9 @@ class SpeedConfig:
 @dataclass(frozen=True, kw_only=True)
 class PrefillRow:
     """Stage 0 vs HF prefill at one prompt length: ms and tokens/s of each, plain
-    (``ours_*``), gathering the prompt's window (``window_*``) and its total too
-    (``total_*``); the ratios are HF's time / stage 0's (speeds: above 1, stage 0 is faster)."""
+    (``ours_*``), gathering the prompt's window (``window_*``), its total too (``total_*``),
+    or the window and KVzip's copy (``copy_*``); the ratios are HF's time / stage 0's
+    (speeds: above 1, stage 0 is faster)."""
 
     dtype: str
     tokens: int
@@ -185,9 +186,12 @@ class PrefillRow:
     window_tok_s: float | None = None
     total_ms: float | None = None
     total_tok_s: float | None = None
+    copy_ms: float | None = None
+    copy_tok_s: float | None = None
     ratio: float
     window_ratio: float | None = None
     total_ratio: float | None = None
+    copy_ratio: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -466,8 +470,9 @@ def linear_fit(xs, ys) -> tuple[float, float]:
 def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[PrefillRow], dict]:
     """Stage 0 vs HF prefill at each length: plain, and gathering the prompt's statistics
     (``window_*``: the window over the default prefill window's queries, as the default
-    scorer's prefill scores gather them; ``total_*``: with the total too, as H2O's do);
-    returns rows and {longest length: its state}."""
+    scorer's prefill scores gather them; ``total_*``: with the total too, as H2O's do;
+    ``copy_*``: the window and KVzip's reconstruction, as kvzip's do); returns rows and
+    {longest length: its state}."""
     rows, states = [], {}
     dt = model.precision
     tick = task(f"{dt} prefill", len(cfg.prefill) * cfg.prefill_reps)
@@ -475,6 +480,7 @@ def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[Pref
     prime(model, [Segment(tuple(warm), "user")], capacity=65)
     hf_prefill(hf, warm[:64])
     window = Prefill().window
+    instruction = tuple(TokenPolicy(model.tokenizer).encode(COPY_INSTRUCTION))
     for length in cfg.prefill:
         ids = random_prompt(model, length + 1)  # the last prompt token stays pending
         segs, capacity, kept = [Segment(tuple(ids), "user")], length + headroom(cfg), {}
@@ -486,17 +492,20 @@ def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[Pref
             "ours": ours, "hf": lambda: hf_prefill(hf, ids[:length]),
             "window": lambda: prime(model, segs, capacity, prefill_window=window,
                                     prefill_total=False),
-            "total": lambda: prime(model, segs, capacity, prefill_window=window)},
+            "total": lambda: prime(model, segs, capacity, prefill_window=window),
+            "copy": lambda: prime(model, segs, capacity, prefill_window=window,
+                                  prefill_total=False, prefill_copy=instruction)},
             cfg.prefill_reps, warmup=0, tick=tick)
         ms = {k: common.median(v) for k, v in t.items()}
         states = {length: kept.pop("state")}  # the longest is kept for decode
         rows.append(PrefillRow(
             dtype=dt, tokens=length, hf_ms=ms["hf"], hf_tok_s=length / ms["hf"] * 1e3,
-            **{f"{k}_{x}": v for k in ("ours", "window", "total") for x, v in (
+            **{f"{k}_{x}": v for k in ("ours", "window", "total", "copy") for x, v in (
                 ("ms", ms[k]), ("tok_s", length / ms[k] * 1e3))},
             ratio=common.median_ratio(t["hf"], t["ours"]),
             window_ratio=common.median_ratio(t["hf"], t["window"]),
-            total_ratio=common.median_ratio(t["hf"], t["total"])))
+            total_ratio=common.median_ratio(t["hf"], t["total"]),
+            copy_ratio=common.median_ratio(t["hf"], t["copy"])))
     return rows, states
 
 
@@ -1229,14 +1238,17 @@ def tables(res: SpeedResult) -> list[Table]:
     prefill = Table(
         "Prefill (stage 0 prime vs one HF forward building a DynamicCache; stage 0 also "
         "gathering the prompt's statistics: their window, as the default scorer's prefill "
-        "scores do, and the window and total, as H2O's do)",
+        "scores do, the window and total, as H2O's do, and the window and KVzip's copy of "
+        "the prompt, as kvzip's do)",
         ("dtype", "tokens", "stage 0 ms", "HF ms", "stage 0 tok/s", "HF tok/s",
          "stage 0 / HF speed (below 1: stage 0 is slower)", "with window ms",
-         "with window / HF speed", "with total ms", "with total / HF speed"),
+         "with window / HF speed", "with total ms", "with total / HF speed", "with copy ms",
+         "with copy / HF speed"),
         tuple((r.dtype, str(r.tokens), fmt(r.ours_ms, 1), fmt(r.hf_ms, 1),
                fmt(r.ours_tok_s, 0), fmt(r.hf_tok_s, 0), fmt(r.ratio, 2),
                *(fmt(getattr(r, k), d) if getattr(r, k) is not None else "-" for k, d in (
-                   ("window_ms", 1), ("window_ratio", 2), ("total_ms", 1), ("total_ratio", 2))))
+                   ("window_ms", 1), ("window_ratio", 2), ("total_ms", 1), ("total_ratio", 2),
+                   ("copy_ms", 1), ("copy_ratio", 2))))
               for r in res.prefill))
     loop = Table(
         "Loop step (stages 1-4, one removal per step at the budget)",
