@@ -25,6 +25,15 @@ def aggregate(attention: torch.Tensor, how: str) -> torch.Tensor:
     return a.amax(0) if layers == "max" else a.mean(0)
 
 
+def max_pooled(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., n) in prompt order -> each the largest of the ``width`` (odd) around it, as
+    SnapKV clusters its scores: a span read from one place is kept whole."""
+    if width == 1 or not x.shape[-1]:
+        return x
+    flat = x.reshape(-1, 1, x.shape[-1])
+    return torch.nn.functional.max_pool1d(flat, width, 1, width // 2).view(x.shape)
+
+
 def by_head(attention: torch.Tensor, kv_heads: int, how: str) -> torch.Tensor:
     """Attention (L, H, n) -> (L, kv_heads, n) for a per-head cache: what each KV head's
     query heads paid its slots, their max where ``how`` ends in ``-max``, else their mean."""

@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 
 from .attention import (aggregate, aggregation, by_head, check_aggregation, head_column,
-                        head_index, head_relative_norms, value_weighted)
+                        head_index, head_relative_norms, max_pooled, value_weighted)
 from ..state import View
 from ..types import SIGNALS, SOURCES, Column, PrefillStats, ScoreOut, option, require
 
@@ -154,10 +154,7 @@ class Brightness:
         a head that attends to part of a span (a number's digits) keeps all of it."""
         w = stats.window_queries
         share = self.head_share(view, stats.window)  # (L, KVH, n)
-        if self.pool > 1 and share.shape[-1]:  # a slot lit as its brightest neighbour
-            L, KVH, n = share.shape
-            share = torch.nn.functional.max_pool1d(share.reshape(L * KVH, 1, n), self.pool, 1,
-                                                   self.pool // 2).view(L, KVH, n)
+        share = max_pooled(share, self.pool)  # a slot lit as its brightest neighbour
         lit = w * (self.gain * share - self.decay)
         b = torch.minimum(lit.clamp(min=0.0), head_column(view, "brightness")[0])
         return ScoreOut(scores=b, columns={"brightness": b.permute(2, 0, 1).contiguous()})

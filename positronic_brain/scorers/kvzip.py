@@ -22,7 +22,8 @@ from typing import ClassVar
 
 import torch
 
-from .attention import aggregate, aggregation, by_head, check_aggregation, head_column
+from .attention import (aggregate, aggregation, by_head, check_aggregation, head_column,
+                        max_pooled)
 from ..state import View
 from ..types import Column, PrefillStats, ScoreOut, option, require
 
@@ -55,23 +56,16 @@ class KVzip:
         most = torch.maximum(held, paid)
         return ScoreOut(scores=most, columns={"kvzip": put(most)})
 
-    def _pooled(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., n) in prompt order -> the largest of the ``pool`` around each."""
-        if self.pool == 1 or not x.shape[-1]:
-            return x
-        flat = x.reshape(-1, 1, x.shape[-1])
-        return torch.nn.functional.max_pool1d(flat, self.pool, 1, self.pool // 2).view(x.shape)
-
     def prefill(self, view: View, stats: PrefillStats) -> ScoreOut:
         """The reconstruction's most, over layers and heads, pooled (slot i is prompt token
         i at the prime)."""
         seed = torch.maximum(view.columns["kvzip"],
-                             self._pooled(aggregate(stats.copy, self.aggregate)))
+                             max_pooled(aggregate(stats.copy, self.aggregate), self.pool))
         return ScoreOut(scores=seed, columns={"kvzip": seed})
 
     def prefill_heads(self, view: View, stats: PrefillStats) -> ScoreOut:
         """Per head: each (layer, KV head)'s own most over its query heads, pooled (every
         head holds every prompt token: slot i is row i)."""
-        paid = self._pooled(by_head(stats.copy, view.heads.n.shape[1], self.aggregate))
+        paid = max_pooled(by_head(stats.copy, view.heads.n.shape[1], self.aggregate), self.pool)
         seed = torch.maximum(head_column(view, "kvzip")[0], paid)  # (L, KVH, n)
         return ScoreOut(scores=seed, columns={"kvzip": seed.permute(2, 0, 1).contiguous()})
