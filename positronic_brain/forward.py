@@ -763,6 +763,11 @@ def _received_lse(q: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor | None
     total, last = sums
     if total is None and last is None:
         return
+    # the peak alone: the most of q.k - lse over the queries, one exp at the end (exp rises
+    # monotonically), not an exp of every weight
+    exponents = peak and total is None
+    if exponents:
+        last.fill_(float("-inf"))
     for a in range(0 if total is not None else start, T, LSE_ROWS):
         b = min(T, a + LSE_ROWS)
         qb = queries[:, :, a:b].reshape(KVH, g * (b - a), D)
@@ -779,6 +784,14 @@ def _received_lse(q: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor | None
         else:
             rows = lse[:, :, a:b]
         for j, (w, cols) in enumerate(parts):
+            if exponents:
+                w = w.sub_(rows)
+                if j == 0:  # each query's on the new tokens before its own: its own and
+                    # later ones (columns a.. only) left out
+                    w[..., a:].masked_fill_(torch.ones(b - a, b - a, dtype=torch.bool,
+                                                       device=q.device).triu_(), float("-inf"))
+                torch.maximum(last[:, cols], w.amax(2).view(H, -1), out=last[:, cols])
+                continue
             w = w.sub_(rows).exp_()
             if j == 0:  # each query's weights on the new tokens before its own
                 w = w.tril_(a - 1)
@@ -789,6 +802,8 @@ def _received_lse(q: torch.Tensor, k: torch.Tensor, past_kt: torch.Tensor | None
                               out=last[:, cols])
             elif last is not None and b > start:
                 last[:, cols] += w[:, :, max(0, start - a):].sum(2).view(H, -1)
+    if exponents:
+        last.exp_()
     for x, made in zip((out, window), sums):
         if x is not made:  # made elsewhere
             x.copy_(made)

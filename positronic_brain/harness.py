@@ -15,7 +15,8 @@ registers ``positronic-brain``. Three ways in::
 
 Model args: ``model`` (a name or path ``load_model`` takes), ``dtype``, ``device``,
 ``max_length`` (the tokens a request may span, as Hugging Face's ``hf`` model's; default
-the model's positions), ``seed`` (the n-th sampled generation takes seed + n), ``threads``
+the model's positions, less the room KVzip's copy of a prompt needs after it where the
+scorer reads it: a larger one is refused at the start), ``seed`` (the n-th sampled generation takes seed + n), ``threads``
 (torch's: a count, or ``auto``: the cores free now, as the command line takes by itself;
 default: as they are),
 and any cache option by its flat name (docs/OPTIONS.md: budget, policy, param, repair,
@@ -37,8 +38,10 @@ import sys
 from typing import Any
 
 from . import options, threads
-from .loop import Session, arena_capacity
+from .loop import COPY_INSTRUCTION, Session, arena_capacity, check_copy
 from .model import load_model
+from .scorers import copies
+from .stages.apply.prefill import COPY_MIN
 from .special_tokens import TokenPolicy
 from .types import CacheParams, SamplerParams, Segment, Totals, UserError, require
 
@@ -96,6 +99,15 @@ def sampler_of(kwargs: dict, seed: int) -> SamplerParams:
                          repetition_penalty=get("repetition_penalty", float, 1.0), seed=seed)
 
 
+def copy_length(lm, policy: TokenPolicy, cache: CacheParams) -> int:
+    """The default ``max_length``: the model's positions, less what KVzip's reconstruction
+    needs after a prompt (its repeat instruction and ``COPY_MIN`` tokens of the copy) where
+    the cache's scorer copies the prompt at the prime (``scorers.copies``)."""
+    if not copies(cache):
+        return lm.spec.max_positions
+    return lm.spec.max_positions - len(policy.encode(COPY_INSTRUCTION)) - COPY_MIN
+
+
 class PositronicBrainLM(TemplateLM):
     """lm-eval's ``LM`` over the staged loop: one ``Session`` per request (see the module)."""
 
@@ -116,9 +128,12 @@ class PositronicBrainLM(TemplateLM):
         self.policy.add_bos = self.policy.adds_bos_by_default()
         self._eot = tok.eos_token_id
         self._special = frozenset(getattr(tok, "all_special_ids", ()))  # skipped when decoding
-        self._max_length = _number(max_length, int, "max_length") or self.lm.spec.max_positions
+        self._max_length = (_number(max_length, int, "max_length")
+                            or copy_length(self.lm, self.policy, self.cache))
         require(2 <= self._max_length <= self.lm.spec.max_positions, f"{NAME}: max_length "
                 f"must be in [2, the model's {self.lm.spec.max_positions} positions]")
+        if copies(self.cache):  # every request's prompt leaves KVzip's copy its positions
+            check_copy(self.lm, self.policy, self._max_length)
         self._sampled = 0  # generations sampled so far: each its own seed, as one stream
         self._prefix_text = self.policy.decode([self.prefix_token_id])
         self._device = self.lm.device

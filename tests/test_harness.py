@@ -21,7 +21,9 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from positronic_brain import harness  # noqa: E402
+from positronic_brain.loop import COPY_INSTRUCTION  # noqa: E402
 from positronic_brain.model import byte_tokenizer, load_model  # noqa: E402
+from positronic_brain.stages.apply.prefill import COPY_MIN  # noqa: E402
 from positronic_brain.types import UserError  # noqa: E402
 from tests.tolerance import ORACLE  # noqa: E402
 
@@ -168,9 +170,27 @@ def test_a_budget_smaller_than_the_texts_culls(folder, task_manager, our_results
     ("model=tiny-random,budget=many", "budget: 'many' is not an integer"),
     ("model=tiny-random,policy=h2o,recall=true", "recall"),
     ("model=tiny-random,max_length=long", "max_length: 'long' is not an integer"),
+    ("model=tiny-random,policy=kvzip,budget=64,max_length=512", "KVzip's reconstruction"),
     ("model=no-such-model", "model not found"),
 ])
 def test_bad_model_args_are_one_line_errors(args, message):
     with pytest.raises(UserError) as e:
         harness.PositronicBrainLM.create_from_arg_string(args)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_kvzip_max_length_leaves_its_copy_room():
+    """With a scorer that copies the prompt at the prime, the default max_length is the
+    longest whose requests all leave the copy its room (one more is refused at the start),
+    and a request that long is scored; without one, it is the model's positions."""
+    lm = harness.PositronicBrainLM.create_from_arg_string("model=tiny-random,policy=kvzip,budget=64")
+    positions = lm.lm.spec.max_positions
+    assert lm.max_length == positions - len(lm.policy.encode(COPY_INSTRUCTION)) - COPY_MIN
+    with pytest.raises(UserError, match="KVzip's reconstruction"):
+        harness.PositronicBrainLM.create_from_arg_string(
+            f"model=tiny-random,policy=kvzip,budget=64,max_length={lm.max_length + 1}")
+    ids = [i % 50 + 3 for i in range(lm.max_length + 1)]
+    logprob, _ = lm.score(ids[:-1], ids[-1:])
+    assert math.isfinite(logprob) and logprob < 0 and lm.totals.culled > 0
+    assert harness.PositronicBrainLM.create_from_arg_string(
+        "model=tiny-random,policy=h2o,budget=64").max_length == positions

@@ -48,12 +48,6 @@ SCORERS: dict[str, type] = {"brightness": Brightness, "streaming": Streaming, "h
                             "tova": TOVA, "knorm": KeyNorm, "kvzip": KVzip, "random": RandomScore,
                             "none": NoScore}
 CULLING = tuple(name for name in SCORERS if name != "none")  # the scorers that take a budget
-# what the streaming benchmarks' grids (quality, pass-key) run unless told: all but a scorer
-# that copies the prompt at the prime (kvzip). Its copy is a second pass over the prompt
-# that needs positions after it, and what it brings is a compressed prompt: ``bench ruler``'s
-# compress. A quality cell's prime is one token (nothing to copy), a pass-key trial's prompt
-# the longest lengths' (few positions left)
-STREAMING = tuple(name for name in CULLING if not getattr(SCORERS[name], "prefill_copy", False))
 BASELINES = tuple(name for name in CULLING if name != CacheParams().scorer.name)
 SHARED = tuple(f.name for f in dataclasses.fields(CacheParams)
                if f.metadata)  # what a scorer's field of that name takes from CacheParams
@@ -84,6 +78,14 @@ def reads_copy(scorer: object) -> bool:
     false unless it says so: the reconstruction costs the prime a second pass over the
     prompt; ``stages.apply.prefill.reconstruction``)."""
     return hasattr(scorer, "prefill") and bool(getattr(scorer, "prefill_copy", False))
+
+
+# what the streaming benchmarks' grids (quality, pass-key) run unless told: all but a scorer
+# that copies the prompt at the prime (kvzip). Its copy is a second pass over the prompt
+# that needs positions after it, and what it brings is a compressed prompt: ``bench ruler``'s
+# compress. A quality cell's prime is one token (nothing to copy), a pass-key trial's prompt
+# the longest lengths' (few positions left)
+STREAMING = tuple(name for name in CULLING if not reads_copy(SCORERS[name]))
 
 
 def copies(params: CacheParams) -> bool:
