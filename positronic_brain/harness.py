@@ -133,7 +133,10 @@ class PositronicBrainLM(TemplateLM):
         require(2 <= self._max_length <= self.lm.spec.max_positions, f"{NAME}: max_length "
                 f"must be in [2, the model's {self.lm.spec.max_positions} positions]")
         if copies(self.cache):  # every request's prompt leaves KVzip's copy its positions
-            check_copy(self.lm, self.policy, self._max_length)
+            try:
+                check_copy(self.lm, self.policy, self._max_length)
+            except UserError as e:
+                raise UserError(f"{NAME}: max_length {self._max_length}: {e}") from None
         self._sampled = 0  # generations sampled so far: each its own seed, as one stream
         self._prefix_text = self.policy.decode([self.prefix_token_id])
         self._device = self.lm.device

@@ -170,7 +170,8 @@ def test_a_budget_smaller_than_the_texts_culls(folder, task_manager, our_results
     ("model=tiny-random,budget=many", "budget: 'many' is not an integer"),
     ("model=tiny-random,policy=h2o,recall=true", "recall"),
     ("model=tiny-random,max_length=long", "max_length: 'long' is not an integer"),
-    ("model=tiny-random,policy=kvzip,budget=64,max_length=512", "KVzip's reconstruction"),
+    ("model=tiny-random,policy=kvzip,budget=64,max_length=512",
+     "positronic-brain: max_length 512: the prompt's"),
     ("model=no-such-model", "model not found"),
 ])
 def test_bad_model_args_are_one_line_errors(args, message):

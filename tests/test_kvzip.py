@@ -3,6 +3,7 @@ query paid each prompt token, as Hugging Face's own attention weights do; the sc
 its column from it, pooled, and keeps the most a later query pays; a run with it replays bit
 for bit, and a capture made before it still does; a prompt that leaves too few positions
 for the copy is refused in one line."""
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,7 @@ from positronic_brain.scorers import CULLING, STREAMING, make_scorer, reads_copy
 from positronic_brain.stages.apply import prefill as prefill_module
 from positronic_brain.stages.apply import prime
 from positronic_brain.types import CacheParams, PrefillStats, Segment, UserError
+from tests.tolerance import sum_bound
 from tests.test_prefill_scores import (_hf_attention, _prompt, _relative, _within,
                                        captured_run, rewrite)
 
@@ -180,3 +182,38 @@ def test_a_capture_made_before_the_copy_replays(tiny_model, tiny_policy, tmp_pat
     rewrite(folder, name, data)
     bad = replay(folder, model=tiny_model, stage="s0_prime")
     assert [m.key for m in bad.mismatches] == ["stats.copy"]
+
+
+@pytest.mark.parametrize("given_lse", [False, True])
+def test_the_copy_peak_over_past_and_new_tokens_is_the_softmax_at_its_most(monkeypatch,
+                                                                          given_lse):
+    """``_received_lse``'s peak alone (KVzip's copy: the window's queries, no total), blocks
+    shorter than the window: for every past slot and every new token, the most any window
+    query's softmax paid it (a query's own token and later ones left out; a token no window
+    query may read, 0), as float64 softmaxes give it, within float32's rounding of the
+    scores the weights are exponentials of."""
+    monkeypatch.setattr(forward_module, "LSE_ROWS", 4)
+    KVH, g, D, T, n, start = 2, 2, 16, 11, 7, 3
+    H = KVH * g
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(H, T, D, generator=gen), torch.randn(KVH, T, D, generator=gen)
+    past = torch.randn(KVH, n, D, generator=gen)
+    keys = torch.cat((past, k), 1).double().repeat_interleave(g, 0)  # (H, n + T, D)
+    s = q.double() @ keys.transpose(1, 2)  # (H, T, n + T)
+    s[:, :, n:] += torch.full((T, T), float("-inf")).triu(1).double()  # causal, own kept
+    lse = s.logsumexp(-1)
+    p = (s - lse[..., None]).exp()
+    p[:, :, n:] = p[:, :, n:].tril(-1)  # a query's own token and later ones left out
+    want = p[:, start:].amax(1)  # (H, n + T)
+    got = torch.full((H, n + T), float("nan"))
+    forward_module._received_lse(q, k, past.transpose(1, 2).contiguous(),
+                                 lse.float() if given_lse else None, start, None, got,
+                                 peak=True)
+    # each score a float32 sum of D products, less its query's float32 log-sum-exp over
+    # n + T of them: a weight's exponent off by a sum's bound over those terms, for the
+    # score, the log-sum-exp and the rounding of their difference
+    magnitude = float((q.abs().double() @ keys.abs().transpose(1, 2)).max())
+    exponent = 3 * sum_bound(torch.float32, D + n + T, magnitude)
+    assert torch.all((got.double() - want).abs() <= want * math.expm1(exponent))
+    assert torch.equal(got[:, n + T - 1], torch.zeros(H))  # no later query reads the last
+    assert bool((got[:, :n] > 0).all())
