@@ -179,7 +179,9 @@ from types import SimpleNamespace
 from positronic_brain.bench import grid
 
 def there(item):
-    print(os.getpid(), flush=True)
+    # one write a line: with PYTHONUNBUFFERED, print's two writes (the pid, then the newline)
+    # from the two workers may interleave on the shared pipe
+    os.write(1, f"{os.getpid()}\\n".encode())
     time.sleep(600)
 
 def cells(cfg):
