@@ -16,11 +16,10 @@ registers ``positronic-brain``. Three ways in::
 Model args: ``model`` (a name or path ``load_model`` takes), ``dtype``, ``device``,
 ``max_length`` (the tokens a request may span, as Hugging Face's ``hf`` model's; default
 the model's positions, less the room KVzip's copy of a prompt needs after it where the
-scorer reads it: a larger one is refused at the start), ``seed`` (the n-th sampled generation takes seed + n), ``threads``
-(torch's: a count, or ``auto``: the cores free now, as the command line takes by itself;
-default: as they are),
-and any cache option by its flat name (docs/OPTIONS.md: budget, policy, param, repair,
-recall, sinks, recent, ...).
+scorer reads it: a larger one is refused at the start), ``seed`` (the n-th sampled
+generation takes seed + n), ``threads`` (torch's: a count, or ``auto``: the cores free now,
+as the command line takes by itself; default: as they are), and any cache option by its
+flat name (docs/OPTIONS.md: budget, policy, param, repair, recall, sinks, recent, ...).
 
 Every request is a ``Session`` of its own. A log-likelihood primes the context and forces
 the continuation's tokens through the loop, summing each step's ``StepRecord.logprob``

@@ -184,7 +184,8 @@ def test_kvzip_max_length_leaves_its_copy_room():
     """With a scorer that copies the prompt at the prime, the default max_length is the
     longest whose requests all leave the copy its room (one more is refused at the start),
     and a request that long is scored; without one, it is the model's positions."""
-    lm = harness.PositronicBrainLM.create_from_arg_string("model=tiny-random,policy=kvzip,budget=64")
+    lm = harness.PositronicBrainLM.create_from_arg_string(
+        "model=tiny-random,policy=kvzip,budget=64")
     positions = lm.lm.spec.max_positions
     assert lm.max_length == positions - len(lm.policy.encode(COPY_INSTRUCTION)) - COPY_MIN
     with pytest.raises(UserError, match="KVzip's reconstruction"):
