@@ -136,7 +136,7 @@ class GenerateOut:
 
 
 MERGE_RULES = ("max", "birth")  # what a merged pair's token keeps of a column
-RECALL_RULES = ("keep", "birth", "signal")  # what a recalled token's column becomes
+RECALL_RULES = ("keep", "birth", "signal", "top")  # what a recalled token's column becomes
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,8 @@ class Column:
     ``birth`` value. ``recall``: a token brought back from the cold store ``keep``s the value
     it went cold with, starts at its ``birth`` value, or takes ``signal``: the recall signal
     it beat the hot token with times the queries since it was born (an accumulated
-    attention's worth). Values stay finite and within [``low``, ``high``] (None: unbounded),
+    attention's worth), or ``top``: the column's largest live value, so a score that never
+    decays does not send it cold again at the next swap. Values stay finite and within [``low``, ``high``] (None: unbounded),
     which stage 4 checks before it writes them."""
 
     birth: float | tuple[float, ...] = 0.0

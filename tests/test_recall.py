@@ -15,7 +15,8 @@ from positronic_brain.stages.apply import apply
 from positronic_brain.stages.decide import decide, recalled, swaps
 from positronic_brain.stages.generate import generate
 from positronic_brain.stages.score import recall_query, score
-from positronic_brain.types import CacheParams, Recall, SamplerParams, Segment, Totals, UserError
+from positronic_brain.types import (SOURCES, CacheParams, Column, Recall, SamplerParams, Segment,
+                                    Totals, UserError)
 from tests.oracle import assert_close, hf_step_logits
 from tests.tolerance import ORACLE, step, sum_bound
 
@@ -300,6 +301,26 @@ def test_a_cold_token_swaps_in_only_past_the_margin():
     assert got(0.0) == [(0, 7), (1, 8)]
     assert got(1.0) == [(0, 7)]  # 0.375 does not beat 0.125 + 1 / 4
     assert not got(2.0)  # 0.5 does not beat 0.0 + 2 / 4
+
+
+def test_a_recalled_token_s_columns_follow_their_recall_rule():
+    """Each rule of ``Column.recall`` on a hand-worked swap: ``keep`` writes nothing (the
+    value it went cold with), ``birth`` its source's birth value, ``signal`` its signal
+    times the queries since it was born (step 5, born at 1: 6 of them), ``top`` the
+    column's largest live value (kvzip's, whose max never decays)."""
+    cold = type("C", (), {"position": torch.tensor([10]), "n": 1, "uid": torch.tensor([7]),
+                          "source": torch.tensor([1]), "born_step": torch.tensor([1])})
+    specs = {"k": Column(recall="keep"), "b": Column(birth=(3.0, 9.0, 4.0, 5.0, 6.0, 7.0)[
+        :len(SOURCES)], recall="birth"), "s": Column(recall="signal"), "t": Column(recall="top")}
+    view = type("V", (), {"cold": cold, "position": torch.tensor([30, 5]), "n": 2,
+                          "uid": torch.tensor([1, 2]), "step": 5, "next_position": 41,
+                          "specs": specs,
+                          "columns": {name: torch.tensor([0.25, 0.75]) for name in specs}})
+    scores = type("S", (), {"cold_signal": torch.tensor([0.5]),
+                            "hot_signal": torch.tensor([0.0, 0.125])})
+    (got,) = swaps(view, scores, _spanned(1, 0.0), torch.tensor([0]))
+    assert (got.slot, got.cold_uid) == (0, 7)
+    assert got.columns == {"b": 9.0, "s": 0.5 * 6, "t": 0.75}
 
 
 def _recalled_by_hand(cold_pos, cold_sig, hot_pos, hot_sig, span, room):

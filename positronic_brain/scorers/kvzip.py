@@ -13,7 +13,10 @@ occurrences), which a window of the prompt's last queries does not: that window 
 the end of the prompt attends to, not what a later question will.
 
 After the prime (and for tokens born later), a token's column is the most attention any
-step's query has paid it, the same measure as the copy's: ``score`` keeps the larger.
+step's query has paid it, the same measure as the copy's: ``score`` keeps the larger. A
+token recall brings back takes the column's largest value (``Column`` recall ``top``): that
+measure never decays, so with the value it went cold with it would be the dimmest hot token
+and the next swap would send it cold again (docs/BENCHMARKS.md, RULER).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ class KVzip:
     prefill_total: ClassVar[bool] = False  # its prefill reads the reconstruction only
     prefill_copy: ClassVar[bool] = True
     columns: ClassVar[dict[str, Column]] = {
-        "kvzip": Column(birth=0.0, merge="max", recall="keep", low=0.0)}
+        "kvzip": Column(birth=0.0, merge="max", recall="top", low=0.0)}
     aggregate: str = aggregation("max-max")
     pool: int = option(31, "a prompt token's seed the largest of this many around it, as "
                        "SnapKV clusters its scores (odd; 1: its own)")

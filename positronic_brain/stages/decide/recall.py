@@ -80,8 +80,10 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
 
     A recalled token's scorer columns follow their ``Column.recall``: ``keep`` the value it
     went cold with, ``birth`` (brightness: its source's seed, as a new token, so it is not
-    culled again at once) or ``signal``: its signal times the queries since it was born
-    (H2O's average starts at the attention it would get now). TOVA scores this step's
+    culled again at once), ``signal``: its signal times the queries since it was born
+    (H2O's average starts at the attention it would get now), or ``top``: the column's
+    largest live value (kvzip, whose most-attention column never decays: kept, a recalled
+    token would be the dimmest and go cold again at the next swap). TOVA scores this step's
     attention, so it keeps what it recalled while the query attends to it; streaming keeps
     the most recent tokens and so culls a recalled one again first."""
     if scores.hot_signal is None or view.cold is None or not view.cold.n:
@@ -102,8 +104,11 @@ def swaps(view: View, scores: ScoreOut, params: CacheParams,
            if signal > hot + margin]  # signal x the queries since it was born
     # as float32 holds them (what the column will)
     sums = torch.tensor([x[-1] for x in out], dtype=torch.float32, device="cpu").tolist()
+    tops = {name: float(view.columns[name].max()) for name, spec in view.specs.items()
+            if spec.recall == "top" and out}
     return tuple(Swap(slot=slot, uid=uid, cold_slot=row, cold_uid=cold_uid,
-                      columns={name: spec.births[source] if spec.recall == "birth" else total
+                      columns={name: spec.births[source] if spec.recall == "birth" else
+                               tops[name] if spec.recall == "top" else total
                                for name, spec in view.specs.items() if spec.recall != "keep"})
                  for (slot, uid, row, cold_uid, source, _), total in zip(out, sums))
 
@@ -140,6 +145,8 @@ def head_swaps(view: View, scores: ScoreOut, params: CacheParams, culls: torch.T
             values[name] = births[cold.source[row].long()]
         elif spec.recall == "signal":  # its signal x the queries since it was born
             values[name] = (signal.double() * (view.step + 2 - cold.born_step[row])).float()
+        elif spec.recall == "top":  # the column's largest live value
+            values[name] = view.columns[name].max().expand(row.shape[0]).clone()
     return swaps, values
 
 
