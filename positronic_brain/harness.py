@@ -37,7 +37,7 @@ import sys
 from typing import Any
 
 from . import options, threads
-from .loop import COPY_INSTRUCTION, Session, arena_capacity, check_copy
+from .loop import Session, arena_capacity, check_copy, copy_ids
 from .model import load_model
 from .scorers import copies
 from .stages.apply.prefill import COPY_MIN
@@ -104,7 +104,7 @@ def copy_length(lm, policy: TokenPolicy, cache: CacheParams) -> int:
     the cache's scorer copies the prompt at the prime (``scorers.copies``)."""
     if not copies(cache):
         return lm.spec.max_positions
-    return lm.spec.max_positions - len(policy.encode(COPY_INSTRUCTION)) - COPY_MIN
+    return lm.spec.max_positions - len(copy_ids(policy)) - COPY_MIN
 
 
 class PositronicBrainLM(TemplateLM):

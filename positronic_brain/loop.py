@@ -39,11 +39,16 @@ from .types import (PER_HEAD, CacheParams, GenerateOut, Patch, PrefillStats, Sam
 COPY_INSTRUCTION = "\n\nRepeat the previous context exactly.\n\n"
 
 
+def copy_ids(policy: TokenPolicy) -> tuple[int, ...]:
+    """``COPY_INSTRUCTION``'s ids as ``policy`` encodes them (stage 0 holds no tokenizer)."""
+    return tuple(policy.encode(COPY_INSTRUCTION))
+
+
 def check_copy(model: Model, policy: TokenPolicy, n_prompt: int) -> None:
     """Refuse in one line a prompt of ``n_prompt`` tokens that leaves too few positions for
     KVzip's reconstruction (``stages.apply.prefill.copy_room``): a benchmark's check before
     any work."""
-    copy_room(model, n_prompt - 1, policy.encode(COPY_INSTRUCTION))
+    copy_room(model, n_prompt - 1, copy_ids(policy))
 
 
 def arena_capacity(model: Model, cache_params: CacheParams, n_prompt: int,
@@ -142,7 +147,7 @@ class Session:
                 f"capacity {capacity} is smaller than the budget {budget}")
         scorer = prefill_scorer(self.scorer, params)
         gather = stats or scorer is not None
-        instruction = (tuple(self.policy.encode(COPY_INSTRUCTION))
+        instruction = (copy_ids(self.policy)
                        if gather and ((stats and copy) or reads_copy(scorer)) else None)
         self.state, out = prime(self.model, segments, capacity, pinned=frozenset(params.pinned),
                                 columns=columns_of(self.scorer),

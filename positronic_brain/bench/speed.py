@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..loop import COPY_INSTRUCTION, Session
+from ..loop import Session, copy_ids
 from ..model import (CPU_ONLY, DTYPES, GRAPH, NATIVE, Int8Weight, Model, PackedWeight, compile_flag, hf_forward,
                      load_model)
 from ..sampler import make_generator
@@ -480,7 +480,7 @@ def measure_prefill(model: Model, hf, cfg: SpeedConfig, task) -> tuple[list[Pref
     prime(model, [Segment(tuple(warm), "user")], capacity=65)
     hf_prefill(hf, warm[:64])
     window = Prefill().window
-    instruction = tuple(TokenPolicy(model.tokenizer).encode(COPY_INSTRUCTION))
+    instruction = copy_ids(TokenPolicy(model.tokenizer))
     for length in cfg.prefill:
         ids = random_prompt(model, length + 1)  # the last prompt token stays pending
         segs, capacity, kept = [Segment(tuple(ids), "user")], length + headroom(cfg), {}
