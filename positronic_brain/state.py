@@ -216,6 +216,8 @@ SCHEMA = {"uid": (torch.int64, 0), "token_id": (torch.int64, 0), "position": (to
           "source": (torch.int8, 0), "born_step": (torch.int64, 0),
           "changed_step": (torch.int64, 0), "flags": (torch.int8, 0),
           "origin": (torch.int32, 0), "origin_uid": (torch.int64, -1)}
+
+
 # what stages 1-3 see of them (``View``; a capture keeps these): all but ``changed_step``
 VIEW_COLUMNS = tuple(c for c in SCHEMA if c != "changed_step")
 
@@ -253,12 +255,38 @@ class Ledger:
                  device: torch.device | str = "cpu") -> "Ledger":
         """Empty rows for ``capacity`` tokens: ``SCHEMA``'s columns and the scorer columns
         ``specs`` declares (float32)."""
-        def col(dtype: torch.dtype = torch.float32, fill: int = 0) -> torch.Tensor:
-            return torch.full((capacity,), fill, dtype=dtype, device=device)
-
         specs = dict(specs or {})
-        return cls(**{c: col(*how) for c, how in SCHEMA.items()},
-                   columns={name: col() for name in specs}, specs=specs)
+        m = cls(**{c: torch.full((capacity,), fill, dtype=dt, device=device)
+                   for c, (dt, fill) in SCHEMA.items()},
+                columns={name: torch.zeros(capacity, device=device) for name in specs},
+                specs=specs)
+        m.pack()
+        return m
+
+    def pack(self) -> None:
+        """Store the ledger's own columns of each dtype as the rows of one table (C,
+        capacity), their values kept: a row move or copy is then one operator a table
+        (``tables``), not one a column. ``allocate`` packs, and so does ``grow_ledger``."""
+        cap, tables = self.uid.shape[0], []
+        for dtype in dict.fromkeys(dt for dt, _ in SCHEMA.values()):
+            names = tuple(c for c, (dt, _) in SCHEMA.items() if dt == dtype)
+            table = torch.stack([getattr(self, c) for c in names])  # (C, capacity)
+            views = tuple(table[i] for i in range(len(names)))
+            for c, v in zip(names, views):
+                setattr(self, c, v)
+            tables.append((table, names, views))
+        self._tables = tuple(tables)
+
+    def tables(self) -> list[tuple[torch.Tensor, int]]:
+        """Every column's storage once, as (tensor, its row dimension): the packed tables
+        (``pack``; dimension 1) whose columns are still their rows, every other column
+        (dimension 0) as itself. Row moves and copies go through these."""
+        out, packed = [], set()
+        for table, names, views in getattr(self, "_tables", ()):
+            if all(getattr(self, c) is v for c, v in zip(names, views)):
+                out.append((table, 1))
+                packed.update(names)
+        return out + [(self.col(c), 0) for c in self.names if c not in packed]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -367,7 +395,7 @@ class Cold:
         a = self.arena
         slots = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm) + (
             () if self.heads is None else (self.heads.row,))
-        rows = (self.entered,) + tuple(self.ledger.col(c) for c in self.ledger.names)
+        rows = (self.entered,) + tuple(t for t, _ in self.ledger.tables())
         size = lambda ts: sum(t.untyped_storage().nbytes() for t in ts)  # noqa: E731
         return size(slots) / a.capacity + size(rows) / self.entered.shape[0]
 

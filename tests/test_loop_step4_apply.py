@@ -275,6 +275,35 @@ def test_many_removed_slots_move_as_a_few_do(tiny_model, folded):
             assert torch.equal(getattr(m1, col), getattr(m2, col)), col
 
 
+def test_the_ledger_s_tables_hold_every_column_once(tiny_model, tiny_policy):
+    """The ledger's own columns of one dtype are the rows of one table (``Ledger.tables``,
+    which row moves and undo copies go through), the scorer's columns themselves; a column
+    replaced by another tensor leaves its table's packing, and its table is then listed
+    column by column (a move still moves it); ``pack`` packs again, every value kept."""
+    state = _at_budget(tiny_model, tiny_policy).state
+    m = state.ledger
+
+    def packing() -> list[int]:  # each table's row dimension, every column held once
+        tables = m.tables()
+        for c in m.names:
+            assert sum(x is m.col(c) if dim == 0 else
+                       any(r.data_ptr() == m.col(c).data_ptr() for r in x)
+                       for x, dim in tables) == 1, c
+        return [dim for _, dim in tables]
+
+    assert packing() == [1, 1, 1, 0]  # int64, int8, int32; the scorer's brightness
+    before = {c: m.live(c).clone() for c in m.names}
+    m.uid = m.uid.clone()  # out of its table: the table's columns listed one by one
+    assert packing() == [1, 1] + [0] * 7
+    stage4_rows.remove(state.arena, m, [0])  # the last row fills slot 0, in every column
+    for c in m.names:
+        assert torch.equal(m.live(c), torch.cat((before[c][-1:], before[c][1:-1]))), c
+    moved = {c: m.live(c).clone() for c in m.names}
+    m.pack()
+    assert packing() == [1, 1, 1, 0]
+    assert all(torch.equal(m.live(c), moved[c]) for c in m.names)
+
+
 def test_the_undo_copies_only_what_stage_4_changes(tiny_model, tiny_policy):
     """A cull and a merge at the budget: the undo holds the rows of the merged slot, the
     holes the removals leave below the new count and the append's slot, the scorer's
@@ -292,6 +321,9 @@ def test_the_undo_copies_only_what_stage_4_changes(tiny_model, tiny_policy):
     kept = n - len(gone)
     want = {r.slots[0] for r in actions.merges} | {s for s in gone if s < kept} | {kept}
     assert at.tolist() == sorted(want) and len(want) <= 2 * len(gone) + 1
-    assert set(whole) == {"brightness"} and set(rows) == set(state.ledger.names) - {"brightness"}
+    m = state.ledger  # the rows of every table but the scorer's column, saved whole
+    assert set(whole) == {"brightness"}
+    assert [x for x, _, _ in rows] == [x for x, _ in m.tables() if x is not m.col("brightness")]
+    assert all(torch.equal(saved, x.index_select(dim, at)) for x, dim, saved in rows)
     reindexed = stage4._undo(state.ledger, dataclasses.replace(actions, reindex=True))
     assert set(reindexed[2]) == {"brightness", "position"}

@@ -9,16 +9,21 @@ import torch.nn.functional as F
 
 from positronic_brain.bench.common import operators
 from positronic_brain.forward import rms_norm
+from positronic_brain.loop import Session
 from positronic_brain.model import TINY_CONFIGS, load_model
+from positronic_brain.special_tokens import TokenPolicy
 from positronic_brain.sampler import make_generator
 from positronic_brain.stages.apply import prime
 from positronic_brain.stages.generate import generate
-from positronic_brain.types import SamplerParams, Segment
+from positronic_brain.types import CacheParams, SamplerParams, Segment
 
 # (per layer, fixed) top-level operators of one CPU stage-1 call, as measured; q/k/v biases
 # (qwen2) add one a layer where the product does not take them (float32, int8)
 BOUNDS = {"float32": (45, 63), "bfloat16": (34, 61), "int8": (34, 61)}
 GREEDY = SamplerParams(greedy=True)
+# top-level operators of stages 2-4 of a whole-token step at the budget (brightness, one
+# cull, no repair), as measured: a row's own cost in a batch, where stage 1 is shared
+SETTLE_BOUND = 141
 
 
 def _count(model) -> int:
@@ -57,3 +62,21 @@ def test_the_fused_casts_give_the_same_bits():
         scores = (torch.randn(3, 3, n, generator=g) * 20).bfloat16()
         assert torch.equal(torch.softmax(scores, -1, dtype=torch.float32),
                            torch.softmax(scores.float(), -1))
+
+
+def test_a_step_s_stages_2_to_4_operator_count_stays_under_the_bound():
+    """Stages 2-4 of one step launch at most ``SETTLE_BOUND`` operators: in a batch of rows
+    they run once a row, so each is a row's fixed cost beside the shared stage 1 (the
+    ledger's columns of a dtype move as one table, ``Ledger.tables``)."""
+    model = load_model("tiny-random", "float32", "cpu")
+    session = Session(model, TokenPolicy(model.tokenizer), GREEDY,
+                      CacheParams(budget=40, sinks=2, recent=4))
+    session.prime([Segment(tuple(range(3, 60)), "user")], 80)
+    for _ in range(2):  # warm, and at the budget: every step culls one
+        session.step()
+    view = session.begin()
+    gen = generate(model, view, GREEDY, session.generator)
+    records = []
+    count = operators(lambda: records.append(session.settle(view, gen, None, 0.0)))[0]
+    assert len(records[0].culled) == 1 and session.state.arena.n == 40
+    assert count <= SETTLE_BOUND, f"stages 2-4 launched {count} operators"

@@ -37,7 +37,8 @@ def _check(model: Model, state: State, gen: GenerateOut, actions: Actions) -> li
     culls = len(actions.cull_slots)
     folds = [f.into.flatten().double() for f in actions.folds]  # their targets too
     read = torch.cat([r for _, _, r in ranges]  # float64 holds int8 flags and uids exactly
-                     + [m.flags[at].double(), m.uid[at[:culls]].double()] + folds).tolist() \
+                     + [m.flags.index_select(0, at).double(),
+                        m.uid.index_select(0, at[:culls]).double()] + folds).tolist() \
         if ranges or slots else []
     targets = read[len(read) - sum(len(f) for f in folds):]
     read = read[:len(read) - len(targets)]
@@ -149,16 +150,13 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
     a, m = state.arena, state.ledger
     n = a.n
     k = gen.k
-    def row(x: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:  # filled there: no copy
-        return torch.full((1,), x, dtype=dtype, device=m.device)
-
-    if position != gen.position:
-        cos, sin = rerotation(model, row(gen.position), row(position))
+    if position != gen.position:  # filled there: no copy from host memory
+        cos, sin = rerotation(model, *(torch.full((1,), x, device=m.device)
+                                       for x in (gen.position, position)))
         k = apply_rope(gen.k.float(), cos, sin).to(gen.k.dtype)  # (L, KVH, 1, D)
     flag = FLAG_PROTECTED if state.pending_source in state.pinned else 0
-    (uid,) = write_rows(m, slice(n, n + 1), row(gen.input_token), row(position),
-                         row(SOURCES.index(state.pending_source), torch.int8), step,
-                         row(flag, torch.int8))
+    (uid,) = write_rows(m, slice(n, n + 1), gen.input_token, position,
+                         SOURCES.index(state.pending_source), step, flag)
     m.n = n + 1
     write(a, n, k, gen.v)
     a.n = n + 1
@@ -169,8 +167,8 @@ def _undo(m: Ledger, actions: Actions) -> tuple:
     """What ``apply`` will change of the ledger ``m``, copied, and only that: the rows of
     the slots it rewrites (a merge's, a recall's, each hole a removal fills, the append's
     when it lands below the live count), the scorer columns it writes whole, the positions
-    a re-index writes, the counts. (slots, their rows by column, whole columns, next uid,
-    dropped)."""
+    a re-index writes, the counts. (slots, their rows by ``Ledger.tables`` table (the
+    table, its row dimension, the copy), whole columns, next uid, dropped)."""
     n = m.n
     gone = list(actions.cull_slots) + [r.slots[1] for r in actions.merges]
     kept = n - len(gone)
@@ -178,7 +176,9 @@ def _undo(m: Ledger, actions: Actions) -> tuple:
              | {s for s in gone if s < kept} | ({kept} if kept < n else set()))
     whole = set(actions.columns or ()) | ({"position"} if actions.reindex else set())
     at = torch.tensor(sorted(slots), dtype=torch.long).to(m.device, non_blocking=True)
-    return (at, {c: m.col(c).index_select(0, at) for c in m.names if c not in whole},
+    saved_whole = {id(m.col(c)) for c in whole}  # a packed table's rows are copied anyway
+    return (at, [(x, dim, x.index_select(dim, at)) for x, dim in m.tables()
+                 if id(x) not in saved_whole],
             {c: m.live(c).clone() for c in whole}, m.next_uid, m.dropped)
 
 
@@ -226,8 +226,8 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
         slot, uid, k = _append(state, gen, position, model, step)  # 8) append
     except BaseException:
         at, rows, whole, next_uid, m.dropped = undo
-        for c, x in rows.items():
-            m.col(c).index_copy_(0, at, x)
+        for x, dim, saved in rows:  # the rows first: a whole column's copy goes over them
+            x.index_copy_(dim, at, saved)
         for c, x in whole.items():
             m.col(c)[:n] = x
         for uid in range(next_uid, m.next_uid):

@@ -43,7 +43,8 @@ def write(a: Arena | SplitArena, lo: int, k: torch.Tensor, v: torch.Tensor,
         if copy:
             b.k[:, :, lo:hi] = kb
             b.v[:, :, lo:hi] = vb
-        b.log_mass[:, :, lo:hi] = 0.0
+        if b.folded:  # else every log-mass is 0 already
+            b.log_mass[:, :, lo:hi] = 0.0
         if norms_of_kv:
             b.renorm(lo, hi, kb, vb)
         else:
@@ -64,16 +65,21 @@ def store_layer(into: tuple[torch.Tensor, torch.Tensor], i: int, k: torch.Tensor
     into[0][i], into[1][i] = k, v
 
 
-def write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor, positions: torch.Tensor,
-                sources: torch.Tensor, step: int, flags: torch.Tensor) -> list[int]:
-    """Fill ledger rows ``slots`` for new tokens; returns their fresh uids."""
-    count = token_ids.shape[0]
+def write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor | int,
+                positions: torch.Tensor | int, sources: torch.Tensor | int, step: int,
+                flags: torch.Tensor | int) -> list[int]:
+    """Fill ledger rows ``slots`` for new tokens (each value a tensor with one a row, or an
+    int for every row: a fill, no tensor made for it); returns their fresh uids."""
+    count = slots.stop - slots.start
     uids = list(range(m.next_uid, m.next_uid + count))  # known here: not read back (a sync)
     m.uid[slots] = torch.arange(m.next_uid, m.next_uid + count, device=m.device)
     m.token_id[slots] = token_ids
     m.position[slots] = positions
     m.source[slots] = sources
     for name, spec in m.specs.items():  # the scorer's columns at their birth values
+        if isinstance(sources, int):  # per head too: every head's the one value
+            m.columns[name][slots] = spec.births[sources]
+            continue
         col, born = m.columns[name], birth_values(spec.births, m.device)[sources.long()]
         m.columns[name][slots] = born.view(-1, *(1,) * (col.dim() - 1))  # per head: each
     m.born_step[slots] = step
@@ -172,6 +178,7 @@ def grow_ledger(m: Ledger) -> None:
         new = old.new_zeros((rows,) + old.shape[1:])
         new[:old.shape[0]] = old
         m.columns[c] = new
+    m.pack()
 
 
 @functools.lru_cache(maxsize=16)
@@ -191,11 +198,16 @@ def remove(a: Arena | SplitArena, m: Ledger, slots: list[int],
     n = m.n - len(gone)
     fillers = [s for s in range(n, m.n) if s not in gone]
     moves = list(zip(fillers, sorted(s for s in gone if s < n)))  # (from_slot, to_slot)
-    if moves:
+    tables = m.tables() + [(x, 0) for x in extra] if moves else []  # ledger first
+    if len(moves) == 1:  # a row copy a table: no index tensors to make
+        (f, t), = moves
+        for x, dim in tables:
+            x.select(dim, t).copy_(x.select(dim, f))
+    elif moves:
         src = torch.tensor([f for f, _ in moves], device=m.device)
         dst = torch.tensor([t for _, t in moves], device=m.device)
-        for col in [m.col(c) for c in m.names] + list(extra):  # ledger first
-            col.index_copy_(0, dst, col.index_select(0, src))
+        for x, dim in tables:
+            x.index_copy_(dim, dst, x.index_select(dim, src))
     m.n = n
     for b in a.blocks if moves else ():
         per_slot = (b.k, b.v, b.knorm, b.vnorm) + ((b.log_mass,) if b.folded else ())
@@ -206,7 +218,7 @@ def remove(a: Arena | SplitArena, m: Ledger, slots: list[int],
             continue
         for f, t in moves:  # slot by slot: slice copies beat index copies for a few slots
             for x in per_slot:
-                x[:, :, t] = x[:, :, f]
+                x.select(2, t).copy_(x.select(2, f))
     a.n = n
     return moves
 

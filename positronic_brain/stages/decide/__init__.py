@@ -48,7 +48,8 @@ def removals_needed(n: int, budget: int | None) -> int:
 def ranked(scores: torch.Tensor, by_pos: torch.Tensor) -> torch.Tensor:
     """Slots by ascending score, ties by ascending position (``by_pos``: the slots in text
     order): (n,) int64."""
-    return by_pos[torch.argsort(scores[by_pos], stable=True)]
+    # index_select, not ``[...]``: the same values, about half advanced indexing's cost
+    return by_pos.index_select(0, torch.argsort(scores.index_select(0, by_pos), stable=True))
 
 
 def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> Actions:
@@ -95,11 +96,13 @@ def decide(model: Model, view: View, scores: ScoreOut, params: CacheParams) -> A
     # ascending score, the protected and repaired slots last (a stable sort by that flag
     # keeps the score order within each part): no selection whose size depends on values
     candidates = ranked(scores.scores, order)
-    candidates = candidates[torch.argsort(taken[candidates].to(torch.uint8), stable=True)]
+    candidates = candidates.index_select(0, torch.argsort(
+        taken.index_select(0, candidates).to(torch.uint8), stable=True))
     k = need - len(pairs)
     picked = candidates[:k]
     # the culls and whether any of them is protected, read back at once
-    read = torch.cat((picked, taken[picked].any().view(1).long())).tolist() if k else [0]
+    read = (torch.cat((picked, taken.index_select(0, picked).any().view(1).long())).tolist()
+            if k else [0])
     if read[-1]:
         too_small(n - int(keep.sum()))
     culls = tuple(sorted(read[:-1]))
