@@ -242,7 +242,8 @@ class LoopRow:
     """A full loop step vs stage 1 alone at the budget (``context``), for one repair (with
     `` + recall``: over ``cold`` cold tokens, scanned every ``recall_every`` steps) and one
     way of running stage 1 (``stage1``): each stage's median ms, the step's, their median
-    ratio (``overhead``), and the host reads and CUDA syncs a step."""
+    ratio (``overhead``), the host reads and CUDA syncs a step, and the operators stages
+    2-4 launch a step (``settle_operators``)."""
 
     dtype: str
     stage1: str = "plain"
@@ -255,6 +256,7 @@ class LoopRow:
     recall_every: int = 1
     cold_bytes_per_token: int | None = None
     scan_bytes: int | None = None
+    settle_ops: float | None = None  # top-level operators of stages 2-4, a step
     stage1_ms: float
     score_ms: float
     decide_ms: float
@@ -619,16 +621,29 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[LoopRow]:
         # device to drain on a GPU)
         reads = sum(common.host_reads(steps).values()) / every
         syncs = common.cuda_syncs(steps) if model.device.type == "cuda" else None
+        ops = settle_operators(session, every)
         store = session.state.cold
         rows.append(LoopRow(
             dtype=dt, stage1=how, policy=policy, repair=what, context=cfg.budget,
-            host_reads=reads,
+            host_reads=reads, settle_ops=ops,
             cuda_syncs=None if syncs is None else syncs / every, cold=store.n if cold else 0,
             recall_every=every, cold_bytes_per_token=store.bytes_per_token if cold else None,
             scan_bytes=scan_bytes(params, store.arena.k, store.n) if cold else None,
             stage1_ms=ms["stage 1"], score_ms=ms["stage 2"], decide_ms=ms["stage 3"],
             step_ms=ms["loop step"], overhead=common.median_ratio(t["loop step"], t["stage 1"])))
     return rows
+
+
+def settle_operators(session: Session, steps: int = 1) -> float:
+    """The top-level operators (``common.operators``) stages 2-4 launch a step, the mean
+    over ``steps`` more steps of ``session``: in a batch of rows they run once a row, beside
+    the one stage 1 the rows share, so each is a row's fixed cost a step."""
+    total = 0
+    for _ in range(steps):
+        view = session.begin()
+        gen = generate(session.model, view, session.sampler, session.generator)
+        total += common.operators(lambda: session.settle(view, gen, None, 0.0))[0]
+    return total / steps
 
 
 def _middle_triple(view: View) -> tuple[int, int, int]:
@@ -1253,11 +1268,13 @@ def tables(res: SpeedResult) -> list[Table]:
     loop = Table(
         "Loop step (stages 1-4, one removal per step at the budget)",
         ("dtype", "stage 1", "policy", "repair", "live slots", "stage 1 ms", "stage 2 ms", "stage 3 ms",
-         "step ms", "step / stage 1", "host reads a step", "CUDA syncs a step"),
+         "step ms", "step / stage 1", "host reads a step", "CUDA syncs a step",
+         "stages 2-4 operators a step"),
         tuple((r.dtype, r.stage1, r.policy, r.repair, str(r.context),
                fmt(r.stage1_ms, 2),
                fmt(r.score_ms, 2), fmt(r.decide_ms, 2), fmt(r.step_ms, 2),
-               fmt(r.overhead, 2), fmt(r.host_reads, 1), fmt(r.cuda_syncs, 1))
+               fmt(r.overhead, 2), fmt(r.host_reads, 1), fmt(r.cuda_syncs, 1),
+               fmt(r.settle_ops, 0))
               for r in res.loop),
         "Medians per stage, timed on the same view within each repetition; the step is "
         "`Session.step` (all four stages). The brightness scorer; with the plain stage 1 also "
@@ -1270,7 +1287,10 @@ def tables(res: SpeedResult) -> list[Table]:
         "weigh more against a shorter stage 1. Host reads: the values a step reads back from "
         "the device (`common.host_reads`; each waits for the device to drain on a GPU), "
         "counted over one more round of steps; CUDA syncs: the waits CUDA itself counts in "
-        "that round (`common.cuda_syncs`: also copies from host memory), on a GPU only.")
+        "that round (`common.cuda_syncs`: also copies from host memory), on a GPU only. "
+        "Stages 2-4 operators: the top-level operators (as in the operators table) stages "
+        "2-4 launch a step, over another round: in a batch of rows they run once a row, "
+        "each a fixed cost beside the stage 1 the rows share.")
     edits = Table(
         "Cost of one edit vs context (stage 4 `apply`, which always appends the pending token too)",
         ("dtype", "context", "append only ms", "+ 1 cull ms", "+ cull + full re-index ms",

@@ -72,20 +72,27 @@ def write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor | int,
     int for every row: a fill, no tensor made for it); returns their fresh uids."""
     count = slots.stop - slots.start
     uids = list(range(m.next_uid, m.next_uid + count))  # known here: not read back (a sync)
-    m.uid[slots] = torch.arange(m.next_uid, m.next_uid + count, device=m.device)
-    m.token_id[slots] = token_ids
-    m.position[slots] = positions
-    m.source[slots] = sources
+
+    def put(col: torch.Tensor, x: torch.Tensor | int | float) -> None:
+        if isinstance(x, (int, float)):
+            col[slots].fill_(x)  # ``col[slots] = x`` would make a tensor of x first
+        else:
+            col[slots] = x
+
+    put(m.uid, torch.arange(m.next_uid, m.next_uid + count, device=m.device)
+        if count > 1 else m.next_uid)
+    put(m.token_id, token_ids)
+    put(m.position, positions)
+    put(m.source, sources)
     for name, spec in m.specs.items():  # the scorer's columns at their birth values
         if isinstance(sources, int):  # per head too: every head's the one value
-            m.columns[name][slots] = spec.births[sources]
+            put(m.columns[name], spec.births[sources])
             continue
         col, born = m.columns[name], birth_values(spec.births, m.device)[sources.long()]
-        m.columns[name][slots] = born.view(-1, *(1,) * (col.dim() - 1))  # per head: each
-    m.born_step[slots] = step
-    m.changed_step[slots] = step
-    m.flags[slots] = flags
-    m.origin[slots], m.origin_uid[slots] = 0, -1
+        put(col, born.view(-1, *(1,) * (col.dim() - 1)))  # per head: each
+    for col, x in ((m.born_step, step), (m.changed_step, step), (m.flags, flags),
+                   (m.origin, 0), (m.origin_uid, -1)):
+        put(col, x)
     m.next_uid += count
     return uids
 
