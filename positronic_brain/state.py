@@ -267,7 +267,7 @@ class Ledger:
         """Store the ledger's own columns of each dtype as the rows of one table (C,
         capacity), their values kept: a row move or copy is then one operator a table
         (``tables``), not one a column. ``allocate`` packs, and so does ``grow_ledger``."""
-        cap, tables = self.uid.shape[0], []
+        tables = []
         for dtype in dict.fromkeys(dt for dt, _ in SCHEMA.values()):
             names = tuple(c for c, (dt, _) in SCHEMA.items() if dt == dtype)
             table = torch.stack([getattr(self, c) for c in names])  # (C, capacity)
@@ -396,7 +396,11 @@ class Cold:
         slots = (a.kt, a.v, a.log_mass, a.knorm, a.vnorm) + (
             () if self.heads is None else (self.heads.row,))
         rows = (self.entered,) + tuple(t for t, _ in self.ledger.tables())
-        size = lambda ts: sum(t.untyped_storage().nbytes() for t in ts)  # noqa: E731
+
+        def size(ts) -> int:  # each storage once: a packed table's columns share one
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in ts}.values())
+
         return size(slots) / a.capacity + size(rows) / self.entered.shape[0]
 
     def view(self) -> "ColdView":

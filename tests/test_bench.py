@@ -136,7 +136,8 @@ def test_bench_speed_quick_json_report_and_plots(capsys, tmp_path, one_thread):
     assert [r["cold"] > res["config"]["recall_cold"] // 2 for r in res["loop"]] == recall
     assert all(r["stage1_ms"] > 0 and r["step_ms"] > 0 and r["overhead"] > 0 for r in res["loop"])
     # stages 2-4's operators: each setting's own, the repairs' and recall's above no repair's
-    ops = {(r["dtype"], r["stage1"], r["policy"], r["repair"]): r["settle_ops"] for r in res["loop"]}
+    ops = {(r["dtype"], r["stage1"], r["policy"], r["repair"]): r["settle_ops"]
+           for r in res["loop"]}
     assert all(v > 0 for v in ops.values())
     assert all(ops[d, s, "brightness", m] > ops[d, s, "brightness", "none"]
                for d in dtypes for s in ("plain", "native") for m in ("merge", "fold"))

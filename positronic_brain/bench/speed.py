@@ -621,14 +621,14 @@ def measure_loop(model: Model, cfg: SpeedConfig, task) -> list[LoopRow]:
         # device to drain on a GPU)
         reads = sum(common.host_reads(steps).values()) / every
         syncs = common.cuda_syncs(steps) if model.device.type == "cuda" else None
-        ops = settle_operators(session, every)
         store = session.state.cold
+        stored = (store.n, store.bytes_per_token, scan_bytes(params, store.arena.k, store.n)
+                  ) if cold else (0, None, None)  # before the operators' round steps on
         rows.append(LoopRow(
             dtype=dt, stage1=how, policy=policy, repair=what, context=cfg.budget,
-            host_reads=reads, settle_ops=ops,
-            cuda_syncs=None if syncs is None else syncs / every, cold=store.n if cold else 0,
-            recall_every=every, cold_bytes_per_token=store.bytes_per_token if cold else None,
-            scan_bytes=scan_bytes(params, store.arena.k, store.n) if cold else None,
+            host_reads=reads, settle_ops=settle_operators(session, every),
+            cuda_syncs=None if syncs is None else syncs / every, cold=stored[0],
+            recall_every=every, cold_bytes_per_token=stored[1], scan_bytes=stored[2],
             stage1_ms=ms["stage 1"], score_ms=ms["stage 2"], decide_ms=ms["stage 3"],
             step_ms=ms["loop step"], overhead=common.median_ratio(t["loop step"], t["stage 1"])))
     return rows

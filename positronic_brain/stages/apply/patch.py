@@ -176,6 +176,7 @@ def _undo(m: Ledger, actions: Actions) -> tuple:
              | {s for s in gone if s < kept} | ({kept} if kept < n else set()))
     whole = set(actions.columns or ()) | ({"position"} if actions.reindex else set())
     at = torch.tensor(sorted(slots), dtype=torch.long).to(m.device, non_blocking=True)
+    # the tables as they are now: a whole-token ``apply`` replaces no column's tensor
     saved_whole = {id(m.col(c)) for c in whole}  # a packed table's rows are copied anyway
     return (at, [(x, dim, x.index_select(dim, at)) for x, dim in m.tables()
                  if id(x) not in saved_whole],
