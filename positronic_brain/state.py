@@ -216,8 +216,6 @@ SCHEMA = {"uid": (torch.int64, 0), "token_id": (torch.int64, 0), "position": (to
           "source": (torch.int8, 0), "born_step": (torch.int64, 0),
           "changed_step": (torch.int64, 0), "flags": (torch.int8, 0),
           "origin": (torch.int32, 0), "origin_uid": (torch.int64, -1)}
-
-
 # what stages 1-3 see of them (``View``; a capture keeps these): all but ``changed_step``
 VIEW_COLUMNS = tuple(c for c in SCHEMA if c != "changed_step")
 

@@ -150,8 +150,7 @@ class Column:
     it beat the hot token with times the queries since it was born (an accumulated
     attention's worth), or ``top``: the column's largest live value, so a score that never
     decays does not send it cold again at the next swap. Values stay finite and within
-    [``low``, ``high``] (None: unbounded),
-    which stage 4 checks before it writes them."""
+    [``low``, ``high``] (None: unbounded), which stage 4 checks before it writes them."""
 
     birth: float | tuple[float, ...] = 0.0
     merge: str = "max"

@@ -79,20 +79,18 @@ def write_rows(m: Ledger, slots: slice, token_ids: torch.Tensor | int,
         else:
             col[slots] = x
 
-    put(m.uid, torch.arange(m.next_uid, m.next_uid + count, device=m.device)
-        if count > 1 else m.next_uid)
-    put(m.token_id, token_ids)
-    put(m.position, positions)
-    put(m.source, sources)
+    uid = (torch.arange(m.next_uid, m.next_uid + count, device=m.device) if count > 1
+           else m.next_uid)
+    for col, x in ((m.uid, uid), (m.token_id, token_ids), (m.position, positions),
+                   (m.source, sources), (m.born_step, step), (m.changed_step, step),
+                   (m.flags, flags), (m.origin, 0), (m.origin_uid, -1)):
+        put(col, x)
     for name, spec in m.specs.items():  # the scorer's columns at their birth values
         if isinstance(sources, int):  # per head too: every head's the one value
             put(m.columns[name], spec.births[sources])
             continue
         col, born = m.columns[name], birth_values(spec.births, m.device)[sources.long()]
         put(col, born.view(-1, *(1,) * (col.dim() - 1)))  # per head: each
-    for col, x in ((m.born_step, step), (m.changed_step, step), (m.flags, flags),
-                   (m.origin, 0), (m.origin_uid, -1)):
-        put(col, x)
     m.next_uid += count
     return uids
 
