@@ -3,6 +3,7 @@
 `pytest tests/test_loop_step2_score.py -s` walks a real-model session to stage 2 and
 prints the brightest and dimmest tokens.
 """
+import math
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -201,6 +202,36 @@ def test_key_norm_keeps_the_lowest_keys_relative_to_their_head():
     scores = knorm.score_heads(view, None).scores
     assert torch.equal(scores[0, 0], torch.tensor([-0.5, -1.5, -1.0]))
     assert torch.equal(scores[0, 1, :2], torch.tensor([-0.5, -1.5]))
+
+
+def test_key_diff_keeps_the_keys_least_like_their_head_s_anchor():
+    """Hand-worked: one KV head's keys (1, 0), (0, 2) and (3, 3): unit keys (1, 0), (0, 1)
+    and (1, 1)/sqrt 2, whose mean points along (1, 1), so their cosines to it are 1/sqrt 2,
+    1/sqrt 2 and 1: the third key, the one most like the others, scores lowest (culled
+    first) and the two that point apart tie. Whole tokens average the cosines of two such
+    heads. Per head, a head's free slot is left out of its anchor: the second head holds
+    (1, 0) and (0, 1) (its third slot, free, holds (5, 0), which would tip the anchor)."""
+    k = torch.tensor([[[[1.0, 0.0], [0.0, 2.0], [3.0, 3.0]]]])  # (L, KVH, n, D)
+    c = 1 / math.sqrt(2)  # the cosine of 45 degrees
+    # float32, against the exact values: a norm, the anchor's mean, its norm, a dot product
+    # and the heads' mean in series, each of at most three terms of magnitude about 1
+    tol = products(torch.float32, 3, 5)
+
+    def close(got: torch.Tensor, want: list[float]) -> bool:
+        return torch.allclose(got, torch.tensor(want), rtol=0, atol=tol)
+    view = SimpleNamespace(k=k, knorm=k.norm(dim=-1))
+    keydiff = make_scorer(CacheParams(scorer="keydiff"))
+    assert close(keydiff.score(view, None).scores, [-c, -c, -1.0])
+    two = torch.cat((k, -k), dim=1)  # a second head of the opposite keys: the same cosines
+    view = SimpleNamespace(k=two, knorm=two.norm(dim=-1))
+    assert close(keydiff.score(view, None).scores, [-c, -c, -1.0])
+    free = torch.tensor([[[[1.0, 0.0], [0.0, 2.0], [3.0, 3.0]], [[1.0, 0.0], [0.0, 1.0],
+                                                                  [5.0, 0.0]]]])
+    heads = Heads(row=torch.tensor([[[0, 1, 2], [0, 1, -1]]]), n=torch.tensor([[3, 2]]))
+    view = SimpleNamespace(k=free, knorm=free.norm(dim=-1), heads=heads)
+    scores = keydiff.score_heads(view, None).scores
+    assert close(scores[0, 0], [-c, -c, -1.0])
+    assert close(scores[0, 1, :2], [-c, -c])
 
 
 @pytest.mark.parametrize("policy", SCORERS)

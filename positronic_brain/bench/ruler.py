@@ -102,7 +102,7 @@ class RulerConfig:
                                       "lengths in the model's tokens, answer included",
                                       quick=(1024,))
     samples: int = option(10, "samples per task and length", quick=2)
-    policies: tuple[str, ...] = option(("brightness", "h2o", "tova", "knorm", "kvzip",
+    policies: tuple[str, ...] = option(("brightness", "h2o", "tova", "knorm", "keydiff", "kvzip",
                                         "streaming"),
                                        "comma-separated scorers, NAME@ALLOCATION per head "
                                        "(none: the full cache only)", read=flags.policies)

@@ -30,6 +30,7 @@ from ..state import Ledger, View
 from ..types import CacheParams, Column, ScoreOut, UserError, require
 from .brightness import Brightness
 from .h2o import H2O
+from .keydiff import KeyDiff
 from .knorm import KeyNorm
 from .kvzip import KVzip
 from .none import NoScore
@@ -45,8 +46,8 @@ class Scorer(Protocol):
 
 
 SCORERS: dict[str, type] = {"brightness": Brightness, "streaming": Streaming, "h2o": H2O,
-                            "tova": TOVA, "knorm": KeyNorm, "kvzip": KVzip, "random": RandomScore,
-                            "none": NoScore}
+                            "tova": TOVA, "knorm": KeyNorm, "keydiff": KeyDiff, "kvzip": KVzip,
+                            "random": RandomScore, "none": NoScore}
 CULLING = tuple(name for name in SCORERS if name != "none")  # the scorers that take a budget
 BASELINES = tuple(name for name in CULLING if name != CacheParams().scorer.name)
 SHARED = tuple(f.name for f in dataclasses.fields(CacheParams)
