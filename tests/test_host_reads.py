@@ -64,8 +64,8 @@ def _stage_reads(model, params: CacheParams, steps: int = 6) -> list[tuple[int, 
     return out
 
 
-@pytest.mark.parametrize("scorer", ["brightness", "h2o", "tova", "knorm", "kvzip", "streaming",
-                                    "random"])
+@pytest.mark.parametrize("scorer", ["brightness", "h2o", "tova", "knorm", "keydiff", "kvzip",
+                                    "streaming", "random"])
 def test_a_culling_step_reads_its_culls_and_its_checks_once(model, scorer):
     for reads in _stage_reads(model, CacheParams(budget=24, scorer=scorer)):
         assert all(r <= c for r, c in zip(reads, CULLING)), (scorer, reads)

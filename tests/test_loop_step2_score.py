@@ -225,6 +225,13 @@ def test_key_diff_keeps_the_keys_least_like_their_head_s_anchor():
     two = torch.cat((k, -k), dim=1)  # a second head of the opposite keys: the same cosines
     view = SimpleNamespace(k=two, knorm=two.norm(dim=-1))
     assert close(keydiff.score(view, None).scores, [-c, -c, -1.0])
+    layers = torch.cat((k, -k))  # two layers; a split arena's blocks give the same bits
+    whole = keydiff.score(SimpleNamespace(k=layers, knorm=layers.norm(dim=-1)), None).scores
+    split = SimpleNamespace(k=(layers[:1], layers[1:]), knorm=layers.norm(dim=-1))
+    assert torch.equal(keydiff.score(split, None).scores, whole)
+    zero = torch.tensor([[[[1.0, 0.0], [0.0, 2.0], [0.0, 0.0]]]])  # a key of norm 0: no
+    view = SimpleNamespace(k=zero, knorm=zero.norm(dim=-1))  # direction, a cosine of 0
+    assert close(keydiff.score(view, None).scores, [-c, -c, 0.0])
     free = torch.tensor([[[[1.0, 0.0], [0.0, 2.0], [3.0, 3.0]], [[1.0, 0.0], [0.0, 1.0],
                                                                   [5.0, 0.0]]]])
     heads = Heads(row=torch.tensor([[[0, 1, 2], [0, 1, -1]]]), n=torch.tensor([[3, 2]]))

@@ -11,11 +11,11 @@ token. Perplexity = exp(mean NLL) over the scored tokens. Measured:
    cache is full and has culled before the first scored token), then ``--tokens`` scored
    ones; a cell's perplexity is over every window's scored tokens. Its cells: the full
    cache (no budget, nothing culled); every scorer (brightness, streaming, h2o, tova,
-   knorm, random) at every budget, with each repair (none, merge, fold); the default policy (or
-   the ``--recall`` policies) with recall (the cold store) at every budget; and the
-   hindsight oracle (``scorers.oracle``) at every budget, which culls the token the
-   full-cache run's later queries attend to least (its runs wait for the full cache, which
-   records that attention in each window);
+   knorm, keydiff, random) at every budget, with each repair (none, merge, fold); the
+   default policy (or the ``--recall`` policies) with recall (the cold store) at every
+   budget; and the hindsight oracle (``scorers.oracle``) at every budget, which culls the
+   token the full-cache run's later queries attend to least (its runs wait for the full
+   cache, which records that attention in each window);
 2. a long run past the model's positions at one budget with ``--positions compact``
    (re-index before the limit) and ``keep`` (which has to stop at the limit), as
    perplexity over windows of tokens; ``keep`` runs of the long baselines and of the long

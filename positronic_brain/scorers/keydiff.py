@@ -29,11 +29,22 @@ from ..types import ScoreOut
 def cosines(view: View, live: torch.Tensor | None = None) -> torch.Tensor:
     """Each slot's key's cosine to its (layer, KV head)'s anchor, the mean unit key over
     the live slots (``live``: (L, kv_heads, n) bool, the slots each head holds; None: all),
-    (L, kv_heads, n) float32. A zero key (norm 0) counts as no direction and scores 0."""
-    k = view.k if isinstance(view.k, torch.Tensor) else torch.cat(
-        [b.to(view.knorm.device) for b in view.k])  # a split arena's blocks, on the main device
+    (L, kv_heads, n) float32. A zero key (norm 0) counts as no direction and scores 0. A
+    split arena's blocks are each scored where they live, the cosines gathered."""
+    if isinstance(view.k, torch.Tensor):
+        return _cosines(view.k, view.knorm, live)
+    sizes = [k.shape[0] for k in view.k]
+    parts = zip(view.k, view.knorm.split(sizes),
+                [None] * len(sizes) if live is None else live.split(sizes))
+    return torch.cat([_cosines(k, norm.to(k.device), None if on is None else on.to(k.device)
+                               ).to(view.knorm.device) for k, norm, on in parts])
+
+
+def _cosines(k: torch.Tensor, knorm: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """``cosines`` of the keys ``k`` (L, kv_heads, n, head_dim) of one device, their norms
+    ``knorm`` (L, kv_heads, n)."""
     tiny = torch.finfo(torch.float32).tiny
-    inv = 1.0 / view.knorm.clamp_min(tiny)  # (L, KVH, n)
+    inv = 1.0 / knorm.clamp_min(tiny)  # (L, KVH, n)
     count = inv.shape[-1]
     if live is not None:  # a free slot weighs nothing
         inv, count = inv * live, live.sum(-1, keepdim=True).clamp_min(1)
