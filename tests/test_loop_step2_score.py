@@ -13,6 +13,7 @@ import torch
 from positronic_brain import options
 from positronic_brain.loop import Session
 from positronic_brain.scorers import SCORERS, columns_of, make_scorer
+from positronic_brain.scorers import keydiff as keydiff_module
 from positronic_brain.stages.apply import prime
 from positronic_brain.state import Heads
 from positronic_brain.stages.generate import generate
@@ -204,7 +205,7 @@ def test_key_norm_keeps_the_lowest_keys_relative_to_their_head():
     assert torch.equal(scores[0, 1, :2], torch.tensor([-0.5, -1.5]))
 
 
-def test_key_diff_keeps_the_keys_least_like_their_head_s_anchor():
+def test_key_diff_keeps_the_keys_least_like_their_head_s_anchor(monkeypatch):
     """Hand-worked: one KV head's keys (1, 0), (0, 2) and (3, 3): unit keys (1, 0), (0, 1)
     and (1, 1)/sqrt 2, whose mean points along (1, 1), so their cosines to it are 1/sqrt 2,
     1/sqrt 2 and 1: the third key, the one most like the others, scores lowest (culled
@@ -229,6 +230,11 @@ def test_key_diff_keeps_the_keys_least_like_their_head_s_anchor():
     whole = keydiff.score(SimpleNamespace(k=layers, knorm=layers.norm(dim=-1)), None).scores
     split = SimpleNamespace(k=(layers[:1], layers[1:]), knorm=layers.norm(dim=-1))
     assert torch.equal(keydiff.score(split, None).scores, whole)
+    # a run of layers at a time (a large model's keys) gives the whole pass's cosines
+    monkeypatch.setattr(keydiff_module, "CHUNK_BYTES", 4 * k[0].numel())
+    got = keydiff.score(SimpleNamespace(k=layers, knorm=layers.norm(dim=-1)), None).scores
+    assert torch.equal(got, whole)
+    monkeypatch.undo()
     zero = torch.tensor([[[[1.0, 0.0], [0.0, 2.0], [0.0, 0.0]]]])  # a key of norm 0: no
     view = SimpleNamespace(k=zero, knorm=zero.norm(dim=-1))  # direction, a cosine of 0
     assert close(keydiff.score(view, None).scores, [-c, -c, 0.0])

@@ -40,9 +40,25 @@ def cosines(view: View, live: torch.Tensor | None = None) -> torch.Tensor:
                                ).to(view.knorm.device) for k, norm, on in parts])
 
 
+CHUNK_BYTES = 1 << 27  # the most float32 key bytes one pass copies (128 MiB)
+
+
 def _cosines(k: torch.Tensor, knorm: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
     """``cosines`` of the keys ``k`` (L, kv_heads, n, head_dim) of one device, their norms
-    ``knorm`` (L, kv_heads, n)."""
+    ``knorm`` (L, kv_heads, n): a run of layers at a time, so that the keys' float32 copy
+    stays within ``CHUNK_BYTES`` (all of a small model's layers at once)."""
+    per_layer = 4 * k[0].numel()
+    step = max(1, CHUNK_BYTES // max(per_layer, 1))
+    if step >= k.shape[0]:
+        return _layer_cosines(k, knorm, live)
+    return torch.cat([_layer_cosines(k[i:i + step], knorm[i:i + step],
+                                     None if live is None else live[i:i + step])
+                      for i in range(0, k.shape[0], step)])
+
+
+def _layer_cosines(k: torch.Tensor, knorm: torch.Tensor,
+                   live: torch.Tensor | None) -> torch.Tensor:
+    """``_cosines`` of a run of layers at once."""
     tiny = torch.finfo(torch.float32).tiny
     inv = 1.0 / knorm.clamp_min(tiny)  # (L, KVH, n)
     count = inv.shape[-1]
