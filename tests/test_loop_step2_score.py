@@ -220,6 +220,7 @@ def test_key_diff_keeps_the_keys_least_like_their_head_s_anchor(monkeypatch):
 
     def close(got: torch.Tensor, want: list[float]) -> bool:
         return torch.allclose(got, torch.tensor(want), rtol=0, atol=tol)
+
     view = SimpleNamespace(k=k, knorm=k.norm(dim=-1))
     keydiff = make_scorer(CacheParams(scorer="keydiff"))
     assert close(keydiff.score(view, None).scores, [-c, -c, -1.0])

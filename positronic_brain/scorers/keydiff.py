@@ -26,39 +26,31 @@ from ..state import View
 from ..types import ScoreOut
 
 
+CHUNK_BYTES = 1 << 27  # the most float32 key bytes one pass copies (128 MiB)
+
+
 def cosines(view: View, live: torch.Tensor | None = None) -> torch.Tensor:
     """Each slot's key's cosine to its (layer, KV head)'s anchor, the mean unit key over
     the live slots (``live``: (L, kv_heads, n) bool, the slots each head holds; None: all),
     (L, kv_heads, n) float32. A zero key (norm 0) counts as no direction and scores 0. A
-    split arena's blocks are each scored where they live, the cosines gathered."""
-    if isinstance(view.k, torch.Tensor):
-        return _cosines(view.k, view.knorm, live)
-    sizes = [k.shape[0] for k in view.k]
-    parts = zip(view.k, view.knorm.split(sizes),
-                [None] * len(sizes) if live is None else live.split(sizes))
-    return torch.cat([_cosines(k, norm.to(k.device), None if on is None else on.to(k.device)
-                               ).to(view.knorm.device) for k, norm, on in parts])
+    run of layers at a time, each where its block of a split arena lives, so that the keys'
+    float32 copy stays within ``CHUNK_BYTES`` (all of a small model's layers at once)."""
+    blocks = (view.k,) if isinstance(view.k, torch.Tensor) else view.k
+    out, first = [], 0
+    for k in blocks:
+        step = max(1, CHUNK_BYTES // max(4 * k[0].numel(), 1))
+        for i in range(0, k.shape[0], step):
+            at = slice(first + i, first + min(i + step, k.shape[0]))
+            out.append(_run(k[i:i + step], view.knorm[at].to(k.device),
+                            None if live is None else live[at].to(k.device)
+                            ).to(view.knorm.device))
+        first += k.shape[0]
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
-CHUNK_BYTES = 1 << 27  # the most float32 key bytes one pass copies (128 MiB)
-
-
-def _cosines(k: torch.Tensor, knorm: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
-    """``cosines`` of the keys ``k`` (L, kv_heads, n, head_dim) of one device, their norms
-    ``knorm`` (L, kv_heads, n): a run of layers at a time, so that the keys' float32 copy
-    stays within ``CHUNK_BYTES`` (all of a small model's layers at once)."""
-    per_layer = 4 * k[0].numel()
-    step = max(1, CHUNK_BYTES // max(per_layer, 1))
-    if step >= k.shape[0]:
-        return _layer_cosines(k, knorm, live)
-    return torch.cat([_layer_cosines(k[i:i + step], knorm[i:i + step],
-                                     None if live is None else live[i:i + step])
-                      for i in range(0, k.shape[0], step)])
-
-
-def _layer_cosines(k: torch.Tensor, knorm: torch.Tensor,
-                   live: torch.Tensor | None) -> torch.Tensor:
-    """``_cosines`` of a run of layers at once."""
+def _run(k: torch.Tensor, knorm: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """``cosines`` of a run of layers' keys ``k`` (l, kv_heads, n, head_dim) on one device,
+    their norms ``knorm`` (l, kv_heads, n)."""
     tiny = torch.finfo(torch.float32).tiny
     inv = 1.0 / knorm.clamp_min(tiny)  # (L, KVH, n)
     count = inv.shape[-1]
