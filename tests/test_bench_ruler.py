@@ -25,6 +25,12 @@ def needle(real_policy):
     return ruler_tasks.generate(real_policy, "niah_single_1", 1024, 1, 0)[0]
 
 
+@pytest.fixture(scope="module")
+def short(real_policy):
+    """A 512-token sample, for the tests whose cells' programs do not depend on the length."""
+    return ruler_tasks.generate(real_policy, "niah_single_1", 512, 1, 0)[0]
+
+
 def test_every_protocol_compresses_the_context_to_the_budget(real_model, real_policy, needle):
     """compress, online and chunked: at the question the cache holds the budget (7/8 of the
     context here), whatever the protocol; the question and the answer then go uncompressed."""
@@ -61,18 +67,18 @@ def test_query_aware_compresses_the_question_with_the_context(real_model, real_p
 
 
 def test_a_sample_s_answers_as_a_batch_s_rows_are_its_answers_one_at_a_time(
-        real_model, real_policy, needle):
+        real_model, real_policy, short):
     """``--batch``: the full cache and the cells answer 3 rows at a time (the later ones
     taking the places of those that finish), each row its own protocol's program (compress
     from the shared prime, online primed and streamed through its budget, recall and per
     head among them): the same answers, tokens kept and answer tokens held as one at a time
     (greedy; no tie that rounding tips here, as the comparison checks)."""
-    cfg = _cfg(policies=("h2o", "tova@head"), ratios=(0.06,), recall=("all",),
-               protocols=("compress", "online"))
+    cfg = _cfg(lengths=(512,), new_tokens=6, policies=("h2o", "tova@head"), ratios=(0.06,),
+               recall=("all",), protocols=("compress", "online"))
     grid = ruler.cells(cfg)
     assert len(grid) == 8 and any(c.recall and "@" in c.policy for c in grid)
-    alone = ruler.run_sample(real_model, real_policy, cfg, needle, grid)
-    rows = ruler.run_sample(real_model, real_policy, replace(cfg, batch=3), needle, grid)
+    alone = ruler.run_sample(real_model, real_policy, cfg, short, grid)
+    rows = ruler.run_sample(real_model, real_policy, replace(cfg, batch=3), short, grid)
     assert rows.outputs == alone.outputs and rows.scores == alone.scores
     assert rows.kept == alone.kept and rows.held == alone.held
     assert rows.held_at_answer == alone.held_at_answer
@@ -141,34 +147,35 @@ def test_the_answer_held_is_the_share_of_its_spelling_the_cache_holds(real_model
     assert ruler.answer_held(s.state, answer) == 3 / 4
 
 
-def test_per_head_cells_keep_the_budget_in_each_head(real_model, real_policy, needle):
+def test_per_head_cells_keep_the_budget_in_each_head(real_model, real_policy, short):
     """A per-head policy (``NAME@ALLOCATION``) compresses the context at the same K/V memory:
     at the question its (layer, KV head)s hold the budget on average (``head``: each
     exactly), with recall too (each head's own cold store)."""
-    cfg = _cfg(policies=("h2o@head", "tova@adaptive"), ratios=(0.03,), recall=("all",),
-               protocols=("compress", "online"))
+    cfg = _cfg(lengths=(512,), policies=("h2o@head", "tova@adaptive"), ratios=(0.03,),
+               recall=("all",), protocols=("compress", "online"))
     grid = ruler.cells(cfg)
     assert [(c.protocol, c.method) for c in grid] == [
         (p, m + r) for p in ("compress", "online") for r in ("", "+recall")
         for m in ("h2o@head", "tova@adaptive")]
-    row = ruler.run_sample(real_model, real_policy, cfg, needle, grid)
-    budget = ruler.Prompt.of(real_policy, needle).budget(ruler.Size(0.03), ruler.cell_cache(
-        cfg, grid[0], ruler.Prompt.of(real_policy, needle)))
+    row = ruler.run_sample(real_model, real_policy, cfg, short, grid)
+    prompt = ruler.Prompt.of(real_policy, short)
+    budget = prompt.budget(ruler.Size(0.03), ruler.cell_cache(cfg, grid[0], prompt))
     assert row.budgets[1:] == [budget] * 8 and row.kept[1:] == [budget] * 8
     assert all(0 < h <= 1 for h in row.held[1:])  # 3% culled: most of the needle held
     assert all(0 <= s <= 1 for s in row.scores)
 
 
-def test_a_miss_is_captured_and_replays(real_model, real_policy, needle, tmp_path, monkeypatch):
+def test_a_miss_is_captured_and_replays(real_model, real_policy, short, tmp_path, monkeypatch):
     """Every cell scored below 1 answers again on a tape (here each, by a scorer of answers
     that finds none right): the capture replays bit for bit, budget change included."""
     monkeypatch.setattr(ruler_tasks, "score", lambda task, text, answers: 0.0)
-    cfg = _cfg(protocols=("compress",), recall=("all",), capture_misses=str(tmp_path))
+    cfg = _cfg(lengths=(512,), protocols=("compress",), recall=("all",),
+               capture_misses=str(tmp_path))
     grid = ruler.cells(cfg)
     assert [c.method for c in grid] == ["h2o", "h2o+recall"]
-    ruler.run_sample(real_model, real_policy, cfg, needle, grid[1:])
+    ruler.run_sample(real_model, real_policy, cfg, short, grid[1:])
     captured = sorted(tmp_path.iterdir())
-    assert [p.name for p in captured] == ["niah_single_1-1024-0-compress-h2o+recall-0.125"]
+    assert [p.name for p in captured] == ["niah_single_1-512-0-compress-h2o+recall-0.125"]
     report = replay(captured[0], model=real_model)
     assert report.ok, report.mismatches[:3]
 

@@ -51,7 +51,11 @@ def interleaved_ms(contenders: dict[str, Callable[[], object]], reps: int, warmu
     require(reps >= 1, f"repetitions must be >= 1, got {reps}")
     after = after or {}
     samples: dict[str, list[float]] = {name: [] for name in contenders}
-    gc.collect()
+    # the young generations only: a full collection walks every object the process holds
+    # (hundreds of thousands with torch and a model loaded) and finds nothing a measurement
+    # left (its tensors go by reference counts); each dtype's measurements start with a full
+    # one (``speed.measure_dtype``)
+    gc.collect(1)
     for r in range(warmup + reps):
         for name, fn in contenders.items():
             t0 = time.perf_counter()

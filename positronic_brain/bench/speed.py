@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -807,6 +808,7 @@ def measure_dtype(cfg: SpeedConfig, dtype: str, bandwidth: float,
                   task) -> tuple[SpeedConfig, dict[str, list]]:
     """Every measurement in ``dtype``: the config fitted to the model's positions, and the
     rows by the name of their ``SpeedResult`` field."""
+    gc.collect()  # the last dtype's models and states, whatever cycles hold them
     model = load_model(cfg.model, dtype, cfg.device)
     cfg = cfg.fitted(model.spec.max_positions)
     rows = measure_stage(model, cfg, task) if "stage" in cfg.parts else {}
