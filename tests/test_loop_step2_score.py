@@ -232,10 +232,10 @@ def test_key_diff_keeps_the_keys_least_like_their_head_s_anchor(monkeypatch):
     split = SimpleNamespace(k=(layers[:1], layers[1:]), knorm=layers.norm(dim=-1))
     assert torch.equal(keydiff.score(split, None).scores, whole)
     # a run of layers at a time (a large model's keys) gives the whole pass's cosines
-    monkeypatch.setattr(keydiff_module, "CHUNK_BYTES", 4 * k[0].numel())
-    got = keydiff.score(SimpleNamespace(k=layers, knorm=layers.norm(dim=-1)), None).scores
+    with monkeypatch.context() as m:
+        m.setattr(keydiff_module, "CHUNK_BYTES", 4 * k[0].numel())
+        got = keydiff.score(SimpleNamespace(k=layers, knorm=layers.norm(dim=-1)), None).scores
     assert torch.equal(got, whole)
-    monkeypatch.undo()
     zero = torch.tensor([[[[1.0, 0.0], [0.0, 2.0], [0.0, 0.0]]]])  # a key of norm 0: no
     view = SimpleNamespace(k=zero, knorm=zero.norm(dim=-1))  # direction, a cosine of 0
     assert close(keydiff.score(view, None).scores, [-c, -c, 0.0])
