@@ -110,6 +110,7 @@ class SpeedConfig:
                                       "comma-separated (--quick: 1,4,8)")
     batch_contexts: tuple[int, ...] = (1024, 4096)  # its stage 1's live slots a row
     batch_reps: int = 5
+    loop_reps: int = 25  # batch: the whole loop's rounds (a step of B rows is a few tens of ms)
     busy_reps: int = 5  # busy: repetitions of idle and busy in turn
 
     def __post_init__(self) -> None:
@@ -123,7 +124,7 @@ class SpeedConfig:
         require(min(self.reps, self.prefill_reps, self.edit_reps) >= 1, "repetitions must be >= 1")
         require(self.budget >= 32, f"budget must be >= 32, got {self.budget}")
         require(all(b >= 1 for b in self.batches) and all(c >= 1 for c in self.batch_contexts)
-                and min(self.batch_reps, self.busy_reps) >= 1,
+                and min(self.batch_reps, self.loop_reps, self.busy_reps) >= 1,
                 "batches, their contexts and repetitions must be >= 1")
         require(self.parts and set(self.parts) <= set(PARTS),
                 f"parts must be some of {', '.join(PARTS)}, got {self.parts}")
@@ -151,7 +152,8 @@ class SpeedConfig:
         return cls(**{**full, "quick": True, "contexts": (1024, 4096) if gpu else (128, 256, 512, 1024),
                       "prefill": (1024,), "reps": 7, "prefill_reps": 2, "edit_reps": 3,
                       "recall_cold": 1024, "batches": (1, 4, 8), "batch_contexts": (1024,),
-                      "batch_reps": 3, "busy_reps": 2, "bandwidth_mb": 2048 if gpu else 128})
+                      "batch_reps": 3, "loop_reps": 5, "busy_reps": 2,
+                      "bandwidth_mb": 2048 if gpu else 128})
 
     def fitted(self, max_positions: int) -> "SpeedConfig":
         """Drop what the model's positions cannot hold (the pending token needs one more)."""
@@ -1391,7 +1393,7 @@ def report_md(res: SpeedResult, images: list[str], image_dir: str, level: int = 
         f"{m.transformers}; load average {m.loadavg_start[0]} at the start, "
         f"{m.loadavg_end[0]} at the end (other processes share the cores; medians of "
         f"{res.config.reps} decode / {res.config.prefill_reps} prefill / "
-        f"{res.config.batch_reps} batch"
+        f"{res.config.batch_reps} batch stage 1 / {res.config.loop_reps} batch loop"
         + (f" / {res.config.busy_reps} busy" if "busy" in res.config.parts else "")
         + " repetitions, "
         "contenders alternating within each repetition).",

@@ -151,9 +151,9 @@ def _loop_row(model: Model, rows_model: Model, first: Session, b: int, what: str
         views = [dataclasses.replace(s.state.view(), cold=None) for s in rows]
         _stage1(model, rows_model, views, [s.generator for s in rows], first.sampler)()
 
-    tick = task(f"{model.precision} {what}, {b} rows", cfg.batch_reps)
+    tick = task(f"{model.precision} {what}, {b} rows", cfg.loop_reps)
     timed = {"stage 1": stage1, "step": steps} | ({"one": one} if alone else {})
-    t = common.interleaved_ms(timed, cfg.batch_reps, warmup=1, tick=tick)
+    t = common.interleaved_ms(timed, cfg.loop_reps, warmup=1, tick=tick)
     step, s1 = common.median(t["step"]) / every, common.median(t["stage 1"])
     return BatchRow(dtype=model.precision, what=what, context=first.cache_params.budget,
                     batch=b, ms=step, tokens_s=b / step * 1e3, stage1_ms=s1,
