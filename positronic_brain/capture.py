@@ -39,7 +39,7 @@ from .state import VIEW_COLUMNS, gathered, restore_args
 from .types import CacheParams, GenerateOut, SamplerParams, UserError, inconsistent, require
 from .version import __version__
 
-FORMAT = 9
+FORMAT = 10  # 10: stage 4 appends into a hole its culls leave (format 9's runs moved a slot)
 STAGES = ("s0_prime", "s1_generate", "s2_score", "s3_decide", "s4_apply")
 BATCH = "batch.json"  # a batch capture's record of its rows and steps (``BatchTape``)
 EXTEND = "s0_extend"  # stage 0 on the live state between steps (a chat turn), named by the step

@@ -135,11 +135,13 @@ def hf_cache_of_ledger(model, state):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("fail_in", ["remove", "_reindex", "_append"])
+@pytest.mark.parametrize("fail_in, reindex", [("remove", True), ("_reindex", True),
+                                               ("_append", True), ("_append", False)])
 def test_a_failure_part_way_rebuilds_from_the_mirror(tiny_model, tiny_policy, monkeypatch,
-                                                       fail_in):
+                                                       fail_in, reindex):
+    """Without a re-index the removal leaves a hole for the append, which then fails."""
     session = _at_budget(tiny_model, tiny_policy, repair="merge",
-                         reindex_at=session_next_reindex())
+                         **({"reindex_at": session_next_reindex()} if reindex else {}))
     state = session.state
     step, pending = state.step, state.pending_token
     ledger, merged = state.ledger.rows(), dict(state.ledger.merged)
@@ -166,6 +168,35 @@ def test_a_failure_part_way_rebuilds_from_the_mirror(tiny_model, tiny_policy, mo
 def session_next_reindex():
     """A re-index threshold the sixth step of ``_at_budget`` reaches (prompt 42 + 5 steps)."""
     return 47
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_append_takes_a_hole_the_culls_leave(tiny_model, tiny_policy):
+    """At the budget the new token goes into a culled slot: one cull a step moves no slot
+    (the culled slot's K/V are overwritten by the appended token's), k culls move at most
+    k - 1 survivors; the state stays valid and stage 1 equals Hugging Face over it."""
+    session = _at_budget(tiny_model, tiny_policy, repair="none")
+    for culls in (1, 1, 3):
+        state = session.state
+        view = state.view()
+        n = view.n
+        gen = generate(tiny_model, view, GREEDY, session.generator)
+        actions = decide(tiny_model, view, score(view, gen.attention, session.scorer),
+                         dataclasses.replace(session.cache_params, budget=n + 1 - culls))
+        assert len(actions.cull_slots) == culls
+        patch = apply(tiny_model, state, gen, actions)
+        state.check_valid()
+        (slot,) = patch.appended_slots
+        assert slot in actions.cull_slots and len(patch.moves) <= culls - 1
+        assert state.arena.n == n + 1 - culls
+        assert int(state.ledger.uid[slot]) == patch.appended_uids[0]
+        assert all(to in actions.cull_slots and fro >= state.arena.n
+                   for fro, to in patch.moves)
+        if culls == 1:
+            assert patch.moves == () and slot == actions.cull_slots[0]
+        gen = generate(tiny_model, state.view(), GREEDY, session.generator)
+        assert_close(gen.logits, hf_step_logits(tiny_model, state.view()), ORACLE,
+                     f"after {culls} culls")
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -262,7 +293,8 @@ def test_many_removed_slots_move_as_a_few_do(tiny_model, folded):
             a, m = copy.deepcopy(arena), copy.deepcopy(ledger)
             stage4_rows.SLICE_MOVES, was = limit, stage4_rows.SLICE_MOVES
             try:
-                moves = stage4_rows.remove(a, m, slots)
+                moves, free = stage4_rows.remove(a, m, slots)
+                assert free == m.n  # no room asked for: the next append goes after them
             finally:
                 stage4_rows.SLICE_MOVES = was
             results.append((moves, a, m))

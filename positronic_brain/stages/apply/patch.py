@@ -144,9 +144,10 @@ def _reindex(model: Model, state: State, cold_keep: int | None,
     return old, new, new_cold, dropped
 
 
-def _append(state: State, gen: GenerateOut, position: int, model: Model,
-            step: int) -> tuple[int, int, torch.Tensor]:
-    """Write the pending token at ``position`` (its key re-rotated if a re-index moved it)."""
+def _append(state: State, gen: GenerateOut, position: int, model: Model, step: int,
+            slot: int) -> tuple[int, int, torch.Tensor]:
+    """Write the pending token at ``position`` into ``slot`` (the live count's, or the hole
+    a removal left for it: ``rows.remove``), its key re-rotated if a re-index moved it."""
     a, m = state.arena, state.ledger
     n = a.n
     k = gen.k
@@ -155,18 +156,18 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model,
                                        for x in (gen.position, position)))
         k = apply_rope(gen.k.float(), cos, sin).to(gen.k.dtype)  # (L, KVH, 1, D)
     flag = FLAG_PROTECTED if state.pending_source in state.pinned else 0
-    (uid,) = write_rows(m, slice(n, n + 1), gen.input_token, position,
+    (uid,) = write_rows(m, slice(slot, slot + 1), gen.input_token, position,
                          SOURCES.index(state.pending_source), step, flag)
     m.n = n + 1
-    write(a, n, k, gen.v)
+    write(a, slot, k, gen.v)
     a.n = n + 1
-    return n, uid, k
+    return slot, uid, k
 
 
 def _undo(m: Ledger, actions: Actions) -> tuple:
     """What ``apply`` will change of the ledger ``m``, copied, and only that: the rows of
-    the slots it rewrites (a merge's, a recall's, each hole a removal fills, the append's
-    when it lands below the live count), the scorer columns it writes whole, the positions
+    the slots it rewrites (a merge's, a recall's, each hole a removal fills or leaves for
+    the append, the append's when it lands below the live count), the scorer columns it writes whole, the positions
     a re-index writes, the counts. (slots, their rows by ``Ledger.tables`` table (the
     table, its row dimension, the copy), whole columns, next uid, dropped)."""
     n = m.n
@@ -217,14 +218,15 @@ def apply(model: Model, state: State, gen: GenerateOut, actions: Actions = NO_AC
             cooled, dropped = cool(model, state, culls, culled, cold_undo)
         else:
             m.dropped += len(culls)
-        moves = remove(state.arena, m, culls + [r.slots[1] for r in actions.merges])  # 6)
+        moves, free = remove(state.arena, m, culls + [r.slots[1] for r in actions.merges],
+                             room=not actions.reindex)  # 6) a hole left for the append
         position = gen.position
         if actions.reindex:  # 7) positions 0..n-1; the appended token comes next
             reindex_from, reindex_to, cold_to, gone = _reindex(model, state, actions.cold_keep,
                                                                cold_undo)
             dropped += gone
             position = m.n + (state.cold.n if state.cold is not None else 0)
-        slot, uid, k = _append(state, gen, position, model, step)  # 8) append
+        slot, uid, k = _append(state, gen, position, model, step, free)  # 8) append
     except BaseException:
         at, rows, whole, next_uid, m.dropped = undo
         for x, dim, saved in rows:  # the rows first: a whole column's copy goes over them

@@ -194,15 +194,22 @@ def birth_values(births: tuple[float, ...], device: torch.device) -> torch.Tenso
 
 
 def remove(a: Arena | SplitArena, m: Ledger, slots: list[int],
-            extra: tuple[torch.Tensor, ...] = ()) -> list[tuple[int, int]]:
+            extra: tuple[torch.Tensor, ...] = (),
+            room: bool = False) -> tuple[list[tuple[int, int]], int]:
     """Remove live slots of ``a``/``m`` (the arena and ledger, or the cold store's); the
     survivors among the last ``len(slots)`` slots fill the holes below them (O(1) per token),
     and so do their entries of the ``extra`` per-slot tensors. Each move reads an original
-    slot, never one that another move has just filled, so all of them can be done at once."""
+    slot, never one that another move has just filled, so all of them can be done at once.
+    Returns the moves (from_slot, to_slot) and the slot a token appended next takes: the
+    new count, or with ``room`` (and a slot removed) the highest hole below the count with
+    that token, which no survivor fills: the append writes there, and the step that culls
+    one token and appends one moves none (the caller's next write must be that append)."""
     gone = set(slots)
     n = m.n - len(gone)
-    fillers = [s for s in range(n, m.n) if s not in gone]
-    moves = list(zip(fillers, sorted(s for s in gone if s < n)))  # (from_slot, to_slot)
+    top = n + 1 if room and gone else n  # the dense prefix the moves fill
+    holes = sorted(s for s in gone if s < top)
+    free = holes.pop() if top > n else n
+    moves = list(zip([s for s in range(top, m.n) if s not in gone], holes))
     tables = m.tables() + [(x, 0) for x in extra] if moves else []  # ledger first
     if len(moves) == 1:  # a row copy a table: no index tensors to make
         (f, t), = moves
@@ -225,7 +232,7 @@ def remove(a: Arena | SplitArena, m: Ledger, slots: list[int],
             for x in per_slot:
                 x.select(2, t).copy_(x.select(2, f))
     a.n = n
-    return moves
+    return moves, free
 
 
 def _take_keys(a: Arena, slots: torch.Tensor) -> torch.Tensor:
