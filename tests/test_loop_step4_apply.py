@@ -136,13 +136,15 @@ def hf_cache_of_ledger(model, state):
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("fail_in, reindex", [("remove", True), ("_reindex", True),
-                                               ("_append", True), ("_append", False)])
+                                               ("_append", True), ("write", False)])
 def test_a_failure_part_way_rebuilds_from_the_mirror(tiny_model, tiny_policy, monkeypatch,
                                                        fail_in, reindex):
-    """Without a re-index the removal leaves a hole for the append, which then fails."""
+    """``write``: without a re-index the removal leaves a hole for the append, whose ledger
+    row is written (``write_rows``) before its K/V write fails."""
     session = _at_budget(tiny_model, tiny_policy, repair="merge",
                          **({"reindex_at": session_next_reindex()} if reindex else {}))
     state = session.state
+    assert state.arena.n + 1 > session.cache_params.budget  # the failing step culls
     step, pending = state.step, state.pending_token
     ledger, merged = state.ledger.rows(), dict(state.ledger.merged)
 
@@ -184,10 +186,13 @@ def test_the_append_takes_a_hole_the_culls_leave(tiny_model, tiny_policy):
         actions = decide(tiny_model, view, score(view, gen.attention, session.scorer),
                          dataclasses.replace(session.cache_params, budget=n + 1 - culls))
         assert len(actions.cull_slots) == culls
+        before = set(view.uid.tolist())  # the view's columns are the ledger's: read them now
+        gone = {int(u) for u in view.uid[list(actions.cull_slots)]}
         patch = apply(tiny_model, state, gen, actions)
         state.check_valid()
         (slot,) = patch.appended_slots
         assert slot in actions.cull_slots and len(patch.moves) <= culls - 1
+        assert set(state.ledger.live("uid").tolist()) == before - gone | set(patch.appended_uids)
         assert state.arena.n == n + 1 - culls
         assert int(state.ledger.uid[slot]) == patch.appended_uids[0]
         assert all(to in actions.cull_slots and fro >= state.arena.n

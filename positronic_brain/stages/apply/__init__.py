@@ -7,9 +7,10 @@ one module for each kind of write:
   ``extend``, prefill new prompt segments onto an existing state (stage 0; chat turns,
   imported sessions).
 - ``patch``: ``apply``, apply one step's actions atomically, in a fixed order: the scorer's
-  columns, merges, folds (a culled slot's K/V into survivors), removals (each hole is filled
-  by moving the last live slot into it, so live slots stay a dense prefix), position
-  re-index (keys re-rotated exactly), then the append of the pending token's K/V (stage 4).
+  columns, merges, folds (a culled slot's K/V into survivors), removals (the last live
+  slots move into the holes, but one hole the append takes, so live slots stay a dense
+  prefix), position re-index (keys re-rotated exactly), then the append of the pending
+  token's K/V (stage 4).
 - ``restore``: ``rebuild_from_ledger``, re-prefill the arena from the ledger after a failure
   part-way.
   ``restore``, write a saved or composed session back (stage 0); ``rewrite``, write

@@ -167,9 +167,10 @@ def _append(state: State, gen: GenerateOut, position: int, model: Model, step: i
 def _undo(m: Ledger, actions: Actions) -> tuple:
     """What ``apply`` will change of the ledger ``m``, copied, and only that: the rows of
     the slots it rewrites (a merge's, a recall's, each hole a removal fills or leaves for
-    the append, the append's when it lands below the live count), the scorer columns it writes whole, the positions
-    a re-index writes, the counts. (slots, their rows by ``Ledger.tables`` table (the
-    table, its row dimension, the copy), whole columns, next uid, dropped)."""
+    the append, the append's when it lands below the live count), the scorer columns it
+    writes whole, the positions a re-index writes, the counts. (slots, their rows by
+    ``Ledger.tables`` table (the table, its row dimension, the copy), whole columns, next
+    uid, dropped)."""
     n = m.n
     gone = list(actions.cull_slots) + [r.slots[1] for r in actions.merges]
     kept = n - len(gone)

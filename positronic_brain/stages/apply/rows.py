@@ -197,8 +197,8 @@ def remove(a: Arena | SplitArena, m: Ledger, slots: list[int],
             extra: tuple[torch.Tensor, ...] = (),
             room: bool = False) -> tuple[list[tuple[int, int]], int]:
     """Remove live slots of ``a``/``m`` (the arena and ledger, or the cold store's); the
-    survivors among the last ``len(slots)`` slots fill the holes below them (O(1) per token),
-    and so do their entries of the ``extra`` per-slot tensors. Each move reads an original
+    survivors among the last slots fill the holes below them (O(1) per token), and so do
+    their entries of the ``extra`` per-slot tensors. Each move reads an original
     slot, never one that another move has just filled, so all of them can be done at once.
     Returns the moves (from_slot, to_slot) and the slot a token appended next takes: the
     new count, or with ``room`` (and a slot removed) the highest hole below the count with
